@@ -1,0 +1,83 @@
+// The Adam/AdamW update for one element (or one SIMD vector of elements),
+// written once for host and device code.
+//
+// F is `float` on the GPU and in scalar CPU loops, or a SIMD float vector type
+// (csrc/cpu/simd_*.h) that defines + - * / and sqrt_() lane-wise. Every
+// operation here is a single IEEE-754 op (correctly rounded on both CPU and
+// CUDA), and the sources are built without floating-point contraction
+// (-ffp-contract=off, nvcc --fmad=false), so the CPU and CUDA kernels produce
+// the same bits for the same inputs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "hd.h"
+
+
+namespace effmem {
+
+// Per-tensor coefficients, computed once per tensor per step from the
+// hyper-parameters and the step count (see adam_coeffs below).
+struct AdamCoeffs {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;   // L2 mode: added to the gradient as wd * param
+  float decay_factor;   // AdamW mode: param *= 1 - lr * wd
+  float step_size;      // lr / (1 - beta1^t)
+  float bc2_sqrt;       // sqrt(1 - beta2^t)
+  float grad_scale;     // multiplies the gradient (grad scaler's inverse scale)
+  bool l2;              // weight decay added to the gradient (Adam) rather than decoupled
+};
+
+// Bias corrections are computed in double and rounded once, so the host and
+// device agree whenever their pow() agree to within half a float ulp.
+EFFMEM_HD AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double eps,
+                                 double weight_decay, bool decoupled, bool bias_correction,
+                                 double step, double grad_scale) {
+  AdamCoeffs c;
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.l2 = !decoupled && weight_decay != 0.0;
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.decay_factor = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
+  const double bc1 = bias_correction ? 1.0 - pow(beta1, step) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - pow(beta2, step) : 1.0;
+  c.step_size = static_cast<float>(lr / bc1);
+  c.bc2_sqrt = static_cast<float>(sqrt(bc2));
+  c.grad_scale = static_cast<float>(grad_scale);
+  return c;
+}
+
+EFFMEM_HD float sqrt_(float x) { return sqrtf(x); }
+
+// One Adam step on master weight p with moments m, v and gradient g (already
+// in float). Formula, with t the step count:
+//   g  = g * grad_scale                         (+ wd * p in L2 mode)
+//   p  = p * (1 - lr * wd)                      (AdamW mode)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+// This is the same sequence of operations as torch.optim.AdamW(fused=True).
+template <class F>
+EFFMEM_HD void adam_update(F& p, F& m, F& v, F g, const AdamCoeffs& c) {
+  g = g * F(c.grad_scale);
+  if (c.l2) {
+    g = g + p * F(c.weight_decay);
+  } else {
+    p = p * F(c.decay_factor);
+  }
+  m = F(c.beta1) * m + F(c.one_minus_beta1) * g;
+  v = F(c.beta2) * v + F(c.one_minus_beta2) * g * g;
+  const F denom = sqrt_(v) / F(c.bc2_sqrt) + F(c.eps);
+  p = p - F(c.step_size) * (m / denom);
+}
+
+}  // namespace effmem

@@ -1,0 +1,93 @@
+#include "common/thread_pool.h"
+
+#include <ATen/Parallel.h>
+
+#include <memory>
+
+namespace effmem {
+
+ThreadPool::ThreadPool(int num_threads) {
+  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+// Takes task indices until none are left. Called by workers and by run().
+void ThreadPool::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (next_ < n_) {
+    const int64_t i = next_++;
+    const auto* fn = fn_;
+    lock.unlock();
+    std::exception_ptr err;
+    try {
+      (*fn)(i);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    lock.lock();
+    if (err && !error_) error_ = err;
+    if (++finished_ == n_) done_.notify_all();
+  }
+}
+
+void ThreadPool::worker_loop() {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+    }
+    drain();
+  }
+}
+
+void ThreadPool::run(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  std::lock_guard<std::mutex> run_lock(run_mu_);
+  if (n == 1 || workers_.empty()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = &fn;
+    n_ = n;
+    next_ = 0;
+    finished_ = 0;
+    error_ = nullptr;
+    ++generation_;
+  }
+  wake_.notify_all();
+  drain();
+  std::exception_ptr err;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return finished_ == n_; });
+    err = error_;
+    fn_ = nullptr;
+    n_ = 0;
+    next_ = 0;
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+std::shared_ptr<ThreadPool> intra_op_pool() {
+  static std::mutex mu;
+  static std::shared_ptr<ThreadPool> pool;
+  std::lock_guard<std::mutex> lock(mu);
+  const int want = std::max(1, at::get_num_threads());
+  if (!pool || pool->size() != want) pool = std::make_shared<ThreadPool>(want);
+  return pool;
+}
+
+}  // namespace effmem

@@ -1,0 +1,75 @@
+#include "cpu/dispatch.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace effmem::cpu {
+namespace {
+
+bool cpu_has(const std::string& isa) {
+  if (isa == "scalar") return true;
+#if defined(EFFMEM_X86)
+  __builtin_cpu_init();
+  if (isa == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  if (isa == "avx512") {
+    return cpu_has("avx2") && __builtin_cpu_supports("avx512f");
+  }
+#endif
+  return false;
+}
+
+const KernelTable* table_for(const std::string& isa) {
+  if (isa == "avx512") return &kernels_avx512();
+  if (isa == "avx2") return &kernels_avx2();
+  if (isa == "scalar") return &kernels_scalar();
+  return nullptr;
+}
+
+// Widest first; EFFMEM_CPU_ISA names the widest one allowed.
+const KernelTable* choose_default() {
+  const char* env = std::getenv("EFFMEM_CPU_ISA");
+  bool allowed = env == nullptr || table_for(env) == nullptr;
+  for (const char* isa : {"avx512", "avx2", "scalar"}) {
+    allowed = allowed || std::string(env) == isa;
+    if (allowed && cpu_has(isa)) return table_for(isa);
+  }
+  return &kernels_scalar();
+}
+
+std::atomic<const KernelTable*> g_table{nullptr};
+
+}  // namespace
+
+const KernelTable& kernels() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (!t) {
+    t = choose_default();
+    g_table.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+std::string supported_isas() {
+  std::string out;
+  for (const char* isa : {"scalar", "avx2", "avx512"}) {
+    if (!cpu_has(isa)) continue;
+    if (!out.empty()) out += ",";
+    out += isa;
+  }
+  return out;
+}
+
+void set_isa(const std::string& name) {
+  const KernelTable* t = table_for(name);
+  TORCH_CHECK_VALUE(t != nullptr, "isa must be one of 'scalar', 'avx2', 'avx512', got '", name, "'");
+  TORCH_CHECK_VALUE(cpu_has(name), "isa '", name, "' is not supported by this CPU (supported: ",
+                    supported_isas(), ")");
+  g_table.store(t, std::memory_order_release);
+}
+
+}  // namespace effmem::cpu

@@ -1,0 +1,49 @@
+// Run-time choice of the CPU vector unit. Each ISA translation unit
+// (isa_scalar.cpp, isa_avx2.cpp, isa_avx512.cpp) compiles the same kernel
+// templates (cpu/kernels.h) with its own -m flags and exports a KernelTable;
+// kernels() returns the best table this CPU supports.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/adam_math.h"
+
+namespace effmem::cpu {
+
+// Storage formats, indexed as in the tables below.
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNumDTypes = 3 };
+
+// One contiguous span of an Adam update. For fp32 params `master` is the
+// param itself and `param` is unused.
+struct AdamSpan {
+  void* param;
+  const void* grad;
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+};
+
+using AdamFn = void (*)(const AdamSpan& span, int64_t n, const AdamCoeffs& c);
+using SumSqFn = double (*)(const void* x, int64_t n);
+
+struct KernelTable {
+  const char* name;
+  AdamFn adam[kNumDTypes][kNumDTypes];  // [param dtype][grad dtype]
+  SumSqFn sumsq[kNumDTypes];
+};
+
+const KernelTable& kernels_scalar();
+const KernelTable& kernels_avx2();
+const KernelTable& kernels_avx512();
+
+// The table in use: the widest the CPU supports, capped by the environment
+// variable EFFMEM_CPU_ISA (scalar, avx2 or avx512) or by set_isa().
+const KernelTable& kernels();
+
+// Names of the ISAs this CPU can run, narrowest first.
+std::string supported_isas();
+// Selects an ISA by name; throws c10::ValueError if unknown or unsupported.
+void set_isa(const std::string& name);
+
+}  // namespace effmem::cpu

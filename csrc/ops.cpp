@@ -1,0 +1,23 @@
+// Every effmem op schema, defined once. Implementations register per device
+// (cpu/*.cpp, cuda/*.cu); fake (meta) implementations for torch.compile live
+// in python/effmem/ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(effmem, m) {
+  // One Adam/AdamW step over lists of same-dtype tensors on one device.
+  // params are updated in place; for bf16/fp16 params `masters` holds their
+  // fp32 master weights (updated, then rounded into params), for fp32 params
+  // it is empty. steps[i] is param i's step count *after* this step (float32,
+  // on the params' device), read on the device so the step can be captured in
+  // a CUDA graph; so is lr_tensor when given (it then replaces lr).
+  // inv_scale multiplies the gradients; a nonzero found_inf skips the step.
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor[] steps, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool decoupled, bool bias_correction, "
+      "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+  // Global L2 norm of a list of floating tensors on one device, as a float32
+  // scalar on that device (sums of squares accumulated in float per block and
+  // in double across blocks).
+  m.def("l2norm(Tensor[] tensors) -> Tensor");
+}

@@ -1,0 +1,199 @@
+"""FusedAdam: Adam/AdamW with fp32 master weights in one fused kernel."""
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from effmem import ops
+from effmem.optim import _validate
+from effmem.optim.clip import grad_norm
+
+ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam / AdamW whose whole update is one fused kernel per device and dtype.
+
+    Parameters may be float32, bfloat16 or float16, mixed in one optimizer, on
+    CPU or CUDA. For bf16/fp16 parameters the optimizer keeps an fp32 master
+    copy (``state["master"]``); each step reads grad, master, exp_avg and
+    exp_avg_sq once and writes master, exp_avg, exp_avg_sq and the parameter
+    (master rounded to nearest even), so a bf16 parameter always equals
+    ``master.to(torch.bfloat16)``. Adam's moments are always float32.
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer.
+        lr: learning rate (float, or a one-element tensor; a CUDA tensor lets a
+            step be captured in a CUDA graph and changed without recapture).
+        betas: coefficients of the running averages, each in [0, 1).
+        eps: added to the denominator; must be > 0.
+        weight_decay: decay coefficient, >= 0.
+        decoupled_weight_decay: True for AdamW (``p *= 1 - lr * wd``), False for
+            Adam's L2 penalty (``grad += wd * p``).
+        bias_correction: divide the moments by ``1 - beta^t``.
+
+    The step count is kept per parameter as a float32 tensor on the parameter's
+    device, and the step runs without any host synchronisation. Gradient
+    scaling: ``step(inv_scale=..., found_inf=...)`` multiplies gradients by
+    ``inv_scale`` and skips the step on the device when ``found_inf`` is
+    nonzero; ``torch.amp.GradScaler.step(opt)`` supplies both automatically.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: Union[float, Tensor] = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        decoupled_weight_decay: bool = True,
+        bias_correction: bool = True,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction)
+        _validate.hyperparameters(defaults)
+        self._pending_grad_scale: Dict[torch.device, Tensor] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _validate.hyperparameters(group)
+        _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
+
+    def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
+        state = self.state[p]
+        if not state:
+            # zeros_like keeps p's strides, so all tensors of a param share a layout.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            if p.dtype != torch.float32:
+                state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global L2 norm of all gradients; the clip is folded into the next step.
+
+        Returns the total norm (a float32 tensor, no host sync). The clip factor
+        ``min(1, max_norm / (norm + 1e-6))`` multiplies the gradients inside the
+        next ``step()`` kernel instead of in a separate pass over them, so the
+        gradients themselves are left as they are.
+        """
+        _validate.max_norm(max_norm)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = grad_norm(grads)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._pending_grad_scale = {g.device: None for g in grads}
+        for device in self._pending_grad_scale:
+            self._pending_grad_scale[device] = coef.to(device, non_blocking=True)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None, *, inv_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None):
+        """One optimizer step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            inv_scale: float32 one-element tensor multiplying every gradient.
+            found_inf: float32 one-element tensor; nonzero skips the step (and
+                does not advance the step count), decided on the device.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # torch.amp.GradScaler sets these attributes around step() for
+        # optimizers with _step_supports_amp_scaling (grad_scale is None once
+        # the user has unscaled the gradients).
+        if inv_scale is None and getattr(self, "grad_scale", None) is not None:
+            inv_scale = self.grad_scale.double().reciprocal().float()
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        pending, self._pending_grad_scale = self._pending_grad_scale, {}
+
+        for group in self.param_groups:
+            for (device, _, _), b in self._buckets(group).items():
+                scale = _per_device(inv_scale, device)
+                if device in pending:
+                    scale = pending[device] if scale is None else scale * pending[device]
+                inf = _per_device(found_inf, device)
+                if inf is None:
+                    torch._foreach_add_(b["steps"], 1.0)
+                else:
+                    torch._foreach_add_(b["steps"], 1.0 - inf)
+                lr = group["lr"]
+                lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
+                beta1, beta2 = group["betas"]
+                ops.adam_step_(
+                    b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
+                    lr=0.0 if lr_tensor is not None else lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                    bias_correction=group["bias_correction"], lr_tensor=lr_tensor, inv_scale=scale,
+                    found_inf=inf,
+                )
+        return loss
+
+    def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
+        """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
+        buckets: Dict[Tuple, Dict[str, List[Tensor]]] = defaultdict(lambda: defaultdict(list))
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = _validate.grad(p)
+            state = self._init_state(p)
+            b = buckets[(p.device, p.dtype, grad.dtype)]
+            b["params"].append(p)
+            b["grads"].append(grad)
+            b["exp_avgs"].append(state["exp_avg"])
+            b["exp_avg_sqs"].append(state["exp_avg_sq"])
+            b["steps"].append(state["step"])
+            if "master" in state:
+                b["masters"].append(state["master"])
+        return buckets
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict from FusedAdam (or torch.optim.Adam/AdamW).
+
+        torch.optim's loader casts floating state to the parameter's dtype,
+        which would round fp32 masters and moments of bf16 parameters; here
+        they are restored in float32 exactly as saved. A checkpoint without
+        masters (e.g. from torch.optim.AdamW) gets them from the parameters.
+        """
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            if saved_id not in saved_state:
+                continue
+            self.state[p] = _restore_state(saved_state[saved_id], p)
+
+
+def _restore_state(saved: Dict[str, Any], p: Tensor) -> Dict[str, Tensor]:
+    def f32(t: Tensor) -> Tensor:
+        out = torch.empty_like(p, dtype=torch.float32)
+        return out.copy_(t)
+
+    step = saved.get("step", 0)
+    state = {
+        "step": torch.as_tensor(step, dtype=torch.float32).to(p.device, copy=True).reshape(()),
+        "exp_avg": f32(saved["exp_avg"]),
+        "exp_avg_sq": f32(saved["exp_avg_sq"]),
+    }
+    if p.dtype != torch.float32:
+        state["master"] = f32(saved["master"] if "master" in saved else p.detach())
+    return state
+
+
+def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    if t is None:
+        return None
+    return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
