@@ -39,6 +39,10 @@ struct AdamCoeffs {
 EFFMEM_HD AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double eps,
                                  double weight_decay, bool decoupled, bool bias_correction,
                                  double step, double grad_scale) {
+  // lr may arrive as a double (Python float) or read from a float32 tensor
+  // (CUDA-graph-friendly); rounding it to float first makes both give the
+  // same bits.
+  lr = static_cast<double>(static_cast<float>(lr));
   AdamCoeffs c;
   c.beta1 = static_cast<float>(beta1);
   c.beta2 = static_cast<float>(beta2);

@@ -78,10 +78,6 @@ def grad(p: Tensor) -> Tensor:
         raise TypeError("grad: sparse gradients are not supported; use a dense embedding or torch.optim.SparseAdam")
     if g.is_complex() or g.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"grad: expected float32, bfloat16 or float16 gradients, got {g.dtype}")
-    if g.shape != p.shape:
-        raise ValueError(f"grad: shape {tuple(g.shape)} does not match its parameter's {tuple(p.shape)}")
-    if g.device != p.device:
-        raise ValueError(f"grad: on {g.device} but its parameter is on {p.device}")
     if g.stride() != p.stride():
         g = torch.empty_like(p, dtype=g.dtype).copy_(g)
     return g

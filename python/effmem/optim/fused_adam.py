@@ -127,7 +127,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if inf is None:
                     torch._foreach_add_(b["steps"], 1.0)
                 else:
-                    torch._foreach_add_(b["steps"], 1.0 - inf)
+                    torch._foreach_add_(b["steps"], (1.0 - inf).reshape(()))
                 lr = group["lr"]
                 lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
                 beta1, beta2 = group["betas"]
@@ -168,7 +168,17 @@ class FusedAdam(torch.optim.Optimizer):
         """
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
+        for i, group in enumerate(saved_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag, False):
+                    raise ValueError(f"state_dict: param_groups[{i}] uses {flag}=True, which FusedAdam "
+                                     "does not implement; loading it would silently change the math")
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # keys a torch.optim checkpoint lacks take this optimizer's defaults
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            _validate.hyperparameters(group)
         saved_ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):

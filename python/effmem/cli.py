@@ -1,0 +1,418 @@
+"""The ``effmem`` command: ``effmem info`` and ``effmem demo``.
+
+``effmem demo`` trains the same small byte-level GPT once per optimizer
+configuration (``DEMO_CONFIGS``), each in a fresh Python process, so that
+every configuration's peak memory is its own and not the high-water mark
+of the ones before it.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+
+import effmem
+from effmem import demo_model
+
+# ---------------------------------------------------------------------------
+# effmem info
+
+
+def collect_info() -> Dict[str, object]:
+    """What effmem was built with and what it finds at run time, as plain JSON values."""
+    ext = effmem._C
+    gpu = torch.cuda.is_available()
+    info = {
+        "effmem_version": effmem.__version__,
+        "torch_built": ext.torch_version(),
+        "torch_running": torch.__version__,
+        "torch_cuda_runtime": torch.version.cuda,
+        "cuda_compiled": bool(ext.cuda_compiled),
+        "cuda_architectures": [a for a in re.split(r"[;,\s]+", ext.cuda_architectures) if a],
+        "nvcc_version": getattr(effmem.build_info, "CUDA_COMPILER_VERSION", "") or None,
+        "cpu_isa": ext.cpu_isa(),
+        "cpu_isas_supported": [s for s in ext.supported_cpu_isas().split(",") if s],
+        "cpu_threads": ext.num_threads(),
+        "gpu_available": gpu,
+        "gpu_name": None,
+        "gpu_compute_capability": None,
+    }
+    if gpu:
+        info["gpu_name"] = torch.cuda.get_device_name()
+        info["gpu_compute_capability"] = "%d.%d" % torch.cuda.get_device_capability()
+    return info
+
+
+def format_info(info: Dict[str, object]) -> str:
+    if info["cuda_compiled"]:
+        archs = ", ".join("sm_" + a for a in info["cuda_architectures"]) or "architectures unknown"
+        cuda = f"yes ({archs}; nvcc {info['nvcc_version'] or 'unknown'})"
+    else:
+        cuda = "no (CPU kernels only)"
+    if info["gpu_available"]:
+        gpu = f"{info['gpu_name']} (compute capability {info['gpu_compute_capability']})"
+    else:
+        gpu = "none visible (torch.cuda.is_available() is False)"
+    rows = [
+        ("effmem", info["effmem_version"]),
+        ("torch (built against)", info["torch_built"]),
+        ("torch (running)", info["torch_running"]),
+        ("CUDA compiled", cuda),
+        ("CPU vector unit", f"{info['cpu_isa']} (supported: {', '.join(info['cpu_isas_supported'])})"),
+        ("CPU threads", info["cpu_threads"]),
+        ("GPU", gpu),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_info(args) -> int:
+    info = collect_info()
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# effmem demo: the configurations compared
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One row of the demo's table. Add an entry to DEMO_CONFIGS to compare another setup."""
+    name: str
+    param_dtype: torch.dtype
+    # (param groups, hyperparameters) -> optimizer; groups carry their own weight_decay.
+    make_optimizer: Callable[[List[dict], dict], torch.optim.Optimizer]
+    # (parameters, max_norm) -> total norm, clipping the gradients in place.
+    clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
+    # fp32 models run under bf16 autocast on a GPU (the usual mixed-precision
+    # recipe); a model already in bf16 needs none.
+    autocast_on_gpu: bool = False
+
+
+def _torch_adamw(groups, hp):
+    return torch.optim.AdamW(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
+
+
+def _fused_adam(groups, hp):
+    return effmem.FusedAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
+
+
+DEMO_CONFIGS: List[DemoConfig] = [
+    DemoConfig("torch AdamW (fp32)", torch.float32, _torch_adamw, torch.nn.utils.clip_grad_norm_, True),
+    DemoConfig("FusedAdam (fp32)", torch.float32, _fused_adam, effmem.clip_grad_norm_, True),
+    DemoConfig("FusedAdam (bf16 + fp32 master)", torch.bfloat16, _fused_adam, effmem.clip_grad_norm_),
+]
+
+# Sized so that all three CPU runs finish in well under two minutes on two cores.
+CPU_DEFAULTS = dict(steps=200, layers=4, d_model=128, seq_len=64, batch_size=16)
+GPU_DEFAULTS = dict(steps=600, layers=6, d_model=384, seq_len=256, batch_size=32)
+HYPERPARAMETERS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
+WARMUP_STEPS = 5    # steps left out of the tokens/s median (allocator and kernel warm-up)
+LOSS_WINDOW = 20    # the reported training loss is the mean over this many final steps
+VAL_BATCHES = 8
+RESULT_MARKER = "EFFMEM_DEMO_RESULT "
+
+
+def lr_lambda(total_steps: int):
+    """Linear warmup over 10% of the steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, total_steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+class ProgressBar:
+    """One self-overwriting line on a terminal; on a pipe or file, a line at each quarter."""
+
+    def __init__(self, label: str, total: int, stream=None, width: int = 20):
+        self.label, self.total, self.width = label, total, width
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.last_draw = 0.0
+        self.next_quarter = 1
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        filled = self.width * step // self.total
+        line = (f"{self.label:<32} [{'#' * filled}{'.' * (self.width - filled)}] {step:>5}/{self.total}"
+                f"  loss {loss:6.3f}  {tokens_per_s:>9,.0f} tok/s")
+        if self.tty:
+            now = time.monotonic()
+            # Redrawing every step would cost more than a tiny step on a fast GPU.
+            if now - self.last_draw >= 0.1 or step == self.total:
+                self.stream.write("\r" + line)
+                self.stream.flush()
+                self.last_draw = now
+        elif step * 4 >= self.next_quarter * self.total:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self.next_quarter = 4 * step // self.total + 1
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _config_by_name(name: str) -> DemoConfig:
+    for cfg in DEMO_CONFIGS:
+        if cfg.name == name:
+            return cfg
+    raise KeyError(f"unknown demo configuration {name!r}")
+
+
+def _peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+
+
+def train_one(cfg: DemoConfig, s: dict) -> dict:
+    """Train one configuration in this process and measure it. s: the demo settings."""
+    device = torch.device(s["device"])
+    hp = HYPERPARAMETERS
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    train, val = demo_model.split_corpus(demo_model.stdlib_corpus())
+
+    # Initialise in fp32 under the shared seed, then cast: every configuration
+    # starts from the same weights (rounded, for the bf16 one).
+    torch.manual_seed(s["seed"])
+    gcfg = demo_model.GPTConfig(seq_len=s["seq_len"], n_layer=s["layers"], d_model=s["d_model"], n_head=s["heads"])
+    model = demo_model.ByteGPT(gcfg).to(device=device, dtype=cfg.param_dtype)
+    opt = cfg.make_optimizer(demo_model.decay_groups(model, hp["weight_decay"]), hp)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s["steps"]))
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if device.type == "cuda" and cfg.autocast_on_gpu else nullcontext())
+    data_gen = torch.Generator().manual_seed(s["seed"])  # same batches for every configuration
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    losses, rates = [], []
+    bar = ProgressBar(cfg.name, s["steps"])
+    tokens_per_step = s["batch_size"] * s["seq_len"]
+    model.train()
+    for step in range(1, s["steps"] + 1):
+        t0 = time.perf_counter()
+        x, y = demo_model.sample_batch(train, s["batch_size"], s["seq_len"], data_gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # Gradients are cleared before, not after, each step so the last
+        # step's gradients still exist when model-state memory is measured.
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        cfg.clip_grad(model.parameters(), hp["max_grad_norm"])
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # also waits for the GPU, so the timing below is real
+        rates.append(tokens_per_step / (time.perf_counter() - t0))
+        bar.update(step, losses[-1], rates[-1])
+    bar.close()
+
+    if device.type == "cuda":
+        peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    else:
+        peak, peak_kind = _peak_rss_bytes(), "process peak RSS"
+    params = list(model.parameters())  # tied weights are listed once
+    param_bytes = sum(p.nbytes for p in params)
+    grad_bytes = sum(p.grad.nbytes for p in params if p.grad is not None)
+    state_bytes = sum(v.nbytes for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+
+    model.eval()
+    val_gen = torch.Generator().manual_seed(s["seed"] + 1)
+    val_losses = []
+    with torch.no_grad(), autocast:
+        for _ in range(VAL_BATCHES):
+            x, y = demo_model.sample_batch(val, s["batch_size"], s["seq_len"], val_gen)
+            val_losses.append(model(x.to(device), y.to(device))[1].item())
+
+    timed = rates[WARMUP_STEPS:] if len(rates) > 2 * WARMUP_STEPS else rates[len(rates) // 2:]
+    return {
+        "name": cfg.name,
+        "param_dtype": str(cfg.param_dtype).replace("torch.", ""),
+        "optimizer": type(opt).__name__,
+        "params": sum(p.numel() for p in params),
+        "param_tensors": len(params),
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_state_bytes": state_bytes,
+        "model_state_bytes": param_bytes + grad_bytes + state_bytes,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "tokens_per_s": statistics.median(timed),
+        "first_loss": losses[0],
+        "train_loss": statistics.fmean(losses[-LOSS_WINDOW:]),
+        "val_loss": statistics.fmean(val_losses),
+    }
+
+
+def demo_worker(spec_json: str) -> int:
+    """Entry of the per-configuration process: train, then print the result on stdout."""
+    spec = json.loads(spec_json)
+    result = train_one(_config_by_name(spec.pop("config")), spec)
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# effmem demo: the driver
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def format_table(runs: List[dict]) -> str:
+    peak_label = "peak RSS (process)" if runs[0]["peak_memory_kind"] == "process peak RSS" else "peak CUDA alloc"
+    # (header, formatter): a new column is one more entry here.
+    columns = [
+        ("configuration", lambda r: r["name"]),
+        ("params", lambda r: f"{r['params']:,}"),
+        ("optimizer state", lambda r: _mib(r["optimizer_state_bytes"])),
+        ("model state", lambda r: _mib(r["model_state_bytes"])),
+        (peak_label, lambda r: _mib(r["peak_memory_bytes"])),
+        ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+        ("train loss", lambda r: f"{r['train_loss']:.3f}"),
+        ("val loss", lambda r: f"{r['val_loss']:.3f}"),
+    ]
+    cells = [[h for h, _ in columns]] + [[fmt(r) for _, fmt in columns] for r in runs]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    # First column left-aligned (names), numbers right-aligned.
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _default_heads(d_model: int) -> int:
+    heads = max(1, d_model // 32)  # head size 32 where it divides evenly
+    while d_model % heads:
+        heads -= 1
+    return heads
+
+
+def resolve_demo_settings(args, parser) -> dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        parser.error(f"--device: {err}")
+    if dev.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA GPU is visible to torch (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            parser.error(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+    defaults = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
+    s = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    s["heads"] = args.heads if args.heads is not None else _default_heads(s["d_model"])
+    if s["d_model"] % s["heads"]:
+        parser.error(f"--d-model {s['d_model']} is not divisible by --heads {s['heads']}")
+    s.update(device=device, seed=args.seed)
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            parser.error(f"--json {args.json}: folder {folder} does not exist")
+    return s
+
+
+def cmd_demo(args, parser) -> int:
+    s = resolve_demo_settings(args, parser)
+    print(f"effmem demo: byte-level GPT, {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
+          f"seq {s['seq_len']}, batch {s['batch_size']}, {s['steps']} steps on {s['device']}; "
+          f"corpus: Python {sys.version.split()[0]} standard-library source", flush=True)
+    start = time.perf_counter()
+    runs = []
+    for cfg in DEMO_CONFIGS:
+        # A fresh interpreter per configuration: peak memory (RSS in particular
+        # never goes down) then belongs to that configuration alone.
+        cmd = [sys.executable, "-m", "effmem.cli", "_demo_worker", json.dumps({"config": cfg.name, **s})]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr (progress) passes through
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
+        if proc.returncode != 0 or not lines:
+            sys.stderr.write(proc.stdout)
+            print(f"effmem demo: the run for {cfg.name!r} failed (exit code {proc.returncode})", file=sys.stderr)
+            return 1
+        runs.append(json.loads(lines[-1][len(RESULT_MARKER):]))
+    wall = time.perf_counter() - start
+
+    print()
+    print(format_table(runs))
+    print()
+    print("optimizer state: all tensors in opt.state; model state: parameters + gradients + optimizer state.")
+    if runs[0]["peak_memory_kind"] == "process peak RSS":
+        print("peak RSS: the worker process's resource.getrusage ru_maxrss, including the Python and torch runtime.")
+    else:
+        print("peak CUDA alloc: torch.cuda.max_memory_allocated over training, per worker process.")
+    print(f"train loss: mean of the last {LOSS_WINDOW} steps (first step: {runs[0]['first_loss']:.3f}); "
+          f"tokens/s: median after {WARMUP_STEPS} warm-up steps. Total time {wall:.1f} s.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs}, f, indent=2)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="effmem", description="effmem: memory-efficient training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo}")
+    info = sub.add_parser("info", help="show how effmem was built and what it finds on this machine")
+    info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    demo = sub.add_parser("demo", help="train a small GPT with each optimizer configuration and compare memory",
+                          description="Train a byte-level GPT on Python's standard-library source with "
+                          "each optimizer configuration, each in its own process, and compare memory, "
+                          "speed and loss. Defaults depend on the device (CPU: small and quick).")
+    defaults = "default: %s on CPU, %s on GPU"
+    for flag, key in [("--steps", "steps"), ("--layers", "layers"), ("--d-model", "d_model"),
+                      ("--seq-len", "seq_len"), ("--batch-size", "batch_size")]:
+        demo.add_argument(flag, type=_positive_int, default=None,
+                          help=defaults % (CPU_DEFAULTS[key], GPU_DEFAULTS[key]))
+    demo.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default: d_model / 32)")
+    demo.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when a GPU is visible)")
+    demo.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: 0)")
+    demo.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The per-configuration worker is internal, so it is kept out of --help.
+    if argv[:1] == ["_demo_worker"] and len(argv) == 2:
+        return demo_worker(argv[1])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return cmd_info(args)
+    return cmd_demo(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

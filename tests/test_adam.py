@@ -1,0 +1,209 @@
+"""FusedAdam numerics: against float64 references, across dtypes, ISAs and threads.
+
+Tolerances (why each value):
+- master weights vs. a float64 reference after 20 steps: the fp32 kernel
+  rounds each of ~10 ops per step (~6e-8 relative each); over 20 steps the
+  error stays below 1e-6 of the tensor's scale. Elementwise relative error is
+  meaningless for elements that pass near zero (any fp32 Adam, torch's fused
+  one included, shows it), so the bound is |err| <= 1e-6 * max|ref| + 1e-12.
+- exp_avg is a sum of terms that can cancel, so its error is bounded
+  relative to the largest gradient seen rather than to its own size.
+- bf16/fp16 params vs. master.to(dtype): exact (the kernel rounds to nearest
+  even, like torch's cast).
+- different ISAs, thread counts, and lr given as float or tensor: exact (the
+  same IEEE operations in the same order; no FMA contraction).
+"""
+import pytest
+import torch
+
+import effmem
+from effmem import reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+SHAPES = [(1,), (7,), (4097,), (64, 33), (3, 5, 7)]
+LOW = [torch.bfloat16, torch.float16]
+
+
+def assert_close_to_reference(actual, expected, rel=1e-6, scale=None):
+    """|actual - expected| <= rel * scale, scale defaulting to max|expected|."""
+    err = (actual.double() - expected.double()).abs().max().item()
+    if scale is None:
+        scale = expected.double().abs().max().item()
+    bound = rel * scale + 1e-12
+    assert err <= bound, f"max error {err:.3e} > {bound:.3e}"
+
+
+def make_params(dtype, device, shapes=SHAPES):
+    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in shapes]
+
+
+def random_grads(params, noncontiguous=False):
+    grads = []
+    for p in params:
+        if noncontiguous and p.dim() >= 2:
+            # same values, transposed storage: the optimizer must not care
+            g = torch.randn(tuple(reversed(p.shape)), device=p.device).to(p.dtype)
+            g = g.permute(*reversed(range(p.dim())))
+        else:
+            g = torch.randn(p.shape, device=p.device).to(p.dtype)
+        grads.append(g)
+    return grads
+
+
+def run_fused(params, grads_per_step, **kw):
+    opt = effmem.FusedAdam(params, **kw)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    return opt
+
+
+def run_reference(init, grads_per_step, lr, betas, eps, weight_decay, decoupled):
+    """float64 reference, one param at a time, from the same initial values."""
+    ws = [p.detach().double().clone() for p in init]
+    ms = [torch.zeros_like(w) for w in ws]
+    vs = [torch.zeros_like(w) for w in ws]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for w, m, v, g in zip(ws, ms, vs, grads):
+            reference.adam_step(w, g.double(), m, v, t, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                                weight_decay=weight_decay, decoupled=decoupled)
+    return ws, ms, vs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("noncontiguous", [False, True])
+def test_matches_float64_reference(device, dtype, decoupled, noncontiguous):
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
+    params = make_params(dtype, device)
+    init = [p.detach().clone() for p in params]
+    grads = [random_grads(params, noncontiguous) for _ in range(20)]
+    opt = run_fused(params, grads, decoupled_weight_decay=decoupled, **hyper)
+    ws, ms, vs = run_reference(init, grads, decoupled=decoupled, **hyper)
+    for i, (p, w, m, v) in enumerate(zip(params, ws, ms, vs)):
+        state = opt.state[p]
+        master = state.get("master", p)
+        assert master.dtype == torch.float32
+        assert_close_to_reference(master, w)
+        g_max = max(g[i].double().abs().max().item() for g in grads)
+        assert_close_to_reference(state["exp_avg"], m, scale=g_max)
+        assert_close_to_reference(state["exp_avg_sq"], v)
+        assert state["step"].item() == 20
+        if dtype != torch.float32:
+            assert torch.equal(p.detach(), master.to(dtype)), "low-precision param must equal master.to(dtype)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fp32_matches_torch_fused_adamw(device, weight_decay):
+    params = make_params(torch.float32, device)
+    twins = reference.clone_params(params)
+    grads = [random_grads(params) for _ in range(20)]
+    run_fused(params, grads, lr=1e-3, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(twins, lr=1e-3, weight_decay=weight_decay, fused=True)
+    for step_grads in grads:
+        for p, g in zip(twins, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    for p, q in zip(params, twins):
+        assert_close_to_reference(p.detach(), q.detach())
+
+
+def test_one_optimizer_mixes_dtypes_and_groups():
+    fp32, bf16, fp16 = (make_params(d, "cpu", [(300,), (5, 9)]) for d in (torch.float32, torch.bfloat16,
+                                                                           torch.float16))
+    groups = [{"params": fp32 + bf16}, {"params": fp16, "lr": 1e-2, "weight_decay": 0.0}]
+    opt = effmem.FusedAdam(groups, lr=1e-3, weight_decay=0.01)
+    for p in fp32 + bf16 + fp16:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in fp32 + bf16 + fp16]
+    opt.step()
+    for p, b in zip(fp32 + bf16 + fp16, before):
+        assert not torch.equal(p.detach(), b)
+        assert opt.state[p]["step"].item() == 1
+    # the second group's lr drives its update: |delta| ~ lr on the first step
+    delta = (fp16[0].detach().float() - before[4].float()).abs().mean().item()
+    assert 5e-3 < delta < 2e-2
+
+
+def snapshot(opt, params):
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        out += [t.clone() for t in opt.state[p].values()]
+    return out
+
+
+@pytest.mark.parametrize("isa", effmem._C.supported_cpu_isas().split(","))
+def test_every_cpu_isa_gives_identical_bits(isa):
+    results = {}
+    previous = effmem._C.cpu_isa()
+    try:
+        for name in ("scalar", isa):
+            effmem._C.set_cpu_isa(name)
+            torch.manual_seed(1)
+            params = make_params(torch.bfloat16, "cpu", [(4097,), (70000,), (3, 5, 7)])
+            params += make_params(torch.float16, "cpu", [(1000,)]) + make_params(torch.float32, "cpu", [(999,)])
+            grads = [random_grads(params) for _ in range(3)]
+            opt = run_fused(params, grads, lr=1e-2, weight_decay=0.1)
+            results[name] = snapshot(opt, params)
+    finally:
+        effmem._C.set_cpu_isa(previous)
+    for a, b in zip(results["scalar"], results[isa]):
+        assert torch.equal(a, b)
+
+
+def test_thread_count_does_not_change_bits():
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.manual_seed(2)
+            params = make_params(torch.bfloat16, "cpu", [(300_000,), (17,)])
+            opt = run_fused(params, [random_grads(params) for _ in range(2)], lr=1e-3)
+            results.append(snapshot(opt, params))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_set_cpu_isa_rejects_unknown_names():
+    with pytest.raises(ValueError, match="isa must be one of"):
+        effmem._C.set_cpu_isa("sse9")
+
+
+def test_lr_as_tensor_matches_float_and_schedulers_work():
+    torch.manual_seed(3)
+    a = make_params(torch.bfloat16, "cpu", [(513,)])
+    b = reference.clone_params(a)
+    opt_a = effmem.FusedAdam(a, lr=1e-2)
+    opt_b = effmem.FusedAdam(b, lr=torch.tensor(1e-2))
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=2, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=2, gamma=0.5)
+    for _ in range(5):
+        g = torch.randn(513).bfloat16()
+        a[0].grad, b[0].grad = g, g.clone()
+        opt_a.step()
+        opt_b.step()
+        sched_a.step()
+        sched_b.step()
+    assert opt_a.param_groups[0]["lr"] == pytest.approx(2.5e-3)
+    assert torch.equal(a[0].detach(), b[0].detach())
+    assert torch.equal(opt_a.state[a[0]]["master"], opt_b.state[b[0]]["master"])
+
+
+def test_scheduler_changes_the_update():
+    """With lr scheduled to 0 after the first step, later steps leave params unchanged."""
+    params = make_params(torch.float32, "cpu", [(64,)])
+    opt = effmem.FusedAdam(params, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 if step == 0 else 0.0)
+    params[0].grad = torch.randn(64)
+    opt.step()
+    sched.step()
+    after_first = params[0].detach().clone()
+    params[0].grad = torch.randn(64)
+    opt.step()
+    assert torch.equal(params[0].detach(), after_first)

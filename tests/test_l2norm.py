@@ -1,0 +1,107 @@
+"""The fused global L2 norm and gradient clipping.
+
+Tolerance: float32 result vs. float64 reference, 1e-6 relative (blocks of
+1024 squares sum in float, blocks add in double: a few float ulps).
+"""
+import pytest
+import torch
+
+import effmem
+from effmem import ops, reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_float64_over_dtypes_and_sizes(device):
+    tensors = [torch.randn(s, device=device).to(d) for s, d in [
+        ((1,), torch.float32), ((7,), torch.bfloat16), ((4097,), torch.float16), ((300, 301), torch.float32),
+        ((200_003,), torch.bfloat16), ((0,), torch.float32), ((3, 5, 7), torch.float16)]]
+    got = ops.l2norm(tensors)
+    assert got.dtype == torch.float32 and got.shape == () and got.device.type == device
+    expected = reference.l2norm(tensors)
+    assert abs(got.item() - expected.item()) <= 1e-6 * expected.item()
+
+
+def test_permuted_tensors_and_non_dense_rejection():
+    t = torch.randn(40, 50).t()
+    assert ops.l2norm([t]).item() == pytest.approx(reference.l2norm([t]).item(), rel=1e-6)
+    with pytest.raises(ValueError, match=r"tensors\[0\] must be dense"):
+        ops.l2norm([torch.randn(10)[::2]])
+    with pytest.raises(TypeError, match="tensors must be float32, bfloat16 or float16"):
+        ops.l2norm([torch.ones(3, dtype=torch.int64)])
+
+
+def test_inf_and_nan_propagate():
+    assert ops.l2norm([torch.tensor([1.0, float("inf")])]).item() == float("inf")
+    assert ops.l2norm([torch.tensor([1.0, float("nan")])]).isnan().item()
+
+
+def test_does_not_depend_on_thread_count():
+    t = [torch.randn(1_000_003)]
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.l2norm(t)
+        torch.set_num_threads(2)
+        two = ops.l2norm(t)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def make_grads(dtype=torch.float32):
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in [(33, 17), (5,), (1000,)]]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    params[0].grad = torch.randn(17, 33).to(dtype).t()  # non-contiguous grad
+    return params
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_clip_grad_norm_matches_torch(max_norm):
+    ours = make_grads()
+    theirs = reference.clone_params(ours)
+    for p, q in zip(ours, theirs):
+        q.grad = p.grad.clone()
+    total = effmem.clip_grad_norm_(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_clip_grad_norm_arguments():
+    params = make_grads()
+    with pytest.raises(ValueError, match="max_norm"):
+        effmem.clip_grad_norm_(params, -1.0)
+    with pytest.raises(ValueError, match="norm_type"):
+        effmem.clip_grad_norm_(params, 1.0, norm_type=float("inf"))
+    params[1].grad[0] = float("nan")
+    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+        effmem.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    assert effmem.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
+
+
+def test_optimizer_clip_is_folded_into_the_step():
+    """opt.clip_grad_norm_ scales inside the next step: same result as clipping first, grads untouched."""
+    a = make_grads()
+    b = reference.clone_params(a)
+    for p, q in zip(a, b):
+        q.grad = p.grad.clone()
+    opt_a, opt_b = effmem.FusedAdam(a, lr=1e-2), effmem.FusedAdam(b, lr=1e-2)
+    grads_before = [p.grad.clone() for p in a]
+    norm_a = opt_a.clip_grad_norm_(0.5)
+    norm_b = effmem.clip_grad_norm_(b, 0.5)
+    assert torch.equal(norm_a, norm_b)
+    for p, g in zip(a, grads_before):
+        assert torch.equal(p.grad, g)
+    opt_a.step()
+    opt_b.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p.detach(), q.detach())
+    # the clip applies to one step only
+    opt_a.step()
+    opt_b.step()
+    for p, q in zip(a, b):
+        assert not torch.equal(p.detach(), q.detach())

@@ -1,0 +1,46 @@
+"""Op registration: schemas, fake kernels, opcheck and torch.compile tracing."""
+import pytest
+import torch
+
+import effmem  # noqa: F401  (loads the extension and the fake kernels)
+from effmem import ops
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def adam_args(device, dtype):
+    n = [5, 4097]
+    params = [torch.randn(k, device=device).to(dtype) for k in n]
+    masters = [p.float() for p in params] if dtype != torch.float32 else []
+    return (params, [torch.randn(k, device=device).to(dtype) for k in n],
+            [torch.zeros(k, device=device) for k in n], [torch.zeros(k, device=device) for k in n], masters,
+            [torch.ones((), device=device) for _ in n], 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_adam_step(device, dtype):
+    torch.library.opcheck(torch.ops.effmem.adam_step_.default, adam_args(device, dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_l2norm(device):
+    tensors = [torch.randn(7, device=device), torch.randn(3, 4, device=device).bfloat16()]
+    torch.library.opcheck(torch.ops.effmem.l2norm.default, (tensors,))
+
+
+def test_ops_trace_under_torch_compile():
+    def norm_then_step(params, grads, m, v, steps):
+        total = ops.l2norm(grads)
+        ops.adam_step_(params, grads, m, v, [], steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0, decoupled=True)
+        return total
+
+    args = adam_args("cpu", torch.float32)
+    eager_args = [[t.clone() for t in lst] for lst in args[:4]] + [[t.clone() for t in args[5]]]
+    compiled_args = [[t.clone() for t in lst] for lst in args[:4]] + [[t.clone() for t in args[5]]]
+    expected = norm_then_step(*eager_args)
+    got = torch.compile(norm_then_step, backend="aot_eager", fullgraph=True)(*compiled_args)
+    assert torch.equal(expected, got)
+    for a, b in zip(eager_args[0], compiled_args[0]):
+        assert torch.equal(a, b)
