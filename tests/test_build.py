@@ -45,3 +45,13 @@ def test_multi_tensor_launch_tables(tmp_path):
                     "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "ok"
+
+
+def test_cuda_was_compiled_when_required():
+    """CI sets EFFMEM_CUDA=ON: the CUDA sources must then have been built."""
+    import os
+
+    if os.environ.get("EFFMEM_CUDA") != "ON":
+        pytest.skip("EFFMEM_CUDA=ON not set")
+    assert effmem._C.cuda_compiled
+    assert effmem._C.cuda_architectures == os.environ.get("EFFMEM_CUDA_ARCHITECTURES", effmem._C.cuda_architectures)
