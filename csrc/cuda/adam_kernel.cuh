@@ -74,6 +74,14 @@ __global__ void __launch_bounds__(kAdamThreads)
   float* m = static_cast<float*>(table.ptr[3][slot]) + start;
   float* v = static_cast<float*>(table.ptr[4][slot]) + start;
 
+  auto update_one = [&](int64_t j) {
+    float wj = w[j], mj = m[j], vj = v[j];
+    adam_update(wj, mj, vj, to_float(grad[j]), c);
+    m[j] = mj;
+    v[j] = vj;
+    w[j] = wj;
+    if constexpr (kLowPrecision) from_float(param + j, wj);
+  };
   const bool aligned = vec_aligned<P>(param) && vec_aligned<G>(grad) && vec_aligned<float>(w) &&
                        vec_aligned<float>(m) && vec_aligned<float>(v);
   if (aligned) {
@@ -94,25 +102,11 @@ __global__ void __launch_bounds__(kAdamThreads)
         *reinterpret_cast<Pack<float>*>(w + i) = wp;
         if constexpr (kLowPrecision) *reinterpret_cast<Pack<P>*>(param + i) = pp;
       } else {
-        for (int64_t j = i; j < n; ++j) {
-          float wj = w[j], mj = m[j], vj = v[j];
-          adam_update(wj, mj, vj, to_float(grad[j]), c);
-          m[j] = mj;
-          v[j] = vj;
-          w[j] = wj;
-          if constexpr (kLowPrecision) from_float(param + j, wj);
-        }
+        for (int64_t j = i; j < n; ++j) update_one(j);  // the tensor's last few elements
       }
     }
   } else {
-    for (int64_t j = threadIdx.x; j < n; j += kAdamThreads) {
-      float wj = w[j], mj = m[j], vj = v[j];
-      adam_update(wj, mj, vj, to_float(grad[j]), c);
-      m[j] = mj;
-      v[j] = vj;
-      w[j] = wj;
-      if constexpr (kLowPrecision) from_float(param + j, wj);
-    }
+    for (int64_t j = threadIdx.x; j < n; j += kAdamThreads) update_one(j);
   }
 }
 

@@ -115,7 +115,7 @@ DEMO_CONFIGS: List[DemoConfig] = [
 ]
 
 # Sized so that all three CPU runs finish in well under two minutes on two cores.
-CPU_DEFAULTS = dict(steps=200, layers=4, d_model=128, seq_len=64, batch_size=16)
+CPU_DEFAULTS = dict(steps=300, layers=4, d_model=128, seq_len=64, batch_size=16)
 GPU_DEFAULTS = dict(steps=600, layers=6, d_model=384, seq_len=256, batch_size=32)
 HYPERPARAMETERS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
 WARMUP_STEPS = 5    # steps left out of the tokens/s median (allocator and kernel warm-up)
@@ -144,6 +144,7 @@ class ProgressBar:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.last_draw = 0.0
+        self.last_len = 0
         self.next_quarter = 1
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
@@ -154,7 +155,9 @@ class ProgressBar:
             now = time.monotonic()
             # Redrawing every step would cost more than a tiny step on a fast GPU.
             if now - self.last_draw >= 0.1 or step == self.total:
-                self.stream.write("\r" + line)
+                # Pad to the previous line's length so no characters of it are left behind.
+                self.stream.write("\r" + line.ljust(self.last_len))
+                self.last_len = len(line)
                 self.stream.flush()
                 self.last_draw = now
         elif step * 4 >= self.next_quarter * self.total:
@@ -175,9 +178,35 @@ def _config_by_name(name: str) -> DemoConfig:
     raise KeyError(f"unknown demo configuration {name!r}")
 
 
-def _peak_rss_bytes() -> int:
+def _ru_maxrss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+
+
+def _proc_status_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _rss_now_and_peak():
+    """(current RSS or None, peak RSS, how the peak was read) for this process.
+
+    On Linux ru_maxrss is not this process's own: at exec the kernel folds the
+    old address space's high-water mark into it, so a worker started by a
+    parent that has imported torch reports at least the parent's size. VmHWM
+    in /proc/self/status covers only the worker's own address space, so it is
+    preferred; ru_maxrss is the fallback where /proc does not exist.
+    """
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return _proc_status_bytes("VmRSS"), peak, "process peak RSS (VmHWM)"
+    return None, _ru_maxrss_bytes(), "process peak RSS (ru_maxrss)"
 
 
 def train_one(cfg: DemoConfig, s: dict) -> dict:
@@ -185,6 +214,8 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
     device = torch.device(s["device"])
     hp = HYPERPARAMETERS
     if device.type == "cuda":
+        if device.index is None:  # pin "cuda" to one index so the memory statistics name one GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     train, val = demo_model.split_corpus(demo_model.stdlib_corpus())
@@ -199,8 +230,13 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and cfg.autocast_on_gpu else nullcontext())
     data_gen = torch.Generator().manual_seed(s["seed"])  # same batches for every configuration
+    # What the process holds before training (runtime, corpus, weights), so
+    # the table can show how much training itself added on top.
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
+    else:
+        start_bytes = _rss_now_and_peak()[0]
 
     losses, rates = [], []
     bar = ProgressBar(cfg.name, s["steps"])
@@ -227,7 +263,7 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
     if device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
     else:
-        peak, peak_kind = _peak_rss_bytes(), "process peak RSS"
+        _, peak, peak_kind = _rss_now_and_peak()
     params = list(model.parameters())  # tied weights are listed once
     param_bytes = sum(p.nbytes for p in params)
     grad_bytes = sum(p.grad.nbytes for p in params if p.grad is not None)
@@ -254,6 +290,8 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         "model_state_bytes": param_bytes + grad_bytes + state_bytes,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
+        "start_memory_bytes": start_bytes,
+        "peak_above_start_bytes": None if start_bytes is None else peak - start_bytes,
         "tokens_per_s": statistics.median(timed),
         "first_loss": losses[0],
         "train_loss": statistics.fmean(losses[-LOSS_WINDOW:]),
@@ -278,7 +316,8 @@ def _mib(n: int) -> str:
 
 
 def format_table(runs: List[dict]) -> str:
-    peak_label = "peak RSS (process)" if runs[0]["peak_memory_kind"] == "process peak RSS" else "peak CUDA alloc"
+    on_cpu = runs[0]["peak_memory_kind"].startswith("process peak RSS")
+    peak_label = "peak RSS (process)" if on_cpu else "peak CUDA alloc"
     # (header, formatter): a new column is one more entry here.
     columns = [
         ("configuration", lambda r: r["name"]),
@@ -286,6 +325,8 @@ def format_table(runs: List[dict]) -> str:
         ("optimizer state", lambda r: _mib(r["optimizer_state_bytes"])),
         ("model state", lambda r: _mib(r["model_state_bytes"])),
         (peak_label, lambda r: _mib(r["peak_memory_bytes"])),
+        ("peak above start", lambda r: "n/a" if r["peak_above_start_bytes"] is None
+         else _mib(r["peak_above_start_bytes"])),
         ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
         ("train loss", lambda r: f"{r['train_loss']:.3f}"),
         ("val loss", lambda r: f"{r['val_loss']:.3f}"),
@@ -310,9 +351,9 @@ def resolve_demo_settings(args, parser) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except RuntimeError as err:
-        parser.error(f"--device: {err}")
-    if dev.type not in ("cpu", "cuda"):
+    except RuntimeError:
+        dev = None  # torch's own message lists every backend it knows; only two are supported here
+    if dev is None or dev.type not in ("cpu", "cuda"):
         parser.error(f"--device: expected cpu or cuda[:N], got {device!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -356,10 +397,13 @@ def cmd_demo(args, parser) -> int:
     print(format_table(runs))
     print()
     print("optimizer state: all tensors in opt.state; model state: parameters + gradients + optimizer state.")
-    if runs[0]["peak_memory_kind"] == "process peak RSS":
-        print("peak RSS: the worker process's resource.getrusage ru_maxrss, including the Python and torch runtime.")
+    if runs[0]["peak_memory_kind"].startswith("process peak RSS"):
+        how = "VmHWM" if "VmHWM" in runs[0]["peak_memory_kind"] else "ru_maxrss"
+        print(f"peak RSS: the worker process's peak resident memory ({how}), Python and torch runtime included; "
+              "peak above start: minus its RSS just before training.")
     else:
-        print("peak CUDA alloc: torch.cuda.max_memory_allocated over training, per worker process.")
+        print("peak CUDA alloc: torch.cuda.max_memory_allocated over training, per worker process; "
+              "peak above start: minus the allocation just before training.")
     print(f"train loss: mean of the last {LOSS_WINDOW} steps (first step: {runs[0]['first_loss']:.3f}); "
           f"tokens/s: median after {WARMUP_STEPS} warm-up steps. Total time {wall:.1f} s.")
     if args.json:
@@ -399,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when a GPU is visible)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: 0)")
     demo.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    demo.set_defaults(subparser=demo)  # errors found after parsing then show the demo's usage line
     return parser
 
 
@@ -411,7 +456,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return cmd_info(args)
-    return cmd_demo(args, parser)
+    return cmd_demo(args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,132 @@
+"""The effmem command line: `effmem info` and a tiny `effmem demo`."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import effmem
+from effmem import cli, demo_model
+
+TINY = ["--steps", "6", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
+CONFIG_NAMES = ["torch AdamW (fp32)", "FusedAdam (fp32)", "FusedAdam (bf16 + fp32 master)"]
+
+
+def test_info_text(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert torch.__version__ in out
+    assert effmem._C.cpu_isa() in out
+    assert effmem.__version__ in out
+    assert ("yes" if effmem._C.cuda_compiled else "no") in out
+
+
+def test_info_json(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["effmem_version"] == effmem.__version__
+    assert info["torch_running"] == torch.__version__
+    assert info["torch_built"] == effmem._C.torch_version()
+    assert info["cuda_compiled"] is bool(effmem._C.cuda_compiled)
+    assert info["cpu_isa"] == effmem._C.cpu_isa()
+    assert info["cpu_isa"] in info["cpu_isas_supported"]
+    assert info["cpu_isas_supported"] == effmem._C.supported_cpu_isas().split(",")
+    assert info["cpu_threads"] == effmem._C.num_threads()
+    assert info["gpu_available"] is torch.cuda.is_available()
+    if not info["gpu_available"]:
+        assert info["gpu_name"] is None and info["gpu_compute_capability"] is None
+
+
+def test_python_dash_m_runs_info():
+    # The `python -m effmem.cli` path (the __main__ guard), in a fresh interpreter.
+    proc = subprocess.run([sys.executable, "-m", "effmem.cli", "info"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.__version__ in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--steps", "0"], "expected a number > 0"),
+    (["demo", "--layers", "two"], "expected a whole number"),
+    (["demo", "--d-model", "30", "--heads", "4"], "not divisible"),
+    (["demo", "--device", "tpu"], "expected cpu or cuda"),
+    (["demo", "--json", "/no/such/folder/out.json"], "does not exist"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_device_without_gpu_is_an_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--device", "cuda"])
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = cli.lr_lambda(100)
+    assert f(0) == pytest.approx(0.1)
+    assert f(9) == pytest.approx(1.0)
+    assert f(99) < f(50) < f(10)
+    assert f(10_000) == pytest.approx(0.1)
+
+
+def test_corpus_is_deterministic():
+    a = demo_model.stdlib_corpus(max_bytes=1 << 16)
+    assert a == demo_model.stdlib_corpus(max_bytes=1 << 16)
+    assert len(a) == 1 << 16
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo") / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "effmem.cli", "demo", "--device", "cpu", *TINY, "--json", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    return proc, path
+
+
+def test_demo_prints_table(tiny_demo):
+    proc, _ = tiny_demo
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in CONFIG_NAMES:
+        assert name in proc.stdout
+    assert "peak RSS" in proc.stdout
+    assert "6/6" in proc.stderr  # each progress bar reached the end
+
+
+def test_demo_json(tiny_demo):
+    proc, path = tiny_demo
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(path.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    assert list(runs) == CONFIG_NAMES
+    for r in runs.values():
+        for key, value in r.items():
+            if key.endswith("loss"):
+                assert math.isfinite(value), (r["name"], key, value)
+        assert r["tokens_per_s"] > 0
+        assert r["peak_memory_bytes"] > 0
+        assert r["model_state_bytes"] == r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
+
+    # Count the parameters independently of the demo (1 layer, d_model 32 -> 1 head).
+    model = demo_model.ByteGPT(demo_model.GPTConfig(seq_len=16, n_layer=1, d_model=32, n_head=1))
+    n = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    for r in runs.values():
+        assert (r["params"], r["param_tensors"]) == (n, tensors)
+
+    # Each parameter tensor also has a one-element float32 step count.
+    steps = 4 * tensors
+    # bf16 params: fp32 master + exp_avg + exp_avg_sq = 12 bytes per parameter.
+    bf16 = runs["FusedAdam (bf16 + fp32 master)"]
+    assert bf16["optimizer_state_bytes"] == 12 * n + steps
+    assert bf16["param_bytes"] == bf16["grad_bytes"] == 2 * n
+    # fp32 params: exp_avg + exp_avg_sq only, for torch's AdamW and for FusedAdam.
+    assert runs["torch AdamW (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
+    assert runs["FusedAdam (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
