@@ -120,6 +120,10 @@ def test_inv_scale_and_found_inf(device):
     assert torch.equal(a.state[p]["master"], before[1])
     assert torch.equal(a.state[p]["exp_avg"], before[2])
     assert a.state[p]["step"].item() == 1, "a skipped step must not advance the step count"
+    # GradScaler sums found_inf over devices: 2 must skip too, not step backwards
+    a.step(inv_scale=one / 1024, found_inf=one * 2)
+    assert a.state[p]["step"].item() == 1
+    assert torch.equal(p.detach(), before[0])
 
 
 def test_grad_scaler_drives_the_fused_step():

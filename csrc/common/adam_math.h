@@ -34,8 +34,21 @@ struct AdamCoeffs {
   bool l2;              // weight decay added to the gradient (Adam) rather than decoupled
 };
 
-// Bias corrections are computed in double and rounded once, so the host and
-// device agree whenever their pow() agree to within half a float ulp.
+// beta^t for an integer step count t, by repeated squaring: only IEEE double
+// multiplies, so host and device get the same bits (libm's and CUDA's pow()
+// differ in the last double ulp for some inputs). Relative error ~log2(t) ulps.
+EFFMEM_HD double pow_step(double base, double step) {
+  int64_t n = static_cast<int64_t>(step + 0.5);
+  double result = 1.0;
+  while (n > 0) {
+    if (n & 1) result *= base;
+    base *= base;
+    n >>= 1;
+  }
+  return result;
+}
+
+// Bias corrections are computed in double and rounded to float once.
 EFFMEM_HD AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double eps,
                                  double weight_decay, bool decoupled, bool bias_correction,
                                  double step, double grad_scale) {
@@ -52,8 +65,8 @@ EFFMEM_HD AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double e
   c.l2 = !decoupled && weight_decay != 0.0;
   c.weight_decay = static_cast<float>(weight_decay);
   c.decay_factor = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
-  const double bc1 = bias_correction ? 1.0 - pow(beta1, step) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - pow(beta2, step) : 1.0;
+  const double bc1 = bias_correction ? 1.0 - pow_step(beta1, step) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - pow_step(beta2, step) : 1.0;
   c.step_size = static_cast<float>(lr / bc1);
   c.bc2_sqrt = static_cast<float>(sqrt(bc2));
   c.grad_scale = static_cast<float>(grad_scale);

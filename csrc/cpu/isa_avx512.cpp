@@ -1,5 +1,6 @@
 // AVX-512F kernels (16 float lanes). Built with -mavx512f for this file only;
 // used only when the CPU reports avx512f (plus the AVX2 set).
+#include <cstdint>
 #include <type_traits>
 
 #include "cpu/dispatch.h"
@@ -43,18 +44,32 @@ static inline Vec load(const f16_t* p) {
 }
 static inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.x); }
 // Round to nearest even as in common/float_bits.h; NaN lanes become 0x7fc0.
-static inline void store(bf16_t* p, Vec a) {
+static inline __m256i bits16(bf16_t*, Vec a) {
   const __m512i u = _mm512_castps_si512(a.x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(a.x, a.x, _CMP_UNORD_Q);
   r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(r);
 }
-static inline void store(f16_t* p, Vec a) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtps_ph(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+static inline __m256i bits16(f16_t*, Vec a) {
+  return _mm512_cvtps_ph(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+template <class T>
+static inline void store(T* p, Vec a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits16(p, a));
+}
+// The low-precision param is only written: a streaming store skips reading
+// its cache lines first (2 of the 28 bytes per param would otherwise be 4).
+template <class T>
+static inline void store_stream(T* p, Vec a) {
+  if (reinterpret_cast<uintptr_t>(p) % 32 == 0) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits16(p, a));
+  } else {
+    store(p, a);
+  }
+}
+static inline void stream_fence() { _mm_sfence(); }
 
 #include "cpu/kernels.inc"
 

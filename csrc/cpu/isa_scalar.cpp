@@ -26,6 +26,9 @@ template <class T>
 static inline Vec load(const T* p) { return Vec(load1(p)); }
 template <class T>
 static inline void store(T* p, Vec a) { store1(p, a.x); }
+template <class T>
+static inline void store_stream(T* p, Vec a) { store1(p, a.x); }
+static inline void stream_fence() {}
 
 #include "cpu/kernels.inc"
 

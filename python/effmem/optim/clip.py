@@ -9,6 +9,12 @@ from effmem import ops
 from effmem.optim import _validate
 
 
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """t on device, without a host sync where that is safe: a non-blocking copy
+    to the CPU could be read before it lands, so copies to the CPU block."""
+    return t.to(device, non_blocking=torch.device(device).type != "cpu")
+
+
 def grad_norm(grads: List[Tensor]) -> Tensor:
     """Global L2 norm of the given gradients, as a float32 scalar (no host sync)."""
     if not grads:
@@ -53,5 +59,5 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     for g in grads:
         by_device[g.device].append(g)
     for device, gs in by_device.items():
-        torch._foreach_mul_(gs, coef.to(device, non_blocking=True))
+        torch._foreach_mul_(gs, _to_device(coef, device))
     return total

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from effmem import ops
 from effmem.optim import _validate
-from effmem.optim.clip import grad_norm
+from effmem.optim.clip import _to_device, grad_norm
 
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
 
@@ -57,6 +57,7 @@ class FusedAdam(torch.optim.Optimizer):
                         decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction)
         _validate.hyperparameters(defaults)
         self._pending_grad_scale: Dict[torch.device, Tensor] = {}
+        self._pending_outside_capture = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -89,9 +90,8 @@ class FusedAdam(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         total = grad_norm(grads)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._pending_grad_scale = {g.device: None for g in grads}
-        for device in self._pending_grad_scale:
-            self._pending_grad_scale[device] = coef.to(device, non_blocking=True)
+        self._pending_grad_scale = {g.device: _to_device(coef, g.device) for g in grads}
+        self._pending_outside_capture = not _capturing()
         return total
 
     @torch.no_grad()
@@ -117,6 +117,11 @@ class FusedAdam(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
+        if pending and self._pending_outside_capture and _capturing():
+            raise RuntimeError("FusedAdam.step is being captured in a CUDA graph while a clip from "
+                               "clip_grad_norm_() called outside the graph is pending; the graph would keep "
+                               "reading that one clip factor. Call opt.clip_grad_norm_() inside the captured "
+                               "region, before step().")
 
         for group in self.param_groups:
             for (device, _, _), b in self._buckets(group).items():
@@ -127,7 +132,8 @@ class FusedAdam(torch.optim.Optimizer):
                 if inf is None:
                     torch._foreach_add_(b["steps"], 1.0)
                 else:
-                    torch._foreach_add_(b["steps"], (1.0 - inf).reshape(()))
+                    # GradScaler sums found_inf over devices, so it may exceed 1
+                    torch._foreach_add_(b["steps"], (inf == 0).to(torch.float32).reshape(()))
                 lr = group["lr"]
                 lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
                 beta1, beta2 = group["betas"]
@@ -206,4 +212,8 @@ def _restore_state(saved: Dict[str, Any], p: Tensor) -> Dict[str, Tensor]:
 def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     if t is None:
         return None
-    return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
+    return _to_device(t.to(torch.float32), device).reshape(1)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

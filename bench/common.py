@@ -1,0 +1,175 @@
+"""Helpers shared by the effmem benchmarks: timing, copy bandwidth, metadata, output.
+
+Times are per call, in seconds. On CUDA each call is bracketed by CUDA events
+(the GPU's own clock, so host-side launch overhead that overlaps earlier work is
+not counted); on CPU by time.perf_counter. Benchmarks report medians, which a
+noisy shared machine disturbs far less than means.
+"""
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for all queued work on `device` (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], cuda: bool):
+    """Runs fn once; returns seconds (float) or, on CUDA, an event pair to read after a sync."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        return start, end
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _seconds(t) -> float:
+    return t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], device, warmup: int = 3,
+                     repeat: int = 10) -> Dict[str, List[float]]:
+    """Seconds per call of each fn, taking turns: round r calls every fn once.
+
+    Taking turns, rather than timing one fn after another, spreads slow drifts
+    (a neighbour on a shared host, clock changes) over all of them evenly, so
+    their ratios stay fair. Warm-up calls are untimed.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(device)
+    raw: Dict[str, list] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            raw[name].append(_timed(fn, cuda))
+    sync(device)
+    return {name: [_seconds(t) for t in ts] for name, ts in raw.items()}
+
+
+def time_calls(fn: Callable[[], object], device, warmup: int = 3, repeat: int = 10) -> List[float]:
+    """Seconds taken by each of `repeat` calls of fn, after `warmup` untimed calls."""
+    return time_interleaved({"fn": fn}, device, warmup, repeat)["fn"]
+
+
+def summarize(times: Sequence[float]) -> Dict[str, float]:
+    """Median, min and max of per-call times, in milliseconds."""
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+            "max_ms": max(times) * 1e3}
+
+
+def make_copy(device, numel: int):
+    """A large fp32 dst.copy_(src) and the bytes it moves (read + write, 8 per element).
+
+    That is the convention the benchmarks use for their kernels too, so a kernel
+    at 100% moves its bytes as fast as a plain copy. On CPU the copy's stores
+    also cost a read-for-ownership that neither side counts, while in-place
+    updates (Adam's master/m/v) do not, so CPU kernels can exceed 100%.
+    """
+    src = torch.rand(numel, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * numel * src.element_size()
+
+
+def copy_bandwidth(device, numel: int, warmup: int = 3, repeat: int = 10) -> Dict[str, float]:
+    """Median bandwidth of make_copy's copy, timed on its own."""
+    fn, nbytes = make_copy(device, numel)
+    med = statistics.median(time_calls(fn, device, warmup, repeat))
+    return {"numel": numel, "bytes": nbytes, "median_ms": med * 1e3, "gb_per_s": nbytes / med / 1e9}
+
+
+def device_name(device) -> str:
+    """GPU name, or the CPU model from /proc/cpuinfo."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit() -> Dict[str, object]:
+    """HEAD of the repo the benchmark lives in, and whether the tree has local changes."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    return {"commit": commit or "unknown", "dirty": None if status is None else bool(status)}
+
+
+def environment(device) -> Dict[str, object]:
+    """Metadata that a result is meaningless without."""
+    import effmem
+
+    device = torch.device(device)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": device_name(device),
+        "cpu_name": device_name("cpu"),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "effmem_version": effmem.__version__,
+        "effmem_cpu_isa": effmem._C.cpu_isa(),
+        "effmem_cpu_threads": effmem._C.num_threads(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "hostname": platform.node(),
+        # Other work on the machine skews CPU timings; keep the evidence.
+        "loadavg": _loadavg(),
+    }
+    env.update({"git_" + k: v for k, v in git_commit().items()})
+    return env
+
+
+def _loadavg() -> Optional[List[float]]:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def write_json(path: str, payload: Dict[str, object]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
+def format_table(rows: Sequence[Dict[str, object]], columns: Sequence[tuple]) -> str:
+    """Fixed-width text table; columns are (header, key, format spec)."""
+    cells = [[h for h, _, _ in columns]]
+    for row in rows:
+        cells.append([format(row[k], spec) if row.get(k) is not None else "-" for _, k, spec in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
