@@ -20,4 +20,15 @@ TORCH_LIBRARY(effmem, m) {
   // scalar on that device (sums of squares accumulated in float per block and
   // in double across blocks).
   m.def("l2norm(Tensor[] tensors) -> Tensor");
+  // Group-wise quantisation along the last dimension (common/quant_math.h).
+  // x: float32/bf16/fp16, contiguous, viewed as [rows, D]. Returns codes
+  // (uint8 [rows, ceil(D * bits / 8)]; at 4 bits two per byte, low nibble
+  // first) and stats (float32 [rows, ceil(D / group_size), 2] = (min, scale)).
+  // bits: 4 or 8; group_size: 32, 64, 128 or 256. stochastic rounding draws
+  // from a hash of (seed, element index): the same codes on every device.
+  m.def("quantize(Tensor x, int bits, int group_size, int seed, bool stochastic) -> (Tensor, Tensor)");
+  // The inverse: a contiguous [rows, last_dim] tensor of dtype.
+  m.def(
+      "dequantize(Tensor codes, Tensor stats, int bits, int group_size, int last_dim, ScalarType dtype) "
+      "-> Tensor");
 }

@@ -111,4 +111,45 @@ void check_norm_args(at::TensorList tensors) {
   }
 }
 
+void check_quant_config(int64_t bits, int64_t group_size) {
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
+                    "group_size must be 32, 64, 128 or 256, got ", group_size);
+}
+
+void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size) {
+  check_quant_config(bits, group_size);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous; pass x.contiguous()");
+}
+
+void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
+                           int64_t last_dim, at::ScalarType dtype) {
+  check_quant_config(bits, group_size);
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK_TYPE(stats.scalar_type() == at::kFloat, "stats must be float32, got ", stats.scalar_type());
+  TORCH_CHECK_VALUE(last_dim >= 1, "last_dim must be >= 1, got ", last_dim);
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.is_contiguous(), "codes must be a contiguous 2-D tensor");
+  TORCH_CHECK_VALUE(stats.device() == codes.device(), "stats is on ", stats.device(), " but codes on ", codes.device());
+  const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);
+  TORCH_CHECK_VALUE(codes.size(1) == l.row_bytes, "codes has ", codes.size(1), " bytes per row but last_dim=",
+                    last_dim, " at ", bits, " bits needs ", l.row_bytes);
+  TORCH_CHECK_VALUE(stats.is_contiguous() && stats.dim() == 3 && stats.size(0) == l.rows &&
+                        stats.size(1) == l.groups_per_row && stats.size(2) == 2,
+                    "stats must be a contiguous [", l.rows, ", ", l.groups_per_row, ", 2] tensor, got ",
+                    stats.sizes());
+}
+
+QuantLayout quant_layout(int64_t numel, int64_t last_dim, int64_t bits, int64_t group_size) {
+  QuantLayout l;
+  l.last_dim = last_dim;
+  l.rows = last_dim > 0 ? numel / last_dim : 0;
+  l.groups_per_row = (last_dim + group_size - 1) / group_size;
+  l.row_bytes = (last_dim * bits + 7) / 8;
+  return l;
+}
+
 }  // namespace effmem

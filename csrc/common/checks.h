@@ -24,4 +24,16 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
 // Validates the list given to l2norm: floating tensors on one device, dense.
 void check_norm_args(at::TensorList tensors);
 
+// Validates quantize/dequantize arguments shared by both devices.
+void check_quant_config(int64_t bits, int64_t group_size);
+void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size);
+void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
+                           int64_t last_dim, at::ScalarType dtype);
+
+// Layout of quantised data for x viewed as [rows, last_dim].
+struct QuantLayout {
+  int64_t rows, last_dim, groups_per_row, row_bytes;
+};
+QuantLayout quant_layout(int64_t numel, int64_t last_dim, int64_t bits, int64_t group_size);
+
 }  // namespace effmem

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/adam_math.h"
+#include "common/quant_math.h"
 
 namespace effmem::cpu {
 
@@ -27,10 +28,31 @@ struct AdamSpan {
 using AdamFn = void (*)(const AdamSpan& span, int64_t n, const AdamCoeffs& c);
 using SumSqFn = double (*)(const void* x, int64_t n);
 
+// Group-wise quantisation of a [rows, last_dim] tensor (see common/quant_math.h);
+// kernels take a range of flat group indices.
+struct QuantJob {
+  const void* x;
+  uint8_t* codes;
+  float* stats;
+  int64_t last_dim, group_size, groups_per_row, row_bytes;
+  uint64_t seed;
+  bool stochastic;
+};
+struct DequantJob {
+  const uint8_t* codes;
+  const float* stats;
+  void* out;
+  int64_t last_dim, group_size, groups_per_row, row_bytes;
+};
+using QuantFn = void (*)(const QuantJob& job, int64_t group_begin, int64_t group_end);
+using DequantFn = void (*)(const DequantJob& job, int64_t group_begin, int64_t group_end);
+
 struct KernelTable {
   const char* name;
   AdamFn adam[kNumDTypes][kNumDTypes];  // [param dtype][grad dtype]
   SumSqFn sumsq[kNumDTypes];
+  QuantFn quantize[kNumDTypes][2];      // [dtype][0: 4 bits, 1: 8 bits]
+  DequantFn dequantize[kNumDTypes][2];
 };
 
 const KernelTable& kernels_scalar();

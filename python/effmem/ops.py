@@ -3,7 +3,7 @@
 The ops themselves are registered in C++ (csrc/ops.cpp) under torch.ops.effmem;
 the fake kernels here let torch.compile and FakeTensor trace them.
 """
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -61,3 +61,54 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
 def _l2norm_fake(tensors: List[Tensor]) -> Tensor:
     torch._check(len(tensors) > 0, lambda: "l2norm needs at least one tensor")
     return tensors[0].new_empty((), dtype=torch.float32)
+
+
+QUANT_BITS = (4, 8)
+QUANT_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def _check_quant_config(bits: int, group_size: int) -> None:
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits: expected one of {QUANT_BITS}, got {bits!r}")
+    if group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(f"group_size: expected one of {QUANT_GROUP_SIZES}, got {group_size!r}")
+
+
+def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
+             stochastic: bool = True) -> Tuple[Tensor, Tensor]:
+    """Group-wise quantisation of ``x`` along its last dimension.
+
+    Returns ``(codes, stats)``: codes uint8 ``[rows, ceil(D * bits / 8)]`` (at 4
+    bits two per byte, low nibble first), stats float32 ``[rows, groups, 2]``
+    holding each group's (min, scale); rows = numel / D, D = x.shape[-1].
+    ``stochastic`` rounding draws from a counter-based hash of (seed, element
+    index), so it is unbiased and gives the same codes on CPU and CUDA.
+    A group holding NaN or Inf dequantises to NaN.
+    """
+    _check_quant_config(bits, group_size)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
+    return _lib.quantize(x.contiguous(), int(bits), int(group_size), int(seed), bool(stochastic))
+
+
+def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shape: Sequence[int],
+               dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`quantize`: a contiguous tensor of ``shape`` and ``dtype``."""
+    _check_quant_config(bits, group_size)
+    shape = tuple(shape)
+    last_dim = shape[-1] if shape else 1
+    return _lib.dequantize(codes, stats, int(bits), int(group_size), int(last_dim), dtype).reshape(shape)
+
+
+@torch.library.register_fake("effmem::quantize")
+def _quantize_fake(x, bits, group_size, seed, stochastic):
+    last_dim = x.shape[-1] if x.dim() > 0 else 1
+    rows = x.numel() // last_dim
+    codes = x.new_empty((rows, (last_dim * bits + 7) // 8), dtype=torch.uint8)
+    stats = x.new_empty((rows, (last_dim + group_size - 1) // group_size, 2), dtype=torch.float32)
+    return codes, stats
+
+
+@torch.library.register_fake("effmem::dequantize")
+def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
+    return codes.new_empty((codes.shape[0], last_dim), dtype=dtype)
