@@ -29,13 +29,20 @@ EFFMEM_HD uint32_t mix32(uint32_t h) {
   return h;
 }
 
-// Uniform in [0, 1) with 24 random bits (exact in float).
-EFFMEM_HD float hash_uniform(uint64_t seed, uint64_t index) {
-  const uint32_t lo = static_cast<uint32_t>(index);
-  const uint32_t hi = static_cast<uint32_t>(index >> 32);
-  uint32_t h = lo * 0x9e3779b1u + static_cast<uint32_t>(seed);
-  h = mix32(h ^ mix32(hi + 0x7f4a7c15u + static_cast<uint32_t>(seed >> 32)));
+// Uniform in [0, 1) with 24 random bits (exact in float), from the element
+// index's low and high 32-bit halves. Split in two so a CPU loop over one
+// group can mix the (constant) high half once and vectorise the rest.
+EFFMEM_HD uint32_t hash_high(uint64_t seed, uint32_t index_hi) {
+  return mix32(index_hi + 0x7f4a7c15u + static_cast<uint32_t>(seed >> 32));
+}
+
+EFFMEM_HD float hash_uniform_low(uint64_t seed, uint32_t index_lo, uint32_t high_mix) {
+  const uint32_t h = mix32((index_lo * 0x9e3779b1u + static_cast<uint32_t>(seed)) ^ high_mix);
   return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
+
+EFFMEM_HD float hash_uniform(uint64_t seed, uint64_t index) {
+  return hash_uniform_low(seed, static_cast<uint32_t>(index), hash_high(seed, static_cast<uint32_t>(index >> 32)));
 }
 
 struct QuantGroup {
@@ -59,13 +66,16 @@ EFFMEM_HD QuantGroup quant_group(float lo, float hi, bool finite, int qmax) {
 
 EFFMEM_HD uint32_t quantize_value(float x, const QuantGroup& g, float u, int qmax) {
   float q = floorf((x - g.lo) * g.inv + u);
-  q = q < 0.0f ? 0.0f : q;
-  q = q > static_cast<float>(qmax) ? static_cast<float>(qmax) : q;
-  return q == q ? static_cast<uint32_t>(q) : 0u;  // a NaN group codes 0; its stats carry the NaN
+  // clamp to [0, qmax]; NaN (a non-finite group, whose stats carry the NaN)
+  // fails the first test and codes 0
+  q = q >= 0.0f ? q : 0.0f;
+  q = q < static_cast<float>(qmax) ? q : static_cast<float>(qmax);
+  // via int32: one vector instruction, where float -> uint32 has none
+  return static_cast<uint32_t>(static_cast<int32_t>(q));
 }
 
 EFFMEM_HD float dequantize_value(uint32_t q, float lo, float scale) {
-  return lo + static_cast<float>(q) * scale;
+  return lo + static_cast<float>(static_cast<int32_t>(q)) * scale;
 }
 
 // True when the float is neither NaN nor +-Inf (exponent not all ones).
