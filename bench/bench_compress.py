@@ -11,6 +11,12 @@ rounding), each timed as quantize and dequantize separately:
                   torch.rand for the rounding noise, pack), the baseline
   torch compile   that torch-ops version under torch.compile (default inductor)
 
+With --gpt (meant for a GPU): training-step time and peak memory of a bf16
+byte-level GPT of about 350M parameters (effmem.demo_model.ByteGPT, FusedAdam)
+with and without compress_activations(bits=8), at the largest batch (of
+1, 2, 4, ...) that trains uncompressed; the target is at most 1.10x the
+uncompressed step time.
+
 Bytes moved per element, counted the same way for every row: quantize reads
 the input (2 B for bf16) and writes codes (bits/8 B) and stats (8 B per group);
 dequantize reads codes and stats and writes the output.
@@ -110,6 +116,58 @@ def run(device, numel, bits, compile_baseline, repeat, warmup):
     return rows, dict(bytes=copy_bytes, gb_per_s=copy_gbs), nbytes, targets
 
 
+def gpt_step_bench(device, n_layer, d_model, seq_len, max_batch, repeat, warmup, bits=8):
+    """Median step time and peak memory with and without compressed activations."""
+    from effmem import compress_activations, demo_model
+
+    cfg = demo_model.GPTConfig(seq_len=seq_len, n_layer=n_layer, d_model=d_model, n_head=max(1, d_model // 64))
+    model = demo_model.ByteGPT(cfg).to(device=device, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    opt = effmem.FusedAdam(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+
+    def make_step(batch, compressed):
+        x = torch.randint(0, demo_model.VOCAB_SIZE, (batch, seq_len), generator=gen).to(device)
+
+        def step():
+            if compressed:
+                with compress_activations(bits=bits):
+                    _, loss = model(x, x)
+            else:
+                _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    def measure(batch, compressed):
+        step = make_step(batch, compressed)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        times = common.time_calls(step, device, warmup, repeat)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return common.summarize(times), peak
+
+    batch, best = 1, None
+    while batch <= max_batch:  # the largest batch that trains uncompressed
+        try:
+            measure(batch, False)
+            best = batch
+            batch *= 2
+        except torch.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            break
+    if best is None:
+        raise RuntimeError("even batch 1 does not fit; use a smaller --gpt-layers/--gpt-d-model")
+    plain, plain_peak = measure(best, False)
+    packed, packed_peak = measure(best, True)
+    return dict(params=params, n_layer=n_layer, d_model=d_model, seq_len=seq_len, batch=best, bits=bits,
+                plain=dict(plain, peak_bytes=plain_peak), compressed=dict(packed, peak_bytes=packed_peak),
+                step_time_ratio=packed["median_ms"] / plain["median_ms"],
+                peak_ratio=(packed_peak / plain_peak) if plain_peak else None)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -119,6 +177,11 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--json", help="write metadata and rows to this file")
+    parser.add_argument("--gpt", action="store_true", help="also time GPT training steps with/without compression")
+    parser.add_argument("--gpt-layers", type=int, default=28)
+    parser.add_argument("--gpt-d-model", type=int, default=1024)
+    parser.add_argument("--gpt-seq-len", type=int, default=1024)
+    parser.add_argument("--gpt-max-batch", type=int, default=256)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     numel = (args.numel or DEFAULT_NUMEL[device.type]) // LAST_DIM * LAST_DIM
@@ -132,6 +195,18 @@ def main(argv=None):
     if not args.no_compile:
         columns.append(("vs compiled", "vs_compiled", ".2f"))
     print(common.format_table(rows, columns))
+    gpt = None
+    if args.gpt:
+        gpt = gpt_step_bench(device, args.gpt_layers, args.gpt_d_model, args.gpt_seq_len, args.gpt_max_batch,
+                             repeat=max(5, args.repeat // 2), warmup=args.warmup, bits=args.bits)
+        print(f"\nGPT {gpt['params'] / 1e6:.0f}M params, batch {gpt['batch']} x {gpt['seq_len']}: step "
+              f"{gpt['plain']['median_ms']:.1f} ms plain, {gpt['compressed']['median_ms']:.1f} ms with "
+              f"{gpt['bits']}-bit activations ({gpt['step_time_ratio']:.3f}x; target <= 1.10x)")
+        if gpt["peak_ratio"] is not None:
+            print(f"peak memory {gpt['plain']['peak_bytes'] / 2**30:.2f} GiB -> "
+                  f"{gpt['compressed']['peak_bytes'] / 2**30:.2f} GiB ({gpt['peak_ratio']:.3f}x)")
+        targets.append(dict(name="GPT step with compression <= 1.10x plain", measured=gpt["step_time_ratio"],
+                            threshold=1.10, met=gpt["step_time_ratio"] <= 1.10))
     print()
     for t in targets:
         print(f"target {t['name']}: measured {t['measured']:.2f} -> {'MET' if t['met'] else 'NOT MET'}")
@@ -139,7 +214,7 @@ def main(argv=None):
         common.write_json(args.json, {"benchmark": "quantize", "env": env,
                                       "config": dict(numel=numel, bits=args.bits, group_size=GROUP,
                                                      last_dim=LAST_DIM, dtype="bfloat16", repeat=args.repeat),
-                                      "copy_bandwidth": copy, "rows": rows, "targets": targets})
+                                      "copy_bandwidth": copy, "rows": rows, "targets": targets, "gpt": gpt})
         print(f"wrote {args.json}")
 
 

@@ -20,6 +20,8 @@ echo "== tests"
 
 echo "== benchmarks"
 "$PY" bench/bench_adam.py --device cuda --json "$OUT/gpu_adam.json" || status=1
+"$PY" bench/bench_compress.py --device cuda --bits 8 --gpt --json "$OUT/gpu_compress.json" || status=1
+"$PY" bench/bench_compress.py --device cuda --bits 4 --json "$OUT/gpu_compress_4bit.json" || status=1
 
 echo "== demo"
 "$PY" -m effmem.cli demo --json "$OUT/gpu_demo.json" || status=1

@@ -90,7 +90,7 @@ class FusedAdam(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         total = grad_norm(grads)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._pending_grad_scale = {g.device: _to_device(coef, g.device) for g in grads}
+        self._pending_grad_scale = {d: _to_device(coef, d) for d in {g.device for g in grads}}
         self._pending_outside_capture = not _capturing()
         return total
 
