@@ -11,7 +11,8 @@ import effmem
 from effmem import cli, demo_model
 
 TINY = ["--steps", "6", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
-CONFIG_NAMES = ["torch AdamW (fp32)", "FusedAdam (fp32)", "FusedAdam (bf16 + fp32 master)"]
+CONFIG_NAMES = ["torch AdamW (fp32)", "FusedAdam (fp32)", "FusedAdam (bf16 + fp32 master)",
+                "FusedAdam (bf16 + fp32 master), 8-bit activations"]
 
 
 def test_info_text(capsys):
@@ -97,7 +98,10 @@ def test_demo_prints_table(tiny_demo):
     for name in CONFIG_NAMES:
         assert name in proc.stdout
     assert "peak RSS" in proc.stdout
-    assert "6/6" in proc.stderr  # each progress bar reached the end
+    assert proc.stderr.count("6/6") == len(CONFIG_NAMES)  # each progress bar reached the end
+    # The compressed run's statistics follow the table.
+    assert "saved activations of the last training step" in proc.stdout
+    assert "dtype bfloat16" in proc.stdout
 
 
 def test_demo_json(tiny_demo):
@@ -130,3 +134,18 @@ def test_demo_json(tiny_demo):
     # fp32 params: exp_avg + exp_avg_sq only, for torch's AdamW and for FusedAdam.
     assert runs["torch AdamW (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
     assert runs["FusedAdam (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
+
+    # Compressed activations change neither the parameters nor the optimizer state.
+    compressed = runs["FusedAdam (bf16 + fp32 master), 8-bit activations"]
+    for key in ("params", "param_bytes", "grad_bytes", "optimizer_state_bytes"):
+        assert compressed[key] == bf16[key]
+    for name, r in runs.items():
+        if name != compressed["name"]:
+            assert r["activation_bytes_before"] is None and r["compress_stats"] is None
+    # 8-bit codes plus 8 bytes per group of 128, on bf16 activations: about half
+    # (the tiny demo's tensors are mostly under the size threshold, so allow more).
+    before, after = compressed["activation_bytes_before"], compressed["activation_bytes_after"]
+    assert 0 < after < before
+    stats = compressed["compress_stats"]
+    assert stats["total_bytes_before"] == before and stats["num_compressed"] > 0
+    assert set(stats["by_dtype"]) >= {"bfloat16"}

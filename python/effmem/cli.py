@@ -23,6 +23,7 @@ import torch
 
 import effmem
 from effmem import demo_model
+from effmem.compress import compress_activations
 
 # ---------------------------------------------------------------------------
 # effmem info
@@ -98,6 +99,9 @@ class DemoConfig:
     # fp32 models run under bf16 autocast on a GPU (the usual mixed-precision
     # recipe); a model already in bf16 needs none.
     autocast_on_gpu: bool = False
+    # Quantise the activations saved for backward to this many bits
+    # (effmem.compress.compress_activations); None keeps them as they are.
+    compress_bits: Optional[int] = None
 
 
 def _torch_adamw(groups, hp):
@@ -112,9 +116,11 @@ DEMO_CONFIGS: List[DemoConfig] = [
     DemoConfig("torch AdamW (fp32)", torch.float32, _torch_adamw, torch.nn.utils.clip_grad_norm_, True),
     DemoConfig("FusedAdam (fp32)", torch.float32, _fused_adam, effmem.clip_grad_norm_, True),
     DemoConfig("FusedAdam (bf16 + fp32 master)", torch.bfloat16, _fused_adam, effmem.clip_grad_norm_),
+    DemoConfig("FusedAdam (bf16 + fp32 master), 8-bit activations", torch.bfloat16, _fused_adam,
+               effmem.clip_grad_norm_, compress_bits=8),
 ]
 
-# Sized so that all three CPU runs finish in well under two minutes on two cores.
+# Sized so that all four CPU runs finish in under two minutes on two cores.
 CPU_DEFAULTS = dict(steps=300, layers=4, d_model=128, seq_len=64, batch_size=16)
 GPU_DEFAULTS = dict(steps=600, layers=6, d_model=384, seq_len=256, batch_size=32)
 HYPERPARAMETERS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
@@ -225,6 +231,10 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
     torch.manual_seed(s["seed"])
     gcfg = demo_model.GPTConfig(seq_len=s["seq_len"], n_layer=s["layers"], d_model=s["d_model"], n_head=s["heads"])
     model = demo_model.ByteGPT(gcfg).to(device=device, dtype=cfg.param_dtype)
+    if cfg.compress_bits is not None:
+        # Hooks only: same parameters, same state_dict; model.compress_stats
+        # then describes the latest training forward.
+        model = compress_activations(model, bits=cfg.compress_bits)
     opt = cfg.make_optimizer(demo_model.decay_groups(model, hp["weight_decay"]), hp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s["steps"]))
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
@@ -259,6 +269,7 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         rates.append(tokens_per_step / (time.perf_counter() - t0))
         bar.update(step, losses[-1], rates[-1])
     bar.close()
+    compress = model.compress_stats if cfg.compress_bits is not None else None
 
     if device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
@@ -296,6 +307,11 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         "first_loss": losses[0],
         "train_loss": statistics.fmean(losses[-LOSS_WINDOW:]),
         "val_loss": statistics.fmean(val_losses),
+        # Bytes saved for backward by the last training step, before and after compression.
+        "activation_bytes_before": compress.total_bytes_before if compress else None,
+        "activation_bytes_after": compress.total_bytes_after if compress else None,
+        "compress_stats": compress.as_dict() if compress else None,
+        "compress_table": compress.format(max_modules=4) if compress else None,
     }
 
 
@@ -327,6 +343,8 @@ def format_table(runs: List[dict]) -> str:
         (peak_label, lambda r: _mib(r["peak_memory_bytes"])),
         ("peak above start", lambda r: "n/a" if r["peak_above_start_bytes"] is None
          else _mib(r["peak_above_start_bytes"])),
+        ("saved activations", lambda r: "-" if r.get("activation_bytes_before") is None else
+         f"{_mib(r['activation_bytes_before'])} -> {_mib(r['activation_bytes_after'])}"),
         ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
         ("train loss", lambda r: f"{r['train_loss']:.3f}"),
         ("val loss", lambda r: f"{r['val_loss']:.3f}"),
@@ -406,6 +424,11 @@ def cmd_demo(args, parser) -> int:
               "peak above start: minus the allocation just before training.")
     print(f"train loss: mean of the last {LOSS_WINDOW} steps (first step: {runs[0]['first_loss']:.3f}); "
           f"tokens/s: median after {WARMUP_STEPS} warm-up steps. Total time {wall:.1f} s.")
+    for r in runs:
+        if r.get("compress_table"):
+            print(f"\nsaved activations of the last training step, {r['name']} "
+                  "(before -> after compression; parameters are saved by reference and not counted):")
+            print(r["compress_table"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs}, f, indent=2)

@@ -30,12 +30,53 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by the number of heads ({self.n_head})")
 
 
+class _Fp32MatmulLinear(torch.autograd.Function):
+    """F.linear for bf16/fp16 CPU tensors, with the products computed in float32.
+
+    torch's CPU GEMM for bf16/fp16 is about ten times slower than for float32
+    on CPUs without AVX512-BF16 or AMX (measured on a 2-core AVX2 machine),
+    which would make the demo's bf16 runs take minutes. The rounding points
+    are those of a bf16 GEMM (bf16 inputs, float accumulation, one rounding of
+    each result to bf16), and autograd saves the same tensors as for
+    F.linear: the low-precision input and the weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g = grad_out.float().reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.float()).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose bf16/fp16 matmuls on the CPU run in float32 (see _Fp32MatmulLinear)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            return _Fp32MatmulLinear.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
@@ -56,9 +97,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
+            Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
             nn.GELU(),
-            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
+            Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -74,7 +115,7 @@ class ByteGPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False)
+        self.head = Linear(cfg.d_model, VOCAB_SIZE, bias=False)
         if cfg.tie_weights:
             # One tensor serves as both embedding and output projection; it is
             # listed once by parameters(), so optimizers hold one state for it.

@@ -67,10 +67,11 @@ QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def _check_quant_config(bits: int, group_size: int) -> None:
-    if bits not in QUANT_BITS:
+def check_quant_config(bits: int, group_size: int) -> None:
+    """ValueError naming the argument when bits or group_size is not one the kernels support."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in QUANT_BITS:
         raise ValueError(f"bits: expected one of {QUANT_BITS}, got {bits!r}")
-    if group_size not in QUANT_GROUP_SIZES:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in QUANT_GROUP_SIZES:
         raise ValueError(f"group_size: expected one of {QUANT_GROUP_SIZES}, got {group_size!r}")
 
 
@@ -85,7 +86,7 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
     index), so it is unbiased and gives the same codes on CPU and CUDA.
     A group holding NaN or Inf dequantises to NaN.
     """
-    _check_quant_config(bits, group_size)
+    check_quant_config(bits, group_size)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
     return _lib.quantize(x.contiguous(), int(bits), int(group_size), int(seed), bool(stochastic))
@@ -94,7 +95,7 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
 def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shape: Sequence[int],
                dtype: torch.dtype) -> Tensor:
     """Inverse of :func:`quantize`: a contiguous tensor of ``shape`` and ``dtype``."""
-    _check_quant_config(bits, group_size)
+    check_quant_config(bits, group_size)
     shape = tuple(shape)
     last_dim = shape[-1] if shape else 1
     return _lib.dequantize(codes, stats, int(bits), int(group_size), int(last_dim), dtype).reshape(shape)

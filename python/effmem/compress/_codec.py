@@ -1,0 +1,56 @@
+"""The one place where compress/ reaches the quantisation kernels.
+
+``quantize`` and ``dequantize`` are ``effmem.ops.quantize`` /
+``effmem.ops.dequantize`` (the C++/CUDA op family): codes are uint8
+``[rows, ceil(D * bits / 8)]`` (at 4 bits two codes per byte, low nibble
+first) and stats are float32 ``[rows, ceil(D / group_size), 2]`` holding
+(min, scale) per group.
+
+Also here: argument checks shared by every entry point, and bit-packing of
+bool masks (plain torch ops, eight flags per byte).
+"""
+
+import torch
+from torch import Tensor
+
+from effmem import ops as _ops
+
+SUPPORTED_BITS = _ops.QUANT_BITS
+SUPPORTED_GROUP_SIZES = _ops.QUANT_GROUP_SIZES
+# The dtypes the kernels take; float64 and the float8 types are kept as they are.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+check_config = _ops.check_quant_config
+
+
+def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
+    """Bytes held by quantize's codes and stats for a [rows, cols] input."""
+    groups = -(-cols // group_size)
+    return rows * (-(-cols * bits // 8)) + rows * groups * 2 * 4
+
+
+quantize = _ops.quantize
+dequantize = _ops.dequantize
+
+
+_BIT_WEIGHTS = {}
+
+
+def _weights(device: torch.device) -> Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        # Built on the device itself: a host-to-device copy would synchronise.
+        w = _BIT_WEIGHTS[device] = torch.bitwise_left_shift(
+            torch.ones(8, dtype=torch.uint8, device=device), torch.arange(8, dtype=torch.uint8, device=device))
+    return w
+
+
+def pack_bool(flat: Tensor) -> Tensor:
+    """A 1-D bool tensor -> uint8, eight flags per byte (first flag in the lowest bit)."""
+    pad = (-flat.numel()) % 8
+    bytes8 = torch.nn.functional.pad(flat.to(torch.uint8), (0, pad)).view(-1, 8)
+    return (bytes8 * _weights(flat.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bool(packed: Tensor, n: int) -> Tensor:
+    bits = (packed.unsqueeze(1) & _weights(packed.device)) != 0
+    return bits.reshape(-1)[:n]

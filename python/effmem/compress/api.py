@@ -1,0 +1,165 @@
+"""The public entry points: compress_activations and remove_compression."""
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from effmem.compress.hooks import ActivationCompressor
+from effmem.compress.policy import CompressConfig, ModuleSpec
+
+_ATTR = "_effmem_compressor"
+
+
+def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, group_size: int = 128,
+                         min_numel: int = 4096, stochastic: bool = True, seed: int = 0,
+                         exclude_modules: Iterable[ModuleSpec] = (),
+                         exclude: Optional[Callable[[Tensor], bool]] = None, pack_bool_masks: bool = True,
+                         track_exact: bool = True, record: bool = False,
+                         names_from: Optional[nn.Module] = None) -> Union[nn.Module, ActivationCompressor]:
+    """Quantise the floating tensors autograd saves for backward; restore them when backward needs them.
+
+    Two forms:
+
+    * ``with compress_activations(bits=8) as ctx: loss = model(x)`` compresses
+      what is saved while the block runs (backward may run inside or after
+      it). ``ctx.stats`` covers everything saved since the block was entered.
+      Give ``names_from=model`` to name modules in the statistics and to use
+      ``exclude_modules``; without it tensors are attributed to "<unknown>".
+    * ``model = compress_activations(model, bits=8)`` returns the same module
+      with hooks installed: a forward pre-hook on it enters the saved-tensor
+      hooks, a forward hook (run even when forward raises) leaves them, and
+      pre/post hooks on every submodule keep track of which one is running.
+      No wrapper module is added, so ``state_dict`` keys are unchanged.
+      ``model.compress_stats`` describes the latest forward run with grad
+      enabled (reset at the start of each; forwards under torch.no_grad()
+      enter nothing and leave it alone). ``remove_compression(model)`` takes
+      the hooks off.
+
+    Options:
+
+    * bits (4 or 8) and group_size (32, 64, 128 or 256): each group of that
+      many consecutive elements (in memory order) is stored as bits-wide codes
+      plus a float32 (min, scale): bits/8 + 8/group_size bytes per element.
+    * stochastic: round up with probability equal to the fractional part (a
+      counter-based hash of (seed, element index)), so the dequantised value
+      is unbiased; False rounds to nearest (smaller error, slightly biased).
+    * seed: base seed; the n-th tensor compressed by this object uses seed + n,
+      so successive steps round differently.
+    * min_numel: tensors with fewer elements are kept as they are (their
+      compression would not pay for the work).
+    * exclude_modules: names (glob patterns such as "blocks.*.attn") or
+      nn.Module types; tensors saved while such a module (or one inside it)
+      runs are kept as they are. exclude: a predicate on the saved tensor;
+      True keeps it as it is.
+    * pack_bool_masks: store bool tensors (dropout or masked-fill masks) eight
+      per byte; exact.
+    * track_exact: also run a dispatch mode (see compress.tracker) that finds
+      attention log-sum-exps, normalisation statistics and parameter casts so
+      they are never quantised. Turning it off saves its per-op Python cost;
+      only the shape rules then protect those statistics.
+    * record: keep a list of every pack decision in ``ctx.records`` (debugging).
+
+    Never quantised: parameters and anything sharing their storage (and the
+    model's buffers, when the model is known), autocast casts of parameters,
+    integer tensors, float64, the statistics above, tensors with a last dim
+    of 1 or 2 (per-row statistics), expanded views. A tensor saved by several
+    ops is stored once. Tensors come back with their dtype, shape and exact
+    strides: dense ones in any dim order, and views with gaps (q, k, v sliced
+    from one qkv projection) through the tensor they view, when that is at
+    most 4x larger (otherwise they are kept as they are).
+
+    Values: a group holding NaN or +-Inf comes back as NaN, so such inputs
+    give non-finite gradients, never silently finite ones. A saved tensor
+    that legitimately holds -inf (log_softmax over logits masked with -inf)
+    therefore turns its group's gradient into NaN: mask with a large finite
+    value (torch.finfo(dtype).min) or keep it exact with ``exclude``.
+
+    torch.compile: compiled regions compile as usual and what they save is
+    compressed when the compiled code runs: call a compiled model inside the
+    ``with`` block, wrap a compiled model (``compress_activations(
+    torch.compile(m))``) or compile a wrapped one (``torch.compile(
+    compress_activations(m))``, where the entry and exit hooks run eagerly
+    around the compiled forward). Inside compiled code submodules are not
+    tracked, so its tensors are attributed to the compiled module; attention
+    log-sum-exps are still recognised (the fused attention kernel is
+    dispatched at run time) and compiled normalisations save their
+    statistics with a last dim of 1, which the shape rule keeps. A ``with
+    compress_activations()`` block inside a compiled function works but
+    splits the graph around it (entering hooks cannot be traced).
+    torch.utils.checkpoint (either mode) works: a checkpointed region saves
+    nothing in forward; it is recomputed in backward, and what that saves is
+    compressed only if backward runs inside the ``with`` block.
+    """
+    config = CompressConfig(bits=bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
+                            seed=seed, exclude_modules=tuple(exclude_modules), exclude=exclude,
+                            pack_bool_masks=pack_bool_masks, track_exact=track_exact, record=record)
+    if module is None:
+        if names_from is None and config.exclude_modules:
+            raise ValueError("exclude_modules needs to know the modules: pass names_from=model, "
+                             "or wrap the model with compress_activations(model, ...)")
+        return ActivationCompressor(config, names_from=names_from)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"compress_activations: expected an nn.Module, got {type(module).__name__}")
+    if names_from is not None:
+        raise ValueError("names_from is for the context-manager form; a wrapped module names its own submodules")
+    if getattr(module, _ATTR, None) is not None:
+        raise RuntimeError("compress_activations: this module is already wrapped; call "
+                           "effmem.compress.remove_compression(module) first to change the options")
+    compressor = ActivationCompressor(config)
+    compressor.track_modules(module, include_root=False)
+    compressor._handles.append(module.register_forward_pre_hook(_RootEnter(compressor)))
+    compressor._handles.append(module.register_forward_hook(_RootExit(compressor), always_call=True))
+    object.__setattr__(module, _ATTR, compressor)
+    object.__setattr__(module, "compress_stats", compressor.stats)
+    return module
+
+
+def remove_compression(module: nn.Module) -> nn.Module:
+    """Undo compress_activations(module): remove its hooks and attributes."""
+    compressor = getattr(module, _ATTR, None)
+    if compressor is None:
+        raise ValueError("remove_compression: this module was not wrapped by compress_activations")
+    compressor.remove_hooks()
+    del module.__dict__[_ATTR]
+    module.__dict__.pop("compress_stats", None)
+    return module
+
+
+def compressor_of(module: nn.Module) -> Optional[ActivationCompressor]:
+    """The ActivationCompressor behind a wrapped module (None if it is not wrapped)."""
+    return getattr(module, _ATTR, None)
+
+
+class _RootEnter:
+    """Forward pre-hook of a wrapped module: enter the saved-tensor hooks, reset the statistics.
+
+    A forward run without grad mode (evaluation) saves nothing, so it enters
+    nothing, costs nothing and leaves the statistics of the last training
+    forward as they were.
+    """
+
+    def __init__(self, compressor: ActivationCompressor):
+        self.compressor = compressor
+
+    # Run eagerly even inside a compiled caller: Dynamo cannot trace entering
+    # saved-tensor hooks, so it breaks the graph here instead, and the
+    # compiled forward in between runs with the hooks active.
+    @torch._dynamo.disable
+    def __call__(self, module, args):
+        active = torch.is_grad_enabled()
+        self.compressor._root_calls().append(active)
+        if active:
+            self.compressor._begin(reset=True)
+        self.compressor._push_module(module)
+
+
+class _RootExit:
+    def __init__(self, compressor: ActivationCompressor):
+        self.compressor = compressor
+
+    @torch._dynamo.disable
+    def __call__(self, module, args, output):
+        self.compressor._pop_module(module)
+        calls = self.compressor._root_calls()
+        if calls and calls.pop():
+            self.compressor._end()

@@ -1,0 +1,86 @@
+"""Which saved tensors compress_activations quantises, and why the others are kept as they are."""
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from effmem.compress import _codec
+from effmem.compress.tracker import is_param_like
+
+ModuleSpec = Union[str, type]
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """Options of compress_activations (see its docstring for each one)."""
+    bits: int = 8
+    group_size: int = 128
+    min_numel: int = 4096
+    stochastic: bool = True
+    seed: int = 0
+    exclude_modules: Tuple[ModuleSpec, ...] = ()
+    exclude: Optional[Callable[[Tensor], bool]] = None
+    pack_bool_masks: bool = True
+    track_exact: bool = True
+    record: bool = False
+
+    def __post_init__(self):
+        _codec.check_config(self.bits, self.group_size)
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.exclude is not None and not callable(self.exclude):
+            raise ValueError(f"exclude must be a callable taking a tensor, got {self.exclude!r}")
+        specs = tuple(self.exclude_modules)
+        for spec in specs:
+            if not isinstance(spec, str) and not (isinstance(spec, type) and issubclass(spec, nn.Module)):
+                raise ValueError(f"exclude_modules entries must be module names (glob patterns) or nn.Module "
+                                 f"subclasses, got {spec!r}")
+        object.__setattr__(self, "exclude_modules", specs)
+
+
+def module_excluded(specs: Iterable[ModuleSpec], name: str, module: nn.Module) -> bool:
+    """Whether a module (by qualified name, glob patterns allowed, or by type) is excluded."""
+    for spec in specs:
+        if isinstance(spec, str):
+            if fnmatch.fnmatchcase(name, spec):
+                return True
+        elif isinstance(module, spec):
+            return True
+    return False
+
+
+# Tensors with a last dim this small hold one or two numbers per row:
+# statistics (rstd of a decomposed norm, the (min, scale) pairs of an already
+# compressed tensor), not activations worth quantising.
+ROW_STAT_MAX_LAST_DIM = 2
+
+
+def early_reason(cfg: CompressConfig, t: Tensor) -> Optional[str]:
+    """The reason to keep `t` as it is that needs neither the model nor the tracker, or None."""
+    if type(t) not in (Tensor, nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
+        return "unsupported"
+    if is_param_like(t) or (t._base is not None and is_param_like(t._base)):
+        return "parameter"
+    return None
+
+
+def value_reason(cfg: CompressConfig, t: Tensor) -> Optional[str]:
+    """Reasons that depend on the tensor alone: dtype, size, shape."""
+    if t.numel() == 0:
+        return "small"
+    if t.dtype == torch.bool:
+        return None if cfg.pack_bool_masks and t.numel() >= cfg.min_numel else (
+            "small" if cfg.pack_bool_masks else "integer")
+    if not t.is_floating_point():
+        return "integer" if not t.is_complex() else "dtype"
+    if t.dtype not in _codec.FLOAT_DTYPES:
+        return "dtype"
+    if t.numel() < cfg.min_numel:
+        return "small"
+    if t.dim() == 0 or t.shape[-1] <= ROW_STAT_MAX_LAST_DIM:
+        return "row_statistic"
+    return None
