@@ -1,5 +1,6 @@
 // The pybind11 module effmem._C. Loading it registers the torch ops (see
-// ops.cpp); the functions here describe the build and pick the CPU vector unit.
+// ops.cpp); the functions here describe the build and pick the CPU vector
+// unit, and the stateful offload engine is bound in engine/py_engine.cpp.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +10,10 @@
 #include "cpu/dispatch.h"
 
 namespace py = pybind11;
+
+namespace effmem::engine {
+void bind_engine(py::module_& m);
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "effmem C++/CUDA core";
@@ -35,4 +40,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"),
         "Use the named CPU vector unit (for tests and benchmarks); raises ValueError if unsupported");
   m.def("num_threads", [] { return at::get_num_threads(); }, "Threads the CPU kernels use");
+  effmem::engine::bind_engine(m);
 }

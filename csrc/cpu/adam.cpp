@@ -1,5 +1,5 @@
 // CPU implementation of effmem::adam_step_: splits every tensor into spans of
-// kSpan elements and runs the vectorised kernel (cpu/kernels.inc) for the
+// kAdamSpan elements and runs the vectorised kernel (cpu/kernels.inc) for the
 // chosen ISA over them on the intra-op thread pool.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -13,10 +13,6 @@
 
 namespace effmem::cpu {
 namespace {
-
-// 64K elements: about 1.8 MB of traffic per span for bf16 params, large
-// enough to amortise scheduling, small enough to balance across threads.
-constexpr int64_t kSpan = 1 << 16;
 
 float scalar_value(const std::optional<at::Tensor>& t, float fallback) {
   return t.has_value() ? *t->data_ptr<float>() : fallback;
@@ -59,9 +55,9 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     float* w = low_precision ? masters[i].data_ptr<float>() : params[i].data_ptr<float>();
     float* m = exp_avgs[i].data_ptr<float>();
     float* v = exp_avg_sqs[i].data_ptr<float>();
-    for (int64_t begin = 0; begin < numel; begin += kSpan) {
+    for (int64_t begin = 0; begin < numel; begin += kAdamSpan) {
       const AdamSpan span{p + begin * psize, g + begin * gsize, w + begin, m + begin, v + begin};
-      work.push_back({span, std::min(kSpan, numel - begin), &coeffs[i]});
+      work.push_back({span, std::min(kAdamSpan, numel - begin), &coeffs[i]});
     }
   }
   intra_op_pool()->run(static_cast<int64_t>(work.size()), [&](int64_t k) {

@@ -27,6 +27,15 @@ struct AdamSpan {
 
 using AdamFn = void (*)(const AdamSpan& span, int64_t n, const AdamCoeffs& c);
 using SumSqFn = double (*)(const void* x, int64_t n);
+// dst[i] = dst[i] + src[i], rounded once to dst's format: what torch's
+// `grad += new_grad` computes for bf16/fp16 grads (used by the offload
+// engine to accumulate gradients over micro-batches on the host).
+using AddFn = void (*)(void* dst, const void* src, int64_t n);
+
+// Adam work is split into spans of this many elements, the unit handed to a
+// thread: 64K elements is about 1.8 MB of traffic for bf16 params, large
+// enough to amortise scheduling, small enough to balance across threads.
+constexpr int64_t kAdamSpan = 1 << 16;
 
 // Group-wise quantisation of a [rows, last_dim] tensor (see common/quant_math.h);
 // kernels take a range of flat group indices.
@@ -51,6 +60,7 @@ struct KernelTable {
   const char* name;
   AdamFn adam[kNumDTypes][kNumDTypes];  // [param dtype][grad dtype]
   SumSqFn sumsq[kNumDTypes];
+  AddFn add[kNumDTypes];
   QuantFn quantize[kNumDTypes][2];      // [dtype][0: 4 bits, 1: 8 bits]
   DequantFn dequantize[kNumDTypes][2];
 };

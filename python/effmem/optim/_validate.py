@@ -8,6 +8,20 @@ from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+try:  # DTensor (FSDP2's sharded parameters) exists only in builds with torch.distributed
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+
+def is_dtensor(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The tensor this rank holds: a DTensor's local shard, else t itself (detached)."""
+    return t.to_local().detach() if is_dtensor(t) else t.detach()
+
 
 def hyperparameters(group: Dict[str, Any]) -> None:
     lr = group["lr"]
@@ -58,6 +72,7 @@ def params(new: List[Tensor], existing: List[Tensor]) -> None:
     if len(devices) > 1:
         raise ValueError(f"params: a param group must hold parameters of one device, got {sorted(map(str, devices))}; "
                          "put each device's parameters in its own group")
+    new, existing = [local_tensor(p) for p in new], [local_tensor(p) for p in existing]
     for i, p in enumerate(new):
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"params[{i}]: expected float32, bfloat16 or float16, got {p.dtype}")
@@ -73,7 +88,11 @@ def params(new: List[Tensor], existing: List[Tensor]) -> None:
 
 def grad(p: Tensor) -> Tensor:
     """The gradient of p, checked, in p's memory layout (the kernels walk both as one flat span)."""
-    g = p.grad
+    return grad_like(p, p.grad)
+
+
+def grad_like(p: Tensor, g: Tensor) -> Tensor:
+    """g checked as a gradient of p, in p's memory layout."""
     if g.is_sparse:
         raise TypeError("grad: sparse gradients are not supported; use a dense embedding or torch.optim.SparseAdam")
     if g.is_complex() or g.dtype not in SUPPORTED_DTYPES:
@@ -81,3 +100,22 @@ def grad(p: Tensor) -> Tensor:
     if g.stride() != p.stride():
         g = torch.empty_like(p, dtype=g.dtype).copy_(g)
     return g
+
+
+def loadable_groups(state_dict: Dict[str, Any], name: str) -> List[Dict[str, Any]]:
+    """The param groups of a state dict to load into an effmem Adam, refusing flags it would ignore."""
+    groups = state_dict["param_groups"]
+    for i, group in enumerate(groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag, False):
+                raise ValueError(f"state_dict: param_groups[{i}] uses {flag}=True, which {name} "
+                                 "does not implement; loading it would silently change the math")
+    return groups
+
+
+def complete_groups(optimizer: torch.optim.Optimizer) -> None:
+    """After loading: keys a torch.optim checkpoint lacks take the optimizer's defaults; all are checked."""
+    for group in optimizer.param_groups:
+        for key, value in optimizer.defaults.items():
+            group.setdefault(key, value)
+        hyperparameters(group)

@@ -172,19 +172,10 @@ class FusedAdam(torch.optim.Optimizer):
         they are restored in float32 exactly as saved. A checkpoint without
         masters (e.g. from torch.optim.AdamW) gets them from the parameters.
         """
-        saved_groups = state_dict["param_groups"]
+        saved_groups = _validate.loadable_groups(state_dict, "FusedAdam")
         saved_state = state_dict["state"]
-        for i, group in enumerate(saved_groups):
-            for flag in ("amsgrad", "maximize"):
-                if group.get(flag, False):
-                    raise ValueError(f"state_dict: param_groups[{i}] uses {flag}=True, which FusedAdam "
-                                     "does not implement; loading it would silently change the math")
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            # keys a torch.optim checkpoint lacks take this optimizer's defaults
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            _validate.hyperparameters(group)
+        _validate.complete_groups(self)
         saved_ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):

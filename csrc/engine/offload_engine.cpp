@@ -1,0 +1,503 @@
+#include "engine/offload_engine.h"
+
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "common/checks.h"
+#include "cpu/dispatch.h"
+
+namespace effmem::engine {
+namespace {
+
+// Each parameter starts on a 64-byte boundary in every buffer (16 floats,
+// 32 bf16): vector loads and streaming stores start aligned.
+constexpr int64_t kAlignElems = 32;
+
+int64_t element_size(int dtype) { return dtype == cpu::kF32 ? 4 : 2; }
+
+at::ScalarType scalar_type(int dtype) {
+  return dtype == cpu::kF32 ? at::kFloat : dtype == cpu::kBF16 ? at::kBFloat16 : at::kHalf;
+}
+
+// A worker failure, rethrown in every later call so that no caller goes on
+// with half-updated state.
+[[noreturn]] void rethrow_worker_error(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    throw std::runtime_error(std::string("OffloadAdam: the update worker failed: ") + err.what_without_backtrace());
+  } catch (const std::exception& err) {
+    throw std::runtime_error(std::string("OffloadAdam: the update worker failed: ") + err.what());
+  }
+}
+
+}  // namespace
+
+OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of,
+                             std::vector<int64_t> group_of, std::vector<bool> expects_grad, int64_t num_groups,
+                             EngineOptions options)
+    : options_(std::move(options)) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(bucket_of.size() == n && group_of.size() == n && expects_grad.size() == n,
+                    "OffloadEngine: params, bucket_of, group_of and expects_grad must have the same length");
+  TORCH_CHECK_VALUE(num_groups >= 1, "OffloadEngine: num_groups must be >= 1");
+  TORCH_CHECK_VALUE(options_.num_threads >= 1, "num_threads must be >= 1, got ", options_.num_threads);
+  TORCH_CHECK_VALUE(options_.landing_chunk_numel >= 1 && options_.landing_chunks >= 1,
+                    "landing_chunk_numel and landing_chunks must be >= 1");
+  if (options_.backend == "host") {
+    transfer_ = make_host_transfer(options_.host_delay_us, options_.seed);
+  } else if (options_.backend == "cuda") {
+    transfer_ = make_cuda_transfer(options_.device);
+  } else {
+    TORCH_CHECK_VALUE(false, "backend must be 'host' or 'cuda', got '", options_.backend, "'");
+  }
+
+  int64_t num_buckets = 0;
+  for (int64_t b : bucket_of) num_buckets = std::max(num_buckets, b + 1);
+  buckets_.resize(static_cast<size_t>(num_buckets));
+  std::vector<bool> bucket_seen(buckets_.size(), false);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = params[i];
+    TORCH_CHECK_VALUE(bucket_of[i] >= 0 && group_of[i] >= 0 && group_of[i] < num_groups,
+                      "OffloadEngine: bad bucket or group index for param ", i);
+    Param p;
+    p.tensor = t;
+    p.numel = t.numel();
+    p.bucket = bucket_of[i];
+    p.group = group_of[i];
+    p.dtype = dtype_index(t.scalar_type(), "params");
+    p.expects_grad = expects_grad[i];
+    Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
+    if (!bucket_seen[static_cast<size_t>(p.bucket)]) {
+      b.dtype = p.dtype;
+      bucket_seen[static_cast<size_t>(p.bucket)] = true;
+    }
+    TORCH_CHECK_VALUE(b.dtype == p.dtype, "OffloadEngine: bucket ", p.bucket, " mixes dtypes");
+    p.offset = b.numel;
+    b.numel += (p.numel + kAlignElems - 1) / kAlignElems * kAlignElems;
+    b.params.push_back(static_cast<int64_t>(i));
+    b.expected += p.expects_grad ? 1 : 0;
+    params_.push_back(std::move(p));
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    TORCH_CHECK_VALUE(bucket_seen[b], "OffloadEngine: bucket ", b, " holds no parameter");
+    Bucket& bucket = buckets_[b];
+    const int64_t floats = bucket.numel * 4;
+    bucket.master = transfer_->allocate(floats, options_.pin_state);
+    bucket.exp_avg = transfer_->allocate(floats, options_.pin_state);
+    bucket.exp_avg_sq = transfer_->allocate(floats, options_.pin_state);
+    bucket.staging = transfer_->allocate(bucket.numel * element_size(bucket.dtype), true);
+  }
+  groups_.resize(static_cast<size_t>(num_groups));
+  steps_ = allocate_pageable(static_cast<int64_t>(n) * 4);
+  for (int64_t c = 0; c < options_.landing_chunks; ++c) {
+    chunks_.push_back({transfer_->allocate(options_.landing_chunk_numel * 4, true)});
+    free_chunks_.push_back(static_cast<int>(c));
+  }
+  pool_ = std::make_unique<ThreadPool>(options_.num_threads);
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+OffloadEngine::~OffloadEngine() {
+  try {
+    close();
+  } catch (...) {  // a destructor must not throw; close() only joins threads
+  }
+}
+
+void OffloadEngine::close() {
+  if (closed_) return;
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    stop_ = true;
+  }
+  qcv_.notify_all();
+  chunk_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();  // runs what is queued, then stops
+  transfer_.reset();                      // the host backend finishes its copies first
+  pool_.reset();
+  // Views handed to Python keep their blocks alive; the engine lets go of them.
+  for (Bucket& b : buckets_) b.master = b.exp_avg = b.exp_avg_sq = b.staging = nullptr;
+  chunks_.clear();
+  for (Param& p : params_) {
+    p.tensor = at::Tensor();
+    p.staged = nullptr;
+  }
+  closed_ = true;
+}
+
+void OffloadEngine::check_usable() {
+  TORCH_CHECK(!closed_, "OffloadAdam: the offload engine is closed (close() was called)");
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    err = error_;
+  }
+  if (err) rethrow_worker_error(err);
+}
+
+// ------------------------------------------------------------------ worker
+
+void OffloadEngine::enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    queue_.push_back(std::move(task));
+  }
+  qcv_.notify_one();
+}
+
+void OffloadEngine::worker_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(qmu_);
+      qcv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    std::exception_ptr err;
+    try {
+      task();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(qmu_);
+      if (err && !error_) error_ = err;
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void OffloadEngine::wait_idle() {
+  std::unique_lock<std::mutex> lock(qmu_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+int OffloadEngine::acquire_chunk() {
+  std::unique_lock<std::mutex> lock(qmu_);
+  chunk_cv_.wait(lock, [&] { return stop_ || !free_chunks_.empty(); });
+  TORCH_CHECK(!stop_, "OffloadAdam: the offload engine is closed");
+  const int c = free_chunks_.back();
+  free_chunks_.pop_back();
+  return c;
+}
+
+void OffloadEngine::release_chunk(int c) {
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    free_chunks_.push_back(c);
+  }
+  chunk_cv_.notify_one();
+}
+
+// ------------------------------------------------------------------ gradients
+
+char* OffloadEngine::staging_of(const Param& p) const {
+  const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
+  return static_cast<char*>(b.staging->data()) + p.offset * element_size(p.dtype);
+}
+
+void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
+  check_usable();
+  TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), "OffloadEngine.grad_ready: index ", i,
+                    " out of range for ", params_.size(), " parameters");
+  Param& p = params_[static_cast<size_t>(i)];
+  TORCH_CHECK_TYPE(grad.scalar_type() == p.tensor.scalar_type(), "grad of parameter ", i, ": expected ",
+                   p.tensor.scalar_type(), ", got ", grad.scalar_type());
+  TORCH_CHECK_VALUE(grad.device() == p.tensor.device() && grad.sizes() == p.tensor.sizes() &&
+                        grad.strides() == p.tensor.strides(),
+                    "grad of parameter ", i, ": expected the parameter's device, shape and strides (",
+                    p.tensor.device(), ", ", p.tensor.sizes(), ", ", p.tensor.strides(), "), got ", grad.device(),
+                    ", ", grad.sizes(), ", ", grad.strides());
+  const int64_t bytes = p.numel * element_size(p.dtype);
+  bool accumulate_into_staging;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!p.queued, "OffloadAdam(overlap=True): parameter ", i, " got a second gradient before step(); "
+                "its update already ran during backward. Wrap all but the last micro-batch's backward in "
+                "`with opt.accumulating():`, or use overlap=False");
+    accumulate_into_staging = p.has_grad;
+    if (!accumulate_into_staging && bytes > 0) p.staged = transfer_->download(grad, 0, staging_of(p), bytes);
+    p.has_grad = true;
+  }
+  if (accumulate_into_staging && bytes > 0) accumulate(i, grad);
+  bytes_down_ += bytes;
+  if (!options_.overlap) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (accumulating_ || p.landed || !p.expects_grad) return;
+  p.landed = true;
+  Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
+  if (++b.landed < b.expected) return;
+  std::vector<int64_t> ready;
+  for (int64_t j : b.params) {
+    if (params_[static_cast<size_t>(j)].has_grad && !params_[static_cast<size_t>(j)].queued) ready.push_back(j);
+  }
+  queue_update_locked(p.bucket, std::move(ready), 1.0);
+}
+
+// A second gradient for a parameter lands chunk by chunk in the landing
+// pool; the worker adds each chunk into the staging (in order, after the
+// copy that filled the staging), then frees the chunk.
+void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
+  const Param& p = params_[static_cast<size_t>(i)];
+  const int64_t esize = element_size(p.dtype);
+  const cpu::AddFn add = cpu::kernels().add[p.dtype];
+  TicketPtr staged;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    staged = p.staged;
+  }
+  char* staging = staging_of(p);
+  const int64_t chunk_numel = options_.landing_chunk_numel;
+  for (int64_t off = 0; off < p.numel; off += chunk_numel) {
+    const int64_t count = std::min(chunk_numel, p.numel - off);
+    const int c = acquire_chunk();
+    void* landing = chunks_[static_cast<size_t>(c)].block->data();
+    TicketPtr landed;
+    try {
+      landed = transfer_->download(grad, off * esize, landing, count * esize);
+    } catch (...) {
+      release_chunk(c);
+      throw;
+    }
+    enqueue([this, c, landed, staged, add, landing, dst = staging + off * esize, count] {
+      struct Release {
+        OffloadEngine* e;
+        int c;
+        ~Release() { e->release_chunk(c); }
+      } release{this, c};
+      landed->wait();
+      if (staged) staged->wait();
+      add(dst, landing, count);
+      ++accumulations_;
+    });
+  }
+}
+
+void OffloadEngine::wait_staged() {
+  std::vector<TicketPtr> tickets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Param& p : params_) {
+      if (p.has_grad && p.staged) tickets.push_back(p.staged);
+    }
+  }
+  for (const TicketPtr& t : tickets) t->wait();
+}
+
+double OffloadEngine::grad_sq_sum() {
+  check_usable();
+  wait_idle();
+  check_usable();
+  wait_staged();
+  struct Work {
+    const char* data;
+    int64_t n;
+    cpu::SumSqFn fn;
+  };
+  std::vector<Work> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const cpu::KernelTable& table = cpu::kernels();
+    for (const Param& p : params_) {
+      if (!p.has_grad) continue;
+      const char* base = staging_of(p);
+      for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
+        work.push_back({base + off * element_size(p.dtype), std::min(cpu::kAdamSpan, p.numel - off),
+                        table.sumsq[p.dtype]});
+      }
+    }
+  }
+  std::vector<double> partial(work.size());
+  pool_->run(static_cast<int64_t>(work.size()), [&](int64_t k) { partial[k] = work[k].fn(work[k].data, work[k].n); });
+  double total = 0.0;
+  for (double s : partial) total += s;  // a fixed order: the result does not depend on the threads
+  return total;
+}
+
+// ------------------------------------------------------------------ updates
+
+void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids, double grad_scale) {
+  if (ids.empty()) return;
+  std::vector<TicketPtr> staged;
+  for (int64_t j : ids) {
+    Param& p = params_[static_cast<size_t>(j)];
+    if (p.staged) staged.push_back(p.staged);
+    p.has_grad = false;
+    p.queued = true;
+  }
+  enqueue([this, bucket, ids = std::move(ids), grad_scale, staged = std::move(staged)] {
+    run_update(bucket, ids, grad_scale, staged);
+  });
+}
+
+void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, double grad_scale,
+                               const std::vector<TicketPtr>& staged) {
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    if (error_) return;  // already failed: leave the state as it was at the failure
+    if (!fail_message_.empty()) {
+      const std::string message = std::move(fail_message_);
+      fail_message_.clear();
+      throw std::runtime_error(message);
+    }
+  }
+  for (const TicketPtr& t : staged) t->wait();
+  const Bucket& b = buckets_[static_cast<size_t>(bucket)];
+  const bool low_precision = b.dtype != cpu::kF32;
+  const int64_t esize = element_size(b.dtype);
+  const cpu::AdamFn fn = cpu::kernels().adam[b.dtype][b.dtype];
+  float* steps = static_cast<float*>(steps_->data());
+  struct Work {
+    cpu::AdamSpan span;
+    int64_t n;
+    size_t coeff;
+  };
+  std::vector<AdamCoeffs> coeffs;
+  std::vector<Work> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t j : ids) {
+      const Param& p = params_[static_cast<size_t>(j)];
+      const GroupHparams& h = groups_[static_cast<size_t>(p.group)];
+      steps[j] += 1.0f;
+      coeffs.push_back(adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
+                                   h.bias_correction, steps[j], grad_scale));
+      char* stage = staging_of(p);
+      float* master = static_cast<float*>(b.master->data()) + p.offset;
+      float* m = static_cast<float*>(b.exp_avg->data()) + p.offset;
+      float* v = static_cast<float*>(b.exp_avg_sq->data()) + p.offset;
+      for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
+        // The new low-precision weights overwrite the gradient in place:
+        // each element's gradient is read before its weight is written.
+        char* g = stage + off * esize;
+        work.push_back({{g, g, master + off, m + off, v + off}, std::min(cpu::kAdamSpan, p.numel - off),
+                        coeffs.size() - 1});
+      }
+    }
+  }
+  pool_->run(static_cast<int64_t>(work.size()),
+             [&](int64_t k) { fn(work[k].span, work[k].n, coeffs[work[k].coeff]); });
+  for (int64_t j : ids) {
+    const Param& p = params_[static_cast<size_t>(j)];
+    if (p.numel == 0) continue;
+    const void* src = low_precision ? static_cast<const void*>(staging_of(p))
+                                    : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
+    transfer_->upload(src, p.tensor, p.numel * esize);
+    bytes_up_ += p.numel * esize;
+  }
+  updates_ += static_cast<int64_t>(ids.size());
+}
+
+void OffloadEngine::step(double grad_scale) {
+  check_usable();
+  transfer_->record_readers();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      std::vector<int64_t> ready;
+      for (int64_t j : buckets_[b].params) {
+        const Param& p = params_[static_cast<size_t>(j)];
+        if (p.has_grad && !p.queued) ready.push_back(j);
+      }
+      queue_update_locked(static_cast<int64_t>(b), std::move(ready), grad_scale);
+    }
+  }
+  wait_idle();
+  check_usable();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Param& p : params_) p.queued = p.landed = false;
+    for (Bucket& b : buckets_) b.landed = 0;
+  }
+  transfer_->fence();
+}
+
+void OffloadEngine::zero_grad() {
+  check_usable();
+  wait_idle();
+  wait_staged();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Param& p : params_) {
+    p.has_grad = p.queued = p.landed = false;
+    p.staged = nullptr;
+  }
+  for (Bucket& b : buckets_) b.landed = 0;
+}
+
+void OffloadEngine::synchronize() {
+  check_usable();
+  wait_idle();
+  wait_staged();
+  check_usable();
+}
+
+void OffloadEngine::set_accumulating(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  accumulating_ = on;
+}
+
+void OffloadEngine::set_group(int64_t group, const GroupHparams& h) {
+  TORCH_CHECK_INDEX(group >= 0 && group < static_cast<int64_t>(groups_.size()), "OffloadEngine.set_group: group ",
+                    group, " out of range");
+  std::lock_guard<std::mutex> lock(mu_);
+  groups_[static_cast<size_t>(group)] = h;
+}
+
+void OffloadEngine::fail_next_update(const std::string& message) {
+  std::lock_guard<std::mutex> lock(qmu_);
+  fail_message_ = message.empty() ? "injected failure" : message;
+}
+
+// ------------------------------------------------------------------ views and counters
+
+std::vector<at::Tensor> OffloadEngine::state(int64_t i) const {
+  TORCH_CHECK(!closed_, "OffloadAdam: the offload engine is closed");
+  TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), "OffloadEngine.state: index ", i,
+                    " out of range");
+  const Param& p = params_[static_cast<size_t>(i)];
+  const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
+  std::vector<at::Tensor> out;
+  for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq}) {
+    float* data = static_cast<float*>(block->data()) + p.offset;
+    std::shared_ptr<HostBlock> keep = block;
+    out.push_back(at::from_blob(data, p.tensor.sizes(), p.tensor.strides(), [keep](void*) {},
+                                at::TensorOptions().dtype(at::kFloat)));
+  }
+  return out;
+}
+
+at::Tensor OffloadEngine::steps() const {
+  std::shared_ptr<HostBlock> keep = steps_;
+  return at::from_blob(steps_->data(), {static_cast<int64_t>(params_.size())}, [keep](void*) {},
+                       at::TensorOptions().dtype(at::kFloat));
+}
+
+std::map<std::string, int64_t> OffloadEngine::counters() const {
+  int64_t pinned = 0, pageable = steps_->bytes();
+  auto count = [&](const std::shared_ptr<HostBlock>& block) {
+    if (block) (block->pinned() ? pinned : pageable) += block->bytes();
+  };
+  for (const Bucket& b : buckets_) {
+    for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.staging}) count(block);
+  }
+  for (const Chunk& c : chunks_) count(c.block);
+  return {{"bytes_down", bytes_down_.load()},
+          {"bytes_up", bytes_up_.load()},
+          {"param_updates", updates_.load()},
+          {"accumulations", accumulations_.load()},
+          {"engine_pinned_bytes", pinned},
+          {"engine_pageable_bytes", pageable},
+          {"process_pinned_bytes", host_memory_counters().pinned.load()},
+          {"process_pageable_bytes", host_memory_counters().pageable.load()}};
+}
+
+}  // namespace effmem::engine

@@ -1,0 +1,168 @@
+// The offload engine behind effmem.OffloadAdam.
+//
+// Host memory, allocated once when the engine is built (never per step):
+//   per bucket (a run of parameters of one dtype, in backward order):
+//     master, exp_avg, exp_avg_sq  float32, one flat buffer each
+//     staging                      param dtype: gradients land here, and
+//                                  the kernel writes the new low-precision
+//                                  weights over them in place, so one
+//                                  buffer serves both directions
+//   landing chunks (a small fixed pool): a gradient for a parameter whose
+//     staging already holds one (accumulation over micro-batches) lands
+//     here, and the worker adds it into the staging.
+//
+// Flow of one step:
+//   grad_ready(i, grad)   (autograd thread, during backward) issues the
+//                         copy of grad into staging and returns; the caller
+//                         may free the gradient at once.
+//   worker thread         takes tasks in order: accumulations, and bucket
+//                         updates (Adam over a bucket's parameters, spread
+//                         over a thread pool, then the uploads of the new
+//                         weights). In overlap mode a bucket's update is
+//                         queued as soon as all its parameters have landed.
+//   step(scale)           queues the updates not yet queued, waits for the
+//                         worker, then orders the parameters' next readers
+//                         after the uploads.
+//
+// Errors in the worker are kept and rethrown by the next call from Python;
+// the worker keeps releasing landing chunks after an error, so no caller can
+// block forever on one.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/adam_math.h"
+#include "common/thread_pool.h"
+#include "engine/transfer.h"
+
+namespace effmem::engine {
+
+struct EngineOptions {
+  std::string backend = "host";     // "host" or "cuda"
+  int device = -1;                  // CUDA device index for the cuda backend
+  int num_threads = 1;              // threads running the Adam update
+  bool pin_state = true;            // page-lock master/m/v too (cuda backend)
+  bool overlap = false;             // update buckets during backward
+  int64_t landing_chunk_numel = 1 << 22;
+  int64_t landing_chunks = 4;
+  double host_delay_us = 0.0;       // host backend: random delay before each copy (tests)
+  uint64_t seed = 0;
+};
+
+struct GroupHparams {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  bool decoupled = true, bias_correction = true;
+};
+
+class OffloadEngine {
+ public:
+  // params: the tensors written back (local shards under FSDP2), dense, of
+  // float32/bf16/fp16. bucket_of[i], group_of[i]: the bucket and param group
+  // of param i; buckets must hold one dtype and be numbered 0..B-1.
+  // expects_grad[i]: false for parameters that never get a gradient.
+  OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of, std::vector<int64_t> group_of,
+                std::vector<bool> expects_grad, int64_t num_groups, EngineOptions options);
+  ~OffloadEngine();
+  OffloadEngine(const OffloadEngine&) = delete;
+  OffloadEngine& operator=(const OffloadEngine&) = delete;
+
+  void set_group(int64_t group, const GroupHparams& h);
+  void grad_ready(int64_t i, const at::Tensor& grad);
+  // Sum of squares of the pending gradients (waits for them to land).
+  double grad_sq_sum();
+  // Updates every parameter holding a pending gradient, gradients first
+  // multiplied by grad_scale; returns once the new weights are ordered
+  // before the parameters' next readers.
+  void step(double grad_scale);
+  void zero_grad();
+  void synchronize();
+  void set_accumulating(bool on);
+  void close();
+  bool closed() const { return closed_; }
+
+  // Views of the host state of param i: master, exp_avg, exp_avg_sq (float32,
+  // the param's shape and strides). They keep the memory alive.
+  std::vector<at::Tensor> state(int64_t i) const;
+  // float32 [num_params]: step count of each parameter, updated in place.
+  at::Tensor steps() const;
+  std::map<std::string, int64_t> counters() const;
+  const std::string& backend() const { return options_.backend; }
+
+  // Makes the next bucket update throw (to test error propagation).
+  void fail_next_update(const std::string& message);
+
+ private:
+  struct Param {
+    at::Tensor tensor;
+    int64_t numel, bucket, group, offset;  // offset: elements into the bucket's buffers
+    int dtype;
+    bool expects_grad;
+    bool has_grad = false;       // staging holds a gradient not yet used by an update
+    bool queued = false;         // overlap: its update is queued in this round
+    bool landed = false;         // overlap: counted towards its bucket in this round
+    TicketPtr staged;            // the copy that filled its staging
+  };
+  struct Bucket {
+    int dtype;
+    int64_t numel = 0, expected = 0, landed = 0;
+    std::vector<int64_t> params;
+    std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq, staging;
+  };
+  struct Chunk {
+    std::shared_ptr<HostBlock> block;
+  };
+
+  void check_usable();
+  void enqueue(std::function<void()> task);
+  void worker_loop();
+  void wait_idle();
+  // Queues the update of the given params of one bucket (caller holds mu_).
+  void queue_update_locked(int64_t bucket, std::vector<int64_t> params, double grad_scale);
+  void run_update(int64_t bucket, const std::vector<int64_t>& params, double grad_scale,
+                  const std::vector<TicketPtr>& staged);
+  void accumulate(int64_t i, const at::Tensor& grad);
+  int acquire_chunk();
+  void release_chunk(int c);
+  char* staging_of(const Param& p) const;
+  void wait_staged();
+
+  EngineOptions options_;
+  std::unique_ptr<Transfer> transfer_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::vector<Param> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<GroupHparams> groups_;
+  std::shared_ptr<HostBlock> steps_;
+  std::vector<Chunk> chunks_;
+
+  // mu_ guards the bookkeeping above (flags, tickets, hyper-parameters).
+  mutable std::mutex mu_;
+  bool accumulating_ = false;
+
+  // The worker's queue; qmu_ guards it, error_ and the chunk free list.
+  std::mutex qmu_;
+  std::condition_variable qcv_, idle_cv_, chunk_cv_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::vector<int> free_chunks_;
+  std::string fail_message_;
+  std::thread worker_;
+  bool closed_ = false;
+
+  std::atomic<int64_t> bytes_down_{0}, bytes_up_{0}, updates_{0}, accumulations_{0};
+};
+
+}  // namespace effmem::engine

@@ -1,0 +1,81 @@
+// pybind11 bindings of the offload engine (effmem._C.OffloadEngine). Every
+// call that may wait (for copies, for the worker) releases the GIL, so the
+// autograd thread, the worker and Python never wait on each other for it.
+#include <torch/csrc/utils/pybind.h>
+
+#include <c10/util/Exception.h>
+
+#include "engine/offload_engine.h"
+
+namespace py = pybind11;
+
+namespace effmem::engine {
+
+void bind_engine(py::module_& m) {
+  // c10's errors as the Python exceptions their macros promise, without the
+  // C++ backtrace.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+
+  using E = OffloadEngine;
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<E>(m, "OffloadEngine", "The C++ offload engine behind effmem.OffloadAdam (see offload_engine.h)")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> bucket_of, std::vector<int64_t> group_of,
+                       std::vector<bool> expects_grad, int64_t num_groups, std::string backend, int device,
+                       int num_threads, bool pin_state, bool overlap, int64_t landing_chunk_numel,
+                       int64_t landing_chunks, double host_delay_us, uint64_t seed) {
+             EngineOptions o;
+             o.backend = std::move(backend);
+             o.device = device;
+             o.num_threads = num_threads;
+             o.pin_state = pin_state;
+             o.overlap = overlap;
+             o.landing_chunk_numel = landing_chunk_numel;
+             o.landing_chunks = landing_chunks;
+             o.host_delay_us = host_delay_us;
+             o.seed = seed;
+             return std::make_unique<E>(std::move(params), std::move(bucket_of), std::move(group_of),
+                                        std::move(expects_grad), num_groups, std::move(o));
+           }),
+           py::arg("params"), py::arg("bucket_of"), py::arg("group_of"), py::arg("expects_grad"),
+           py::arg("num_groups"), py::kw_only(), py::arg("backend"), py::arg("device") = -1,
+           py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false,
+           py::arg("landing_chunk_numel") = int64_t(1) << 22, py::arg("landing_chunks") = 4,
+           py::arg("host_delay_us") = 0.0, py::arg("seed") = 0)
+      .def(
+          "set_group",
+          [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,
+             bool decoupled, bool bias_correction) {
+            e.set_group(group, GroupHparams{lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction});
+          },
+          py::arg("group"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"), py::arg("decoupled"), py::arg("bias_correction"))
+      .def("grad_ready", &E::grad_ready, py::arg("index"), py::arg("grad"), release(),
+           "Start copying param `index`'s gradient to the host; the caller may free it on return")
+      .def("grad_sq_sum", &E::grad_sq_sum, release(), "Sum of squares of the pending gradients")
+      .def("step", &E::step, py::arg("grad_scale") = 1.0, release())
+      .def("zero_grad", &E::zero_grad, release())
+      .def("synchronize", &E::synchronize, release())
+      .def("set_accumulating", &E::set_accumulating, py::arg("on"))
+      .def("close", &E::close, release())
+      .def_property_readonly("closed", &E::closed)
+      .def_property_readonly("backend", &E::backend)
+      .def("state", &E::state, py::arg("index"), "(master, exp_avg, exp_avg_sq) views of param `index`'s host state")
+      .def("steps", &E::steps, "float32 step count per parameter (a view, updated in place)")
+      .def("counters", &E::counters)
+      .def("fail_next_update", &E::fail_next_update, py::arg("message") = "",
+           "Testing: make the next bucket update raise");
+}
+
+}  // namespace effmem::engine

@@ -1,0 +1,147 @@
+// The host transfer backend: one thread performs every copy in the order
+// they were issued (so an upload and a later download of the same staging
+// are ordered for free), optionally sleeping a random time before each to
+// shake out ordering bugs in tests.
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "engine/transfer.h"
+
+namespace effmem::engine {
+namespace {
+
+class HostTicket : public Ticket {
+ public:
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+};
+
+class HostTransfer : public Transfer {
+ public:
+  HostTransfer(double max_delay_us, uint64_t seed) : max_delay_us_(max_delay_us), rng_(seed) {
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~HostTransfer() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  const char* name() const override { return "host"; }
+
+  std::shared_ptr<HostBlock> allocate(int64_t bytes, bool) override { return allocate_pageable(bytes); }
+
+  TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes) override {
+    TORCH_CHECK(src.device().is_cpu(), "OffloadAdam (host backend): expected a CPU tensor, got one on ",
+                src.device());
+    return push(static_cast<const char*>(src.data_ptr()) + src_offset, dst, bytes, src);
+  }
+
+  TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) override {
+    TORCH_CHECK(dst.device().is_cpu(), "OffloadAdam (host backend): expected a CPU tensor, got one on ",
+                dst.device());
+    auto ticket = push(src, dst.data_ptr(), bytes, dst);
+    std::lock_guard<std::mutex> lock(mu_);
+    last_upload_ = ticket;
+    return ticket;
+  }
+
+  void record_readers() override {}  // CPU kernels have finished when they return
+
+  void fence() override {
+    TicketPtr last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = last_upload_;
+    }
+    if (last) last->wait();  // FIFO: everything issued before it has landed too
+  }
+
+ private:
+  struct Job {
+    const void* src;
+    void* dst;
+    int64_t bytes;
+    at::Tensor keep_alive;
+    std::shared_ptr<HostTicket> ticket;
+  };
+
+  TicketPtr push(const void* src, void* dst, int64_t bytes, const at::Tensor& keep) {
+    auto ticket = std::make_shared<HostTicket>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back({src, dst, bytes, keep, ticket});
+    }
+    cv_.notify_one();
+    return ticket;
+  }
+
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stop requested and nothing left
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      if (max_delay_us_ > 0) {
+        std::uniform_real_distribution<double> delay(0.0, max_delay_us_);
+        std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(delay(rng_)));
+      }
+      std::memcpy(job.dst, job.src, static_cast<size_t>(job.bytes));
+      job.keep_alive = at::Tensor();
+      job.ticket->finish();
+    }
+  }
+
+  const double max_delay_us_;
+  std::mt19937_64 rng_;  // used by the copy thread only
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  TicketPtr last_upload_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transfer> make_host_transfer(double max_delay_us, uint64_t seed) {
+  return std::make_unique<HostTransfer>(max_delay_us, seed);
+}
+
+#ifndef EFFMEM_WITH_CUDA
+std::unique_ptr<Transfer> make_cuda_transfer(int) {
+  TORCH_CHECK(false, "OffloadAdam: this build of effmem has no CUDA support (built without a CUDA compiler); "
+                     "rebuild with CUDA_HOME set to a CUDA toolkit, or use CPU parameters");
+}
+#endif
+
+}  // namespace effmem::engine

@@ -1,0 +1,414 @@
+"""OffloadAdam: Adam/AdamW whose fp32 master weights and moments live in host memory."""
+import contextlib
+import math
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from effmem.optim import _validate
+from effmem.optim.fused_adam import ParamsT
+
+_local = _validate.local_tensor
+
+
+# A gradient for a parameter whose host staging already holds one lands in one
+# of these page-locked chunks first, then is added in on the host.
+LANDING_CHUNK_NUMEL = 1 << 22
+LANDING_CHUNKS = 4
+
+
+class OffloadAdam(torch.optim.Optimizer):
+    """Adam / AdamW with the optimizer state on the CPU and the update run there by a C++ engine.
+
+    The GPU keeps only the parameters (bf16, fp16 or fp32). The fp32 master
+    weights, exp_avg and exp_avg_sq live in host memory, allocated once (in
+    buckets of parameters, in backward order). During backward, as each
+    parameter's gradient is accumulated, it is copied to page-locked host
+    staging in its own dtype on a side stream and the GPU gradient is freed,
+    so full gradients never exist on the GPU at once. ``step()`` runs the
+    vectorised CPU Adam (the FusedAdam kernel: the same math, bit for bit)
+    over each bucket on a C++ thread pool, writes the new low-precision
+    weights over the staged gradients and copies them back on a second
+    stream, ordered before any later kernel that reads them. PCIe traffic
+    per step for a bf16 model: 2 bytes/param down, 2 up (``counters()``).
+
+    The ordinary loop works unchanged::
+
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    with LR schedulers, param groups, gradient accumulation over several
+    backward calls before ``step()`` (accumulated on the host in the
+    gradient's dtype, as ``.grad +=`` would on the GPU), and clipping by
+    global norm with ``opt.clip_grad_norm_(max_norm)`` (computed on the host
+    from the staged gradients and applied inside the next step).
+
+    Gradients are not left in ``p.grad``: after backward they live in the
+    engine. So ``torch.nn.utils.clip_grad_norm_`` (which would see no
+    gradients) must be replaced by ``opt.clip_grad_norm_``, and
+    ``torch.amp.GradScaler`` (which inspects ``p.grad``) is not supported:
+    use bf16, which needs no loss scaling.
+
+    Args:
+        params, lr, betas, eps, weight_decay, decoupled_weight_decay,
+        bias_correction: as for :class:`effmem.FusedAdam`. ``lr`` may be a
+            tensor; it is read on the host at each step.
+        overlap: run each bucket's update during backward, as soon as all
+            its parameters' gradients have landed, instead of in ``step()``.
+            The math is unchanged, but (1) a bucket's update uses the
+            hyper-parameters (lr...) as they were when backward began, so
+            change them before ``backward()``, not between it and ``step()``;
+            (2) parameters change during backward, after their last use by
+            it: code that reads them between ``backward()`` and ``step()``
+            sees the new values; (3) it rules out clipping by global norm
+            (``clip_grad_norm_`` raises: the norm needs every gradient
+            before any update) and accumulation across backward calls unless
+            all but the last run inside ``with opt.accumulating():``.
+        stream_grads: copy gradients off during backward (hooks). False
+            takes them from ``p.grad`` at ``step()`` instead. Default: True,
+            except under torch.distributed with more than one rank, where
+            DDP reads ``p.grad`` after the hooks would have taken it (FSDP2's
+            sharded gradients arrive in ``p.grad`` either way).
+        bucket_size: parameters (elements) per bucket, the unit of host
+            memory and of overlapped work.
+        num_threads: CPU threads for the update (default
+            ``torch.get_num_threads()``).
+        pin_state: page-lock the master weights and moments too (only the
+            staging must be: it is what crosses the bus). False leaves more
+            of the host's memory pageable.
+        backend: "cuda" (parameters on a GPU) or "host" (CPU parameters;
+            copies by a thread: the whole pipeline without a GPU). Chosen
+            from the parameters' device when None.
+
+    ``state_dict()`` has torch.optim's layout plus ``master`` for bf16/fp16
+    parameters, exactly FusedAdam's: checkpoints of either load into the
+    other. ``close()`` (or ``with OffloadAdam(...) as opt:``) frees the
+    engine; the state tensors already handed out stay valid.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: Union[float, Tensor] = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        decoupled_weight_decay: bool = True,
+        bias_correction: bool = True,
+        overlap: bool = False,
+        stream_grads: Optional[bool] = None,
+        bucket_size: int = 1 << 23,
+        num_threads: Optional[int] = None,
+        pin_state: bool = True,
+        backend: Optional[str] = None,
+        _host_delay_us: float = 0.0,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction)
+        _validate.hyperparameters(defaults)
+        if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
+            raise ValueError(f"bucket_size: expected an int >= 1 (elements), got {bucket_size!r}")
+        if num_threads is None:
+            num_threads = torch.get_num_threads()
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+            raise ValueError(f"num_threads: expected an int >= 1, got {num_threads!r}")
+        self._engine = None
+        super().__init__(params, defaults)
+        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
+        self._local = [_local(p) for p in self._params]
+        self._sharded = any(_validate.is_dtensor(p) for p in self._params)
+        self._overlap = bool(overlap)
+        self._engine = _build_engine(self, backend, num_threads, pin_state, bucket_size, _host_delay_us)
+        self._steps = self._engine.steps()
+        self._views = [self._engine.state(i) for i in range(len(self._params))]
+        for i, p in enumerate(self._params):
+            self.state[p] = self._state_of(i)
+        self._masters_ready = False
+        self._in_backward = False
+        self._clip_scale = 1.0
+        if stream_grads is None:
+            stream_grads = not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                and torch.distributed.get_world_size() > 1)
+        self._hooks = []
+        if stream_grads:
+            ref = weakref.ref(self)
+            for p in self._params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_Hook(ref)))
+
+    # ------------------------------------------------------------------ setup
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if self._engine is not None:
+            raise NotImplementedError("OffloadAdam: param groups cannot be added after construction (the host "
+                                      "buffers are laid out once); construct a new optimizer with every group")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _validate.hyperparameters(group)
+        _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
+
+    def _state_of(self, i: int) -> Dict[str, Tensor]:
+        master, exp_avg, exp_avg_sq = self._views[i]
+        state = {"step": self._steps[i], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        if self._params[i].dtype != torch.float32:
+            state["master"] = master
+        return state
+
+    @torch.no_grad()
+    def _init_masters(self) -> None:
+        """Masters from the parameters, at the first use rather than at construction, so that
+        weights loaded into the model after the optimizer was built are the ones trained."""
+        if self._masters_ready:
+            return
+        for (master, _, _), local in zip(self._views, self._local):
+            master.copy_(local)
+        self._masters_ready = True
+
+    def _sync_groups(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            _validate.hyperparameters(group)
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            self._engine.set_group(gi, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                                   weight_decay=float(group["weight_decay"]),
+                                   decoupled=bool(group["decoupled_weight_decay"]),
+                                   bias_correction=bool(group["bias_correction"]))
+
+    # ------------------------------------------------------------------ gradients
+
+    def _begin_backward(self) -> None:
+        self._check_open()
+        self._init_masters()
+        if self._overlap:
+            self._sync_groups()
+        self._in_backward = True
+
+    @torch.no_grad()
+    def _hand_off(self, p: Tensor) -> None:
+        i = self._index[p]
+        g = p.grad
+        local_p = self._local[i]
+        g = _validate.grad_like(local_p, _local(g))
+        if g.dtype != local_p.dtype:
+            g = g.to(local_p.dtype)  # the staging holds the parameter's dtype
+        self._engine.grad_ready(i, g)
+        p.grad = None
+
+    def _take_leftover_grads(self) -> None:
+        """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
+        for p in self._params:
+            if p.grad is not None:
+                if not self._in_backward:
+                    self._begin_backward()
+                self._hand_off(p)
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward calls inside only accumulate gradients (needed with overlap=True for all but
+        the last micro-batch; harmless otherwise)."""
+        self._check_open()
+        self._engine.set_accumulating(True)
+        try:
+            yield
+        finally:
+            self._engine.set_accumulating(False)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global L2 norm of the pending gradients, from the host copies; the clip factor
+        ``min(1, max_norm / (norm + 1e-6))`` is applied inside the next ``step()``.
+
+        Returns the norm as a float32 CPU tensor. Under FSDP2 the sums of squares are
+        all-reduced across ranks, so every rank clips by the global norm.
+        """
+        _validate.max_norm(max_norm)
+        self._check_open()
+        if self._overlap:
+            raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
+                               "gradient exists, so it cannot clip by the global norm; use overlap=False")
+        self._take_leftover_grads()
+        sq = self._engine.grad_sq_sum()
+        if self._sharded and torch.distributed.is_initialized():
+            device = self._local[0].device if self._engine.backend == "cuda" else torch.device("cpu")
+            total_sq = torch.tensor([sq], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(total_sq)
+            sq = float(total_sq.item())
+        total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
+        # The same float32 arithmetic as FusedAdam.clip_grad_norm_.
+        self._clip_scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Updates every parameter with a pending gradient; returns the closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_open()
+        self._init_masters()
+        self._take_leftover_grads()
+        self._sync_groups()
+        scale, self._clip_scale = self._clip_scale, 1.0
+        self._engine.step(scale)
+        self._in_backward = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the pending gradients held by the engine (and any left in p.grad)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._check_open()
+        self._engine.zero_grad()
+        self._clip_scale = 1.0
+        self._in_backward = False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim's layout plus ``master`` per bf16/fp16 parameter (FusedAdam's layout).
+
+        The tensors are the engine's host memory, as torch optimizers hand out
+        their own state: ``torch.save`` it, or clone it to keep a snapshot.
+        Parameters that have not been stepped yet have no entry.
+        """
+        self._check_open()
+        self._engine.synchronize()
+        self._init_masters()
+        sd = super().state_dict()
+        # Parameters never stepped have no state in torch's optimizers (nor in
+        # FusedAdam): leave them out, so checkpoints of the two compare equal.
+        sd["state"] = {k: v for k, v in sd["state"].items() if float(v["step"]) > 0}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.
+
+        Values are copied into the engine's host memory (nothing is staged on
+        the GPU). A checkpoint without masters (torch's AdamW) takes them from
+        the parameters; a parameter without saved state starts afresh.
+        """
+        self._check_open()
+        saved_groups = _validate.loadable_groups(state_dict, "OffloadAdam")
+        saved_state = state_dict["state"]
+        self._engine.synchronize()
+        # Only the groups go through torch's loader: it would cast the state to
+        # the parameters' dtype and device.
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        _validate.complete_groups(self)
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            i = self._index[p]
+            master, exp_avg, exp_avg_sq = self._views[i]
+            saved = saved_state.get(saved_id)
+            if saved is None:
+                exp_avg.zero_()
+                exp_avg_sq.zero_()
+                self._steps[i] = 0.0
+                master.copy_(self._local[i])
+            else:
+                exp_avg.copy_(_local(saved["exp_avg"]))
+                exp_avg_sq.copy_(_local(saved["exp_avg_sq"]))
+                self._steps[i] = float(saved.get("step", 0))
+                master.copy_(_local(saved["master"]) if "master" in saved else self._local[i])
+            self.state[p] = self._state_of(i)
+        self._masters_ready = True
+
+    # ------------------------------------------------------------------ lifetime
+
+    def counters(self) -> Dict[str, int]:
+        """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations, and
+        the host memory held: engine_pinned_bytes, engine_pageable_bytes (this engine) and
+        process_pinned_bytes, process_pageable_bytes (every live effmem engine)."""
+        self._check_open()
+        return dict(self._engine.counters())
+
+    def close(self) -> None:
+        """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._engine is not None and not self._engine.closed:
+            self._engine.close()
+
+    def __enter__(self) -> "OffloadAdam":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._engine is None or self._engine.closed:
+            raise RuntimeError("OffloadAdam: this optimizer was closed")
+
+    # Optimizer.__repr__ and __getstate__ work as for any optimizer; the engine
+    # itself cannot be pickled or deep-copied (it owns threads and host memory).
+    def __getstate__(self):
+        raise TypeError("OffloadAdam cannot be pickled or copied; save opt.state_dict() instead")
+
+
+class _Hook:
+    """Post-accumulate-grad hook: hands the gradient to the engine. Holds the optimizer weakly,
+    so that parameters do not keep a dropped optimizer (and its engine) alive."""
+
+    def __init__(self, ref: "weakref.ref[OffloadAdam]"):
+        self.ref = ref
+
+    def __call__(self, p: Tensor) -> None:
+        opt = self.ref()
+        if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:
+            return
+        if not opt._in_backward:
+            opt._begin_backward()
+        opt._hand_off(p)
+
+
+def _build_engine(opt: OffloadAdam, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
+                  host_delay_us: float):
+    from effmem import _C
+
+    if not opt._params:
+        raise ValueError("params: OffloadAdam got no parameters")
+    devices = {t.device for t in opt._local}
+    if len(devices) > 1:
+        raise ValueError(f"params: OffloadAdam offloads the parameters of one device, got {sorted(map(str, devices))}; "
+                         "use one optimizer per device")
+    device = devices.pop()
+    wanted = "cuda" if device.type == "cuda" else "host"
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"params: expected CPU or CUDA parameters, got {device}")
+    if backend is None:
+        backend = wanted
+    if backend not in ("cuda", "host"):
+        raise ValueError(f"backend: expected 'cuda', 'host' or None, got {backend!r}")
+    if backend != wanted:
+        raise ValueError(f"backend: {backend!r} needs {'CUDA' if backend == 'cuda' else 'CPU'} parameters, "
+                         f"but they are on {device}")
+    # Buckets of one dtype, filled in reverse registration order: roughly the
+    # order in which backward produces the gradients.
+    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
+    bucket_of = [0] * len(opt._params)
+    open_bucket: Dict[torch.dtype, Tuple[int, int]] = {}
+    num_buckets = 0
+    for i in reversed(range(len(opt._params))):
+        t = opt._local[i]
+        b, filled = open_bucket.get(t.dtype, (-1, 0))
+        if b < 0 or (filled > 0 and filled + t.numel() > bucket_size):
+            b, filled = num_buckets, 0
+            num_buckets += 1
+        bucket_of[i] = b
+        open_bucket[t.dtype] = (b, filled + t.numel())
+    expects = [bool(p.requires_grad) for p in opt._params]
+    # Landing chunks (for gradients accumulated over micro-batches): up to 4M
+    # elements each, no larger than the largest parameter.
+    chunk = max(1, min(LANDING_CHUNK_NUMEL, max(t.numel() for t in opt._local)))
+    return _C.OffloadEngine(opt._local, bucket_of, group_of, expects, len(opt.param_groups), backend=backend,
+                            device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
+                            pin_state=pin_state, overlap=opt._overlap, landing_chunk_numel=chunk,
+                            landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0)

@@ -1,0 +1,124 @@
+"""One rank of the two-process OffloadAdam tests (tests/test_offload_distributed.py).
+
+    python distributed_worker.py MODE RANK WORLD_SIZE STORE_FILE
+
+MODE is "ddp" or "fsdp2". CPU tensors, gloo backend. Each rank checks its
+own results and exits non-zero (with the assertion on stderr) on a mismatch.
+"""
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from effmem import FusedAdam, OffloadAdam, demo_model
+
+STEPS = 6
+LR = 3e-3
+
+
+def tiny_gpt(dtype):
+    torch.manual_seed(0)
+    cfg = demo_model.GPTConfig(seq_len=16, n_layer=2, d_model=32, n_head=2)
+    return demo_model.ByteGPT(cfg).to(dtype)
+
+
+def batch(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 256, (4, 16), generator=gen)
+    return x, (x * 7 + 3) % 256
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def run_ddp(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    base = tiny_gpt(torch.float32)
+    a, b = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    fused = FusedAdam(a.parameters(), lr=LR, weight_decay=0.1)
+    off = OffloadAdam(b.parameters(), lr=LR, weight_decay=0.1)   # stream_grads defaults to False here
+    assert not off._hooks, "under DDP the hooks would take p.grad before the all-reduce"
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        for model, opt in ((a, fused), (b, off)):
+            _, loss = model(x, y)
+            loss.backward()
+            norm = opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+            if opt is off:
+                losses.append(loss.item())
+                assert same_on_all_ranks(norm.reshape(1).float().cpu())
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        # Clipping: the norm from differently split partial sums may differ in the last bit.
+        assert torch.allclose(pa, pb, rtol=1e-6, atol=0), name
+        assert same_on_all_ranks(pb.detach()), name   # every rank holds the same replica
+    assert losses[-1] < losses[0], losses
+    off.close()
+
+
+def run_fsdp2(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tiny_gpt(torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    # The reference: FusedAdam on plain copies of this rank's shards, fed the same local gradients.
+    shadow = [nn.Parameter(p.to_local().detach().clone()) for p in params]
+    fused = FusedAdam(shadow, lr=LR, weight_decay=0.1)
+    off = OffloadAdam(params, lr=LR, weight_decay=0.1)
+    local_numel = sum(p.to_local().numel() for p in params)
+    full_numel = sum(p.numel() for p in params)
+    assert local_numel < full_numel   # each rank holds (and offloads) only its shard
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        _, loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        for s, p in zip(shadow, params):
+            s.grad = p.grad.to_local().clone()
+        # The global norm: the shards' sums of squares, all-reduced.
+        sq = torch.stack([s.grad.double().square().sum() for s in shadow]).sum()
+        dist.all_reduce(sq)
+        norm = off.clip_grad_norm_(1e9)   # computed but, with this max_norm, not clipping
+        assert torch.allclose(norm.double(), sq.sqrt(), rtol=1e-6), (norm, sq.sqrt())
+        off.step()
+        off.zero_grad()
+        fused.step()
+        fused.zero_grad()
+        for i, (s, p) in enumerate(zip(shadow, params)):
+            assert torch.equal(p.to_local(), s), i
+    counters = off.counters()
+    assert counters["bytes_down"] == STEPS * 4 * local_numel, counters
+    assert losses[-1] < losses[0], losses
+    off.close()
+
+
+def main():
+    mode, rank, world, store = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        {"ddp": run_ddp, "fsdp2": run_fsdp2}[mode](rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    print(f"rank {rank}: {mode} OK")
+
+
+if __name__ == "__main__":
+    main()

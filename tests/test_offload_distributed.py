@@ -1,0 +1,36 @@
+"""OffloadAdam under DDP and FSDP2: two processes on one machine, CPU tensors, gloo.
+
+Each rank offloads what it owns (DDP: every parameter; FSDP2: the local
+shard of each DTensor) and must match FusedAdam run on the same gradients;
+the checks run inside the ranks (tests/distributed_worker.py).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks(mode, tmp_path):
+    store = tmp_path / "store"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, mode, str(rank), "2", str(store)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append((p.returncode, out, err))
+    for rank, (code, out, err) in enumerate(outputs):
+        assert code == 0, f"rank {rank} failed:\n{out}\n{err[-4000:]}"
+        assert f"rank {rank}: {mode} OK" in out
