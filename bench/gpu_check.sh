@@ -22,6 +22,10 @@ echo "== benchmarks"
 "$PY" bench/bench_adam.py --device cuda --json "$OUT/gpu_adam.json" || status=1
 "$PY" bench/bench_compress.py --device cuda --bits 8 --gpt --json "$OUT/gpu_compress.json" || status=1
 "$PY" bench/bench_compress.py --device cuda --bits 4 --json "$OUT/gpu_compress_4bit.json" || status=1
+# Step time at 1.3B against FusedAdam, transfer bandwidth, GPU bytes/param; then
+# the largest model each optimizer trains (EFFMEM_CAPACITY=0 skips that part).
+cap=""; [ "${EFFMEM_CAPACITY:-1}" = "1" ] && cap="--capacity"
+"$PY" bench/bench_offload.py --device cuda $cap --json "$OUT/gpu_offload.json" || status=1
 
 echo "== demo"
 "$PY" -m effmem.cli demo --json "$OUT/gpu_demo.json" || status=1

@@ -12,7 +12,7 @@ from effmem import cli, demo_model
 
 TINY = ["--steps", "6", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
 CONFIG_NAMES = ["torch AdamW (fp32)", "FusedAdam (fp32)", "FusedAdam (bf16 + fp32 master)",
-                "FusedAdam (bf16 + fp32 master), 8-bit activations"]
+                "FusedAdam (bf16 + fp32 master), 8-bit activations", "OffloadAdam (bf16, master + moments on the host)"]
 
 
 def test_info_text(capsys):
@@ -134,6 +134,16 @@ def test_demo_json(tiny_demo):
     # fp32 params: exp_avg + exp_avg_sq only, for torch's AdamW and for FusedAdam.
     assert runs["torch AdamW (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
     assert runs["FusedAdam (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
+
+    # OffloadAdam: the same state, on the host; no gradient left on the device after backward;
+    # 2 bytes per parameter down and up per step; the same math, so the same losses bit for bit.
+    offload = runs["OffloadAdam (bf16, master + moments on the host)"]
+    assert offload["optimizer_state_bytes"] == 12 * n + steps
+    assert offload["grad_bytes"] == 0
+    assert offload["offload_counters"]["bytes_down"] == offload["offload_counters"]["bytes_up"] == 6 * 2 * n
+    assert (offload["first_loss"], offload["train_loss"], offload["val_loss"]) == (
+        bf16["first_loss"], bf16["train_loss"], bf16["val_loss"])
+    assert bf16["offload_counters"] is None
 
     # Compressed activations change neither the parameters nor the optimizer state.
     compressed = runs["FusedAdam (bf16 + fp32 master), 8-bit activations"]

@@ -94,8 +94,8 @@ class DemoConfig:
     param_dtype: torch.dtype
     # (param groups, hyperparameters) -> optimizer; groups carry their own weight_decay.
     make_optimizer: Callable[[List[dict], dict], torch.optim.Optimizer]
-    # (parameters, max_norm) -> total norm, clipping the gradients in place.
-    clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
+    # (optimizer, parameters, max_norm) -> total norm; clips by the global norm.
+    clip_grad: Callable[[torch.optim.Optimizer, Iterable[torch.Tensor], float], torch.Tensor]
     # fp32 models run under bf16 autocast on a GPU (the usual mixed-precision
     # recipe); a model already in bf16 needs none.
     autocast_on_gpu: bool = False
@@ -112,16 +112,33 @@ def _fused_adam(groups, hp):
     return effmem.FusedAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
 
 
+def _offload_adam(groups, hp):
+    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
+
+
+def _torch_clip(opt, params, max_norm):
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _optimizer_clip(opt, params, max_norm):
+    # effmem's optimizers apply the clip factor inside their next step's kernel
+    # (no pass over the gradients); OffloadAdam computes the norm on the host,
+    # where its gradients are after backward.
+    return opt.clip_grad_norm_(max_norm)
+
+
 DEMO_CONFIGS: List[DemoConfig] = [
-    DemoConfig("torch AdamW (fp32)", torch.float32, _torch_adamw, torch.nn.utils.clip_grad_norm_, True),
-    DemoConfig("FusedAdam (fp32)", torch.float32, _fused_adam, effmem.clip_grad_norm_, True),
-    DemoConfig("FusedAdam (bf16 + fp32 master)", torch.bfloat16, _fused_adam, effmem.clip_grad_norm_),
+    DemoConfig("torch AdamW (fp32)", torch.float32, _torch_adamw, _torch_clip, True),
+    DemoConfig("FusedAdam (fp32)", torch.float32, _fused_adam, _optimizer_clip, True),
+    DemoConfig("FusedAdam (bf16 + fp32 master)", torch.bfloat16, _fused_adam, _optimizer_clip),
     DemoConfig("FusedAdam (bf16 + fp32 master), 8-bit activations", torch.bfloat16, _fused_adam,
-               effmem.clip_grad_norm_, compress_bits=8),
+               _optimizer_clip, compress_bits=8),
+    DemoConfig("OffloadAdam (bf16, master + moments on the host)", torch.bfloat16, _offload_adam,
+               _optimizer_clip),
 ]
 
-# Sized so that all four CPU runs finish in under two minutes on two cores.
-CPU_DEFAULTS = dict(steps=300, layers=4, d_model=128, seq_len=64, batch_size=16)
+# Sized so that all five CPU runs finish in under two minutes on two cores.
+CPU_DEFAULTS = dict(steps=200, layers=4, d_model=128, seq_len=64, batch_size=12)
 GPU_DEFAULTS = dict(steps=600, layers=6, d_model=384, seq_len=256, batch_size=32)
 HYPERPARAMETERS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
 WARMUP_STEPS = 5    # steps left out of the tokens/s median (allocator and kernel warm-up)
@@ -262,7 +279,7 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         with autocast:
             _, loss = model(x, y)
         loss.backward()
-        cfg.clip_grad(model.parameters(), hp["max_grad_norm"])
+        cfg.clip_grad(opt, model.parameters(), hp["max_grad_norm"])
         opt.step()
         sched.step()
         losses.append(loss.item())  # also waits for the GPU, so the timing below is real
@@ -278,7 +295,11 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
     params = list(model.parameters())  # tied weights are listed once
     param_bytes = sum(p.nbytes for p in params)
     grad_bytes = sum(p.grad.nbytes for p in params if p.grad is not None)
-    state_bytes = sum(v.nbytes for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    state_tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    state_bytes = sum(v.nbytes for v in state_tensors)
+    # OffloadAdam keeps its state on the host: the device holds none of it.
+    state_elsewhere = sorted({str(v.device) for v in state_tensors if v.device.type != device.type})
+    engine = opt.counters() if hasattr(opt, "counters") else None
 
     model.eval()
     val_gen = torch.Generator().manual_seed(s["seed"] + 1)
@@ -298,6 +319,8 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,
         "optimizer_state_bytes": state_bytes,
+        "optimizer_state_elsewhere": state_elsewhere,
+        "offload_counters": engine,
         "model_state_bytes": param_bytes + grad_bytes + state_bytes,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
@@ -338,7 +361,8 @@ def format_table(runs: List[dict]) -> str:
     columns = [
         ("configuration", lambda r: r["name"]),
         ("params", lambda r: f"{r['params']:,}"),
-        ("optimizer state", lambda r: _mib(r["optimizer_state_bytes"])),
+        ("optimizer state", lambda r: _mib(r["optimizer_state_bytes"]) + "".join(
+            f" on {d}" for d in r.get("optimizer_state_elsewhere") or [])),
         ("model state", lambda r: _mib(r["model_state_bytes"])),
         (peak_label, lambda r: _mib(r["peak_memory_bytes"])),
         ("peak above start", lambda r: "n/a" if r["peak_above_start_bytes"] is None

@@ -1,0 +1,315 @@
+"""Benchmark of OffloadAdam against FusedAdam on a Llama-shaped bf16 model.
+
+    python bench/bench_offload.py [--device cpu|cuda] [--size 1.3b] [--batch B] [--seq T]
+                                  [--accum K] [--steps N] [--capacity] [--json PATH]
+
+Parts, all measured in one run:
+  link      pinned host <-> device copy bandwidth, each direction (torch copy_
+            of a 512 MiB page-locked buffer): what the engine's copies compare to.
+  transfer  the engine's gradient path alone: grad_ready on every parameter of
+            the model, then synchronize; bytes per second against `link`.
+  step      median training-step time (K micro-batches of forward + backward,
+            then the optimizer step) of FusedAdam (the baseline) and of
+            OffloadAdam, plain and in overlap mode, on the same model and data;
+            their ratio to the baseline, PCIe bytes per step, and the device
+            memory of the model states (peak minus activations is not
+            separable, so weights + what the optimizer keeps on the device).
+  capacity  (--capacity, CUDA) the largest Llama size that trains a few steps
+            with torch AdamW (fp32 weights, bf16 autocast: the usual recipe),
+            FusedAdam (bf16 + fp32 masters) and OffloadAdam, each try in a
+            fresh process; tokens/s and model FLOPs utilisation (6 x params
+            per token over the GPU's dense bf16 peak).
+
+On a CPU (no GPU) the same code runs with the host transfer backend and the
+tiny size: it measures the engine's own overhead, not a PCIe link.
+"""
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for common.py, llama.py
+
+import torch
+
+import common
+import llama
+from effmem import FusedAdam, OffloadAdam
+
+LR = 1e-4
+# Dense bf16 peak of the GPUs this is run on (NVIDIA's datasheets, SXM parts).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+TARGETS = {
+    "cuda": [("OffloadAdam (overlap) step <= 1.15x FusedAdam at 1.3B", "offload_overlap", "vs_baseline", 1.15, "<="),
+             ("engine transfer >= 80% of the pinned-copy bandwidth", "transfer", "bw_fraction", 0.8, ">="),
+             ("OffloadAdam GPU model states <= 2.1 B/param", "offload", "allocated_after_step_bytes_per_param",
+              2.1, "<=")],
+    "cpu": [],
+}
+
+
+def link_bandwidth(device, nbytes=512 << 20, repeat=5):
+    """Median GB/s of pinned host -> device and device -> host copies."""
+    if torch.device(device).type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = common.time_interleaved({"h2d": lambda: dev.copy_(host, non_blocking=True),
+                                     "d2h": lambda: host.copy_(dev, non_blocking=True)}, device, 2, repeat)
+    return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
+def transfer_bandwidth(model, device, repeat=5):
+    """The engine's download path alone: every gradient handed over, then waited for."""
+    params = list(model.parameters())
+    grads = [torch.randn_like(p) for p in params]
+    opt = OffloadAdam(params, lr=LR, stream_grads=False)
+    times = []
+    for r in range(repeat + 1):
+        common.sync(device)
+        t0 = time.perf_counter()
+        for i, g in enumerate(grads):
+            opt._engine.grad_ready(i, g)
+        opt._engine.synchronize()
+        if r:  # the first round warms up
+            times.append(time.perf_counter() - t0)
+        opt.zero_grad()
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    opt.close()
+    med = statistics.median(times)
+    return {"bytes": nbytes, "median_ms": med * 1e3, "gb_per_s": nbytes / med / 1e9}
+
+
+def batches(shape, n, batch, seq, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, shape.vocab, (batch, seq + 1), generator=gen)
+        out.append((x[:, :-1].to(device), x[:, 1:].to(device)))
+    return out
+
+
+def train_steps(model, opt, data, accum, steps, device, clip=None):
+    """Per-step seconds (each step: `accum` micro-batches, then opt.step)."""
+    times = []
+    it = 0
+    for _ in range(steps):
+        common.sync(device)
+        t0 = time.perf_counter()
+        for j in range(accum):
+            x, y = data[it % len(data)]
+            it += 1
+            ctx = opt.accumulating() if isinstance(opt, OffloadAdam) and j < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                (model(x, y) / accum).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        common.sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def step_comparison(args, device):
+    shape = llama.SIZES[args.size]
+    data = batches(shape, 4, args.batch, args.seq, device)
+    rows = []
+    cuda = torch.device(device).type == "cuda"
+    variants = [("fused", lambda ps: FusedAdam(ps, lr=LR)),
+                ("offload", lambda ps: OffloadAdam(ps, lr=LR)),
+                ("offload_overlap", lambda ps: OffloadAdam(ps, lr=LR, overlap=True))]
+    torch.manual_seed(0)
+    model = llama.build(args.size, device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    initial = {k: v.clone() for k, v in model.state_dict().items()} if not cuda else None
+    for name, make in variants:
+        if initial is not None:
+            model.load_state_dict(initial)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        opt = make(model.parameters())
+        warm = train_steps(model, opt, data, args.accum, args.warmup, device)  # noqa: F841
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = train_steps(model, opt, data, args.accum, args.steps, device)
+        row = {"name": name, **common.summarize(times), "tokens_per_step": args.batch * args.seq * args.accum}
+        row["tokens_per_s"] = row["tokens_per_step"] / (row["median_ms"] / 1e3)
+        on_device = [v for st in opt.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.device == torch.device(device)]
+        row["device_state_bytes"] = weights + sum(v.numel() * v.element_size() for v in on_device)
+        row["device_state_bytes_per_param"] = row["device_state_bytes"] / shape.num_params()
+        if cuda:
+            # After step() and zero_grad(): no activations or gradients left, so what
+            # remains allocated is the model states the optimizer keeps on the GPU.
+            row["allocated_after_step_bytes_per_param"] = torch.cuda.memory_allocated(device) / shape.num_params()
+            row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        if isinstance(opt, OffloadAdam):
+            c = opt.counters()
+            row["pcie_bytes_per_step_per_param"] = (c["bytes_down"] + c["bytes_up"]) / (
+                (args.steps + args.warmup) * shape.num_params())
+            row["engine_pinned_bytes"] = c["engine_pinned_bytes"]
+            opt.close()
+        del opt
+        rows.append(row)
+    base = rows[0]["median_ms"]
+    for r in rows:
+        r["vs_baseline"] = r["median_ms"] / base
+    return rows
+
+
+def capacity(args, device):
+    """Sizes tried in order for each optimizer until one fails; each try is its own process."""
+    mem_available = _host_available_bytes()
+    out = []
+    for opt_name in ("torch_adamw_amp", "fused", "offload"):
+        for size in args.capacity_sizes.split(","):
+            shape = llama.SIZES[size]
+            host_need = 16 * shape.num_params() if opt_name == "offload" else 0
+            if host_need > 0.9 * mem_available:
+                out.append({"optimizer": opt_name, "size": size, "status": "skipped: needs more host memory",
+                            "host_bytes_needed": host_need, "host_bytes_available": mem_available})
+                break
+            cmd = [sys.executable, os.path.abspath(__file__), "--device", device, "--capacity-worker", opt_name,
+                   "--size", size, "--batch", "1", "--seq", str(args.capacity_seq), "--steps", "3"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            result = _parse_worker(proc)
+            result.update(optimizer=opt_name, size=size, params=shape.num_params())
+            out.append(result)
+            print(f"  capacity {opt_name:16s} {size:5s}: {result['status']}"
+                  + (f", {result['tokens_per_s']:.0f} tokens/s, MFU {result['mfu']:.3f}"
+                     if result["status"] == "ok" and result.get("mfu") is not None else ""), flush=True)
+            if result["status"] != "ok":
+                break
+    return out
+
+
+def capacity_worker(args, device):
+    """One try: build, train a few steps, report tokens/s and peak memory, or the failure."""
+    shape = llama.SIZES[args.size]
+    try:
+        if args.capacity_worker == "torch_adamw_amp":
+            model = llama.build(args.size, device, torch.float32)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+            autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+        else:
+            model = llama.build(args.size, device)
+            opt = FusedAdam(model.parameters(), lr=LR) if args.capacity_worker == "fused" else OffloadAdam(
+                model.parameters(), lr=LR, pin_state=False)
+            autocast = contextlib.nullcontext()
+        data = batches(shape, 2, args.batch, args.seq, device)
+        times = []
+        for step in range(args.steps):
+            common.sync(device)
+            t0 = time.perf_counter()
+            x, y = data[step % 2]
+            with autocast:
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            common.sync(device)
+            times.append(time.perf_counter() - t0)
+        tps = args.batch * args.seq / statistics.median(times[1:] or times)
+        peak = _peak_flops(device)
+        result = {"status": "ok", "tokens_per_s": tps, "step_s": times, "loss": float(loss),
+                  "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if torch.cuda.is_available() else None,
+                  "mfu": tps * shape.flops_per_token() / peak if peak else None}
+    except torch.OutOfMemoryError as e:
+        result = {"status": "out of memory", "error": str(e).splitlines()[0]}
+    except RuntimeError as e:
+        result = {"status": "failed", "error": str(e).splitlines()[0]}
+    print("EFFMEM_CAPACITY " + json.dumps(result), flush=True)
+
+
+def _parse_worker(proc):
+    for line in proc.stdout.splitlines():
+        if line.startswith("EFFMEM_CAPACITY "):
+            return json.loads(line[len("EFFMEM_CAPACITY "):])
+    # Killed (host OOM) or crashed before reporting.
+    return {"status": f"process exited with {proc.returncode}", "error": proc.stderr[-2000:]}
+
+
+def _peak_flops(device):
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _host_available_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=sorted(llama.SIZES), default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--capacity", action="store_true", help="also find the largest model each optimizer trains")
+    ap.add_argument("--capacity-sizes", default="1.3b,3b,7b,13b")
+    ap.add_argument("--capacity-seq", type=int, default=2048)
+    ap.add_argument("--capacity-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    defaults = dict(size="1.3b", batch=8, seq=2048, accum=4) if cuda else dict(size="tiny", batch=4, seq=64, accum=2)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.capacity_worker:
+        return capacity_worker(args, args.device)
+
+    env = common.environment(args.device)
+    print(f"{env['device_name']} ({args.device}), torch {env['torch_version']}, commit {env['git_commit'][:12]}")
+    shape = llama.SIZES[args.size]
+    print(f"Llama-shaped {args.size}: {shape.num_params() / 1e9:.2f}B params; batch {args.batch} x seq {args.seq} "
+          f"x {args.accum} micro-batches per step")
+    link = link_bandwidth(args.device)
+    if link:
+        print(f"pinned copy bandwidth: host->device {link['h2d']:.1f} GB/s, device->host {link['d2h']:.1f} GB/s")
+    rows = step_comparison(args, args.device)
+    model = llama.build(args.size, args.device)
+    xfer = transfer_bandwidth(model, args.device)
+    del model
+    xfer["name"] = "transfer"
+    xfer["bw_fraction"] = xfer["gb_per_s"] / link["d2h"] if link else None
+    print(f"engine gradient download: {xfer['gb_per_s']:.1f} GB/s"
+          + (f" ({xfer['bw_fraction']:.0%} of the pinned device->host copy)" if link else " (host backend)"))
+    print()
+    print(common.format_table(rows, [("optimizer", "name", "s"), ("step ms", "median_ms", ".1f"),
+                                     ("vs FusedAdam", "vs_baseline", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
+                                     ("device B/param", "device_state_bytes_per_param", ".2f"),
+                                     ("GPU alloc B/param", "allocated_after_step_bytes_per_param", ".2f"),
+                                     ("PCIe B/param/step", "pcie_bytes_per_step_per_param", ".2f")]))
+    cap = capacity(args, args.device) if args.capacity and cuda else None
+    results = {"step": rows, "transfer": xfer, "link": link, "capacity": cap}
+    verdicts = []
+    lookup = {r["name"]: r for r in rows + [xfer]}
+    for label, row, metric, threshold, op in TARGETS[args.device]:
+        value = lookup.get(row, {}).get(metric) if args.size == "1.3b" or row != "offload_overlap" else None
+        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
+        verdicts.append({"target": label, "value": value, "met": met})
+        print(f"target {label}: measured {value if value is None else round(value, 3)} -> "
+              f"{'n/a' if met is None else 'MET' if met else 'NOT MET'}")
+    if args.json:
+        common.write_json(args.json, {"benchmark": "offload", "env": env, "config": vars(args), "results": results,
+                                      "targets": verdicts})
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
