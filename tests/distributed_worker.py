@@ -78,8 +78,13 @@ def run_fsdp2(rank):
     assert all(isinstance(p, DTensor) for p in params)
     # The reference: FusedAdam on plain copies of this rank's shards, fed the same local gradients.
     shadow = [nn.Parameter(p.to_local().detach().clone()) for p in params]
-    fused = FusedAdam(shadow, lr=LR, weight_decay=0.1)
-    off = OffloadAdam(params, lr=LR, weight_decay=0.1)
+    # A plain (replicated) parameter beside the shards: the global norm counts it once, not per rank.
+    extra = nn.Parameter(torch.ones(10))
+    extra_shadow = nn.Parameter(torch.ones(10))
+    fused = FusedAdam(shadow + [extra_shadow], lr=LR, weight_decay=0.1)
+    off = OffloadAdam(params + [extra], lr=LR, weight_decay=0.1)
+    assert isinstance(off.state[params[0]]["exp_avg"], DTensor)   # sharded state, for distributed checkpoints
+    assert off.state[params[0]]["exp_avg"].placements == params[0].placements
     local_numel = sum(p.to_local().numel() for p in params)
     full_numel = sum(p.numel() for p in params)
     assert local_numel < full_numel   # each rank holds (and offloads) only its shard
@@ -91,9 +96,12 @@ def run_fsdp2(rank):
         losses.append(loss.item())
         for s, p in zip(shadow, params):
             s.grad = p.grad.to_local().clone()
-        # The global norm: the shards' sums of squares, all-reduced.
+        extra.grad = torch.full((10,), 0.5 + step)
+        extra_shadow.grad = extra.grad.clone()
+        # The global norm: the shards' sums of squares all-reduced, plus the replicated one once.
         sq = torch.stack([s.grad.double().square().sum() for s in shadow]).sum()
         dist.all_reduce(sq)
+        sq = sq + extra.grad.double().square().sum()
         norm = off.clip_grad_norm_(1e9)   # computed but, with this max_norm, not clipping
         assert torch.allclose(norm.double(), sq.sqrt(), rtol=1e-6), (norm, sq.sqrt())
         off.step()
@@ -102,8 +110,9 @@ def run_fsdp2(rank):
         fused.zero_grad()
         for i, (s, p) in enumerate(zip(shadow, params)):
             assert torch.equal(p.to_local(), s), i
+        assert torch.equal(extra, extra_shadow)
     counters = off.counters()
-    assert counters["bytes_down"] == STEPS * 4 * local_numel, counters
+    assert counters["bytes_down"] == STEPS * 4 * (local_numel + 10), counters
     assert losses[-1] < losses[0], losses
     off.close()
 

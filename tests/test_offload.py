@@ -10,6 +10,8 @@ import copy
 import gc
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -416,3 +418,20 @@ def test_cuda_no_gradient_memory_left_after_backward():
     assert base <= 1.05 * weights + 2**20
     off.close()
 
+
+
+def test_dropping_the_optimizer_with_copies_in_flight_does_not_hang():
+    # The engine's destructor joins its threads; a copy thread may need the GIL to free a
+    # gradient whose Python object is gone, so the destructor must not hold the GIL.
+    code = """
+import gc, torch, effmem
+from torch import nn
+ps = [nn.Parameter(torch.randn(64, 64)) for _ in range(20)]
+opt = effmem.OffloadAdam(ps, lr=1e-3, _host_delay_us=20000.0)
+sum((p * p).sum() for p in ps).backward()   # 20 copies of 20 ms each queued
+del opt
+gc.collect()
+print("dropped")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "dropped" in proc.stdout, proc.stderr

@@ -121,7 +121,10 @@ void OffloadEngine::close() {
   transfer_.reset();                      // the host backend finishes its copies first
   pool_.reset();
   // Views handed to Python keep their blocks alive; the engine lets go of them.
-  for (Bucket& b : buckets_) b.master = b.exp_avg = b.exp_avg_sq = b.staging = nullptr;
+  for (Bucket& b : buckets_) {
+    b.master = b.exp_avg = b.exp_avg_sq = b.staging = nullptr;
+    b.last_upload = nullptr;
+  }
   chunks_.clear();
   for (Param& p : params_) {
     p.tensor = at::Tensor();
@@ -225,7 +228,10 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
                 "its update already ran during backward. Wrap all but the last micro-batch's backward in "
                 "`with opt.accumulating():`, or use overlap=False");
     accumulate_into_staging = p.has_grad;
-    if (!accumulate_into_staging && bytes > 0) p.staged = transfer_->download(grad, 0, staging_of(p), bytes);
+    if (!accumulate_into_staging && bytes > 0) {
+      const TicketPtr& after = buckets_[static_cast<size_t>(p.bucket)].last_upload;
+      p.staged = transfer_->download(grad, 0, staging_of(p), bytes, after);
+    }
     p.has_grad = true;
   }
   if (accumulate_into_staging && bytes > 0) accumulate(i, grad);
@@ -263,7 +269,7 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
     void* landing = chunks_[static_cast<size_t>(c)].block->data();
     TicketPtr landed;
     try {
-      landed = transfer_->download(grad, off * esize, landing, count * esize);
+      landed = transfer_->download(grad, off * esize, landing, count * esize, nullptr);
     } catch (...) {
       release_chunk(c);
       throw;
@@ -293,7 +299,7 @@ void OffloadEngine::wait_staged() {
   for (const TicketPtr& t : tickets) t->wait();
 }
 
-double OffloadEngine::grad_sq_sum() {
+std::vector<double> OffloadEngine::grad_sq_sums() {
   check_usable();
   wait_idle();
   check_usable();
@@ -302,25 +308,28 @@ double OffloadEngine::grad_sq_sum() {
     const char* data;
     int64_t n;
     cpu::SumSqFn fn;
+    size_t param;
   };
   std::vector<Work> work;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const cpu::KernelTable& table = cpu::kernels();
-    for (const Param& p : params_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Param& p = params_[i];
       if (!p.has_grad) continue;
       const char* base = staging_of(p);
       for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
         work.push_back({base + off * element_size(p.dtype), std::min(cpu::kAdamSpan, p.numel - off),
-                        table.sumsq[p.dtype]});
+                        table.sumsq[p.dtype], i});
       }
     }
   }
   std::vector<double> partial(work.size());
   pool_->run(static_cast<int64_t>(work.size()), [&](int64_t k) { partial[k] = work[k].fn(work[k].data, work[k].n); });
-  double total = 0.0;
-  for (double s : partial) total += s;  // a fixed order: the result does not depend on the threads
-  return total;
+  std::vector<double> sums(params_.size(), 0.0);
+  // A fixed order of additions: the result does not depend on the threads.
+  for (size_t k = 0; k < work.size(); ++k) sums[work[k].param] += partial[k];
+  return sums;
 }
 
 // ------------------------------------------------------------------ updates
@@ -386,13 +395,20 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
   }
   pool_->run(static_cast<int64_t>(work.size()),
              [&](int64_t k) { fn(work[k].span, work[k].n, coeffs[work[k].coeff]); });
+  TicketPtr last;
   for (int64_t j : ids) {
     const Param& p = params_[static_cast<size_t>(j)];
     if (p.numel == 0) continue;
     const void* src = low_precision ? static_cast<const void*>(staging_of(p))
                                     : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
-    transfer_->upload(src, p.tensor, p.numel * esize);
+    last = transfer_->upload(src, p.tensor, p.numel * esize);
     bytes_up_ += p.numel * esize;
+  }
+  if (last) {
+    // The next gradient copied into this bucket waits for these uploads (its
+    // staging, or for fp32 its master, is what they read).
+    std::lock_guard<std::mutex> lock(mu_);
+    buckets_[static_cast<size_t>(bucket)].last_upload = last;
   }
   updates_ += static_cast<int64_t>(ids.size());
 }
@@ -437,6 +453,7 @@ void OffloadEngine::synchronize() {
   check_usable();
   wait_idle();
   wait_staged();
+  transfer_->wait_uploads();  // Python may write the host state next (load_state_dict)
   check_usable();
 }
 

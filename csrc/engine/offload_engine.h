@@ -31,6 +31,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -80,8 +81,9 @@ class OffloadEngine {
 
   void set_group(int64_t group, const GroupHparams& h);
   void grad_ready(int64_t i, const at::Tensor& grad);
-  // Sum of squares of the pending gradients (waits for them to land).
-  double grad_sq_sum();
+  // Per parameter, the sum of squares of its pending gradient (0 without
+  // one); waits for the gradients to land.
+  std::vector<double> grad_sq_sums();
   // Updates every parameter holding a pending gradient, gradients first
   // multiplied by grad_scale; returns once the new weights are ordered
   // before the parameters' next readers.
@@ -90,7 +92,7 @@ class OffloadEngine {
   void synchronize();
   void set_accumulating(bool on);
   void close();
-  bool closed() const { return closed_; }
+  bool closed() const { return closed_.load(); }
 
   // Views of the host state of param i: master, exp_avg, exp_avg_sq (float32,
   // the param's shape and strides). They keep the memory alive.
@@ -119,6 +121,7 @@ class OffloadEngine {
     int64_t numel = 0, expected = 0, landed = 0;
     std::vector<int64_t> params;
     std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq, staging;
+    TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };
   struct Chunk {
     std::shared_ptr<HostBlock> block;
@@ -160,7 +163,7 @@ class OffloadEngine {
   std::vector<int> free_chunks_;
   std::string fail_message_;
   std::thread worker_;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};
 
   std::atomic<int64_t> bytes_down_{0}, bytes_up_{0}, updates_{0}, accumulations_{0};
 };

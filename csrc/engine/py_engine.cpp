@@ -13,8 +13,10 @@ namespace effmem::engine {
 
 void bind_engine(py::module_& m) {
   // c10's errors as the Python exceptions their macros promise, without the
-  // C++ backtrace.
-  py::register_exception_translator([](std::exception_ptr p) {
+  // C++ backtrace. Local to this module: a global translator would also
+  // catch c10 errors thrown from torch's own bindings (pybind11 internals are
+  // shared) and turn e.g. torch.OutOfMemoryError into a plain RuntimeError.
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const c10::ValueError& e) {
@@ -30,7 +32,16 @@ void bind_engine(py::module_& m) {
 
   using E = OffloadEngine;
   using release = py::call_guard<py::gil_scoped_release>;
-  py::class_<E>(m, "OffloadEngine", "The C++ offload engine behind effmem.OffloadAdam (see offload_engine.h)")
+  // Deleted without the GIL: the destructor joins the engine's threads, and
+  // a copy thread dropping a tensor may need the GIL to do so.
+  struct DeleteWithoutGil {
+    void operator()(E* e) const {
+      py::gil_scoped_release no_gil;
+      delete e;
+    }
+  };
+  py::class_<E, std::unique_ptr<E, DeleteWithoutGil>>(
+      m, "OffloadEngine", "The C++ offload engine behind effmem.OffloadAdam (see offload_engine.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> bucket_of, std::vector<int64_t> group_of,
                        std::vector<bool> expects_grad, int64_t num_groups, std::string backend, int device,
                        int num_threads, bool pin_state, bool overlap, int64_t landing_chunk_numel,
@@ -45,8 +56,9 @@ void bind_engine(py::module_& m) {
              o.landing_chunks = landing_chunks;
              o.host_delay_us = host_delay_us;
              o.seed = seed;
-             return std::make_unique<E>(std::move(params), std::move(bucket_of), std::move(group_of),
-                                        std::move(expects_grad), num_groups, std::move(o));
+             return std::unique_ptr<E, DeleteWithoutGil>(new E(std::move(params), std::move(bucket_of),
+                                                               std::move(group_of), std::move(expects_grad),
+                                                               num_groups, std::move(o)));
            }),
            py::arg("params"), py::arg("bucket_of"), py::arg("group_of"), py::arg("expects_grad"),
            py::arg("num_groups"), py::kw_only(), py::arg("backend"), py::arg("device") = -1,
@@ -63,7 +75,8 @@ void bind_engine(py::module_& m) {
           py::arg("weight_decay"), py::arg("decoupled"), py::arg("bias_correction"))
       .def("grad_ready", &E::grad_ready, py::arg("index"), py::arg("grad"), release(),
            "Start copying param `index`'s gradient to the host; the caller may free it on return")
-      .def("grad_sq_sum", &E::grad_sq_sum, release(), "Sum of squares of the pending gradients")
+      .def("grad_sq_sums", &E::grad_sq_sums, release(),
+           "Per parameter, the sum of squares of its pending gradient (0.0 without one)")
       .def("step", &E::step, py::arg("grad_scale") = 1.0, release())
       .def("zero_grad", &E::zero_grad, release())
       .def("synchronize", &E::synchronize, release())

@@ -37,15 +37,17 @@ class Transfer {
   virtual std::shared_ptr<HostBlock> allocate(int64_t bytes, bool pinned) = 0;
 
   // Copies `bytes` from src (starting `src_offset` bytes into its data) to
-  // host memory, after all work already queued that writes src. src is kept
-  // alive, and its memory is not reused, until the copy has landed, so the
-  // caller may drop its last reference at once.
-  virtual TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes) = 0;
+  // host memory, after all work already queued that writes src, and after
+  // the copy `after` (when given: the last upload that read that host
+  // memory). src's memory is kept, and not reused, until the copy has
+  // landed, so the caller may drop its last reference at once.
+  virtual TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes,
+                             const TicketPtr& after) = 0;
 
   // Copies host memory into dst, after the work queued on the caller's
-  // stream at the last download or record_readers() call. Later downloads
-  // into that host memory wait for it (the engine reuses a gradient's
-  // staging for the new weights).
+  // stream at the last download or record_readers() call. The engine passes
+  // the returned ticket as `after` to the next download into that host
+  // memory (a gradient's staging is reused for the new weights).
   virtual TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) = 0;
 
   // Later uploads also wait for the work queued so far on the caller's
@@ -54,8 +56,13 @@ class Transfer {
 
   // Orders the parameters' consumers after every upload issued so far: on
   // CUDA the current stream waits for them (no host sync); on the host the
-  // caller waits.
+  // caller waits. Only the caller's current stream is ordered: kernels that
+  // read the parameters on other streams must wait on it themselves.
   virtual void fence() = 0;
+
+  // The host waits until every upload issued so far has landed (before the
+  // engine lets Python write host memory that an upload may still read).
+  virtual void wait_uploads() = 0;
 };
 
 std::unique_ptr<Transfer> make_host_transfer(double max_delay_us, uint64_t seed);

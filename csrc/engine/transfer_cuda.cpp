@@ -1,14 +1,15 @@
-// The CUDA transfer backend: gradients go down on one side stream and new
-// weights come up on another, so the two directions overlap each other and
-// the compute stream. Ordering is by events only; the host never waits here
+// The CUDA transfer backend: gradients go down on one stream and new weights
+// come up on another (both created here, not taken from torch's pool, so no
+// other work shares them), so the two directions overlap each other and the
+// compute stream. Ordering is by events only; the host never waits here
 // except in Ticket::wait (called by the engine's worker, off the Python
-// thread).
+// thread) and in wait_uploads / the destructor.
 //
-//   download: d2h waits for [compute stream at the call] and [last upload]
-//             (the staging may still be being read by an upload), copies,
-//             and tells the caching allocator the source is in use on d2h,
-//             so the gradient can be freed at once without its memory being
-//             reused before the copy has read it.
+//   download: d2h waits for [compute stream at the call] and [the upload
+//             that last read the destination, if any], copies, and tells the
+//             caching allocator the source is in use on d2h, so the gradient
+//             can be freed at once without its memory being reused before
+//             the copy has read it.
 //   upload:   h2d waits for [compute stream at the last download or
 //             record_readers()] (kernels still reading the old weights), copies.
 //   fence:    the compute stream waits for the last upload.
@@ -32,41 +33,78 @@
 namespace effmem::engine {
 namespace {
 
-// One CUDA event, destroyed with its last owner.
+using DeviceGuard = c10::cuda::CUDAGuard;
+
+c10::DeviceIndex index_of(int device) { return static_cast<c10::DeviceIndex>(device); }
+
+// One CUDA event of one device, destroyed with its last owner. The guard in
+// the destructor matters: the last owner may be the engine's worker thread,
+// whose current device is not set, and touching another device there would
+// create a CUDA context on it.
 class Event : public Ticket {
  public:
-  Event() { EFFMEM_CUDA_OK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
-  ~Event() override { cudaEventDestroy(event_); }
+  Event(int device, unsigned flags) : device_(device) {
+    DeviceGuard guard(index_of(device_));
+    EFFMEM_CUDA_OK(cudaEventCreateWithFlags(&event_, flags));
+  }
+  ~Event() override {
+    DeviceGuard guard(index_of(device_));
+    cudaEventDestroy(event_);
+  }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
   void wait() override { EFFMEM_CUDA_OK(cudaEventSynchronize(event_)); }
   cudaEvent_t get() const { return event_; }
 
  private:
+  int device_;
   cudaEvent_t event_;
 };
 using EventPtr = std::shared_ptr<Event>;
 
-EventPtr record(cudaStream_t stream) {
-  auto e = std::make_shared<Event>();
+// Events only waited on by streams, and events the worker blocks on: the
+// latter yield the CPU while waiting (the default spins a core that the
+// Adam update could use).
+constexpr unsigned kStreamEvent = cudaEventDisableTiming;
+constexpr unsigned kHostEvent = cudaEventDisableTiming | cudaEventBlockingSync;
+
+EventPtr record(int device, cudaStream_t stream, unsigned flags) {
+  auto e = std::make_shared<Event>(device, flags);
   EFFMEM_CUDA_OK(cudaEventRecord(e->get(), stream));
   return e;
 }
 
 void free_pinned(void* p) { cudaFreeHost(p); }
 
+cudaStream_t new_stream(int device) {
+  DeviceGuard guard(index_of(device));
+  cudaStream_t s = nullptr;
+  EFFMEM_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return s;
+}
+
 class CudaTransfer : public Transfer {
  public:
   explicit CudaTransfer(int device)
-      : device_(device),
-        down_(c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device))),
-        up_(c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device))) {}
+      : device_(device), down_raw_(new_stream(device)), up_raw_(new_stream(device)),
+        down_(c10::cuda::getStreamFromExternal(down_raw_, index_of(device))) {}
+
+  // Nothing may still be copying into or out of memory that is about to be
+  // freed (pinned staging, landing chunks, parameters).
+  ~CudaTransfer() override {
+    DeviceGuard guard(index_of(device_));
+    cudaStreamSynchronize(down_raw_);
+    cudaStreamSynchronize(up_raw_);
+    readers_ = last_upload_ = nullptr;
+    cudaStreamDestroy(down_raw_);
+    cudaStreamDestroy(up_raw_);
+  }
 
   const char* name() const override { return "cuda"; }
 
   std::shared_ptr<HostBlock> allocate(int64_t bytes, bool pinned) override {
     if (!pinned) return allocate_pageable(bytes);
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    DeviceGuard guard(index_of(device_));
     void* ptr = nullptr;
     const cudaError_t err = cudaHostAlloc(&ptr, static_cast<size_t>(std::max<int64_t>(bytes, 1)),
                                           cudaHostAllocPortable);
@@ -76,49 +114,61 @@ class CudaTransfer : public Transfer {
     return std::make_shared<HostBlock>(ptr, bytes, true, &free_pinned);
   }
 
-  TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes) override {
+  TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes,
+                     const TicketPtr& after) override {
     check_device(src);
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    const cudaStream_t compute = current();
-    EventPtr produced = record(compute);
+    DeviceGuard guard(index_of(device_));
+    EventPtr produced = record(device_, current(), kStreamEvent);
+    EFFMEM_CUDA_OK(cudaStreamWaitEvent(down_raw_, produced->get(), 0));
+    if (after) {
+      const auto* upload = dynamic_cast<const Event*>(after.get());
+      TORCH_CHECK(upload != nullptr, "OffloadAdam: `after` must be a ticket of this CUDA backend");
+      EFFMEM_CUDA_OK(cudaStreamWaitEvent(down_raw_, upload->get(), 0));
+    }
+    EFFMEM_CUDA_OK(cudaMemcpyAsync(dst, static_cast<const char*>(src.data_ptr()) + src_offset,
+                                   static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, down_raw_));
+    c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), down_);
+    EventPtr done = record(device_, down_raw_, kHostEvent);
     std::lock_guard<std::mutex> lock(mu_);
     readers_ = produced;
-    EFFMEM_CUDA_OK(cudaStreamWaitEvent(down_.stream(), produced->get(), 0));
-    if (last_upload_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(down_.stream(), last_upload_->get(), 0));
-    EFFMEM_CUDA_OK(cudaMemcpyAsync(dst, static_cast<const char*>(src.data_ptr()) + src_offset,
-                                   static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, down_.stream()));
-    c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), down_);
-    return record(down_.stream());
+    return done;
   }
 
   TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) override {
     check_device(dst);
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    DeviceGuard guard(index_of(device_));
     std::lock_guard<std::mutex> lock(mu_);
-    if (readers_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(up_.stream(), readers_->get(), 0));
+    if (readers_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(up_raw_, readers_->get(), 0));
     EFFMEM_CUDA_OK(cudaMemcpyAsync(dst.data_ptr(), src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
-                                   up_.stream()));
-    last_upload_ = record(up_.stream());
+                                   up_raw_));
+    last_upload_ = record(device_, up_raw_, kHostEvent);
     return last_upload_;
   }
 
   void record_readers() override {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    EventPtr e = record(current());
+    DeviceGuard guard(index_of(device_));
+    EventPtr e = record(device_, current(), kStreamEvent);
     std::lock_guard<std::mutex> lock(mu_);
     readers_ = e;
   }
 
   void fence() override {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    DeviceGuard guard(index_of(device_));
     std::lock_guard<std::mutex> lock(mu_);
     if (last_upload_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(current(), last_upload_->get(), 0));
   }
 
- private:
-  cudaStream_t current() const {
-    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+  void wait_uploads() override {
+    EventPtr last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = last_upload_;
+    }
+    if (last) last->wait();  // one stream: the last upload lands after all earlier ones
   }
+
+ private:
+  cudaStream_t current() const { return c10::cuda::getCurrentCUDAStream(index_of(device_)).stream(); }
 
   void check_device(const at::Tensor& t) const {
     TORCH_CHECK(t.is_cuda() && t.get_device() == device_, "OffloadAdam (CUDA backend on cuda:", device_,
@@ -126,7 +176,8 @@ class CudaTransfer : public Transfer {
   }
 
   const int device_;
-  c10::cuda::CUDAStream down_, up_;
+  cudaStream_t down_raw_, up_raw_;
+  c10::cuda::CUDAStream down_;  // down_raw_ as torch's type, for recordStream
   std::mutex mu_;
   EventPtr readers_, last_upload_;
 };

@@ -56,7 +56,9 @@ class HostTransfer : public Transfer {
 
   std::shared_ptr<HostBlock> allocate(int64_t bytes, bool) override { return allocate_pageable(bytes); }
 
-  TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes) override {
+  // FIFO copies: `after` was issued earlier, so it has landed first.
+  TicketPtr download(const at::Tensor& src, int64_t src_offset, void* dst, int64_t bytes,
+                     const TicketPtr&) override {
     TORCH_CHECK(src.device().is_cpu(), "OffloadAdam (host backend): expected a CPU tensor, got one on ",
                 src.device());
     return push(static_cast<const char*>(src.data_ptr()) + src_offset, dst, bytes, src);
@@ -73,7 +75,9 @@ class HostTransfer : public Transfer {
 
   void record_readers() override {}  // CPU kernels have finished when they return
 
-  void fence() override {
+  void fence() override { wait_uploads(); }
+
+  void wait_uploads() override {
     TicketPtr last;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -83,11 +87,13 @@ class HostTransfer : public Transfer {
   }
 
  private:
+  // The job keeps the tensor's storage, not the tensor: a tensor whose
+  // Python object has died would need the GIL to be freed on this thread.
   struct Job {
     const void* src;
     void* dst;
     int64_t bytes;
-    at::Tensor keep_alive;
+    c10::Storage keep_alive;
     std::shared_ptr<HostTicket> ticket;
   };
 
@@ -95,7 +101,7 @@ class HostTransfer : public Transfer {
     auto ticket = std::make_shared<HostTicket>();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back({src, dst, bytes, keep, ticket});
+      jobs_.push_back({src, dst, bytes, keep.storage(), ticket});
     }
     cv_.notify_one();
     return ticket;
@@ -116,7 +122,7 @@ class HostTransfer : public Transfer {
         std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(delay(rng_)));
       }
       std::memcpy(job.dst, job.src, static_cast<size_t>(job.bytes));
-      job.keep_alive = at::Tensor();
+      job.keep_alive = c10::Storage();
       job.ticket->finish();
     }
   }

@@ -83,7 +83,10 @@ class OffloadAdam(torch.optim.Optimizer):
 
     ``state_dict()`` has torch.optim's layout plus ``master`` for bf16/fp16
     parameters, exactly FusedAdam's: checkpoints of either load into the
-    other. ``close()`` (or ``with OffloadAdam(...) as opt:``) frees the
+    other. For FSDP2's DTensor parameters the state tensors are DTensors of
+    the same mesh and placements around this rank's host shards. Only the
+    caller's current CUDA stream is ordered after the weight uploads; code
+    that reads the parameters on another stream must wait on it. ``close()`` (or ``with OffloadAdam(...) as opt:``) frees the
     engine; the state tensors already handed out stay valid.
     """
 
@@ -151,9 +154,10 @@ class OffloadAdam(torch.optim.Optimizer):
         _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
-        master, exp_avg, exp_avg_sq = self._views[i]
+        p = self._params[i]
+        master, exp_avg, exp_avg_sq = (_like_param(v, p) for v in self._views[i])
         state = {"step": self._steps[i], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        if self._params[i].dtype != torch.float32:
+        if p.dtype != torch.float32:
             state["master"] = master
         return state
 
@@ -190,6 +194,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def _hand_off(self, p: Tensor) -> None:
         i = self._index[p]
         g = p.grad
+        if _validate.is_dtensor(g) and g.placements != p.placements:
+            g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
         local_p = self._local[i]
         g = _validate.grad_like(local_p, _local(g))
         if g.dtype != local_p.dtype:
@@ -221,8 +227,9 @@ class OffloadAdam(torch.optim.Optimizer):
         """Global L2 norm of the pending gradients, from the host copies; the clip factor
         ``min(1, max_norm / (norm + 1e-6))`` is applied inside the next ``step()``.
 
-        Returns the norm as a float32 CPU tensor. Under FSDP2 the sums of squares are
-        all-reduced across ranks, so every rank clips by the global norm.
+        Returns the norm as a float32 CPU tensor. Under FSDP2 the sums of squares of
+        sharded parameters are all-reduced over the mesh dimensions they are sharded on
+        (not over replicas, as in HSDP), so every rank clips by the global norm.
         """
         _validate.max_norm(max_norm)
         self._check_open()
@@ -230,15 +237,31 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
                                "gradient exists, so it cannot clip by the global norm; use overlap=False")
         self._take_leftover_grads()
-        sq = self._engine.grad_sq_sum()
-        if self._sharded and torch.distributed.is_initialized():
-            device = self._local[0].device if self._engine.backend == "cuda" else torch.device("cpu")
-            total_sq = torch.tensor([sq], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(total_sq)
-            sq = float(total_sq.item())
+        sq = self._global_sq_sum(self._engine.grad_sq_sums())
         total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
         # The same float32 arithmetic as FusedAdam.clip_grad_norm_.
         self._clip_scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def _global_sq_sum(self, sums: List[float]) -> float:
+        """The global sum of squares: each rank's shards summed over the ranks holding the other
+        shards; replicated and plain parameters counted once. Every rank makes the same
+        collective calls in the same order (the parameters are in the same order)."""
+        total = 0.0
+        sharded: Dict[Tuple[int, Tuple[int, ...]], List] = {}
+        for p, sq in zip(self._params, sums):
+            dims = tuple(d for d, pl in enumerate(p.placements) if pl.is_shard()) if _validate.is_dtensor(p) else ()
+            if dims:
+                entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
+                entry[1] += sq
+            else:
+                total += sq
+        for (_, dims), (mesh, sq) in sharded.items():
+            device = "cpu" if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device())
+            t = torch.tensor([sq], dtype=torch.float64, device=device)
+            for d in dims:
+                torch.distributed.all_reduce(t, group=mesh.get_group(d))
+            total += float(t.item())
         return total
 
     # ------------------------------------------------------------------ step
@@ -278,7 +301,6 @@ class OffloadAdam(torch.optim.Optimizer):
         """
         self._check_open()
         self._engine.synchronize()
-        self._init_masters()
         sd = super().state_dict()
         # Parameters never stepped have no state in torch's optimizers (nor in
         # FusedAdam): leave them out, so checkpoints of the two compare equal.
@@ -367,6 +389,15 @@ class _Hook:
         if not opt._in_backward:
             opt._begin_backward()
         opt._hand_off(p)
+
+
+def _like_param(view: Tensor, p: Tensor) -> Tensor:
+    """A host state view as the parameter's kind: for a DTensor, a DTensor of the same mesh and
+    placements around it, so distributed checkpointing sees sharded state."""
+    if not _validate.is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _build_engine(opt: OffloadAdam, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
