@@ -1,6 +1,7 @@
 """OffloadAdam: Adam/AdamW whose fp32 master weights and moments live in host memory."""
 import contextlib
 import math
+import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -132,9 +133,14 @@ class OffloadAdam(torch.optim.Optimizer):
         self._masters_ready = False
         self._in_backward = False
         self._clip_scale = 1.0
+        multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                      and torch.distributed.get_world_size() > 1)
         if stream_grads is None:
-            stream_grads = not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                                and torch.distributed.get_world_size() > 1)
+            stream_grads = not multi_rank
+        elif stream_grads and multi_rank and not self._sharded:
+            warnings.warn("OffloadAdam(stream_grads=True) with several ranks: under DDP the hooks take each "
+                          "rank's local gradient before DDP's all-reduce, and the replicas drift apart. Leave "
+                          "stream_grads unset (False here) unless the parameters are not DDP's.", stacklevel=2)
         self._hooks = []
         if stream_grads:
             ref = weakref.ref(self)
