@@ -355,6 +355,8 @@ def test_bad_params_and_grads():
         off.add_param_group({"params": [nn.Parameter(torch.randn(2))]})
     with pytest.raises(TypeError, match="pickled"):
         copy.deepcopy(off)
+    with pytest.raises(TypeError, match="ddp_module"):
+        off.attach_ddp(nn.Linear(2, 2))
     off.close()
 
 

@@ -457,6 +457,11 @@ void OffloadEngine::synchronize() {
   check_usable();
 }
 
+void OffloadEngine::order_after_downloads() {
+  check_usable();
+  transfer_->order_after_downloads();
+}
+
 void OffloadEngine::set_accumulating(bool on) {
   std::lock_guard<std::mutex> lock(mu_);
   accumulating_ = on;

@@ -90,6 +90,9 @@ class OffloadEngine {
   void step(double grad_scale);
   void zero_grad();
   void synchronize();
+  // The caller's stream waits for every gradient copy issued so far (see
+  // Transfer::order_after_downloads).
+  void order_after_downloads();
   void set_accumulating(bool on);
   void close();
   bool closed() const { return closed_.load(); }

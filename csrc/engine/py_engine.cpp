@@ -80,6 +80,8 @@ void bind_engine(py::module_& m) {
       .def("step", &E::step, py::arg("grad_scale") = 1.0, release())
       .def("zero_grad", &E::zero_grad, release())
       .def("synchronize", &E::synchronize, release())
+      .def("order_after_downloads", &E::order_after_downloads, release(),
+           "Later work on the current stream waits until every gradient copy so far has read its source")
       .def("set_accumulating", &E::set_accumulating, py::arg("on"))
       .def("close", &E::close, release())
       .def_property_readonly("closed", &E::closed)

@@ -63,6 +63,11 @@ class Transfer {
   // The host waits until every upload issued so far has landed (before the
   // engine lets Python write host memory that an upload may still read).
   virtual void wait_uploads() = 0;
+
+  // Later work on the caller's current stream waits until every download
+  // issued so far has read its source (for sources their owner overwrites in
+  // place, such as DDP's gradient buckets). The host backend waits instead.
+  virtual void order_after_downloads() = 0;
 };
 
 std::unique_ptr<Transfer> make_host_transfer(double max_delay_us, uint64_t seed);

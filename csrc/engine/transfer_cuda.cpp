@@ -95,7 +95,7 @@ class CudaTransfer : public Transfer {
     DeviceGuard guard(index_of(device_));
     cudaStreamSynchronize(down_raw_);
     cudaStreamSynchronize(up_raw_);
-    readers_ = last_upload_ = nullptr;
+    readers_ = last_upload_ = last_download_ = nullptr;
     cudaStreamDestroy(down_raw_);
     cudaStreamDestroy(up_raw_);
   }
@@ -131,6 +131,7 @@ class CudaTransfer : public Transfer {
     EventPtr done = record(device_, down_raw_, kHostEvent);
     std::lock_guard<std::mutex> lock(mu_);
     readers_ = produced;
+    last_download_ = done;
     return done;
   }
 
@@ -158,6 +159,12 @@ class CudaTransfer : public Transfer {
     if (last_upload_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(current(), last_upload_->get(), 0));
   }
 
+  void order_after_downloads() override {
+    DeviceGuard guard(index_of(device_));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (last_download_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(current(), last_download_->get(), 0));
+  }
+
   void wait_uploads() override {
     EventPtr last;
     {
@@ -179,7 +186,7 @@ class CudaTransfer : public Transfer {
   cudaStream_t down_raw_, up_raw_;
   c10::cuda::CUDAStream down_;  // down_raw_ as torch's type, for recordStream
   std::mutex mu_;
-  EventPtr readers_, last_upload_;
+  EventPtr readers_, last_upload_, last_download_;
 };
 
 }  // namespace

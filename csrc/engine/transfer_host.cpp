@@ -61,7 +61,10 @@ class HostTransfer : public Transfer {
                      const TicketPtr&) override {
     TORCH_CHECK(src.device().is_cpu(), "OffloadAdam (host backend): expected a CPU tensor, got one on ",
                 src.device());
-    return push(static_cast<const char*>(src.data_ptr()) + src_offset, dst, bytes, src);
+    auto ticket = push(static_cast<const char*>(src.data_ptr()) + src_offset, dst, bytes, src);
+    std::lock_guard<std::mutex> lock(mu_);
+    last_download_ = ticket;
+    return ticket;
   }
 
   TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) override {
@@ -76,6 +79,15 @@ class HostTransfer : public Transfer {
   void record_readers() override {}  // CPU kernels have finished when they return
 
   void fence() override { wait_uploads(); }
+
+  void order_after_downloads() override {
+    TicketPtr last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = last_download_;
+    }
+    if (last) last->wait();
+  }
 
   void wait_uploads() override {
     TicketPtr last;
@@ -132,7 +144,7 @@ class HostTransfer : public Transfer {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;
-  TicketPtr last_upload_;
+  TicketPtr last_upload_, last_download_;
   bool stop_ = false;
   std::thread thread_;
 };

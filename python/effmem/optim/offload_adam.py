@@ -142,6 +142,7 @@ class OffloadAdam(torch.optim.Optimizer):
                           "rank's local gradient before DDP's all-reduce, and the replicas drift apart. Leave "
                           "stream_grads unset (False here) unless the parameters are not DDP's.", stacklevel=2)
         self._hooks = []
+        self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
         if stream_grads:
             ref = weakref.ref(self)
             for p in self._params:
@@ -211,11 +212,51 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _take_leftover_grads(self) -> None:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
-        for p in self._params:
-            if p.grad is not None:
-                if not self._in_backward:
-                    self._begin_backward()
-                self._hand_off(p)
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                continue
+            if i in self._streamed:  # DDP's copy of what its comm hook already handed over
+                p.grad = None
+                continue
+            if not self._in_backward:
+                self._begin_backward()
+            self._hand_off(p)
+
+    def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
+        """Under DDP, hand each bucket's gradients to the engine as soon as its all-reduce completes.
+
+        Registers a DDP communication hook (the default mean all-reduce, then the
+        hand-over) and a forward pre-hook on ``ddp_module``. Without it, DDP's
+        averaged gradients are taken at ``step()``. DDP keeps its own gradient
+        buckets on the device either way; what this adds is that the copies and
+        the host's work start during backward. Gradient accumulation works with
+        or without ``ddp_module.no_sync()``.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._check_open()
+        if not isinstance(ddp_module, DistributedDataParallel):
+            raise TypeError(f"ddp_module: expected a DistributedDataParallel module, got {type(ddp_module).__name__}")
+        if self._hooks:
+            raise RuntimeError("attach_ddp: this optimizer streams gradients with backward hooks, which take them "
+                               "before DDP's all-reduce; construct it with stream_grads=False")
+        missing = [n for n, p in ddp_module.module.named_parameters() if p.requires_grad and p not in self._index]
+        if missing:
+            raise ValueError(f"ddp_module: parameters {missing[:3]} are not in this optimizer")
+        ref = weakref.ref(self)
+        ddp_module.register_comm_hook(ddp_module.process_group, _ddp_stream_hook(ref))
+        ddp_module.register_forward_pre_hook(_DdpClearStreamed(ref))
+
+    @torch.no_grad()
+    def _take_reduced(self, params: List[Tensor], grads: List[Tensor]) -> None:
+        for p, g in zip(params, grads):
+            i = self._index[p]
+            if not self._in_backward:
+                self._begin_backward()
+            local_p = self._local[i]
+            g = _validate.grad_like(local_p, g.reshape(local_p.shape))
+            self._engine.grad_ready(i, g.to(local_p.dtype) if g.dtype != local_p.dtype else g)
+            self._streamed.add(i)
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -286,6 +327,7 @@ class OffloadAdam(torch.optim.Optimizer):
         scale, self._clip_scale = self._clip_scale, 1.0
         self._engine.step(scale)
         self._in_backward = False
+        self._streamed.clear()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -295,6 +337,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._engine.zero_grad()
         self._clip_scale = 1.0
         self._in_backward = False
+        self._streamed.clear()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -395,6 +438,47 @@ class _Hook:
         if not opt._in_backward:
             opt._begin_backward()
         opt._hand_off(p)
+
+
+def _ddp_stream_hook(ref: "weakref.ref[OffloadAdam]"):
+    """A DDP communication hook: DDP's own mean all-reduce of a bucket, then the hand-over of the
+    reduced gradients to the engine (which copies them off on its side stream). A plain function:
+    DDP inspects hooks by name and signature."""
+
+    def offload_adam_stream_hook(group, bucket):
+        group = group if group is not None else torch.distributed.group.WORLD
+        buffer = bucket.buffer()
+        buffer.div_(group.size())  # before the sum, as DDP's default hook does (no fp16 overflow)
+        params, grads = bucket.parameters(), bucket.gradients()
+        fut = torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        def hand_over(fut):
+            reduced = fut.value()[0]
+            opt = ref()
+            if opt is not None and opt._engine is not None and not opt._engine.closed:
+                opt._take_reduced(params, grads)
+            return reduced
+
+        return fut.then(hand_over)
+
+    return offload_adam_stream_hook
+
+
+class _DdpClearStreamed:
+    """Forward pre-hook, for gradient accumulation: DDP copied the reduced gradients it streamed
+    into p.grad; drop them, so the next backward does not add them in a second time. And the
+    next backward overwrites DDP's buckets in place, which the copies still in flight read:
+    the current stream waits for those copies first."""
+
+    def __init__(self, ref: "weakref.ref[OffloadAdam]"):
+        self.ref = ref
+
+    def __call__(self, module, args):
+        opt = self.ref()
+        if opt is not None and opt._streamed and not opt._engine.closed:
+            opt._engine.order_after_downloads()
+            for i in opt._streamed:
+                opt._params[i].grad = None
 
 
 def _like_param(view: Tensor, p: Tensor) -> Tensor:
