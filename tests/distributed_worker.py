@@ -46,6 +46,12 @@ def run_ddp(rank):
     assert not off._hooks, "under DDP the hooks would take p.grad before the all-reduce"
     streaming = OffloadAdam(c.parameters(), lr=LR, weight_decay=0.1)
     streaming.attach_ddp(c)   # gradients handed over as each DDP bucket's all-reduce completes
+    unused = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    try:
+        OffloadAdam(unused.parameters(), lr=LR).attach_ddp(unused)
+        raise AssertionError("attach_ddp accepted find_unused_parameters=True")
+    except ValueError as err:
+        assert "find_unused_parameters" in str(err)
     n = sum(p.numel() for p in c.parameters())
     losses = []
     for step in range(STEPS):
@@ -106,8 +112,9 @@ def run_fsdp2(rank):
     extra_shadow = nn.Parameter(torch.ones(10))
     fused = FusedAdam(shadow + [extra_shadow], lr=LR, weight_decay=0.1)
     off = OffloadAdam(params + [extra], lr=LR, weight_decay=0.1)
-    assert isinstance(off.state[params[0]]["exp_avg"], DTensor)   # sharded state, for distributed checkpoints
-    assert off.state[params[0]]["exp_avg"].placements == params[0].placements
+    state = off.state[params[0]]["exp_avg"]
+    assert isinstance(state, DTensor) and state.placements == params[0].placements   # sharded state, for DCP
+    assert state.to_local().data_ptr() == off._views[0][1].data_ptr()   # the engine's memory, not a copy
     local_numel = sum(p.to_local().numel() for p in params)
     full_numel = sum(p.numel() for p in params)
     assert local_numel < full_numel   # each rank holds (and offloads) only its shard

@@ -1,6 +1,7 @@
 """OffloadAdam: Adam/AdamW whose fp32 master weights and moments live in host memory."""
 import contextlib
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -137,11 +138,15 @@ class OffloadAdam(torch.optim.Optimizer):
                       and torch.distributed.get_world_size() > 1)
         if stream_grads is None:
             stream_grads = not multi_rank
-        elif stream_grads and multi_rank and not self._sharded:
+        elif stream_grads and multi_rank:
             warnings.warn("OffloadAdam(stream_grads=True) with several ranks: under DDP the hooks take each "
                           "rank's local gradient before DDP's all-reduce, and the replicas drift apart. Leave "
-                          "stream_grads unset (False here) unless the parameters are not DDP's.", stacklevel=2)
+                          "stream_grads unset (False here) unless the parameters are not DDP's (FSDP2 "
+                          "assigns its gradients without the hooks either way).", stacklevel=2)
         self._hooks = []
+        self._ddp_handles = []
+        self._lock = threading.Lock()
+        self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
         if stream_grads:
             ref = weakref.ref(self)
@@ -191,11 +196,18 @@ class OffloadAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ gradients
 
     def _begin_backward(self) -> None:
-        self._check_open()
-        self._init_masters()
-        if self._overlap:
-            self._sync_groups()
-        self._in_backward = True
+        """Once per backward: masters, and (overlap) the hyper-parameters the updates will use.
+        Locked: DDP's comm-hook callbacks may arrive on several threads at once."""
+        if self._in_backward:
+            return
+        with self._lock:
+            if self._in_backward:
+                return
+            self._check_open()
+            self._init_masters()
+            if self._overlap:
+                self._sync_groups()
+            self._in_backward = True
 
     @torch.no_grad()
     def _hand_off(self, p: Tensor) -> None:
@@ -218,8 +230,7 @@ class OffloadAdam(torch.optim.Optimizer):
             if i in self._streamed:  # DDP's copy of what its comm hook already handed over
                 p.grad = None
                 continue
-            if not self._in_backward:
-                self._begin_backward()
+            self._begin_backward()
             self._hand_off(p)
 
     def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
@@ -230,7 +241,11 @@ class OffloadAdam(torch.optim.Optimizer):
         averaged gradients are taken at ``step()``. DDP keeps its own gradient
         buckets on the device either way; what this adds is that the copies and
         the host's work start during backward. Gradient accumulation works with
-        or without ``ddp_module.no_sync()``.
+        or without ``ddp_module.no_sync()``, provided every backward follows a
+        forward through ``ddp_module`` itself (its pre-hook orders the next
+        backward's writes into DDP's buckets after the copies still reading
+        them). Not with ``find_unused_parameters`` or ``static_graph``.
+        Non-contiguous parameters are taken at ``step()``.
         """
         from torch.nn.parallel import DistributedDataParallel
 
@@ -240,19 +255,26 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._hooks:
             raise RuntimeError("attach_ddp: this optimizer streams gradients with backward hooks, which take them "
                                "before DDP's all-reduce; construct it with stream_grads=False")
+        if ddp_module.find_unused_parameters or getattr(ddp_module, "static_graph", False):
+            raise ValueError("ddp_module: attach_ddp does not support find_unused_parameters=True or "
+                             "static_graph=True: DDP's bucket then holds zeros for an unused parameter, which "
+                             "the engine would step (weight decay, momentum); leave gradients to step()")
         missing = [n for n, p in ddp_module.module.named_parameters() if p.requires_grad and p not in self._index]
         if missing:
             raise ValueError(f"ddp_module: parameters {missing[:3]} are not in this optimizer")
         ref = weakref.ref(self)
         ddp_module.register_comm_hook(ddp_module.process_group, _ddp_stream_hook(ref))
-        ddp_module.register_forward_pre_hook(_DdpClearStreamed(ref))
+        self._ddp_handles.append(ddp_module.register_forward_pre_hook(_DdpClearStreamed(ref)))
 
     @torch.no_grad()
     def _take_reduced(self, params: List[Tensor], grads: List[Tensor]) -> None:
         for p, g in zip(params, grads):
+            if not p.is_contiguous():
+                # DDP's bucket holds such a gradient in the parameter's own strides, not
+                # as bucket.gradients() views it: take it from p.grad at step() instead.
+                continue
             i = self._index[p]
-            if not self._in_backward:
-                self._begin_backward()
+            self._begin_backward()
             local_p = self._local[i]
             g = _validate.grad_like(local_p, g.reshape(local_p.shape))
             self._engine.grad_ready(i, g.to(local_p.dtype) if g.dtype != local_p.dtype else g)
@@ -297,15 +319,15 @@ class OffloadAdam(torch.optim.Optimizer):
         total = 0.0
         sharded: Dict[Tuple[int, Tuple[int, ...]], List] = {}
         for p, sq in zip(self._params, sums):
-            dims = tuple(d for d, pl in enumerate(p.placements) if pl.is_shard()) if _validate.is_dtensor(p) else ()
+            dims = (tuple(d for d, pl in enumerate(p.placements) if _is_shard_like(pl))
+                    if _validate.is_dtensor(p) else ())
             if dims:
                 entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
                 entry[1] += sq
             else:
                 total += sq
         for (_, dims), (mesh, sq) in sharded.items():
-            device = "cpu" if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device())
-            t = torch.tensor([sq], dtype=torch.float64, device=device)
+            t = torch.tensor([sq], dtype=torch.float64, device=mesh.device_type)  # the current device of that type
             for d in dims:
                 torch.distributed.all_reduce(t, group=mesh.get_group(d))
             total += float(t.item())
@@ -402,9 +424,9 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
-        for h in self._hooks:
+        for h in self._hooks + self._ddp_handles:
             h.remove()
-        self._hooks = []
+        self._hooks, self._ddp_handles = [], []
         if self._engine is not None and not self._engine.closed:
             self._engine.close()
 
@@ -417,6 +439,9 @@ class OffloadAdam(torch.optim.Optimizer):
     def _check_open(self) -> None:
         if self._engine is None or self._engine.closed:
             raise RuntimeError("OffloadAdam: this optimizer was closed")
+        err = getattr(self, "_ddp_error", None)
+        if err is not None:
+            raise RuntimeError(f"OffloadAdam: handing DDP's gradients to the engine failed: {err}") from err
 
     # Optimizer.__repr__ and __getstate__ work as for any optimizer; the engine
     # itself cannot be pickled or deep-copied (it owns threads and host memory).
@@ -435,9 +460,15 @@ class _Hook:
         opt = self.ref()
         if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:
             return
-        if not opt._in_backward:
-            opt._begin_backward()
+        opt._begin_backward()
         opt._hand_off(p)
+
+
+def _is_shard_like(placement) -> bool:
+    """Shard, or FSDP2's _StridedShard of a tensor-parallel parameter (whose is_shard() is False)."""
+    from torch.distributed.tensor import placement_types
+    check = getattr(placement_types, "_is_shard_like", None)
+    return check(placement) if check is not None else placement.is_shard()
 
 
 def _ddp_stream_hook(ref: "weakref.ref[OffloadAdam]"):
@@ -455,8 +486,11 @@ def _ddp_stream_hook(ref: "weakref.ref[OffloadAdam]"):
         def hand_over(fut):
             reduced = fut.value()[0]
             opt = ref()
-            if opt is not None and opt._engine is not None and not opt._engine.closed:
-                opt._take_reduced(params, grads)
+            if opt is not None and opt._engine is not None and not opt._engine.closed and opt._ddp_error is None:
+                try:
+                    opt._take_reduced(params, grads)
+                except Exception as err:  # raised by step(): failing here would leave DDP mid-reduction
+                    opt._ddp_error = err
             return reduced
 
         return fut.then(hand_over)
@@ -483,11 +517,16 @@ class _DdpClearStreamed:
 
 def _like_param(view: Tensor, p: Tensor) -> Tensor:
     """A host state view as the parameter's kind: for a DTensor, a DTensor of the same mesh and
-    placements around it, so distributed checkpointing sees sharded state."""
+    placements around it, so distributed checkpointing sees sharded state. Built directly, as
+    FSDP2 builds its CPU-offloaded parameters: DTensor.from_local would copy a host tensor to a
+    GPU mesh's device, handing out a stale device copy instead of the engine's memory."""
     if not _validate.is_dtensor(p):
         return view
     from torch.distributed.tensor import DTensor
-    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(p.shape, tuple(p.stride()), view.dtype))
+    return DTensor(view, spec, requires_grad=False)
 
 
 def _build_engine(opt: OffloadAdam, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
