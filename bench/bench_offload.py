@@ -140,7 +140,7 @@ def step_comparison(args, device):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         opt = make(model.parameters())
-        warm = train_steps(model, opt, data, args.accum, args.warmup, device)  # noqa: F841
+        train_steps(model, opt, data, args.accum, args.warmup, device)  # warm-up, untimed
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         opt_times = []

@@ -22,3 +22,10 @@ def devices():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """Training bytes for the small GPTs of the compress tests (1 MiB of stdlib source)."""
+    from effmem import demo_model
+    return demo_model.split_corpus(demo_model.stdlib_corpus(max_bytes=1 << 20))[0]

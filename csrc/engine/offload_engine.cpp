@@ -95,7 +95,7 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
   groups_.resize(static_cast<size_t>(num_groups));
   steps_ = allocate_pageable(static_cast<int64_t>(n) * 4);
   for (int64_t c = 0; c < options_.landing_chunks; ++c) {
-    chunks_.push_back({transfer_->allocate(options_.landing_chunk_numel * 4, true)});
+    chunks_.push_back(transfer_->allocate(options_.landing_chunk_numel * 4, true));
     free_chunks_.push_back(static_cast<int>(c));
   }
   pool_ = std::make_unique<ThreadPool>(options_.num_threads);
@@ -266,7 +266,7 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
   for (int64_t off = 0; off < p.numel; off += chunk_numel) {
     const int64_t count = std::min(chunk_numel, p.numel - off);
     const int c = acquire_chunk();
-    void* landing = chunks_[static_cast<size_t>(c)].block->data();
+    void* landing = chunks_[static_cast<size_t>(c)]->data();
     TicketPtr landed;
     try {
       landed = transfer_->download(grad, off * esize, landing, count * esize, nullptr);
@@ -511,7 +511,7 @@ std::map<std::string, int64_t> OffloadEngine::counters() const {
   for (const Bucket& b : buckets_) {
     for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.staging}) count(block);
   }
-  for (const Chunk& c : chunks_) count(c.block);
+  for (const auto& c : chunks_) count(c);
   return {{"bytes_down", bytes_down_.load()},
           {"bytes_up", bytes_up_.load()},
           {"param_updates", updates_.load()},

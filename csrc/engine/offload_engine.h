@@ -126,10 +126,6 @@ class OffloadEngine {
     std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq, staging;
     TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };
-  struct Chunk {
-    std::shared_ptr<HostBlock> block;
-  };
-
   void check_usable();
   void enqueue(std::function<void()> task);
   void worker_loop();
@@ -151,7 +147,7 @@ class OffloadEngine {
   std::vector<Bucket> buckets_;
   std::vector<GroupHparams> groups_;
   std::shared_ptr<HostBlock> steps_;
-  std::vector<Chunk> chunks_;
+  std::vector<std::shared_ptr<HostBlock>> chunks_;  // landing chunks
 
   // mu_ guards the bookkeeping above (flags, tickets, hyper-parameters).
   mutable std::mutex mu_;

@@ -15,6 +15,12 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
+def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """min(1, max_norm / (total + 1e-6)), in float32: the factor every effmem clip applies, computed
+    one way so that the optimizers that fold it into their step agree bit for bit."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 def grad_norm(grads: List[Tensor]) -> Tensor:
     """Global L2 norm of the given gradients, as a float32 scalar (no host sync)."""
     if not grads:
@@ -54,7 +60,7 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     if error_if_nonfinite and not torch.isfinite(total).item():
         raise RuntimeError(f"The total norm of the gradients is {total.item()}; "
                            "set error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(total, max_norm)
     by_device = defaultdict(list)
     for g in grads:
         by_device[g.device].append(g)

@@ -7,12 +7,13 @@ from torch import Tensor
 
 from effmem import ops
 from effmem.optim import _validate
-from effmem.optim.clip import _to_device, grad_norm
+from effmem.optim._adam_base import AdamBase
+from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(AdamBase):
     """Adam / AdamW whose whole update is one fused kernel per device and dtype.
 
     Parameters may be float32, bfloat16 or float16, mixed in one optimizer, on
@@ -53,18 +54,9 @@ class FusedAdam(torch.optim.Optimizer):
         decoupled_weight_decay: bool = True,
         bias_correction: bool = True,
     ):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction)
-        _validate.hyperparameters(defaults)
         self._pending_grad_scale: Dict[torch.device, Tensor] = {}
         self._pending_outside_capture = False
-        super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _validate.hyperparameters(group)
-        _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
 
     def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
         state = self.state[p]
@@ -89,7 +81,7 @@ class FusedAdam(torch.optim.Optimizer):
         _validate.max_norm(max_norm)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         total = grad_norm(grads)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm)
         self._pending_grad_scale = {d: _to_device(coef, d) for d in {g.device for g in grads}}
         self._pending_outside_capture = not _capturing()
         return total

@@ -9,7 +9,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _validate
+from effmem.optim._adam_base import AdamBase
+from effmem.optim.clip import clip_coefficient
 from effmem.optim.fused_adam import ParamsT
 
 _local = _validate.local_tensor
@@ -21,7 +24,7 @@ LANDING_CHUNK_NUMEL = 1 << 22
 LANDING_CHUNKS = 4
 
 
-class OffloadAdam(torch.optim.Optimizer):
+class OffloadAdam(AdamBase):
     """Adam / AdamW with the optimizer state on the CPU and the update run there by a C++ engine.
 
     The GPU keeps only the parameters (bf16, fp16 or fp32). The fp32 master
@@ -110,9 +113,6 @@ class OffloadAdam(torch.optim.Optimizer):
         backend: Optional[str] = None,
         _host_delay_us: float = 0.0,
     ):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction)
-        _validate.hyperparameters(defaults)
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ValueError(f"bucket_size: expected an int >= 1 (elements), got {bucket_size!r}")
         if num_threads is None:
@@ -120,20 +120,18 @@ class OffloadAdam(torch.optim.Optimizer):
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"num_threads: expected an int >= 1, got {num_threads!r}")
         self._engine = None
-        super().__init__(params, defaults)
-        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
-        self._local = [_local(p) for p in self._params]
-        self._sharded = any(_validate.is_dtensor(p) for p in self._params)
+        self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
+                            host_delay_us=_host_delay_us)
         self._overlap = bool(overlap)
-        self._engine = _build_engine(self, backend, num_threads, pin_state, bucket_size, _host_delay_us)
-        self._steps = self._engine.steps()
-        self._views = [self._engine.state(i) for i in range(len(self._params))]
-        for i, p in enumerate(self._params):
-            self.state[p] = self._state_of(i)
+        self._hooks = []
+        self._ddp_handles = []
+        self._lock = threading.Lock()
+        self._ddp_error: Optional[BaseException] = None
+        self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
         self._masters_ready = False
         self._in_backward = False
         self._clip_scale = 1.0
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                       and torch.distributed.get_world_size() > 1)
         if stream_grads is None:
@@ -143,31 +141,60 @@ class OffloadAdam(torch.optim.Optimizer):
                           "rank's local gradient before DDP's all-reduce, and the replicas drift apart. Leave "
                           "stream_grads unset (False here) unless the parameters are not DDP's (FSDP2 "
                           "assigns its gradients without the hooks either way).", stacklevel=2)
+        self._stream_grads = bool(stream_grads)
+        self._build()
+
+    # ------------------------------------------------------------------ setup
+
+    def _build(self) -> None:
+        """Lays the engine out over every parameter of every group, and hooks the parameters."""
+        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
+        self._local = [_local(p) for p in self._params]
+        self._engine = _build_engine(self, **self._config)
+        self._steps = self._engine.steps()
+        self._views = [self._engine.state(i) for i in range(len(self._params))]
+        for i, p in enumerate(self._params):
+            self.state[p] = self._state_of(i)
+        for h in self._hooks:
+            h.remove()
         self._hooks = []
-        self._ddp_handles = []
-        self._lock = threading.Lock()
-        self._ddp_error: Optional[BaseException] = None
-        self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
-        if stream_grads:
+        if self._stream_grads:
             ref = weakref.ref(self)
             for p in self._params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(_Hook(ref)))
 
-    # ------------------------------------------------------------------ setup
-
+    @torch.no_grad()
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        if self._engine is not None:
-            raise NotImplementedError("OffloadAdam: param groups cannot be added after construction (the host "
-                                      "buffers are laid out once); construct a new optimizer with every group")
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _validate.hyperparameters(group)
-        _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
+        """Adds a group; after construction the engine is laid out again over all parameters
+        (its host buffers are sized once), carrying every existing parameter's state over
+        exactly. State tensors handed out before stay valid but no longer follow training."""
+        if self._engine is None:  # during __init__
+            super().add_param_group(param_group)
+            return
+        self._check_open()
+        if self._in_backward:
+            raise RuntimeError("OffloadAdam.add_param_group: the engine holds gradients of a backward not yet "
+                               "stepped; add param groups after step() or zero_grad()")
+        self._engine.synchronize()
+        saved = [tuple(v.clone() for v in views) for views in self._views]
+        steps = self._steps.clone()
+        super().add_param_group(param_group)  # checks the new group; a refused one changes nothing
+        self._engine.close()
+        self._build()
+        old = len(saved)
+        for views, before in zip(self._views, saved):
+            for dst, src in zip(views, before):
+                dst.copy_(src)
+        self._steps[:old] = steps
+        if self._masters_ready:
+            for (master, _, _), local in zip(self._views[old:], self._local[old:]):
+                master.copy_(local)
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]
-        master, exp_avg, exp_avg_sq = (_like_param(v, p) for v in self._views[i])
+        master, exp_avg, exp_avg_sq = (_dist.like_param(v, p) for v in self._views[i])
         state = {"step": self._steps[i], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         if p.dtype != torch.float32:
             state["master"] = master
@@ -215,12 +242,16 @@ class OffloadAdam(torch.optim.Optimizer):
         g = p.grad
         if _validate.is_dtensor(g) and g.placements != p.placements:
             g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
+        self._send(i, _local(g))
+        p.grad = None
+
+    def _send(self, i: int, g: Tensor) -> None:
+        """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
         local_p = self._local[i]
-        g = _validate.grad_like(local_p, _local(g))
+        g = _validate.grad_like(local_p, g)
         if g.dtype != local_p.dtype:
             g = g.to(local_p.dtype)  # the staging holds the parameter's dtype
         self._engine.grad_ready(i, g)
-        p.grad = None
 
     def _take_leftover_grads(self) -> None:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
@@ -263,8 +294,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"ddp_module: parameters {missing[:3]} are not in this optimizer")
         ref = weakref.ref(self)
-        ddp_module.register_comm_hook(ddp_module.process_group, _ddp_stream_hook(ref))
-        self._ddp_handles.append(ddp_module.register_forward_pre_hook(_DdpClearStreamed(ref)))
+        ddp_module.register_comm_hook(ddp_module.process_group, _dist.ddp_stream_hook(ref))
+        self._ddp_handles.append(ddp_module.register_forward_pre_hook(_dist.DdpClearStreamed(ref)))
 
     @torch.no_grad()
     def _take_reduced(self, params: List[Tensor], grads: List[Tensor]) -> None:
@@ -275,9 +306,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 continue
             i = self._index[p]
             self._begin_backward()
-            local_p = self._local[i]
-            g = _validate.grad_like(local_p, g.reshape(local_p.shape))
-            self._engine.grad_ready(i, g.to(local_p.dtype) if g.dtype != local_p.dtype else g)
+            self._send(i, g.reshape(self._local[i].shape))
             self._streamed.add(i)
 
     @contextlib.contextmanager
@@ -306,31 +335,9 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
                                "gradient exists, so it cannot clip by the global norm; use overlap=False")
         self._take_leftover_grads()
-        sq = self._global_sq_sum(self._engine.grad_sq_sums())
+        sq = _dist.global_sq_sum(self._params, self._engine.grad_sq_sums())
         total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
-        # The same float32 arithmetic as FusedAdam.clip_grad_norm_.
-        self._clip_scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return total
-
-    def _global_sq_sum(self, sums: List[float]) -> float:
-        """The global sum of squares: each rank's shards summed over the ranks holding the other
-        shards; replicated and plain parameters counted once. Every rank makes the same
-        collective calls in the same order (the parameters are in the same order)."""
-        total = 0.0
-        sharded: Dict[Tuple[int, Tuple[int, ...]], List] = {}
-        for p, sq in zip(self._params, sums):
-            dims = (tuple(d for d, pl in enumerate(p.placements) if _is_shard_like(pl))
-                    if _validate.is_dtensor(p) else ())
-            if dims:
-                entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
-                entry[1] += sq
-            else:
-                total += sq
-        for (_, dims), (mesh, sq) in sharded.items():
-            t = torch.tensor([sq], dtype=torch.float64, device=mesh.device_type)  # the current device of that type
-            for d in dims:
-                torch.distributed.all_reduce(t, group=mesh.get_group(d))
-            total += float(t.item())
+        self._clip_scale = float(clip_coefficient(total, max_norm))  # FusedAdam's float32 arithmetic
         return total
 
     # ------------------------------------------------------------------ step
@@ -462,71 +469,6 @@ class _Hook:
             return
         opt._begin_backward()
         opt._hand_off(p)
-
-
-def _is_shard_like(placement) -> bool:
-    """Shard, or FSDP2's _StridedShard of a tensor-parallel parameter (whose is_shard() is False)."""
-    from torch.distributed.tensor import placement_types
-    check = getattr(placement_types, "_is_shard_like", None)
-    return check(placement) if check is not None else placement.is_shard()
-
-
-def _ddp_stream_hook(ref: "weakref.ref[OffloadAdam]"):
-    """A DDP communication hook: DDP's own mean all-reduce of a bucket, then the hand-over of the
-    reduced gradients to the engine (which copies them off on its side stream). A plain function:
-    DDP inspects hooks by name and signature."""
-
-    def offload_adam_stream_hook(group, bucket):
-        group = group if group is not None else torch.distributed.group.WORLD
-        buffer = bucket.buffer()
-        buffer.div_(group.size())  # before the sum, as DDP's default hook does (no fp16 overflow)
-        params, grads = bucket.parameters(), bucket.gradients()
-        fut = torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
-
-        def hand_over(fut):
-            reduced = fut.value()[0]
-            opt = ref()
-            if opt is not None and opt._engine is not None and not opt._engine.closed and opt._ddp_error is None:
-                try:
-                    opt._take_reduced(params, grads)
-                except Exception as err:  # raised by step(): failing here would leave DDP mid-reduction
-                    opt._ddp_error = err
-            return reduced
-
-        return fut.then(hand_over)
-
-    return offload_adam_stream_hook
-
-
-class _DdpClearStreamed:
-    """Forward pre-hook, for gradient accumulation: DDP copied the reduced gradients it streamed
-    into p.grad; drop them, so the next backward does not add them in a second time. And the
-    next backward overwrites DDP's buckets in place, which the copies still in flight read:
-    the current stream waits for those copies first."""
-
-    def __init__(self, ref: "weakref.ref[OffloadAdam]"):
-        self.ref = ref
-
-    def __call__(self, module, args):
-        opt = self.ref()
-        if opt is not None and opt._streamed and not opt._engine.closed:
-            opt._engine.order_after_downloads()
-            for i in opt._streamed:
-                opt._params[i].grad = None
-
-
-def _like_param(view: Tensor, p: Tensor) -> Tensor:
-    """A host state view as the parameter's kind: for a DTensor, a DTensor of the same mesh and
-    placements around it, so distributed checkpointing sees sharded state. Built directly, as
-    FSDP2 builds its CPU-offloaded parameters: DTensor.from_local would copy a host tensor to a
-    GPU mesh's device, handing out a stale device copy instead of the engine's memory."""
-    if not _validate.is_dtensor(p):
-        return view
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
-                       tensor_meta=TensorMeta(p.shape, tuple(p.stride()), view.dtype))
-    return DTensor(view, spec, requires_grad=False)
 
 
 def _build_engine(opt: OffloadAdam, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,

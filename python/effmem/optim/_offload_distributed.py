@@ -1,0 +1,95 @@
+"""OffloadAdam under torch.distributed: DDP's gradient hand-over, FSDP2's sharded norms and state."""
+import weakref
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from effmem.optim import _validate
+
+
+def global_sq_sum(params: List[Tensor], sums: List[float]) -> float:
+    """The global sum of squares: each rank's shards summed over the ranks holding the other
+    shards; replicated and plain parameters counted once. Every rank makes the same
+    collective calls in the same order (the parameters are in the same order)."""
+    total = 0.0
+    sharded: Dict[Tuple[int, Tuple[int, ...]], List] = {}
+    for p, sq in zip(params, sums):
+        dims = (tuple(d for d, pl in enumerate(p.placements) if is_shard_like(pl))
+                if _validate.is_dtensor(p) else ())
+        if dims:
+            entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
+            entry[1] += sq
+        else:
+            total += sq
+    for (_, dims), (mesh, sq) in sharded.items():
+        t = torch.tensor([sq], dtype=torch.float64, device=mesh.device_type)  # the current device of that type
+        for d in dims:
+            torch.distributed.all_reduce(t, group=mesh.get_group(d))
+        total += float(t.item())
+    return total
+
+
+def is_shard_like(placement) -> bool:
+    """Shard, or FSDP2's _StridedShard of a tensor-parallel parameter (whose is_shard() is False)."""
+    from torch.distributed.tensor import placement_types
+    check = getattr(placement_types, "_is_shard_like", None)
+    return check(placement) if check is not None else placement.is_shard()
+
+
+def like_param(view: Tensor, p: Tensor) -> Tensor:
+    """A host state view as the parameter's kind: for a DTensor, a DTensor of the same mesh and
+    placements around it, so distributed checkpointing sees sharded state. Built directly, as
+    FSDP2 builds its CPU-offloaded parameters: DTensor.from_local would copy a host tensor to a
+    GPU mesh's device, handing out a stale device copy instead of the engine's memory."""
+    if not _validate.is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(p.shape, tuple(p.stride()), view.dtype))
+    return DTensor(view, spec, requires_grad=False)
+
+
+def ddp_stream_hook(ref: "weakref.ref"):
+    """A DDP communication hook: DDP's own mean all-reduce of a bucket, then the hand-over of the
+    reduced gradients to the engine (which copies them off on its side stream). A plain function:
+    DDP inspects hooks by name and signature."""
+
+    def offload_adam_stream_hook(group, bucket):
+        group = group if group is not None else torch.distributed.group.WORLD
+        buffer = bucket.buffer()
+        buffer.div_(group.size())  # before the sum, as DDP's default hook does (no fp16 overflow)
+        params, grads = bucket.parameters(), bucket.gradients()
+        fut = torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        def hand_over(fut):
+            reduced = fut.value()[0]
+            opt = ref()
+            if opt is not None and opt._engine is not None and not opt._engine.closed and opt._ddp_error is None:
+                try:
+                    opt._take_reduced(params, grads)
+                except Exception as err:  # raised by step(): failing here would leave DDP mid-reduction
+                    opt._ddp_error = err
+            return reduced
+
+        return fut.then(hand_over)
+
+    return offload_adam_stream_hook
+
+
+class DdpClearStreamed:
+    """Forward pre-hook, for gradient accumulation: DDP copied the reduced gradients it streamed
+    into p.grad; drop them, so the next backward does not add them in a second time. And the
+    next backward overwrites DDP's buckets in place, which the copies still in flight read:
+    the current stream waits for those copies first."""
+
+    def __init__(self, ref: "weakref.ref"):
+        self.ref = ref
+
+    def __call__(self, module, args):
+        opt = self.ref()
+        if opt is not None and opt._streamed and not opt._engine.closed:
+            opt._engine.order_after_downloads()
+            for i in opt._streamed:
+                opt._params[i].grad = None
