@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -48,6 +49,7 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
   TORCH_CHECK_VALUE(options_.num_threads >= 1, "num_threads must be >= 1, got ", options_.num_threads);
   TORCH_CHECK_VALUE(options_.landing_chunk_numel >= 1 && options_.landing_chunks >= 1,
                     "landing_chunk_numel and landing_chunks must be >= 1");
+  TORCH_CHECK_VALUE(!(options_.overlap && options_.delay), "overlap and delay: choose one of the two modes");
   if (options_.backend == "host") {
     transfer_ = make_host_transfer(options_.host_delay_us, options_.seed);
   } else if (options_.backend == "cuda") {
@@ -128,7 +130,8 @@ void OffloadEngine::close() {
   chunks_.clear();
   for (Param& p : params_) {
     p.tensor = at::Tensor();
-    p.staged = nullptr;
+    p.staged = p.uploaded = nullptr;
+    p.updated = {};
   }
   closed_ = true;
 }
@@ -170,13 +173,18 @@ void OffloadEngine::worker_loop() {
     } catch (...) {
       err = std::current_exception();
     }
+    if (err) record_error(err);
     {
       std::lock_guard<std::mutex> lock(qmu_);
-      if (err && !error_) error_ = err;
       busy_ = false;
     }
     idle_cv_.notify_all();
   }
+}
+
+void OffloadEngine::record_error(std::exception_ptr e) {
+  std::lock_guard<std::mutex> lock(qmu_);
+  if (!error_) error_ = std::move(e);
 }
 
 void OffloadEngine::wait_idle() {
@@ -221,6 +229,9 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
                     p.tensor.device(), ", ", p.tensor.sizes(), ", ", p.tensor.strides(), "), got ", grad.device(),
                     ", ", grad.sizes(), ", ", grad.strides());
   const int64_t bytes = p.numel * element_size(p.dtype);
+  // Backward is done with this parameter: its pending weights can go up, and
+  // must, before the gradient lands in the staging that holds them.
+  if (options_.delay) install(i);
   bool accumulate_into_staging;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -229,7 +240,7 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
                 "`with opt.accumulating():`, or use overlap=False");
     accumulate_into_staging = p.has_grad;
     if (!accumulate_into_staging && bytes > 0) {
-      const TicketPtr& after = buckets_[static_cast<size_t>(p.bucket)].last_upload;
+      const TicketPtr& after = options_.delay ? p.uploaded : buckets_[static_cast<size_t>(p.bucket)].last_upload;
       p.staged = transfer_->download(grad, 0, staging_of(p), bytes, after);
     }
     p.has_grad = true;
@@ -336,20 +347,38 @@ std::vector<double> OffloadEngine::grad_sq_sums() {
 
 void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids, double grad_scale) {
   if (ids.empty()) return;
-  std::vector<TicketPtr> staged;
+  // The update waits for the copies that filled the staging, and for the
+  // last upload that read the host memory it is about to overwrite.
+  std::vector<TicketPtr> waits;
+  auto done = std::make_shared<std::promise<void>>();
+  std::shared_future<void> updated = done->get_future().share();
   for (int64_t j : ids) {
     Param& p = params_[static_cast<size_t>(j)];
-    if (p.staged) staged.push_back(p.staged);
+    if (p.staged) waits.push_back(p.staged);
+    if (p.uploaded) waits.push_back(p.uploaded);
     p.has_grad = false;
     p.queued = true;
+    if (options_.delay) {
+      p.pending_upload = true;
+      p.updated = updated;
+    }
   }
-  enqueue([this, bucket, ids = std::move(ids), grad_scale, staged = std::move(staged)] {
-    run_update(bucket, ids, grad_scale, staged);
+  // Hyper-parameters as they are now: in delay and overlap mode the update
+  // runs while Python may already be changing them for the next step.
+  enqueue([this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits), hparams = groups_, done] {
+    // The error is recorded before `updated` is signalled, so that whoever
+    // waited for it sees the failure and installs nothing.
+    try {
+      run_update(bucket, ids, grad_scale, waits, hparams);
+    } catch (...) {
+      record_error(std::current_exception());
+    }
+    done->set_value();
   });
 }
 
 void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, double grad_scale,
-                               const std::vector<TicketPtr>& staged) {
+                               const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams) {
   {
     std::lock_guard<std::mutex> lock(qmu_);
     if (error_) return;  // already failed: leave the state as it was at the failure
@@ -359,7 +388,7 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
       throw std::runtime_error(message);
     }
   }
-  for (const TicketPtr& t : staged) t->wait();
+  for (const TicketPtr& t : waits) t->wait();
   const Bucket& b = buckets_[static_cast<size_t>(bucket)];
   const bool low_precision = b.dtype != cpu::kF32;
   const int64_t esize = element_size(b.dtype);
@@ -376,7 +405,7 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
     std::lock_guard<std::mutex> lock(mu_);
     for (int64_t j : ids) {
       const Param& p = params_[static_cast<size_t>(j)];
-      const GroupHparams& h = groups_[static_cast<size_t>(p.group)];
+      const GroupHparams& h = hparams[static_cast<size_t>(p.group)];
       steps[j] += 1.0f;
       coeffs.push_back(adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
                                    h.bias_correction, steps[j], grad_scale));
@@ -395,6 +424,8 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
   }
   pool_->run(static_cast<int64_t>(work.size()),
              [&](int64_t k) { fn(work[k].span, work[k].n, coeffs[work[k].coeff]); });
+  updates_ += static_cast<int64_t>(ids.size());
+  if (options_.delay) return;  // uploaded by install(), during the next backward
   TicketPtr last;
   for (int64_t j : ids) {
     const Param& p = params_[static_cast<size_t>(j)];
@@ -410,7 +441,32 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
     std::lock_guard<std::mutex> lock(mu_);
     buckets_[static_cast<size_t>(bucket)].last_upload = last;
   }
-  updates_ += static_cast<int64_t>(ids.size());
+}
+
+void OffloadEngine::install(int64_t i) {
+  Param& p = params_[static_cast<size_t>(i)];
+  std::shared_future<void> updated;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!p.pending_upload) return;
+    updated = p.updated;
+  }
+  updated.wait();  // normally long done: it ran during this forward and backward
+  check_usable();  // a failed update left no weights to install
+  std::lock_guard<std::mutex> lock(mu_);
+  if (p.pending_upload) upload_pending_locked(p);
+}
+
+void OffloadEngine::upload_pending_locked(Param& p) {
+  p.pending_upload = false;
+  const int64_t esize = element_size(p.dtype);
+  if (p.numel == 0) return;
+  const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
+  const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p))
+                                         : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
+  transfer_->record_readers();  // the kernels queued so far include the parameter's last readers
+  p.uploaded = transfer_->upload(src, p.tensor, p.numel * esize);
+  bytes_up_ += p.numel * esize;
 }
 
 void OffloadEngine::step(double grad_scale) {
@@ -418,6 +474,22 @@ void OffloadEngine::step(double grad_scale) {
   transfer_->record_readers();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (options_.delay) {
+      // Parameters that got no gradient in this backward: install their
+      // pending weights now if their update is done (else at their next
+      // gradient, or synchronize()).
+      bool failed;
+      {
+        std::lock_guard<std::mutex> qlock(qmu_);
+        failed = static_cast<bool>(error_);
+      }
+      for (Param& p : params_) {
+        if (!failed && p.pending_upload && !p.has_grad &&
+            p.updated.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+          upload_pending_locked(p);
+        }
+      }
+    }
     for (size_t b = 0; b < buckets_.size(); ++b) {
       std::vector<int64_t> ready;
       for (int64_t j : buckets_[b].params) {
@@ -426,6 +498,13 @@ void OffloadEngine::step(double grad_scale) {
       }
       queue_update_locked(static_cast<int64_t>(b), std::move(ready), grad_scale);
     }
+    if (options_.delay) {
+      for (Param& p : params_) p.queued = p.landed = false;
+    }
+  }
+  if (options_.delay) {
+    transfer_->fence();  // the next forward reads what this backward installed
+    return;
   }
   wait_idle();
   check_usable();
@@ -439,6 +518,15 @@ void OffloadEngine::step(double grad_scale) {
 
 void OffloadEngine::zero_grad() {
   check_usable();
+  if (options_.delay) {
+    // Right after step() no gradient is pending, and the updates in flight
+    // must keep running (their weights are installed later): nothing to
+    // drop, nothing to wait for.
+    std::lock_guard<std::mutex> lock(mu_);
+    bool any = false;
+    for (const Param& p : params_) any = any || p.has_grad;
+    if (!any) return;
+  }
   wait_idle();
   wait_staged();
   std::lock_guard<std::mutex> lock(mu_);
@@ -453,6 +541,13 @@ void OffloadEngine::synchronize() {
   check_usable();
   wait_idle();
   wait_staged();
+  if (options_.delay) {
+    check_usable();  // install nothing from a failed update
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Param& p : params_) {
+      if (p.pending_upload) upload_pending_locked(p);
+    }
+  }
   transfer_->wait_uploads();  // Python may write the host state next (load_state_dict)
   check_usable();
 }

@@ -24,6 +24,14 @@
 //                         worker, then orders the parameters' next readers
 //                         after the uploads.
 //
+// Delay mode (delayed parameter update): step() queues the updates and
+// returns at once; the worker writes the new weights into the staging and
+// does not upload them. The next grad_ready of a parameter (the next
+// backward is done with it) waits for its update, uploads the new weights,
+// then copies the new gradient into the same staging after that upload. So
+// the CPU update overlaps the next forward and backward, and gradients are
+// one step stale. synchronize() installs whatever is still pending.
+//
 // Errors in the worker are kept and rethrown by the next call from Python;
 // the worker keeps releasing landing chunks after an error, so no caller can
 // block forever on one.
@@ -37,6 +45,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,6 +65,7 @@ struct EngineOptions {
   int num_threads = 1;              // threads running the Adam update
   bool pin_state = true;            // page-lock master/m/v too (cuda backend)
   bool overlap = false;             // update buckets during backward
+  bool delay = false;               // delayed parameter update (see above)
   int64_t landing_chunk_numel = 1 << 22;
   int64_t landing_chunks = 4;
   double host_delay_us = 0.0;       // host backend: random delay before each copy (tests)
@@ -86,9 +96,11 @@ class OffloadEngine {
   std::vector<double> grad_sq_sums();
   // Updates every parameter holding a pending gradient, gradients first
   // multiplied by grad_scale; returns once the new weights are ordered
-  // before the parameters' next readers.
+  // before the parameters' next readers (delay mode: at once).
   void step(double grad_scale);
   void zero_grad();
+  // Waits for the worker and every copy; in delay mode first installs the
+  // weights not yet uploaded, so the parameters hold the latest update.
   void synchronize();
   // The caller's stream waits for every gradient copy issued so far (see
   // Transfer::order_after_downloads).
@@ -118,6 +130,12 @@ class OffloadEngine {
     bool queued = false;         // overlap: its update is queued in this round
     bool landed = false;         // overlap: counted towards its bucket in this round
     TicketPtr staged;            // the copy that filled its staging
+    // Delay mode: the staging (fp32: the master) holds new weights not yet
+    // uploaded, written by the update behind `updated`; `uploaded` is the
+    // last upload that read this parameter's host memory.
+    bool pending_upload = false;
+    std::shared_future<void> updated;
+    TicketPtr uploaded;
   };
   struct Bucket {
     int dtype;
@@ -133,7 +151,11 @@ class OffloadEngine {
   // Queues the update of the given params of one bucket (caller holds mu_).
   void queue_update_locked(int64_t bucket, std::vector<int64_t> params, double grad_scale);
   void run_update(int64_t bucket, const std::vector<int64_t>& params, double grad_scale,
-                  const std::vector<TicketPtr>& staged);
+                  const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams);
+  void record_error(std::exception_ptr e);
+  // Delay mode: uploads param i's pending weights once its update is done.
+  void install(int64_t i);
+  void upload_pending_locked(Param& p);  // caller holds mu_; the update is done
   void accumulate(int64_t i, const at::Tensor& grad);
   int acquire_chunk();
   void release_chunk(int c);

@@ -44,7 +44,7 @@ void bind_engine(py::module_& m) {
       m, "OffloadEngine", "The C++ offload engine behind effmem.OffloadAdam (see offload_engine.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> bucket_of, std::vector<int64_t> group_of,
                        std::vector<bool> expects_grad, int64_t num_groups, std::string backend, int device,
-                       int num_threads, bool pin_state, bool overlap, int64_t landing_chunk_numel,
+                       int num_threads, bool pin_state, bool overlap, bool delay, int64_t landing_chunk_numel,
                        int64_t landing_chunks, double host_delay_us, uint64_t seed) {
              EngineOptions o;
              o.backend = std::move(backend);
@@ -52,6 +52,7 @@ void bind_engine(py::module_& m) {
              o.num_threads = num_threads;
              o.pin_state = pin_state;
              o.overlap = overlap;
+             o.delay = delay;
              o.landing_chunk_numel = landing_chunk_numel;
              o.landing_chunks = landing_chunks;
              o.host_delay_us = host_delay_us;
@@ -62,7 +63,7 @@ void bind_engine(py::module_& m) {
            }),
            py::arg("params"), py::arg("bucket_of"), py::arg("group_of"), py::arg("expects_grad"),
            py::arg("num_groups"), py::kw_only(), py::arg("backend"), py::arg("device") = -1,
-           py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false,
+           py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false, py::arg("delay") = false,
            py::arg("landing_chunk_numel") = int64_t(1) << 22, py::arg("landing_chunks") = 4,
            py::arg("host_delay_us") = 0.0, py::arg("seed") = 0)
       .def(

@@ -70,6 +70,20 @@ class OffloadAdam(AdamBase):
             (``clip_grad_norm_`` raises: the norm needs every gradient
             before any update) and accumulation across backward calls unless
             all but the last run inside ``with opt.accumulating():``.
+        delay: delayed parameter update. ``step()`` queues the CPU update
+            and returns at once; the update runs during the next forward and
+            backward, and each parameter's new weights are copied in during
+            the next backward, as soon as that backward is done with the
+            parameter. This hides the CPU update behind a whole forward and
+            backward, but changes the math: the next forward still runs on
+            the weights before this update, so each gradient is one step
+            stale (the update of step k applies the gradient taken at the
+            weights of step k-1, as in ZeRO-Offload's delayed parameter
+            update). With gradient accumulation only the first micro-batch
+            after ``step()`` runs on the older weights. Clipping works.
+            Before reading the parameters outside training (evaluation,
+            saving the model) call ``flush()``; ``state_dict()``,
+            ``load_state_dict()`` and ``close()`` flush too.
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
@@ -106,6 +120,7 @@ class OffloadAdam(AdamBase):
         decoupled_weight_decay: bool = True,
         bias_correction: bool = True,
         overlap: bool = False,
+        delay: bool = False,
         stream_grads: Optional[bool] = None,
         bucket_size: int = 1 << 23,
         num_threads: Optional[int] = None,
@@ -122,7 +137,11 @@ class OffloadAdam(AdamBase):
         self._engine = None
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
                             host_delay_us=_host_delay_us)
+        if overlap and delay:
+            raise ValueError("overlap, delay: choose one (overlap updates during backward, delay during the next "
+                             "forward and backward)")
         self._overlap = bool(overlap)
+        self._delay = bool(delay)
         self._hooks = []
         self._ddp_handles = []
         self._lock = threading.Lock()
@@ -420,6 +439,12 @@ class OffloadAdam(AdamBase):
             self.state[p] = self._state_of(i)
         self._masters_ready = True
 
+    def flush(self) -> None:
+        """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
+        installed into the parameters: afterwards they hold every step taken so far."""
+        self._check_open()
+        self._engine.synchronize()
+
     # ------------------------------------------------------------------ lifetime
 
     def counters(self) -> Dict[str, int]:
@@ -435,7 +460,11 @@ class OffloadAdam(AdamBase):
             h.remove()
         self._hooks, self._ddp_handles = [], []
         if self._engine is not None and not self._engine.closed:
-            self._engine.close()
+            try:
+                if self._delay:
+                    self._engine.synchronize()  # the last step's weights into the parameters
+            finally:
+                self._engine.close()
 
     def __enter__(self) -> "OffloadAdam":
         return self
@@ -512,5 +541,5 @@ def _build_engine(opt: OffloadAdam, backend: Optional[str], num_threads: int, pi
     chunk = max(1, min(LANDING_CHUNK_NUMEL, max(t.numel() for t in opt._local)))
     return _C.OffloadEngine(opt._local, bucket_of, group_of, expects, len(opt.param_groups), backend=backend,
                             device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
-                            pin_state=pin_state, overlap=opt._overlap, landing_chunk_numel=chunk,
+                            pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
                             landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0)

@@ -1,0 +1,136 @@
+"""OffloadAdam(delay=True), the delayed parameter update, on the host transfer backend.
+
+Its math is Adam with one-step-stale gradients: the update of step k applies
+the gradient taken at the weights of step k-1. The reference below is
+FusedAdam fed exactly those gradients (computed on a shadow copy of the model
+that holds the previous step's weights), so the two must agree bit for bit.
+"""
+import copy
+
+import pytest
+import torch
+
+from effmem import FusedAdam, OffloadAdam, demo_model
+from effmem.cli import lr_lambda
+from offload_helpers import HP, assert_same_training, batches, finish_step, tiny_gpt, train
+
+
+def train_stale_reference(model, opt, data, *, clip=None, sched=None):
+    """FusedAdam where step k's gradient comes from the weights before step k-1."""
+    shadow = copy.deepcopy(model)
+    stale = [p.detach().clone() for p in model.parameters()]
+    losses = []
+    for x, y in data:
+        with torch.no_grad():
+            for s, w in zip(shadow.parameters(), stale):
+                s.copy_(w)
+        _, loss = shadow(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        for p, s in zip(model.parameters(), shadow.parameters()):
+            p.grad, s.grad = s.grad, None
+        stale = [p.detach().clone() for p in model.parameters()]
+        finish_step(opt, clip, sched)
+    return losses
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", ["plain", "clip", "sched", "host_delays"])
+def test_delay_is_adam_on_one_step_stale_gradients(dtype, mode):
+    clip = 0.5 if mode == "clip" else None
+    data = batches(20)
+    ref = tiny_gpt(dtype)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, bucket_size=5000,
+                      _host_delay_us=200.0 if mode == "host_delays" else 0.0, **HP)
+    sched = (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(20))) if mode == "sched" else (lambda o: None)
+    la = train_stale_reference(ref, fused, data, clip=clip, sched=sched(fused))
+    lb = train(model, off, data, clip=clip, sched=sched(off))
+    assert la[-1] < la[0]  # it trained, stale gradients and all
+    if clip is None:
+        assert la == lb
+    off.flush()  # the last step's weights are still pending until now
+    assert_same_training(ref, model, fused, off, exact=clip is None)
+    c = off.counters()
+    n = sum(p.numel() for p in model.parameters())
+    size = torch.finfo(dtype).bits // 8
+    # Still one gradient down and one weight up per parameter and step.
+    assert c["bytes_down"] == c["bytes_up"] == 20 * n * size
+    off.close()
+
+
+def test_delay_leaves_the_weights_pending_until_the_next_backward_or_flush():
+    data = batches(2)
+    model = tiny_gpt(torch.bfloat16)
+    w = model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters())
+    before = w.detach().clone()
+    off = OffloadAdam(model.parameters(), lr=1e-2, delay=True)
+    x, y = data[0]
+    model(x, y)[1].backward()
+    off.step()
+    off.zero_grad()
+    assert torch.equal(w, before)  # step() returned without installing anything
+    x, y = data[1]
+    model(x, y)[1].backward()  # copies step 1's weights up as backward finishes with each
+    off.step()  # orders what follows after those copies (and queues step 2)
+    installed = w.detach().clone()
+    assert not torch.equal(installed, before)
+    off.flush()
+    assert not torch.equal(w, installed)  # step 2's weights
+    assert torch.equal(w, off.state[w]["master"].bfloat16())
+    off.close()
+
+
+def test_delay_checkpoint_is_flushed_and_resumes_exactly():
+    data = batches(12)
+    a = tiny_gpt(torch.bfloat16)
+    opt_a = OffloadAdam(a.parameters(), delay=True, **HP)
+    train(a, opt_a, data[:6])
+    sd = copy.deepcopy(opt_a.state_dict())  # flushes: the model now holds step 6's weights
+    weights = copy.deepcopy(a.state_dict())
+    for p in a.parameters():
+        assert torch.equal(p, opt_a.state[p]["master"].bfloat16())
+    train(a, opt_a, data[6:])
+    b = tiny_gpt(torch.bfloat16)
+    b.load_state_dict(weights)
+    opt_b = OffloadAdam(b.parameters(), delay=True, **HP)
+    opt_b.load_state_dict(sd)
+    train(b, opt_b, data[6:])
+    opt_a.close()
+    opt_b.close()  # close() flushes too
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_delay_with_accumulation_trains_and_counts_one_upload_per_step():
+    data = batches(12)
+    model = tiny_gpt(torch.bfloat16)
+    with OffloadAdam(model.parameters(), delay=True, **HP) as off:
+        losses = train(model, off, data, accum=3)
+        off.flush()
+        n = sum(p.numel() for p in model.parameters())
+        c = off.counters()
+        assert c["bytes_down"] == 12 * n * 2 and c["bytes_up"] == 4 * n * 2
+    assert losses[-1] < losses[0]
+
+
+def test_delay_failing_update_raises_at_the_next_backward_and_installs_nothing():
+    model = tiny_gpt(torch.bfloat16)
+    off = OffloadAdam(model.parameters(), lr=1e-3, delay=True)
+    x, y = batches(1)[0]
+    model(x, y)[1].backward()
+    off._engine.fail_next_update("simulated failure in the update worker")
+    off.step()  # returns at once; the update fails on the worker
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="update worker failed: simulated failure"):
+        model(x, y)[1].backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        off.close()  # its flush reports the failure; the engine is closed anyway
+    assert off._engine.closed
+
+
+def test_delay_and_overlap_are_exclusive():
+    with pytest.raises(ValueError, match="overlap, delay"):
+        OffloadAdam([torch.nn.Parameter(torch.randn(4))], overlap=True, delay=True)
