@@ -153,7 +153,7 @@ def step_comparison(args, device):
                "optimizer_median_ms": statistics.median(opt_times) * 1e3}
         row["tokens_per_s"] = row["tokens_per_step"] / (row["median_ms"] / 1e3)
         on_device = [v for st in opt.state.values() for v in st.values()
-                     if torch.is_tensor(v) and v.device == torch.device(device)]
+                     if torch.is_tensor(v) and v.device.type == torch.device(device).type]
         row["device_state_bytes"] = weights + sum(v.numel() * v.element_size() for v in on_device)
         row["device_state_bytes_per_param"] = row["device_state_bytes"] / shape.num_params()
         if cuda:

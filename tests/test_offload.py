@@ -15,11 +15,13 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import effmem
 from effmem import FusedAdam, OffloadAdam, demo_model
 from effmem.cli import lr_lambda
 from offload_helpers import HP, _null, assert_same_training, batches, tiny_gpt, train
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["plain", "accumulate", "clip", "overlap", "overlap_accumulate"])
@@ -359,7 +361,9 @@ def test_cuda_matches_fused_adam_and_moves_2_bytes_per_param_each_way():
     ref = tiny_gpt(torch.bfloat16).cuda()
     model = copy.deepcopy(ref)
     fused = FusedAdam(ref.parameters(), lr=1e-3)
-    with OffloadAdam(model.parameters(), lr=1e-3) as off:
+    # The math attention kernel: the fused ones may reduce in a different order on each
+    # call (atomics), and Adam's first steps are +-lr whatever the gradient's size.
+    with OffloadAdam(model.parameters(), lr=1e-3) as off, sdpa_kernel(SDPBackend.MATH):
         assert off._engine.backend == "cuda"
         train(ref, fused, data)
         train(model, off, data)
@@ -383,11 +387,11 @@ def test_cuda_no_gradient_memory_left_after_backward():
         off.step()
         off.zero_grad()
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps a workspace per handle and stream; it counts
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     base = torch.cuda.memory_allocated()
     assert base <= 1.05 * weights + 2**20
     off.close()
-
 
 
 def test_dropping_the_optimizer_with_copies_in_flight_does_not_hang():

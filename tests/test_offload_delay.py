@@ -103,16 +103,39 @@ def test_delay_checkpoint_is_flushed_and_resumes_exactly():
         assert torch.equal(pa, pb)
 
 
-def test_delay_with_accumulation_trains_and_counts_one_upload_per_step():
-    data = batches(12)
-    model = tiny_gpt(torch.bfloat16)
-    with OffloadAdam(model.parameters(), delay=True, **HP) as off:
-        losses = train(model, off, data, accum=3)
+def test_delay_with_accumulation_only_the_first_micro_batch_runs_on_older_weights():
+    """The weights go up during the first micro-batch's backward, and the host backend's
+    copies come late (random delays): the second micro-batch's forward must still see
+    every one of them (the fence queued at the end of each backward)."""
+    accum, steps = 3, 6
+    data = batches(accum * steps)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), **HP)
+    shadow = copy.deepcopy(ref)
+    previous = [p.detach().clone() for p in ref.parameters()]
+    expected = []
+    for k in range(steps):
+        current = [p.detach().clone() for p in ref.parameters()]
+        for j, (x, y) in enumerate(data[k * accum:(k + 1) * accum]):
+            with torch.no_grad():
+                for s, w in zip(shadow.parameters(), previous if j == 0 else current):
+                    s.copy_(w)
+            _, loss = shadow(x, y)
+            (loss / accum).backward()
+            expected.append(loss.item())
+            for p, s in zip(ref.parameters(), shadow.parameters()):
+                p.grad = s.grad if p.grad is None else p.grad + s.grad
+                s.grad = None
+        previous = current
+        finish_step(fused)
+    with OffloadAdam(model.parameters(), delay=True, _host_delay_us=300.0, **HP) as off:
+        assert train(model, off, data, accum=accum) == expected
         off.flush()
+        assert_same_training(ref, model, fused, off)
         n = sum(p.numel() for p in model.parameters())
         c = off.counters()
-        assert c["bytes_down"] == 12 * n * 2 and c["bytes_up"] == 4 * n * 2
-    assert losses[-1] < losses[0]
+        assert c["bytes_down"] == accum * steps * n * 2 and c["bytes_up"] == steps * n * 2
 
 
 def test_delay_failing_update_raises_at_the_next_backward_and_installs_nothing():

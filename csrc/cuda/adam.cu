@@ -50,7 +50,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     dispatch_float_dtype(grads[0].scalar_type(), "grads", [&](auto gtag) {
       using P = typename decltype(ptag)::type;
       using G = typename decltype(gtag)::type;
-      for_each_launch<5, 36, 320>(lists, numels, step_ptrs, [&](const AdamTable& table, int blocks) {
+      for_each_launch<5, 56>(lists, numels, step_ptrs, [&](const AdamTable& table, int blocks) {
         adam_kernel<P, G><<<blocks, kAdamThreads, 0, stream>>>(table, hyper, lr_ptr, scale_ptr, inf_ptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

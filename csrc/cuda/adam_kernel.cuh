@@ -23,7 +23,7 @@ namespace effmem::cuda {
 constexpr int kAdamThreads = 512;
 constexpr int kVec = 4;
 // Lists: 0 param, 1 grad, 2 master (the param itself for fp32), 3 exp_avg, 4 exp_avg_sq.
-using AdamTable = TensorTable<5, 36, 320>;
+using AdamTable = TensorTable<5, 56>;
 
 struct AdamHyper {
   double lr, beta1, beta2, eps, weight_decay;
@@ -35,7 +35,11 @@ __device__ __forceinline__ float to_float(bf16_t x) { return float_from_bf16(x.b
 __device__ __forceinline__ float to_float(f16_t x) { return __half2float(__ushort_as_half(x.bits)); }
 __device__ __forceinline__ void from_float(float* p, float x) { *p = x; }
 __device__ __forceinline__ void from_float(bf16_t* p, float x) { p->bits = bf16_from_float(x); }
-__device__ __forceinline__ void from_float(f16_t* p, float x) { p->bits = __half_as_ushort(__float2half_rn(x)); }
+// The hardware conversion turns every NaN into 0x7fff; the CPU keeps the
+// sign and gives a quiet 0x7e00, so NaNs take the shared path to match bits.
+__device__ __forceinline__ void from_float(f16_t* p, float x) {
+  p->bits = x != x ? f16_from_float(x) : __half_as_ushort(__float2half_rn(x));
+}
 
 template <class T>
 struct alignas(sizeof(T) * kVec) Pack {
@@ -54,8 +58,10 @@ __global__ void __launch_bounds__(kAdamThreads)
   constexpr bool kLowPrecision = !std::is_same_v<P, float>;
   // Read on the device, so a grad scaler's skip costs no host sync.
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  const int slot = table.block_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kChunk;
+  int slot;
+  int64_t chunk;
+  table.locate(blockIdx.x, &slot, &chunk);
+  const int64_t start = chunk * kChunk;
   const int64_t n = min(kChunk, table.numel[slot] - start);
 
   __shared__ AdamCoeffs coeffs;

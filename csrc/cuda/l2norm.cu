@@ -21,7 +21,7 @@ namespace effmem::cuda {
 namespace {
 
 constexpr int kNormThreads = 512;
-using NormTable = TensorTable<1, 64, 320>;
+using NormTable = TensorTable<1, 128>;
 
 template <class T>
 __device__ T block_sum(T x) {
@@ -39,8 +39,10 @@ __device__ T block_sum(T x) {
 
 template <class T>
 __global__ void __launch_bounds__(kNormThreads) sumsq_kernel(NormTable table, float* partial) {
-  const int slot = table.block_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kChunk;
+  int slot;
+  int64_t chunk;
+  table.locate(blockIdx.x, &slot, &chunk);
+  const int64_t start = chunk * kChunk;
   const int64_t n = min(kChunk, table.numel[slot] - start);
   const T* x = static_cast<const T*>(table.ptr[0][slot]) + start;
   float acc = 0.0f;
@@ -98,7 +100,7 @@ at::Tensor l2norm_cuda(at::TensorList tensors) {
     if (chunks == 0) continue;
     dispatch_float_dtype(dtype, "tensors", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      for_each_launch<1, 64, 320>(lists, numels, {}, [&](const NormTable& table, int blocks) {
+      for_each_launch<1, 128>(lists, numels, {}, [&](const NormTable& table, int blocks) {
         sumsq_kernel<T><<<blocks, kNormThreads, 0, stream>>>(table, partial_ptr + offset);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

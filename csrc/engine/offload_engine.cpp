@@ -89,7 +89,9 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     TORCH_CHECK_VALUE(bucket_seen[b], "OffloadEngine: bucket ", b, " holds no parameter");
     Bucket& bucket = buckets_[b];
     const int64_t floats = bucket.numel * 4;
-    bucket.master = transfer_->allocate(floats, options_.pin_state);
+    // fp32 parameters are uploaded straight from their master: it must be
+    // page-locked for the copy to be asynchronous DMA.
+    bucket.master = transfer_->allocate(floats, options_.pin_state || bucket.dtype == cpu::kF32);
     bucket.exp_avg = transfer_->allocate(floats, options_.pin_state);
     bucket.exp_avg_sq = transfer_->allocate(floats, options_.pin_state);
     bucket.staging = transfer_->allocate(bucket.numel * element_size(bucket.dtype), true);
@@ -285,7 +287,7 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
       release_chunk(c);
       throw;
     }
-    enqueue([this, c, landed, staged, add, landing, dst = staging + off * esize, count] {
+    enqueue([this, c, landed, staged, add, landing, dst = staging + off * esize, count, esize] {
       struct Release {
         OffloadEngine* e;
         int c;
@@ -293,7 +295,13 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
       } release{this, c};
       landed->wait();
       if (staged) staged->wait();
-      add(dst, landing, count);
+      // Spread over the pool: a single thread adding 4M elements would hold
+      // up the next gradients waiting for a free chunk.
+      const char* src = static_cast<const char*>(landing);
+      pool_->run((count + cpu::kAdamSpan - 1) / cpu::kAdamSpan, [&](int64_t k) {
+        const int64_t o = k * cpu::kAdamSpan;
+        add(dst + o * esize, src + o * esize, std::min(cpu::kAdamSpan, count - o));
+      });
       ++accumulations_;
     });
   }
@@ -529,6 +537,9 @@ void OffloadEngine::zero_grad() {
   }
   wait_idle();
   wait_staged();
+  // Overlap mode without step(): updates that ran during backward uploaded
+  // weights that the next forward must wait for.
+  transfer_->fence();
   std::lock_guard<std::mutex> lock(mu_);
   for (Param& p : params_) {
     p.has_grad = p.queued = p.landed = false;
@@ -555,6 +566,11 @@ void OffloadEngine::synchronize() {
 void OffloadEngine::order_after_downloads() {
   check_usable();
   transfer_->order_after_downloads();
+}
+
+void OffloadEngine::fence() {
+  check_usable();
+  transfer_->fence();
 }
 
 void OffloadEngine::set_accumulating(bool on) {

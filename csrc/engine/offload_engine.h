@@ -105,6 +105,9 @@ class OffloadEngine {
   // The caller's stream waits for every gradient copy issued so far (see
   // Transfer::order_after_downloads).
   void order_after_downloads();
+  // The caller's stream waits for every weight upload issued so far (overlap
+  // and delay mode upload during backward; the next forward must wait).
+  void fence();
   void set_accumulating(bool on);
   void close();
   bool closed() const { return closed_.load(); }

@@ -83,6 +83,7 @@ void bind_engine(py::module_& m) {
       .def("synchronize", &E::synchronize, release())
       .def("order_after_downloads", &E::order_after_downloads, release(),
            "Later work on the current stream waits until every gradient copy so far has read its source")
+      .def("fence", &E::fence, release(), "The current stream waits for every weight upload issued so far")
       .def("set_accumulating", &E::set_accumulating, py::arg("on"))
       .def("close", &E::close, release())
       .def_property_readonly("closed", &E::closed)

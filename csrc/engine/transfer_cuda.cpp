@@ -21,6 +21,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 #include "engine/transfer.h"
 
@@ -48,8 +49,11 @@ class Event : public Ticket {
     EFFMEM_CUDA_OK(cudaEventCreateWithFlags(&event_, flags));
   }
   ~Event() override {
-    DeviceGuard guard(index_of(device_));
-    cudaEventDestroy(event_);
+    try {  // the guard throws after a sticky CUDA error; a destructor must not
+      DeviceGuard guard(index_of(device_));
+      cudaEventDestroy(event_);
+    } catch (...) {
+    }
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
@@ -83,21 +87,40 @@ cudaStream_t new_stream(int device) {
   return s;
 }
 
+// The two side streams of a device, created once and never destroyed: a
+// gradient handed to download() is marked as used on the down stream
+// (recordStream), and the caching allocator records an event on that stream
+// whenever the gradient is freed, which may be long after the engine that
+// copied it is gone (a tensor the caller kept, DDP's buckets).
+struct SideStreams {
+  cudaStream_t down, up;
+};
+
+SideStreams side_streams(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, SideStreams> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(device);
+  if (it == streams.end()) it = streams.emplace(device, SideStreams{new_stream(device), new_stream(device)}).first;
+  return it->second;
+}
+
 class CudaTransfer : public Transfer {
  public:
   explicit CudaTransfer(int device)
-      : device_(device), down_raw_(new_stream(device)), up_raw_(new_stream(device)),
+      : device_(device), down_raw_(side_streams(device).down), up_raw_(side_streams(device).up),
         down_(c10::cuda::getStreamFromExternal(down_raw_, index_of(device))) {}
 
   // Nothing may still be copying into or out of memory that is about to be
-  // freed (pinned staging, landing chunks, parameters).
+  // freed (pinned staging, landing chunks, parameters). The streams stay.
   ~CudaTransfer() override {
-    DeviceGuard guard(index_of(device_));
-    cudaStreamSynchronize(down_raw_);
-    cudaStreamSynchronize(up_raw_);
+    try {
+      DeviceGuard guard(index_of(device_));
+      cudaStreamSynchronize(down_raw_);
+      cudaStreamSynchronize(up_raw_);
+    } catch (...) {
+    }
     readers_ = last_upload_ = last_download_ = nullptr;
-    cudaStreamDestroy(down_raw_);
-    cudaStreamDestroy(up_raw_);
   }
 
   const char* name() const override { return "cuda"; }
@@ -118,6 +141,9 @@ class CudaTransfer : public Transfer {
                      const TicketPtr& after) override {
     check_device(src);
     DeviceGuard guard(index_of(device_));
+    // Whole, under the lock: two threads handing gradients over at once (DDP's
+    // callbacks) must leave last_download_ at the copy issued last.
+    std::lock_guard<std::mutex> lock(mu_);
     EventPtr produced = record(device_, current(), kStreamEvent);
     EFFMEM_CUDA_OK(cudaStreamWaitEvent(down_raw_, produced->get(), 0));
     if (after) {
@@ -129,7 +155,6 @@ class CudaTransfer : public Transfer {
                                    static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, down_raw_));
     c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), down_);
     EventPtr done = record(device_, down_raw_, kHostEvent);
-    std::lock_guard<std::mutex> lock(mu_);
     readers_ = produced;
     last_download_ = done;
     return done;

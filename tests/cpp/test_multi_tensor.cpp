@@ -1,3 +1,6 @@
+// Random tensor lists through for_each_launch: every chunk of every non-empty
+// tensor is covered by exactly one block, blocks are numbered consecutively
+// across launches, and each block finds its tensor's pointers and size.
 #include "cuda/multi_tensor.cuh"
 #include <cstdio>
 #include <map>
@@ -17,13 +20,17 @@ int main() {
     }
     std::map<std::pair<int, int64_t>, int> seen;
     int64_t global = 0; bool ok = true;
-    for_each_launch<2, 7, 13>(lists, numels, {}, [&](const TensorTable<2, 7, 13>& tb, int blocks) {
-      if (tb.first_block != global) ok = false;
+    for_each_launch<2, 7>(lists, numels, {}, [&](const TensorTable<2, 7>& tb, int blocks) {
+      if (tb.first_block != global || tb.num_tensors < 1 || tb.num_tensors > 7) ok = false;
+      if (tb.block_end[tb.num_tensors - 1] != blocks) ok = false;
       for (int b = 0; b < blocks; ++b) {
-        int s = tb.block_tensor[b];
+        int s;
+        int64_t chunk;
+        tb.locate(b, &s, &chunk);
         int t = (int)(intptr_t)tb.ptr[0][s] - 1;
         if ((intptr_t)tb.ptr[1][s] != 1000000 + t || tb.numel[s] != numels[t]) ok = false;
-        seen[{t, tb.block_chunk[b]}]++;
+        if (chunk < 0 || chunk * kChunk >= numels[t]) ok = false;
+        seen[{t, chunk}]++;
       }
       global += blocks;
     });

@@ -89,6 +89,8 @@ class DdpClearStreamed:
 
     def __call__(self, module, args):
         opt = self.ref()
+        if opt is not None and not opt._engine.closed and (opt._overlap or opt._delay):
+            opt._engine.fence()  # weights uploaded during the last backward, before this forward reads them
         if opt is not None and opt._streamed and not opt._engine.closed:
             opt._engine.order_after_downloads()
             for i in opt._streamed:

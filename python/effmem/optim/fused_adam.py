@@ -127,6 +127,8 @@ class FusedAdam(AdamBase):
                     # GradScaler sums found_inf over devices, so it may exceed 1
                     torch._foreach_add_(b["steps"], (inf == 0).to(torch.float32).reshape(()))
                 lr = group["lr"]
+                if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
+                    lr = float(lr)  # a host read; copying it to the GPU would block on a pageable copy
                 lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
                 beta1, beta2 = group["betas"]
                 ops.adam_step_(

@@ -1,4 +1,5 @@
 """OffloadAdam: Adam/AdamW whose fp32 master weights and moments live in host memory."""
+import collections
 import contextlib
 import math
 import threading
@@ -21,7 +22,7 @@ _local = _validate.local_tensor
 # A gradient for a parameter whose host staging already holds one lands in one
 # of these page-locked chunks first, then is added in on the host.
 LANDING_CHUNK_NUMEL = 1 << 22
-LANDING_CHUNKS = 4
+LANDING_CHUNKS = 8
 
 
 class OffloadAdam(AdamBase):
@@ -65,8 +66,8 @@ class OffloadAdam(AdamBase):
             hyper-parameters (lr...) as they were when backward began, so
             change them before ``backward()``, not between it and ``step()``;
             (2) parameters change during backward, after their last use by
-            it: code that reads them between ``backward()`` and ``step()``
-            sees the new values; (3) it rules out clipping by global norm
+            it, and are whole again only once ``step()`` (or
+            ``zero_grad()``) returns: do not read them in between; (3) it rules out clipping by global norm
             (``clip_grad_norm_`` raises: the norm needs every gradient
             before any update) and accumulation across backward calls unless
             all but the last run inside ``with opt.accumulating():``.
@@ -93,9 +94,10 @@ class OffloadAdam(AdamBase):
             memory and of overlapped work.
         num_threads: CPU threads for the update (default
             ``torch.get_num_threads()``).
-        pin_state: page-lock the master weights and moments too (only the
-            staging must be: it is what crosses the bus). False leaves more
-            of the host's memory pageable.
+        pin_state: page-lock the master weights and moments too (only what
+            crosses the bus must be: the staging, and the master of fp32
+            parameters, whose weights go up from it). False leaves more of
+            the host's memory pageable.
         backend: "cuda" (parameters on a GPU) or "host" (CPU parameters;
             copies by a thread: the whole pipeline without a GPU). Chosen
             from the parameters' device when None.
@@ -150,6 +152,7 @@ class OffloadAdam(AdamBase):
         self._masters_ready = False
         self._in_backward = False
         self._clip_scale = 1.0
+        self._fenced_task = -1  # the backward (graph task) that already queued its fence
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                       and torch.distributed.get_world_size() > 1)
@@ -264,6 +267,23 @@ class OffloadAdam(AdamBase):
         self._send(i, _local(g))
         p.grad = None
 
+    def _fence_at_end_of_backward(self) -> None:
+        """Overlap and delay mode upload weights during backward: once per backward, queue a
+        callback that orders the caller's stream after them when backward ends, so that the
+        next forward (say of the next micro-batch, with no step() in between) reads whole
+        weights. Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook does it."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._fenced_task:
+            return
+        self._fenced_task = task
+        engine = self._engine
+
+        def fence():
+            if not engine.closed:
+                engine.fence()
+
+        torch.autograd.Variable._execution_engine.queue_callback(fence)
+
     def _send(self, i: int, g: Tensor) -> None:
         """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
         local_p = self._local[i]
@@ -271,6 +291,8 @@ class OffloadAdam(AdamBase):
         if g.dtype != local_p.dtype:
             g = g.to(local_p.dtype)  # the staging holds the parameter's dtype
         self._engine.grad_ready(i, g)
+        if self._overlap or self._delay:
+            self._fence_at_end_of_backward()
 
     def _take_leftover_grads(self) -> None:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
@@ -465,6 +487,10 @@ class OffloadAdam(AdamBase):
                     self._engine.synchronize()  # the last step's weights into the parameters
             finally:
                 self._engine.close()
+                # Let go of the host state, so that its memory goes now rather than with this
+                # object; tensors the caller took from state_dict() keep theirs alive.
+                self.state = collections.defaultdict(dict)
+                self._views = []
 
     def __enter__(self) -> "OffloadAdam":
         return self
