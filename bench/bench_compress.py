@@ -101,7 +101,7 @@ def run(device, numel, bits, compile_baseline, repeat, warmup):
     for (op, impl), ts in times.items():
         stats_ = common.summarize(ts)
         gbs = nbytes / (stats_["median_ms"] / 1e3) / 1e9
-        rows.append(dict(op=op, impl=impl, **stats_, gb_per_s=gbs, bw_fraction=gbs / copy_gbs,
+        rows.append(dict(op=op, impl=impl, **stats_, bytes=nbytes, gb_per_s=gbs, bw_fraction=gbs / copy_gbs,
                          times_ms=[t * 1e3 for t in ts]))
     by = {(r["op"], r["impl"]): r for r in rows}
     for r in rows:
@@ -113,7 +113,7 @@ def run(device, numel, bits, compile_baseline, repeat, warmup):
         row = by[(op, "effmem")]
         if metric in row:
             targets.append(dict(name=name, measured=row[metric], threshold=thr, met=row[metric] >= thr))
-    return rows, dict(bytes=copy_bytes, gb_per_s=copy_gbs), nbytes, targets
+    return rows, dict(bytes=copy_bytes, median_ms=copy_s * 1e3, gb_per_s=copy_gbs), nbytes, targets
 
 
 def gpt_step_bench(device, n_layer, d_model, seq_len, max_batch, repeat, warmup, bits=8):

@@ -1,7 +1,7 @@
 """Benchmark of OffloadAdam against FusedAdam on a Llama-shaped bf16 model.
 
     python bench/bench_offload.py [--device cpu|cuda] [--size 1.3b] [--batch B] [--seq T]
-                                  [--accum K] [--steps N] [--capacity] [--json PATH]
+                                  [--accum K] [--steps N] [--capacity | --capacity-only] [--json PATH]
 
 Parts, all measured in one run:
   link      pinned host <-> device copy bandwidth, each direction (torch copy_
@@ -158,7 +158,10 @@ def step_comparison(args, device):
         row["device_state_bytes_per_param"] = row["device_state_bytes"] / shape.num_params()
         if cuda:
             # After step() and zero_grad(): no activations or gradients left, so what
-            # remains allocated is the model states the optimizer keeps on the GPU.
+            # remains allocated is the model states the optimizer keeps on the GPU (once
+            # cuBLAS's per-handle workspaces, which count too, are let go).
+            torch.cuda.synchronize(device)
+            torch._C._cuda_clearCublasWorkspaces()
             row["allocated_after_step_bytes_per_param"] = torch.cuda.memory_allocated(device) / shape.num_params()
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         if isinstance(opt, OffloadAdam):
@@ -176,8 +179,9 @@ def step_comparison(args, device):
     return rows
 
 
-def capacity(args, device):
-    """Sizes tried in order for each optimizer until one fails; each try is its own process."""
+def capacity(args, device, save):
+    """Sizes tried in order for each optimizer until one fails; each try is its own process.
+    save(results) is called after every try, so a run cut short still leaves what it found."""
     mem_available = _host_available_bytes()
     out = []
     for opt_name in ("torch_adamw_amp", "fused", "offload"):
@@ -190,10 +194,15 @@ def capacity(args, device):
                 break
             cmd = [sys.executable, os.path.abspath(__file__), "--device", device, "--capacity-worker", opt_name,
                    "--size", size, "--batch", "1", "--seq", str(args.capacity_seq), "--steps", "3"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            result = _parse_worker(proc)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.capacity_timeout)
+                result = _parse_worker(proc)
+            except subprocess.TimeoutExpired as e:
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+                result = {"status": f"timed out after {args.capacity_timeout} s", "error": err[-2000:]}
             result.update(optimizer=opt_name, size=size, params=shape.num_params())
             out.append(result)
+            save(out)
             print(f"  capacity {opt_name:16s} {size:5s}: {result['status']}"
                   + (f", {result['tokens_per_s']:.0f} tokens/s, MFU {result['mfu']:.3f}"
                      if result["status"] == "ok" and result.get("mfu") is not None else ""), flush=True)
@@ -273,6 +282,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--capacity", action="store_true", help="also find the largest model each optimizer trains")
+    ap.add_argument("--capacity-only", action="store_true",
+                    help="only the capacity search (this process leaves the GPU untouched for the tries)")
+    ap.add_argument("--capacity-timeout", type=int, default=240, help="seconds allowed to each capacity try")
     ap.add_argument("--capacity-sizes", default="1.3b,3b,7b,13b")
     ap.add_argument("--capacity-seq", type=int, default=2048)
     ap.add_argument("--capacity-worker", default=None, help=argparse.SUPPRESS)
@@ -288,6 +300,33 @@ def main(argv=None):
 
     env = common.environment(args.device)
     print(f"{env['device_name']} ({args.device}), torch {env['torch_version']}, commit {env['git_commit'][:12]}")
+    results = {"step": None, "transfer": None, "link": None, "capacity": None}
+    verdicts = []
+
+    def save(partial=True):
+        # Written after each part: a run cut off at the device's time limit keeps what it measured.
+        if args.json:
+            common.write_json(args.json, {"benchmark": "offload", "env": env, "config": vars(args),
+                                          "results": results, "targets": verdicts, "partial": partial})
+
+    if not args.capacity_only:
+        measure_steps(args, results, verdicts)
+        save()
+    if (args.capacity or args.capacity_only) and cuda:
+        torch.cuda.empty_cache()  # the tries run in other processes: leave them the whole GPU
+
+        def save_capacity(found):
+            results["capacity"] = found
+            save()
+
+        capacity(args, args.device, save_capacity)
+    save(partial=False)
+    if args.json:
+        print(f"wrote {args.json}")
+
+
+def measure_steps(args, results, verdicts):
+    """The link, the engine's transfer rate and the step comparison, with their targets."""
     shape = llama.SIZES[args.size]
     print(f"Llama-shaped {args.size}: {shape.num_params() / 1e6:,.1f}M params; batch {args.batch} x seq {args.seq} "
           f"x {args.accum} micro-batches per step")
@@ -309,9 +348,7 @@ def main(argv=None):
                                      ("device B/param", "device_state_bytes_per_param", ".2f"),
                                      ("GPU alloc B/param", "allocated_after_step_bytes_per_param", ".2f"),
                                      ("PCIe B/param/step", "pcie_bytes_per_step_per_param", ".2f")]))
-    cap = capacity(args, args.device) if args.capacity and cuda else None
-    results = {"step": rows, "transfer": xfer, "link": link, "capacity": cap}
-    verdicts = []
+    results.update(step=rows, transfer=xfer, link=link)
     lookup = {r["name"]: r for r in rows + [xfer]}
     for label, row, metric, threshold, op in TARGETS[args.device]:
         value = lookup.get(row, {}).get(metric) if args.size == "1.3b" or not row.startswith("offload_") else None
@@ -319,10 +356,6 @@ def main(argv=None):
         verdicts.append({"target": label, "value": value, "met": met})
         print(f"target {label}: measured {value if value is None else round(value, 3)} -> "
               f"{'n/a' if met is None else 'MET' if met else 'NOT MET'}")
-    if args.json:
-        common.write_json(args.json, {"benchmark": "offload", "env": env, "config": vars(args), "results": results,
-                                      "targets": verdicts})
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -4,45 +4,57 @@
 # results to $OUT (default bench/results/) with device, torch version and git
 # commit.
 #
-#   bash bench/gpu_check.sh [PART ...]     PART: build tests bench offload capacity demo
+#   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
+#   PART: build tests bench demo offload capacity
 #
 # No PART runs them all in that order. The device tool allows 10 minutes per
-# command, which all of them together may exceed: then run
-# `build tests bench` in one call and `build offload capacity demo` in the
-# next (build is quick once built).
+# command, which all of them together exceed: run `build tests bench demo` in
+# one call and `build offload capacity` in the next (the build is about a
+# minute on 16 cores). The device gets a copy of the working tree without
+# .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
+# `git rev-parse HEAD` here); it goes into every JSON.
+#
+# Each part runs under its own time limit, so one hang cannot eat the call,
+# and output is unbuffered, so a killed run still shows how far it got.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
 status=0
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(build tests bench offload capacity demo)
+[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity)
+
+limit() { timeout -k 10 "$@"; }
 
 for part in "${parts[@]}"; do
   echo "== $part ($(date -u +%H:%M:%S))"
   case "$part" in
     build)
-      "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+      # EFFMEM_CUDA=ON: a machine where nvcc is not found fails here, instead of
+      # building for the CPU only and failing every CUDA test.
+      EFFMEM_CUDA=ON limit 300 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
+        || { tail -50 "$OUT/build.log"; exit 1; }
       "$PY" -m effmem.cli info | tee "$OUT/info.txt" ;;
     tests)
-      "$PY" -m pytest -q tests -rs --junitxml="$OUT/tests.xml" 2>&1 | tail -30 | tee "$OUT/tests.txt"
+      limit 300 "$PY" -m pytest -q tests -rs --junitxml="$OUT/tests.xml" 2>&1 | tail -40 | tee "$OUT/tests.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
-      "$PY" bench/bench_adam.py --device cuda --json "$OUT/gpu_adam.json" || status=1
-      "$PY" bench/bench_compress.py --device cuda --bits 8 --gpt --json "$OUT/gpu_compress.json" || status=1
-      "$PY" bench/bench_compress.py --device cuda --bits 4 --json "$OUT/gpu_compress_4bit.json" || status=1 ;;
+      limit 120 "$PY" bench/bench_adam.py --device cuda --json "$OUT/gpu_adam.json" || status=1
+      limit 180 "$PY" bench/bench_compress.py --device cuda --bits 8 --gpt --json "$OUT/gpu_compress.json" || status=1
+      limit 90 "$PY" bench/bench_compress.py --device cuda --bits 4 --json "$OUT/gpu_compress_4bit.json" || status=1 ;;
+    demo)
+      limit 150 "$PY" -m effmem.cli demo --json "$OUT/gpu_demo.json" || status=1 ;;
     offload)
       # Step time at 1.3B against FusedAdam, engine vs link bandwidth, GPU bytes/param.
-      "$PY" bench/bench_offload.py --device cuda --json "$OUT/gpu_offload.json" || status=1 ;;
+      limit 200 "$PY" bench/bench_offload.py --device cuda --json "$OUT/gpu_offload.json" || status=1 ;;
     capacity)
       # The largest Llama-shaped model each optimizer trains (each try in its own process).
-      "$PY" bench/bench_offload.py --device cuda --size 125m --steps 2 --warmup 1 --capacity \
+      limit 330 "$PY" bench/bench_offload.py --device cuda --capacity-only --capacity-timeout 150 \
         --json "$OUT/gpu_offload_capacity.json" || status=1 ;;
-    demo)
-      "$PY" -m effmem.cli demo --json "$OUT/gpu_demo.json" || status=1 ;;
     *)
-      echo "unknown part: $part (expected build tests bench offload capacity demo)"; exit 2 ;;
+      echo "unknown part: $part (expected build tests bench demo offload capacity)"; exit 2 ;;
   esac
 done
 exit $status

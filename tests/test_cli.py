@@ -108,6 +108,7 @@ def test_demo_json(tiny_demo):
     proc, path = tiny_demo
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(path.read_text())
+    assert result["env"]["torch_running"] == torch.__version__ and "cpu_isa" in result["env"]
     runs = {r["name"]: r for r in result["runs"]}
     assert list(runs) == CONFIG_NAMES
     for r in runs.values():

@@ -379,18 +379,20 @@ def test_cuda_matches_fused_adam_and_moves_2_bytes_per_param_each_way():
 
 @pytest.mark.cuda
 def test_cuda_no_gradient_memory_left_after_backward():
-    model = tiny_gpt(torch.bfloat16, n_layer=4, d_model=256).cuda()
+    # 50M parameters: their bf16 gradients (100 MB) would not hide in the slack left for
+    # cuBLAS's per-handle workspaces (32 MiB each on Hopper), which count as allocated.
+    model = tiny_gpt(torch.bfloat16, n_layer=4, d_model=1024).cuda()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     off = OffloadAdam(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (8, 16), device="cuda")
     for _ in range(3):
         model(x, x)[1].backward()
+        assert all(p.grad is None for p in model.parameters())  # handed over, not kept
         off.step()
         off.zero_grad()
     torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps a workspace per handle and stream; it counts
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    base = torch.cuda.memory_allocated()
-    assert base <= 1.05 * weights + 2**20
+    torch._C._cuda_clearCublasWorkspaces()
+    assert torch.cuda.memory_allocated() <= 1.5 * weights
     off.close()
 
 

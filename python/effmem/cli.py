@@ -455,7 +455,11 @@ def cmd_demo(args, parser) -> int:
             print(r["compress_table"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs}, f, indent=2)
+            # What a result is meaningless without: the build, the device, the commit (the GPU
+            # machine gets a copy of the tree without .git: gpu_check.sh passes it in).
+            env = {**collect_info(), "git_commit": os.environ.get("EFFMEM_GIT_COMMIT") or None}
+            json.dump({"env": env, "settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs},
+                      f, indent=2)
     return 0
 
 
