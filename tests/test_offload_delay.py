@@ -5,6 +5,7 @@ the gradient taken at the weights of step k-1. The reference below is
 FusedAdam fed exactly those gradients (computed on a shadow copy of the model
 that holds the previous step's weights), so the two must agree bit for bit.
 """
+import contextlib
 import copy
 
 import pytest
@@ -103,10 +104,13 @@ def test_delay_checkpoint_is_flushed_and_resumes_exactly():
         assert torch.equal(pa, pb)
 
 
-def test_delay_with_accumulation_only_the_first_micro_batch_runs_on_older_weights():
-    """The weights go up during the first micro-batch's backward, and the host backend's
-    copies come late (random delays): the second micro-batch's forward must still see
-    every one of them (the fence queued at the end of each backward)."""
+@pytest.mark.parametrize("marked", [True, False], ids=["accumulating", "unmarked"])
+def test_delay_with_accumulation(marked):
+    """With all but the last micro-batch inside accumulating(), every micro-batch of a step
+    runs on the weights of two steps back (one step stale); unmarked, the weights go up
+    during the first micro-batch's backward and the later ones see them. The host backend's
+    copies come late (random delays): the next forward must still see every one of them
+    (the fence queued at the end of each backward)."""
     accum, steps = 3, 6
     data = batches(accum * steps)
     ref = tiny_gpt(torch.bfloat16)
@@ -119,7 +123,7 @@ def test_delay_with_accumulation_only_the_first_micro_batch_runs_on_older_weight
         current = [p.detach().clone() for p in ref.parameters()]
         for j, (x, y) in enumerate(data[k * accum:(k + 1) * accum]):
             with torch.no_grad():
-                for s, w in zip(shadow.parameters(), previous if j == 0 else current):
+                for s, w in zip(shadow.parameters(), previous if marked or j == 0 else current):
                     s.copy_(w)
             _, loss = shadow(x, y)
             (loss / accum).backward()
@@ -130,12 +134,37 @@ def test_delay_with_accumulation_only_the_first_micro_batch_runs_on_older_weight
         previous = current
         finish_step(fused)
     with OffloadAdam(model.parameters(), delay=True, _host_delay_us=300.0, **HP) as off:
-        assert train(model, off, data, accum=accum) == expected
+        losses = []
+        for k in range(steps):
+            for j, (x, y) in enumerate(data[k * accum:(k + 1) * accum]):
+                with off.accumulating() if marked and j < accum - 1 else contextlib.nullcontext():
+                    _, loss = model(x, y)
+                    (loss / accum).backward()
+                losses.append(loss.item())
+            finish_step(off)
+        assert losses == expected
         off.flush()
         assert_same_training(ref, model, fused, off)
         n = sum(p.numel() for p in model.parameters())
         c = off.counters()
         assert c["bytes_down"] == accum * steps * n * 2 and c["bytes_up"] == steps * n * 2
+
+
+def test_delay_parameters_without_gradients_in_some_steps():
+    """A parameter left out of a step keeps its pending weights until it is installed
+    (at step() once its update is done, at its next gradient, or by flush())."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(300).bfloat16()), torch.nn.Parameter(torch.randn(50).bfloat16())
+    with OffloadAdam([a, b], lr=1e-2, delay=True, bucket_size=100, _host_delay_us=100.0) as off:
+        for step in range(8):
+            used = [a, b] if step % 3 else [a]
+            sum((p.float() ** 2).sum() for p in used).backward()
+            off.step()
+            off.zero_grad()
+        off.flush()
+        for p in (a, b):
+            assert torch.equal(p, off.state[p]["master"].bfloat16())
+        assert float(off.state[a]["step"]) == 8 and float(off.state[b]["step"]) == 5
 
 
 def test_delay_failing_update_raises_at_the_next_backward_and_installs_nothing():

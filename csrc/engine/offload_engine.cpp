@@ -94,7 +94,9 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     bucket.master = transfer_->allocate(floats, options_.pin_state || bucket.dtype == cpu::kF32);
     bucket.exp_avg = transfer_->allocate(floats, options_.pin_state);
     bucket.exp_avg_sq = transfer_->allocate(floats, options_.pin_state);
-    bucket.staging = transfer_->allocate(bucket.numel * element_size(bucket.dtype), true);
+    for (int side = 0; side < (options_.delay ? 2 : 1); ++side) {
+      bucket.staging[side] = transfer_->allocate(bucket.numel * element_size(bucket.dtype), true);
+    }
   }
   groups_.resize(static_cast<size_t>(num_groups));
   steps_ = allocate_pageable(static_cast<int64_t>(n) * 4);
@@ -126,13 +128,13 @@ void OffloadEngine::close() {
   pool_.reset();
   // Views handed to Python keep their blocks alive; the engine lets go of them.
   for (Bucket& b : buckets_) {
-    b.master = b.exp_avg = b.exp_avg_sq = b.staging = nullptr;
+    b.master = b.exp_avg = b.exp_avg_sq = b.staging[0] = b.staging[1] = nullptr;
     b.last_upload = nullptr;
   }
   chunks_.clear();
   for (Param& p : params_) {
     p.tensor = at::Tensor();
-    p.staged = p.uploaded = nullptr;
+    p.staged = p.uploaded[0] = p.uploaded[1] = nullptr;
     p.updated = {};
   }
   closed_ = true;
@@ -213,9 +215,9 @@ void OffloadEngine::release_chunk(int c) {
 
 // ------------------------------------------------------------------ gradients
 
-char* OffloadEngine::staging_of(const Param& p) const {
+char* OffloadEngine::staging_of(const Param& p, int side) const {
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
-  return static_cast<char*>(b.staging->data()) + p.offset * element_size(p.dtype);
+  return static_cast<char*>(b.staging[side]->data()) + p.offset * element_size(p.dtype);
 }
 
 void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
@@ -231,9 +233,18 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
                     p.tensor.device(), ", ", p.tensor.sizes(), ", ", p.tensor.strides(), "), got ", grad.device(),
                     ", ", grad.sizes(), ", ", grad.strides());
   const int64_t bytes = p.numel * element_size(p.dtype);
-  // Backward is done with this parameter: its pending weights can go up, and
-  // must, before the gradient lands in the staging that holds them.
-  if (options_.delay) install(i);
+  if (options_.delay) {
+    // Backward is done with this parameter, so its pending weights may go up:
+    // they do in the last micro-batch (outside accumulating()), so that every
+    // micro-batch of a step runs on the same weights; and they must before a
+    // gradient lands in the staging that holds them.
+    bool now;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      now = p.pending_upload && (!accumulating_ || p.pending_side == side_);
+    }
+    if (now) install(i);
+  }
   bool accumulate_into_staging;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -242,8 +253,9 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
                 "`with opt.accumulating():`, or use overlap=False");
     accumulate_into_staging = p.has_grad;
     if (!accumulate_into_staging && bytes > 0) {
-      const TicketPtr& after = options_.delay ? p.uploaded : buckets_[static_cast<size_t>(p.bucket)].last_upload;
-      p.staged = transfer_->download(grad, 0, staging_of(p), bytes, after);
+      const TicketPtr& after =
+          options_.delay ? p.uploaded[side_] : buckets_[static_cast<size_t>(p.bucket)].last_upload;
+      p.staged = transfer_->download(grad, 0, staging_of(p, side_), bytes, after);
     }
     p.has_grad = true;
   }
@@ -270,11 +282,12 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
   const int64_t esize = element_size(p.dtype);
   const cpu::AddFn add = cpu::kernels().add[p.dtype];
   TicketPtr staged;
+  char* staging;
   {
     std::lock_guard<std::mutex> lock(mu_);
     staged = p.staged;
+    staging = staging_of(p, side_);
   }
-  char* staging = staging_of(p);
   const int64_t chunk_numel = options_.landing_chunk_numel;
   for (int64_t off = 0; off < p.numel; off += chunk_numel) {
     const int64_t count = std::min(chunk_numel, p.numel - off);
@@ -336,7 +349,7 @@ std::vector<double> OffloadEngine::grad_sq_sums() {
     for (size_t i = 0; i < params_.size(); ++i) {
       const Param& p = params_[i];
       if (!p.has_grad) continue;
-      const char* base = staging_of(p);
+      const char* base = staging_of(p, side_);
       for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
         work.push_back({base + off * element_size(p.dtype), std::min(cpu::kAdamSpan, p.numel - off),
                         table.sumsq[p.dtype], i});
@@ -363,21 +376,26 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
   for (int64_t j : ids) {
     Param& p = params_[static_cast<size_t>(j)];
     if (p.staged) waits.push_back(p.staged);
-    if (p.uploaded) waits.push_back(p.uploaded);
+    for (const TicketPtr& t : p.uploaded) {
+      if (t) waits.push_back(t);
+    }
     p.has_grad = false;
     p.queued = true;
     if (options_.delay) {
+      // Supersedes weights still pending from an earlier step, if any.
       p.pending_upload = true;
+      p.pending_side = side_;
       p.updated = updated;
     }
   }
   // Hyper-parameters as they are now: in delay and overlap mode the update
   // runs while Python may already be changing them for the next step.
-  enqueue([this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits), hparams = groups_, done] {
+  enqueue([this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits), hparams = groups_, done,
+           side = side_] {
     // The error is recorded before `updated` is signalled, so that whoever
     // waited for it sees the failure and installs nothing.
     try {
-      run_update(bucket, ids, grad_scale, waits, hparams);
+      run_update(bucket, ids, grad_scale, waits, hparams, side);
     } catch (...) {
       record_error(std::current_exception());
     }
@@ -386,7 +404,8 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
 }
 
 void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, double grad_scale,
-                               const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams) {
+                               const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams,
+                               int side) {
   {
     std::lock_guard<std::mutex> lock(qmu_);
     if (error_) return;  // already failed: leave the state as it was at the failure
@@ -417,7 +436,7 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
       steps[j] += 1.0f;
       coeffs.push_back(adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
                                    h.bias_correction, steps[j], grad_scale));
-      char* stage = staging_of(p);
+      char* stage = staging_of(p, side);
       float* master = static_cast<float*>(b.master->data()) + p.offset;
       float* m = static_cast<float*>(b.exp_avg->data()) + p.offset;
       float* v = static_cast<float*>(b.exp_avg_sq->data()) + p.offset;
@@ -438,7 +457,7 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
   for (int64_t j : ids) {
     const Param& p = params_[static_cast<size_t>(j)];
     if (p.numel == 0) continue;
-    const void* src = low_precision ? static_cast<const void*>(staging_of(p))
+    const void* src = low_precision ? static_cast<const void*>(staging_of(p, side))
                                     : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
     last = transfer_->upload(src, p.tensor, p.numel * esize);
     bytes_up_ += p.numel * esize;
@@ -470,10 +489,10 @@ void OffloadEngine::upload_pending_locked(Param& p) {
   const int64_t esize = element_size(p.dtype);
   if (p.numel == 0) return;
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
-  const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p))
+  const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p, p.pending_side))
                                          : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
   transfer_->record_readers();  // the kernels queued so far include the parameter's last readers
-  p.uploaded = transfer_->upload(src, p.tensor, p.numel * esize);
+  p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize);
   bytes_up_ += p.numel * esize;
 }
 
@@ -508,6 +527,7 @@ void OffloadEngine::step(double grad_scale) {
     }
     if (options_.delay) {
       for (Param& p : params_) p.queued = p.landed = false;
+      side_ ^= 1;  // the next step's gradients land beside the weights being computed
     }
   }
   if (options_.delay) {
@@ -620,7 +640,7 @@ std::map<std::string, int64_t> OffloadEngine::counters() const {
     if (block) (block->pinned() ? pinned : pageable) += block->bytes();
   };
   for (const Bucket& b : buckets_) {
-    for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.staging}) count(block);
+    for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.staging[0], b.staging[1]}) count(block);
   }
   for (const auto& c : chunks_) count(c);
   return {{"bytes_down", bytes_down_.load()},

@@ -6,7 +6,8 @@
 //     staging                      param dtype: gradients land here, and
 //                                  the kernel writes the new low-precision
 //                                  weights over them in place, so one
-//                                  buffer serves both directions
+//                                  buffer serves both directions (two
+//                                  in delay mode, see below)
 //   landing chunks (a small fixed pool): a gradient for a parameter whose
 //     staging already holds one (accumulation over micro-batches) lands
 //     here, and the worker adds it into the staging.
@@ -26,11 +27,13 @@
 //
 // Delay mode (delayed parameter update): step() queues the updates and
 // returns at once; the worker writes the new weights into the staging and
-// does not upload them. The next grad_ready of a parameter (the next
-// backward is done with it) waits for its update, uploads the new weights,
-// then copies the new gradient into the same staging after that upload. So
-// the CPU update overlaps the next forward and backward, and gradients are
-// one step stale. synchronize() installs whatever is still pending.
+// does not upload them. Each bucket has two stagings, used in turns: the
+// next step's gradients land in the other one while the update runs. A
+// parameter's new weights go up ("install") at its first grad_ready outside
+// accumulating() after the step (that backward is done with it), once its
+// update is done. So the CPU update overlaps the next step's forward and
+// backward passes, and gradients are one step stale. synchronize()
+// installs whatever is still pending.
 //
 // Errors in the worker are kept and rethrown by the next call from Python;
 // the worker keeps releasing landing chunks after an error, so no caller can
@@ -133,18 +136,20 @@ class OffloadEngine {
     bool queued = false;         // overlap: its update is queued in this round
     bool landed = false;         // overlap: counted towards its bucket in this round
     TicketPtr staged;            // the copy that filled its staging
-    // Delay mode: the staging (fp32: the master) holds new weights not yet
-    // uploaded, written by the update behind `updated`; `uploaded` is the
-    // last upload that read this parameter's host memory.
+    // Delay mode: staging[pending_side] (fp32: the master) holds new weights
+    // not yet uploaded, written by the update behind `updated`; uploaded[s]
+    // is the last upload that read this parameter's staging[s] (or master).
     bool pending_upload = false;
+    int pending_side = 0;
     std::shared_future<void> updated;
-    TicketPtr uploaded;
+    TicketPtr uploaded[2];
   };
   struct Bucket {
     int dtype;
     int64_t numel = 0, expected = 0, landed = 0;
     std::vector<int64_t> params;
-    std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq, staging;
+    std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq;
+    std::shared_ptr<HostBlock> staging[2];  // [1] in delay mode only
     TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };
   void check_usable();
@@ -154,7 +159,7 @@ class OffloadEngine {
   // Queues the update of the given params of one bucket (caller holds mu_).
   void queue_update_locked(int64_t bucket, std::vector<int64_t> params, double grad_scale);
   void run_update(int64_t bucket, const std::vector<int64_t>& params, double grad_scale,
-                  const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams);
+                  const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams, int side);
   void record_error(std::exception_ptr e);
   // Delay mode: uploads param i's pending weights once its update is done.
   void install(int64_t i);
@@ -162,7 +167,7 @@ class OffloadEngine {
   void accumulate(int64_t i, const at::Tensor& grad);
   int acquire_chunk();
   void release_chunk(int c);
-  char* staging_of(const Param& p) const;
+  char* staging_of(const Param& p, int side) const;
   void wait_staged();
 
   EngineOptions options_;
@@ -177,6 +182,7 @@ class OffloadEngine {
   // mu_ guards the bookkeeping above (flags, tickets, hyper-parameters).
   mutable std::mutex mu_;
   bool accumulating_ = false;
+  int side_ = 0;  // the staging this round's gradients land in (delay mode alternates)
 
   // The worker's queue; qmu_ guards it, error_ and the chunk free list.
   std::mutex qmu_;

@@ -72,19 +72,23 @@ class OffloadAdam(AdamBase):
             before any update) and accumulation across backward calls unless
             all but the last run inside ``with opt.accumulating():``.
         delay: delayed parameter update. ``step()`` queues the CPU update
-            and returns at once; the update runs during the next forward and
-            backward, and each parameter's new weights are copied in during
-            the next backward, as soon as that backward is done with the
-            parameter. This hides the CPU update behind a whole forward and
-            backward, but changes the math: the next forward still runs on
-            the weights before this update, so each gradient is one step
-            stale (the update of step k applies the gradient taken at the
-            weights of step k-1, as in ZeRO-Offload's delayed parameter
-            update). With gradient accumulation only the first micro-batch
-            after ``step()`` runs on the older weights. Clipping works.
-            Before reading the parameters outside training (evaluation,
-            saving the model) call ``flush()``; ``state_dict()``,
-            ``load_state_dict()`` and ``close()`` flush too.
+            and returns at once; the update runs during the next step's
+            forward and backward passes, and each parameter's new weights
+            are copied in during the next step's last backward (the one not
+            inside ``accumulating()``), as soon as it is done with the
+            parameter. This hides the CPU update behind a whole step of
+            forward and backward, but changes the math: the next step still
+            runs on the weights before this update, so each gradient is one
+            step stale (the update of step k applies the gradient taken at
+            the weights of step k-1, as in ZeRO-Offload's delayed parameter
+            update). With gradient accumulation, wrap all but the last
+            micro-batch in ``with opt.accumulating():`` (otherwise the
+            weights change after the first one). Costs a second gradient
+            staging buffer in host memory (2 B/param for bf16). Clipping
+            works. Before reading the parameters outside training
+            (evaluation, saving the model) call ``flush()``;
+            ``state_dict()``, ``load_state_dict()`` and ``close()`` flush
+            too.
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
