@@ -67,10 +67,11 @@ class OffloadAdam(AdamBase):
             change them before ``backward()``, not between it and ``step()``;
             (2) parameters change during backward, after their last use by
             it, and are whole again only once ``step()`` (or
-            ``zero_grad()``) returns: do not read them in between; (3) it rules out clipping by global norm
-            (``clip_grad_norm_`` raises: the norm needs every gradient
-            before any update) and accumulation across backward calls unless
-            all but the last run inside ``with opt.accumulating():``.
+            ``zero_grad()``) returns: do not read them in between; (3) it
+            rules out clipping by global norm (``clip_grad_norm_`` raises:
+            the norm needs every gradient before any update) and
+            accumulation across backward calls unless all but the last run
+            inside ``with opt.accumulating():``.
         delay: delayed parameter update. ``step()`` queues the CPU update
             and returns at once; the update runs during the next step's
             forward and backward passes, and each parameter's new weights
@@ -111,8 +112,9 @@ class OffloadAdam(AdamBase):
     other. For FSDP2's DTensor parameters the state tensors are DTensors of
     the same mesh and placements around this rank's host shards. Only the
     caller's current CUDA stream is ordered after the weight uploads; code
-    that reads the parameters on another stream must wait on it. ``close()`` (or ``with OffloadAdam(...) as opt:``) frees the
-    engine; the state tensors already handed out stay valid.
+    that reads the parameters on another stream must wait on it.
+    ``close()`` (or ``with OffloadAdam(...) as opt:``) frees the engine and
+    the host state; tensors already taken from ``state_dict()`` stay valid.
     """
 
     def __init__(
