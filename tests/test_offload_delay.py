@@ -186,3 +186,25 @@ def test_delay_failing_update_raises_at_the_next_backward_and_installs_nothing()
 def test_delay_and_overlap_are_exclusive():
     with pytest.raises(ValueError, match="overlap, delay"):
         OffloadAdam([torch.nn.Parameter(torch.randn(4))], overlap=True, delay=True)
+
+
+def test_delay_parameter_with_gradients_only_inside_accumulating_is_installed():
+    """Its gradients never reach a backward outside accumulating(), so step() installs its
+    pending weights before queueing the next update (which would otherwise supersede them)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(64).bfloat16()), torch.nn.Parameter(torch.randn(64).bfloat16())
+    initial = b.detach().clone()
+    with OffloadAdam([a, b], lr=1e-2, delay=True, _host_delay_us=100.0) as off:
+        seen = []
+        for step in range(4):
+            with off.accumulating():
+                ((a.float() ** 2).sum() + (b.float() ** 2).sum()).backward()
+            (a.float() ** 2).sum().backward()  # the last micro-batch does not use b
+            off.step()
+            off.zero_grad()
+            seen.append(b.detach().clone())
+        # step() k installs the update of step k-1: b moves from the second step on.
+        assert torch.equal(seen[0], initial)
+        assert all(not torch.equal(s, initial) for s in seen[1:])
+        off.flush()
+        assert torch.equal(b, off.state[b]["master"].bfloat16())

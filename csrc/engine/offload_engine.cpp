@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -105,7 +104,9 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     free_chunks_.push_back(static_cast<int>(c));
   }
   pool_ = std::make_unique<ThreadPool>(options_.num_threads);
-  worker_ = std::thread([this] { worker_loop(); });
+  add_pool_ = std::make_unique<ThreadPool>(options_.num_threads);
+  updates_lane_.thread = std::thread([this] { worker_loop(updates_lane_); });
+  adds_lane_.thread = std::thread([this] { worker_loop(adds_lane_); });
 }
 
 OffloadEngine::~OffloadEngine() {
@@ -123,9 +124,13 @@ void OffloadEngine::close() {
   }
   qcv_.notify_all();
   chunk_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();  // runs what is queued, then stops
+  // Each lane runs what is queued, then stops.
+  for (Lane* lane : {&adds_lane_, &updates_lane_}) {
+    if (lane->thread.joinable()) lane->thread.join();
+  }
   transfer_.reset();                      // the host backend finishes its copies first
   pool_.reset();
+  add_pool_.reset();
   // Views handed to Python keep their blocks alive; the engine lets go of them.
   for (Bucket& b : buckets_) {
     b.master = b.exp_avg = b.exp_avg_sq = b.staging[0] = b.staging[1] = nullptr;
@@ -152,24 +157,25 @@ void OffloadEngine::check_usable() {
 
 // ------------------------------------------------------------------ worker
 
-void OffloadEngine::enqueue(std::function<void()> task) {
+void OffloadEngine::enqueue(Lane& lane, std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(qmu_);
-    queue_.push_back(std::move(task));
+    lane.queue.push_back(std::move(task));
+    ++lane.queued;
   }
-  qcv_.notify_one();
+  qcv_.notify_all();  // both lanes wait on qcv_
 }
 
-void OffloadEngine::worker_loop() {
+void OffloadEngine::worker_loop(Lane& lane) {
   for (;;) {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(qmu_);
-      qcv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
+      qcv_.wait(lock, [&] { return stop_ || !lane.queue.empty(); });
+      if (lane.queue.empty()) return;
+      task = std::move(lane.queue.front());
+      lane.queue.pop_front();
+      lane.busy = true;
     }
     std::exception_ptr err;
     try {
@@ -180,7 +186,8 @@ void OffloadEngine::worker_loop() {
     if (err) record_error(err);
     {
       std::lock_guard<std::mutex> lock(qmu_);
-      busy_ = false;
+      lane.busy = false;
+      ++lane.done;
     }
     idle_cv_.notify_all();
   }
@@ -193,7 +200,9 @@ void OffloadEngine::record_error(std::exception_ptr e) {
 
 void OffloadEngine::wait_idle() {
   std::unique_lock<std::mutex> lock(qmu_);
-  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  idle_cv_.wait(lock, [&] {
+    return updates_lane_.queue.empty() && !updates_lane_.busy && adds_lane_.queue.empty() && !adds_lane_.busy;
+  });
 }
 
 int OffloadEngine::acquire_chunk() {
@@ -300,7 +309,7 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
       release_chunk(c);
       throw;
     }
-    enqueue([this, c, landed, staged, add, landing, dst = staging + off * esize, count, esize] {
+    enqueue(adds_lane_, [this, c, landed, staged, add, landing, dst = staging + off * esize, count, esize] {
       struct Release {
         OffloadEngine* e;
         int c;
@@ -311,7 +320,7 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
       // Spread over the pool: a single thread adding 4M elements would hold
       // up the next gradients waiting for a free chunk.
       const char* src = static_cast<const char*>(landing);
-      pool_->run((count + cpu::kAdamSpan - 1) / cpu::kAdamSpan, [&](int64_t k) {
+      add_pool_->run((count + cpu::kAdamSpan - 1) / cpu::kAdamSpan, [&](int64_t k) {
         const int64_t o = k * cpu::kAdamSpan;
         add(dst + o * esize, src + o * esize, std::min(cpu::kAdamSpan, count - o));
       });
@@ -390,11 +399,22 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
   }
   // Hyper-parameters as they are now: in delay and overlap mode the update
   // runs while Python may already be changing them for the next step.
-  enqueue([this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits), hparams = groups_, done,
-           side = side_] {
+  int64_t adds_before;
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    adds_before = adds_lane_.queued;
+  }
+  enqueue(updates_lane_, [this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits),
+                          hparams = groups_, done, side = side_, adds_before] {
     // The error is recorded before `updated` is signalled, so that whoever
     // waited for it sees the failure and installs nothing.
     try {
+      {
+        // The gradients added into this update's staging (adds never wait
+        // for updates, so this cannot deadlock).
+        std::unique_lock<std::mutex> lock(qmu_);
+        idle_cv_.wait(lock, [&] { return adds_lane_.done >= adds_before; });
+      }
       run_update(bucket, ids, grad_scale, waits, hparams, side);
     } catch (...) {
       record_error(std::current_exception());
@@ -485,38 +505,41 @@ void OffloadEngine::install(int64_t i) {
 }
 
 void OffloadEngine::upload_pending_locked(Param& p) {
-  p.pending_upload = false;
   const int64_t esize = element_size(p.dtype);
-  if (p.numel == 0) return;
+  if (p.numel == 0) {
+    p.pending_upload = false;
+    return;
+  }
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
   const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p, p.pending_side))
                                          : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
   transfer_->record_readers();  // the kernels queued so far include the parameter's last readers
   p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize);
+  p.pending_upload = false;  // only once the copy is issued: a failed one stays pending
   bytes_up_ += p.numel * esize;
 }
 
 void OffloadEngine::step(double grad_scale) {
   check_usable();
   transfer_->record_readers();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (options_.delay) {
-      // Parameters that got no gradient in this backward: install their
-      // pending weights now if their update is done (else at their next
-      // gradient, or synchronize()).
-      bool failed;
-      {
-        std::lock_guard<std::mutex> qlock(qmu_);
-        failed = static_cast<bool>(error_);
-      }
-      for (Param& p : params_) {
-        if (!failed && p.pending_upload && !p.has_grad &&
-            p.updated.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-          upload_pending_locked(p);
-        }
+  if (options_.delay) {
+    // Every weight still pending goes up before the next update is queued
+    // (else that update would supersede it, and it would never go up): those
+    // of parameters without a gradient in this step, or whose gradients all
+    // came inside accumulating(). Always here, not "if already done", so the
+    // weights a step sees never depend on thread timing. install() waits for
+    // the update (normally long done) and checks for an error after the wait.
+    std::vector<int64_t> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].pending_upload) pending.push_back(static_cast<int64_t>(i));
       }
     }
+    for (int64_t i : pending) install(i);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     for (size_t b = 0; b < buckets_.size(); ++b) {
       std::vector<int64_t> ready;
       for (int64_t j : buckets_[b].params) {

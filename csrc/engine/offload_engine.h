@@ -16,11 +16,16 @@
 //   grad_ready(i, grad)   (autograd thread, during backward) issues the
 //                         copy of grad into staging and returns; the caller
 //                         may free the gradient at once.
-//   worker thread         takes tasks in order: accumulations, and bucket
-//                         updates (Adam over a bucket's parameters, spread
-//                         over a thread pool, then the uploads of the new
-//                         weights). In overlap mode a bucket's update is
-//                         queued as soon as all its parameters have landed.
+//   two worker threads    each takes its tasks in order. The update lane
+//                         runs bucket updates (Adam over a bucket's
+//                         parameters, spread over a thread pool, then the
+//                         uploads of the new weights); the add lane runs
+//                         accumulations, so that they never queue behind an
+//                         update (delay mode runs one during the next
+//                         step's micro-batches). An update waits for the
+//                         adds queued before it. In overlap mode a bucket's
+//                         update is queued as soon as all its parameters
+//                         have landed.
 //   step(scale)           queues the updates not yet queued, waits for the
 //                         worker, then orders the parameters' next readers
 //                         after the uploads.
@@ -153,8 +158,15 @@ class OffloadEngine {
     TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };
   void check_usable();
-  void enqueue(std::function<void()> task);
-  void worker_loop();
+  // A worker thread and its queue; qmu_ guards both lanes.
+  struct Lane {
+    std::deque<std::function<void()>> queue;
+    bool busy = false;
+    int64_t queued = 0, done = 0;  // tasks ever queued and finished (in order)
+    std::thread thread;
+  };
+  void enqueue(Lane& lane, std::function<void()> task);
+  void worker_loop(Lane& lane);
   void wait_idle();
   // Queues the update of the given params of one bucket (caller holds mu_).
   void queue_update_locked(int64_t bucket, std::vector<int64_t> params, double grad_scale);
@@ -172,7 +184,9 @@ class OffloadEngine {
 
   EngineOptions options_;
   std::unique_ptr<Transfer> transfer_;
-  std::unique_ptr<ThreadPool> pool_;
+  // Threads for the update (and the clip norm), and their own for the adds:
+  // a pool runs one job at a time, and an add must not wait for an update.
+  std::unique_ptr<ThreadPool> pool_, add_pool_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
   std::vector<GroupHparams> groups_;
@@ -184,15 +198,14 @@ class OffloadEngine {
   bool accumulating_ = false;
   int side_ = 0;  // the staging this round's gradients land in (delay mode alternates)
 
-  // The worker's queue; qmu_ guards it, error_ and the chunk free list.
+  // The workers' lanes; qmu_ guards them, error_ and the chunk free list.
   std::mutex qmu_;
   std::condition_variable qcv_, idle_cv_, chunk_cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false, stop_ = false;
+  Lane updates_lane_, adds_lane_;
+  bool stop_ = false;
   std::exception_ptr error_;
   std::vector<int> free_chunks_;
   std::string fail_message_;
-  std::thread worker_;
   std::atomic<bool> closed_{false};
 
   std::atomic<int64_t> bytes_down_{0}, bytes_up_{0}, updates_{0}, accumulations_{0};
