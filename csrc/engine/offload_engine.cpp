@@ -513,8 +513,8 @@ void OffloadEngine::upload_pending_locked(Param& p) {
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
   const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p, p.pending_side))
                                          : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
-  transfer_->record_readers();  // the kernels queued so far include the parameter's last readers
-  p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize);
+  // After the kernels queued so far: they include the parameter's last readers.
+  p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize, /*after_current_stream=*/true);
   p.pending_upload = false;  // only once the copy is issued: a failed one stays pending
   bytes_up_ += p.numel * esize;
 }

@@ -45,10 +45,13 @@ class Transfer {
                              const TicketPtr& after) = 0;
 
   // Copies host memory into dst, after the work queued on the caller's
-  // stream at the last download or record_readers() call. The engine passes
-  // the returned ticket as `after` to the next download into that host
-  // memory (a gradient's staging is reused for the new weights).
-  virtual TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) = 0;
+  // stream at the last download or record_readers() call, or, with
+  // after_current_stream, after the work queued on it now (recorded under
+  // the same lock as the copy, so another thread's download in between
+  // cannot stand in for it). The engine passes the returned ticket as
+  // `after` to the next download into that host memory.
+  virtual TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes,
+                           bool after_current_stream = false) = 0;
 
   // Later uploads also wait for the work queued so far on the caller's
   // current stream (kernels that may still read the old weights).

@@ -160,10 +160,11 @@ class CudaTransfer : public Transfer {
     return done;
   }
 
-  TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) override {
+  TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes, bool after_current_stream) override {
     check_device(dst);
     DeviceGuard guard(index_of(device_));
     std::lock_guard<std::mutex> lock(mu_);
+    if (after_current_stream) readers_ = record(device_, current(), kStreamEvent);
     if (readers_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(up_raw_, readers_->get(), 0));
     EFFMEM_CUDA_OK(cudaMemcpyAsync(dst.data_ptr(), src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
                                    up_raw_));

@@ -67,7 +67,8 @@ class HostTransfer : public Transfer {
     return ticket;
   }
 
-  TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes) override {
+  // after_current_stream: CPU kernels have finished when they return.
+  TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes, bool /*after_current_stream*/) override {
     TORCH_CHECK(dst.device().is_cpu(), "OffloadAdam (host backend): expected a CPU tensor, got one on ",
                 dst.device());
     auto ticket = push(src, dst.data_ptr(), bytes, dst);
