@@ -88,13 +88,6 @@ def make_copy(device, numel: int):
     return (lambda: dst.copy_(src)), 2 * numel * src.element_size()
 
 
-def copy_bandwidth(device, numel: int, warmup: int = 3, repeat: int = 10) -> Dict[str, float]:
-    """Median bandwidth of make_copy's copy, timed on its own."""
-    fn, nbytes = make_copy(device, numel)
-    med = statistics.median(time_calls(fn, device, warmup, repeat))
-    return {"numel": numel, "bytes": nbytes, "median_ms": med * 1e3, "gb_per_s": nbytes / med / 1e9}
-
-
 def device_name(device) -> str:
     """GPU name, or the CPU model from /proc/cpuinfo."""
     device = torch.device(device)

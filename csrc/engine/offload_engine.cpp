@@ -1,3 +1,6 @@
+// The offload engine: construction, lifetime, the two worker lanes, the
+// gradient hand-over (grad_ready, accumulation, clip sums) and the views.
+// The updates and step() are in offload_update.cpp.
 #include "engine/offload_engine.h"
 
 #include <ATen/ops/from_blob.h>
@@ -17,11 +20,6 @@ namespace {
 // 32 bf16): vector loads and streaming stores start aligned.
 constexpr int64_t kAlignElems = 32;
 
-int64_t element_size(int dtype) { return dtype == cpu::kF32 ? 4 : 2; }
-
-at::ScalarType scalar_type(int dtype) {
-  return dtype == cpu::kF32 ? at::kFloat : dtype == cpu::kBF16 ? at::kBFloat16 : at::kHalf;
-}
 
 // A worker failure, rethrown in every later call so that no caller goes on
 // with half-updated state.
@@ -36,6 +34,8 @@ at::ScalarType scalar_type(int dtype) {
 }
 
 }  // namespace
+
+int64_t OffloadEngine::element_size(int dtype) { return dtype == cpu::kF32 ? 4 : 2; }
 
 OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of,
                              std::vector<int64_t> group_of, std::vector<bool> expects_grad, int64_t num_groups,
@@ -371,239 +371,6 @@ std::vector<double> OffloadEngine::grad_sq_sums() {
   // A fixed order of additions: the result does not depend on the threads.
   for (size_t k = 0; k < work.size(); ++k) sums[work[k].param] += partial[k];
   return sums;
-}
-
-// ------------------------------------------------------------------ updates
-
-void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids, double grad_scale) {
-  if (ids.empty()) return;
-  // The update waits for the copies that filled the staging, and for the
-  // last upload that read the host memory it is about to overwrite.
-  std::vector<TicketPtr> waits;
-  auto done = std::make_shared<std::promise<void>>();
-  std::shared_future<void> updated = done->get_future().share();
-  for (int64_t j : ids) {
-    Param& p = params_[static_cast<size_t>(j)];
-    if (p.staged) waits.push_back(p.staged);
-    for (const TicketPtr& t : p.uploaded) {
-      if (t) waits.push_back(t);
-    }
-    p.has_grad = false;
-    p.queued = true;
-    if (options_.delay) {
-      // Supersedes weights still pending from an earlier step, if any.
-      p.pending_upload = true;
-      p.pending_side = side_;
-      p.updated = updated;
-    }
-  }
-  // Hyper-parameters as they are now: in delay and overlap mode the update
-  // runs while Python may already be changing them for the next step.
-  int64_t adds_before;
-  {
-    std::lock_guard<std::mutex> lock(qmu_);
-    adds_before = adds_lane_.queued;
-  }
-  enqueue(updates_lane_, [this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits),
-                          hparams = groups_, done, side = side_, adds_before] {
-    // The error is recorded before `updated` is signalled, so that whoever
-    // waited for it sees the failure and installs nothing.
-    try {
-      {
-        // The gradients added into this update's staging (adds never wait
-        // for updates, so this cannot deadlock).
-        std::unique_lock<std::mutex> lock(qmu_);
-        idle_cv_.wait(lock, [&] { return adds_lane_.done >= adds_before; });
-      }
-      run_update(bucket, ids, grad_scale, waits, hparams, side);
-    } catch (...) {
-      record_error(std::current_exception());
-    }
-    done->set_value();
-  });
-}
-
-void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, double grad_scale,
-                               const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams,
-                               int side) {
-  {
-    std::lock_guard<std::mutex> lock(qmu_);
-    if (error_) return;  // already failed: leave the state as it was at the failure
-    if (!fail_message_.empty()) {
-      const std::string message = std::move(fail_message_);
-      fail_message_.clear();
-      throw std::runtime_error(message);
-    }
-  }
-  for (const TicketPtr& t : waits) t->wait();
-  const Bucket& b = buckets_[static_cast<size_t>(bucket)];
-  const bool low_precision = b.dtype != cpu::kF32;
-  const int64_t esize = element_size(b.dtype);
-  const cpu::AdamFn fn = cpu::kernels().adam[b.dtype][b.dtype];
-  float* steps = static_cast<float*>(steps_->data());
-  struct Work {
-    cpu::AdamSpan span;
-    int64_t n;
-    size_t coeff;
-  };
-  std::vector<AdamCoeffs> coeffs;
-  std::vector<Work> work;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int64_t j : ids) {
-      const Param& p = params_[static_cast<size_t>(j)];
-      const GroupHparams& h = hparams[static_cast<size_t>(p.group)];
-      steps[j] += 1.0f;
-      coeffs.push_back(adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
-                                   h.bias_correction, steps[j], grad_scale));
-      char* stage = staging_of(p, side);
-      float* master = static_cast<float*>(b.master->data()) + p.offset;
-      float* m = static_cast<float*>(b.exp_avg->data()) + p.offset;
-      float* v = static_cast<float*>(b.exp_avg_sq->data()) + p.offset;
-      for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
-        // The new low-precision weights overwrite the gradient in place:
-        // each element's gradient is read before its weight is written.
-        char* g = stage + off * esize;
-        work.push_back({{g, g, master + off, m + off, v + off}, std::min(cpu::kAdamSpan, p.numel - off),
-                        coeffs.size() - 1});
-      }
-    }
-  }
-  pool_->run(static_cast<int64_t>(work.size()),
-             [&](int64_t k) { fn(work[k].span, work[k].n, coeffs[work[k].coeff]); });
-  updates_ += static_cast<int64_t>(ids.size());
-  if (options_.delay) return;  // uploaded by install(), during the next backward
-  TicketPtr last;
-  for (int64_t j : ids) {
-    const Param& p = params_[static_cast<size_t>(j)];
-    if (p.numel == 0) continue;
-    const void* src = low_precision ? static_cast<const void*>(staging_of(p, side))
-                                    : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
-    last = transfer_->upload(src, p.tensor, p.numel * esize);
-    bytes_up_ += p.numel * esize;
-  }
-  if (last) {
-    // The next gradient copied into this bucket waits for these uploads (its
-    // staging, or for fp32 its master, is what they read).
-    std::lock_guard<std::mutex> lock(mu_);
-    buckets_[static_cast<size_t>(bucket)].last_upload = last;
-  }
-}
-
-void OffloadEngine::install(int64_t i) {
-  Param& p = params_[static_cast<size_t>(i)];
-  std::shared_future<void> updated;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!p.pending_upload) return;
-    updated = p.updated;
-  }
-  updated.wait();  // normally long done: it ran during this forward and backward
-  check_usable();  // a failed update left no weights to install
-  std::lock_guard<std::mutex> lock(mu_);
-  if (p.pending_upload) upload_pending_locked(p);
-}
-
-void OffloadEngine::upload_pending_locked(Param& p) {
-  const int64_t esize = element_size(p.dtype);
-  if (p.numel == 0) {
-    p.pending_upload = false;
-    return;
-  }
-  const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
-  const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p, p.pending_side))
-                                         : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
-  // After the kernels queued so far: they include the parameter's last readers.
-  p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize, /*after_current_stream=*/true);
-  p.pending_upload = false;  // only once the copy is issued: a failed one stays pending
-  bytes_up_ += p.numel * esize;
-}
-
-void OffloadEngine::step(double grad_scale) {
-  check_usable();
-  transfer_->record_readers();
-  if (options_.delay) {
-    // Every weight still pending goes up before the next update is queued
-    // (else that update would supersede it, and it would never go up): those
-    // of parameters without a gradient in this step, or whose gradients all
-    // came inside accumulating(). Always here, not "if already done", so the
-    // weights a step sees never depend on thread timing. install() waits for
-    // the update (normally long done) and checks for an error after the wait.
-    std::vector<int64_t> pending;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (params_[i].pending_upload) pending.push_back(static_cast<int64_t>(i));
-      }
-    }
-    for (int64_t i : pending) install(i);
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      std::vector<int64_t> ready;
-      for (int64_t j : buckets_[b].params) {
-        const Param& p = params_[static_cast<size_t>(j)];
-        if (p.has_grad && !p.queued) ready.push_back(j);
-      }
-      queue_update_locked(static_cast<int64_t>(b), std::move(ready), grad_scale);
-    }
-    if (options_.delay) {
-      for (Param& p : params_) p.queued = p.landed = false;
-      side_ ^= 1;  // the next step's gradients land beside the weights being computed
-    }
-  }
-  if (options_.delay) {
-    transfer_->fence();  // the next forward reads what this backward installed
-    return;
-  }
-  wait_idle();
-  check_usable();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (Param& p : params_) p.queued = p.landed = false;
-    for (Bucket& b : buckets_) b.landed = 0;
-  }
-  transfer_->fence();
-}
-
-void OffloadEngine::zero_grad() {
-  check_usable();
-  if (options_.delay) {
-    // Right after step() no gradient is pending, and the updates in flight
-    // must keep running (their weights are installed later): nothing to
-    // drop, nothing to wait for.
-    std::lock_guard<std::mutex> lock(mu_);
-    bool any = false;
-    for (const Param& p : params_) any = any || p.has_grad;
-    if (!any) return;
-  }
-  wait_idle();
-  wait_staged();
-  // Overlap mode without step(): updates that ran during backward uploaded
-  // weights that the next forward must wait for.
-  transfer_->fence();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (Param& p : params_) {
-    p.has_grad = p.queued = p.landed = false;
-    p.staged = nullptr;
-  }
-  for (Bucket& b : buckets_) b.landed = 0;
-}
-
-void OffloadEngine::synchronize() {
-  check_usable();
-  wait_idle();
-  wait_staged();
-  if (options_.delay) {
-    check_usable();  // install nothing from a failed update
-    std::lock_guard<std::mutex> lock(mu_);
-    for (Param& p : params_) {
-      if (p.pending_upload) upload_pending_locked(p);
-    }
-  }
-  transfer_->wait_uploads();  // Python may write the host state next (load_state_dict)
-  check_usable();
 }
 
 void OffloadEngine::order_after_downloads() {

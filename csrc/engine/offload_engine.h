@@ -157,6 +157,7 @@ class OffloadEngine {
     std::shared_ptr<HostBlock> staging[2];  // [1] in delay mode only
     TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };
+  static int64_t element_size(int dtype);  // bytes per element of a dtype index
   void check_usable();
   // A worker thread and its queue; qmu_ guards both lanes.
   struct Lane {

@@ -15,8 +15,6 @@ from torch import Tensor
 
 from effmem import ops as _ops
 
-SUPPORTED_BITS = _ops.QUANT_BITS
-SUPPORTED_GROUP_SIZES = _ops.QUANT_GROUP_SIZES
 # The dtypes the kernels take; float64 and the float8 types are kept as they are.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 check_config = _ops.check_quant_config
