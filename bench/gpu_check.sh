@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine (no network): build in place, run the whole test suite
 # (CUDA tests included), run the GPU benchmarks and the demo, and write JSON
-# results to $OUT (default bench/results/) with device, torch version and git
+# results to $OUT (default bench/results/gpu-<date>/) with device, torch version and git
 # commit.
 #
 #   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
@@ -18,7 +18,7 @@
 # and output is unbuffered, so a killed run still shows how far it got.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
+OUT=${OUT:-bench/results/gpu-$(date -u +%F)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -38,7 +38,15 @@ for part in "${parts[@]}"; do
         || { tail -50 "$OUT/build.log"; exit 1; }
       "$PY" -m effmem.cli info | tee "$OUT/info.txt" ;;
     tests)
-      limit 300 "$PY" -m pytest -q tests -rs --junitxml="$OUT/tests.xml" 2>&1 | tail -40 | tee "$OUT/tests.txt"
+      # Every test has a time limit (pytest-timeout). Under pytest-xdist a test that
+      # hangs (thread method: stacks dumped, worker ended) or kills its interpreter
+      # fails alone and the rest still run; tests.xml lists every outcome.
+      par=()
+      if "$PY" -c "import xdist" 2>/dev/null; then
+        par=(-n 8 --dist loadfile -p no:benchmark --timeout-method thread)
+      fi
+      limit 420 "$PY" -m pytest -q tests -rfEs --timeout 240 "${par[@]}" --junitxml="$OUT/tests.xml" 2>&1 \
+        | tee "$OUT/tests.txt" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
       limit 120 "$PY" bench/bench_adam.py --device cuda --json "$OUT/gpu_adam.json" || status=1

@@ -18,8 +18,8 @@ import torch
 
 import effmem
 from effmem import reference
+from conftest import DEVICES
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 SHAPES = [(1,), (7,), (4097,), (64, 33), (3, 5, 7)]
 LOW = [torch.bfloat16, torch.float16]
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import effmem
+from conftest import DEVICES
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def tiny_model(dtype, device):

@@ -47,11 +47,61 @@ def test_multi_tensor_launch_tables(tmp_path):
     assert out.strip() == "ok"
 
 
-def test_cuda_was_compiled_when_required():
-    """CI sets EFFMEM_CUDA=ON: the CUDA sources must then have been built."""
+def _cuda_compiler_for_default_build():
+    """The nvcc a default build uses (CMakeLists.txt looks at CUDA_HOME, CUDA_PATH, /usr/local/cuda)."""
     import os
 
-    if os.environ.get("EFFMEM_CUDA") != "ON":
-        pytest.skip("EFFMEM_CUDA=ON not set")
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def test_cuda_was_compiled_where_the_default_build_finds_nvcc():
+    """The default build compiles CUDA whenever the toolkit is there (CI has one), and it builds for
+    the default architectures (no GPU: machine code for sm_80 and sm_90 plus sm_90 PTX)."""
+    import os
+
+    if os.environ.get("EFFMEM_CUDA") == "OFF" or torch.version.cuda is None:
+        pytest.skip("a CPU-only build was asked for, or torch has no CUDA")
+    if _cuda_compiler_for_default_build() is None:
+        pytest.skip("no CUDA toolkit found where the build looks for one")
     assert effmem._C.cuda_compiled
-    assert effmem._C.cuda_architectures == os.environ.get("EFFMEM_CUDA_ARCHITECTURES", effmem._C.cuda_architectures)
+    archs = os.environ.get("EFFMEM_CUDA_ARCHITECTURES")
+    if archs:
+        assert effmem._C.cuda_architectures == archs.replace(";", ",")
+    elif not torch.cuda.is_available() and shutil.which("nvidia-smi") is None:
+        assert effmem._C.cuda_architectures == "80-real,90"
+
+
+def test_extension_uses_the_shared_libstdcxx():
+    """A private libstdc++ inside _C.so breaks number formatting in every error message."""
+    sys.path.insert(0, str(ROOT / "cmake"))
+    try:
+        import libstdcxx_check
+    finally:
+        sys.path.pop(0)
+    needed, defined = libstdcxx_check.elf_facts(effmem._C.__file__)
+    assert "libstdc++.so.6" in needed
+    assert not set(libstdcxx_check.LIBSTDCXX_OWN_SYMBOLS) & defined
+    assert libstdcxx_check.library_problem(effmem._C.__file__) is None
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_libstdcxx_probe_fixes_a_static_link_and_check_rejects_one(tmp_path):
+    """The configure-time probe: with -static-libstdc++ it finds the shared library to link instead
+    (and verifies the result formats numbers next to torch); the post-build check deletes a library
+    that carries its own libstdc++."""
+    script = str(ROOT / "cmake" / "libstdcxx_check.py")
+    run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    plain = run("probe", "--cxx", "g++", "--work", str(tmp_path / "plain"))
+    assert plain.returncode == 0 and plain.stdout.strip() == "ok", plain.stderr
+    static = run("probe", "--cxx", "g++", "--flags", "-O2 -static-libstdc++", "--work", str(tmp_path / "static"))
+    assert static.returncode == 0, static.stderr
+    assert static.stdout.startswith("link-shared /") and "libstdc++.so" in static.stdout
+    bad = tmp_path / "static" / "probe_default.so"  # the probe built before the fix
+    check = run("check", str(bad), "--delete-if-bad")
+    assert check.returncode == 1 and "libstdc++ was linked into it statically" in check.stderr
+    assert not bad.exists()
+    good = run("check", str(tmp_path / "static" / "probe_shared.so"))
+    assert good.returncode == 0, good.stderr

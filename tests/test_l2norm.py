@@ -8,8 +8,8 @@ import torch
 
 import effmem
 from effmem import ops, reference
+from conftest import DEVICES
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_ranks(mode, tmp_path):
     store = tmp_path / "store"
+    # gloo connects the ranks over the loopback interface: on a machine without a network the
+    # default (the interface of the host name) may not resolve, and the ranks would wait forever.
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [subprocess.Popen([sys.executable, WORKER, mode, str(rank), "2", str(store)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outputs = []

@@ -4,8 +4,8 @@ import torch
 
 import effmem  # noqa: F401  (loads the extension and the fake kernels)
 from effmem import ops
+from conftest import DEVICES
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def adam_args(device, dtype):

@@ -10,8 +10,8 @@ import torch
 
 import effmem
 from effmem import ops, reference
+from conftest import DEVICES
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1,), (3,), (5, 300), (2, 3, 257), (4097,), (64, 128)]
 

@@ -54,9 +54,16 @@ def collect_info() -> Dict[str, object]:
     return info
 
 
+def _arch_text(arch: str) -> str:
+    """A CMake CUDA architecture as what it puts in the binary: "80-real" is sm_80 code,
+    "90-virtual" sm_90 PTX only, a bare "90" both."""
+    number, _, kind = arch.partition("-")
+    return {"real": f"sm_{number}", "virtual": f"sm_{number} PTX"}.get(kind, f"sm_{number} + PTX")
+
+
 def format_info(info: Dict[str, object]) -> str:
     if info["cuda_compiled"]:
-        archs = ", ".join("sm_" + a for a in info["cuda_architectures"]) or "architectures unknown"
+        archs = ", ".join(_arch_text(a) for a in info["cuda_architectures"]) or "architectures unknown"
         cuda = f"yes ({archs}; nvcc {info['nvcc_version'] or 'unknown'})"
     else:
         cuda = "no (CPU kernels only)"

@@ -124,8 +124,11 @@ class FusedAdam(AdamBase):
                 if inf is None:
                     torch._foreach_add_(b["steps"], 1.0)
                 else:
-                    # GradScaler sums found_inf over devices, so it may exceed 1
-                    torch._foreach_add_(b["steps"], (inf == 0).to(torch.float32).reshape(()))
+                    # GradScaler sums found_inf over devices, so it may exceed 1. The
+                    # tensor-list overload: the one-tensor-scalar overload of _foreach_add_
+                    # reads the scalar on the host (a sync per step, seen on an H100).
+                    advance = (inf == 0).to(torch.float32).reshape(())
+                    torch._foreach_add_(b["steps"], [advance] * len(b["steps"]))
                 lr = group["lr"]
                 if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
                     lr = float(lr)  # a host read; copying it to the GPU would block on a pageable copy

@@ -1,0 +1,100 @@
+"""The numbers in the C++ error messages reach the user.
+
+An extension that carries its own copy of libstdc++ (a compiler that links it
+statically) drops every number from a TORCH_CHECK message, or crashes while
+formatting it (seen on an H100 machine). Each op family and the offload
+engine is called here with a bad value straight through torch.ops / _C (the
+Python wrappers would catch some of these first), and the message must hold
+the value given and the range expected. tools/check_wheel.sh also runs this
+file against an extension built with LDFLAGS=-static-libstdc++.
+"""
+import re
+
+import pytest
+import torch
+
+import effmem
+from conftest import DEVICES
+
+OPS = torch.ops.effmem
+
+
+def adam_args(device, **overrides):
+    p = torch.zeros(4, device=device)
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                  bias_correction=True)
+    kwargs.update(overrides)
+    tensors = ([p], [torch.zeros_like(p)], [torch.zeros_like(p)], [torch.zeros_like(p)], [],
+               [torch.ones((), device=device)])
+    return tensors, kwargs
+
+
+def call_adam(device, **overrides):
+    (params, grads, m, v, masters, steps), k = adam_args(device, **overrides)
+    OPS.adam_step_(params, grads, m, v, masters, steps, k["lr"], k["beta1"], k["beta2"], k["eps"],
+                   k["weight_decay"], k["decoupled"], k["bias_correction"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arg, value, expected", [
+    ("lr", -1.0, r"lr must be a finite number >= 0, got -1$"),
+    ("beta1", 1.5, r"beta1 must be in \[0, 1\), got 1\.5$"),
+    ("beta2", -0.25, r"beta2 must be in \[0, 1\), got -0\.25$"),
+    ("eps", 0.0, r"eps must be > 0, got 0$"),
+    ("weight_decay", -3e-05, r"weight_decay must be >= 0, got -3e-05$"),
+])
+def test_adam_messages_hold_the_value(device, arg, value, expected):
+    with pytest.raises(ValueError) as err:
+        call_adam(device, **{arg: value})
+    assert re.search(expected, str(err.value).splitlines()[0]), str(err.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_length_message_holds_every_count(device):
+    p = torch.zeros(3, device=device)
+    with pytest.raises(ValueError, match=r"same length, got 2, 1, 1, 1, 1"):
+        OPS.adam_step_([p, p.clone()], [p], [p], [p], [], [torch.ones((), device=device)],
+                       1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_l2norm_message_holds_the_index(device):
+    dense = torch.ones(3, device=device)
+    broadcast = torch.ones(3, device=device).expand(5, 3)
+    with pytest.raises(ValueError, match=r"tensors\[2\] must be dense and non-overlapping"):
+        OPS.l2norm([dense, dense, broadcast])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_messages_hold_the_value(device):
+    x = torch.randn(4, 256, device=device)
+    with pytest.raises(ValueError, match=r"bits must be 4 or 8, got 3$"):
+        OPS.quantize(x, 3, 128, 0, True)
+    with pytest.raises(ValueError, match=r"group_size must be 32, 64, 128 or 256, got 100$"):
+        OPS.quantize(x, 8, 100, 0, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_messages_hold_the_sizes(device):
+    codes, stats = OPS.quantize(torch.randn(6, 256, device=device), 8, 128, 0, True)
+    with pytest.raises(ValueError, match=r"last_dim must be >= 1, got -7$"):
+        OPS.dequantize(codes, stats, 8, 128, -7, torch.float32)
+    with pytest.raises(ValueError, match=r"codes has 256 bytes per row but last_dim=300 at 8 bits needs 300$"):
+        OPS.dequantize(codes, stats, 8, 128, 300, torch.float32)
+    with pytest.raises(ValueError, match=r"stats must be a contiguous \[6, 2, 2\] tensor, got \[6, 1, 2\]$"):
+        OPS.dequantize(codes, stats[:, :1].contiguous(), 8, 128, 256, torch.float32)
+
+
+def test_offload_engine_messages_hold_the_value():
+    p = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"num_threads must be >= 1, got -2$"):
+        effmem._C.OffloadEngine([p], [0], [0], [True], 1, backend="host", num_threads=-2)
+    engine = effmem._C.OffloadEngine([p], [0], [0], [True], 1, backend="host")
+    try:
+        with pytest.raises(IndexError, match=r"index 5 out of range for 1 parameters"):
+            engine.grad_ready(5, torch.zeros(8))
+        with pytest.raises(ValueError, match=r"expected the parameter's device, shape and strides "
+                                             r"\(cpu, \[8\], \[1\]\), got cpu, \[2, 4\], \[4, 1\]"):
+            engine.grad_ready(0, torch.zeros(2, 4))
+    finally:
+        engine.close()
