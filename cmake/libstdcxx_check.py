@@ -151,16 +151,37 @@ def _build_and_run(cxx, flags, extra, work, name):
     return None
 
 
+RUNTIME_LIBSTDCXX = r"""
+import torch
+with open("/proc/self/maps") as maps:
+    paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+print(sorted(paths)[0] if paths else "")
+"""
+
+
+def shared_libstdcxx_candidates(cxx, flags):
+    """Shared libstdc++ files to name on the link line: first the one a process
+    that imports torch has loaded (so the extension links against exactly the
+    library it will run with), then the compiler's own libstdc++.so."""
+    out = []
+    run = subprocess.run([sys.executable, "-c", RUNTIME_LIBSTDCXX], capture_output=True, text=True, timeout=120)
+    if run.returncode == 0 and run.stdout.strip():
+        out.append(run.stdout.strip())
+    found = subprocess.run([cxx, *flags, "-print-file-name=libstdc++.so"], capture_output=True, text=True)
+    if found.returncode == 0 and os.path.isabs(found.stdout.strip()):
+        out.append(found.stdout.strip())
+    return [p for i, p in enumerate(out) if os.path.exists(p) and p not in out[:i]]
+
+
 def probe(cxx, flags, work):
     first = _build_and_run(cxx, flags, [], work, "probe_default.so")
     if first is None:
         return "ok"
-    # A driver that adds -static-libstdc++ appends the archive after everything
-    # on the command line: naming the shared library first resolves every
-    # libstdc++ symbol there, so nothing is taken from the archive.
-    found = subprocess.run([cxx, *flags, "-print-file-name=libstdc++.so"], capture_output=True, text=True)
-    shared = found.stdout.strip()
-    if found.returncode == 0 and os.path.isabs(shared) and os.path.exists(shared):
+    # Static linking comes from -static-libstdc++ or from a compiler whose
+    # library path holds only libstdc++.a; either way the archive is searched
+    # after everything named on the command line, so naming a shared libstdc++
+    # resolves every libstdc++ symbol there and nothing is taken from the archive.
+    for shared in shared_libstdcxx_candidates(cxx, flags):
         second = _build_and_run(cxx, flags, [shared], work, "probe_shared.so")
         if second is None:
             return f"link-shared {shared}"
