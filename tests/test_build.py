@@ -96,7 +96,7 @@ def test_libstdcxx_probe_fixes_a_static_link_and_check_rejects_one(tmp_path):
     run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
     plain = run("probe", "--cxx", "g++", "--work", str(tmp_path / "plain"))
     assert plain.returncode == 0 and plain.stdout.strip() == "ok", plain.stderr
-    static = run("probe", "--cxx", "g++", "--flags", "-O2 -static-libstdc++", "--work", str(tmp_path / "static"))
+    static = run("probe", "--cxx", "g++", "--flags=-static-libstdc++ -O2", "--work", str(tmp_path / "static"))
     assert static.returncode == 0, static.stderr
     assert static.stdout.startswith("link-shared /") and "libstdc++.so" in static.stdout
     bad = tmp_path / "static" / "probe_default.so"  # the probe built before the fix
