@@ -88,7 +88,7 @@ def test_corpus_is_deterministic():
 def tiny_demo(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo") / "out.json"
     proc = subprocess.run([sys.executable, "-m", "effmem.cli", "demo", "--device", "cpu", *TINY, "--json", str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=240)
     return proc, path
 
 
