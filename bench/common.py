@@ -112,11 +112,12 @@ def git_commit() -> Dict[str, object]:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    if os.environ.get("EFFMEM_GIT_COMMIT"):
+        # A copy of the tree (the GPU machine): the caller says which commit. It wins over
+        # git, because such a copy may sit inside some other checkout (seen: a stale one).
+        return {"commit": os.environ["EFFMEM_GIT_COMMIT"], "dirty": None, "commit_from": "EFFMEM_GIT_COMMIT"}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain")
-    if commit is None and os.environ.get("EFFMEM_GIT_COMMIT"):
-        # A copy of the tree without .git (the GPU machine): the caller says which commit.
-        return {"commit": os.environ["EFFMEM_GIT_COMMIT"], "dirty": None, "commit_from": "EFFMEM_GIT_COMMIT"}
     return {"commit": commit or "unknown", "dirty": None if status is None else bool(status)}
 
 
