@@ -164,6 +164,48 @@ def test_nan_and_inf_give_non_finite_gradients_not_a_crash():
         assert not torch.isfinite(mlp[0].weight.grad).all()
 
 
+@pytest.mark.parametrize("min_numel", [0, 1 << 30], ids=["compressed", "kept"])
+def test_in_place_change_after_save_raises_like_torch(min_numel):
+    """autograd skips its version check for saves under saved_tensors_hooks; the hooks make it.
+    (The fuzzer's case: a compressed sigmoid output changed in place gave gradients off by 1.94.)"""
+    lin = nn.Linear(128, 128)
+    x = torch.randn(64, 128)
+
+    def forward_then_change():
+        y = lin(x)
+        z = y.sigmoid()        # sigmoid saves its output
+        z.mul_(2)
+        return z
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward_then_change().sum().backward()        # torch itself, no hooks
+    with compress_activations(min_numel=min_numel) as ctx:
+        z = forward_then_change()
+    assert (ctx.stats.num_compressed > 0) == (min_numel == 0)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[float32 \[64, 128\] on cpu\].*"
+                                           r"is at version 1; expected version 0"):
+        z.sum().backward()
+
+
+def test_in_place_change_of_a_view_after_save_raises():
+    h = torch.randn(64, 128, requires_grad=True) * 1
+    with compress_activations(min_numel=0):
+        y = h.view(128, 64).sin()      # saves a view of h's memory
+    h.view(-1)[0].add_(1)              # another view: one version counter for all of them
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_in_place_change_before_save_is_fine():
+    lin = nn.Linear(128, 128)
+    with compress_activations(min_numel=0):
+        y = lin(torch.randn(64, 128))
+        y.mul_(2)                      # before anything saves y
+        z = y.sigmoid()
+    z.sum().backward()
+    assert lin.weight.grad is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile and autocast
 

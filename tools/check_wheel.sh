@@ -17,7 +17,7 @@ trap 'rm -rf "$work"' EXIT
 
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 "${PYTHON:-python3}" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install --quiet "torch==$torch_version" numpy pytest
+"$work/venv/bin/python" -m pip install --quiet "torch==$torch_version" numpy pytest pytest-timeout
 
 # Installs the wheel in $1 into the fresh venv and checks it there.
 check_installed() {

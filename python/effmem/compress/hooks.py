@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
+from effmem import _C
 from effmem.compress import _codec
 from effmem.compress.layout import DENSE, OVERLAPPING, classify
 from effmem.compress.policy import CompressConfig, early_reason, module_excluded, value_reason
@@ -32,9 +33,35 @@ MAX_BASE_GROWTH = 4
 
 
 class _Entry:
-    """One compressed stretch of memory, shared by every save of it (same data, same version)."""
+    """One compressed stretch of memory, shared by every save of it (same data, same version).
+
+    ``counter`` is an empty tensor sharing the saved memory's version counter
+    (effmem._C.version_handle) and ``version`` its value when saved: autograd
+    checks saved tensors for in-place changes only when no saved_tensors_hooks
+    are active, so the unpack hook makes that check itself."""
     __slots__ = ("codes", "stats", "rows", "cols", "n", "dtype", "bits", "group_size", "origin", "restored",
-                 "__weakref__")
+                 "counter", "version", "__weakref__")
+
+
+class _Kept:
+    """A save kept as it is: a detached alias (same memory, same version counter) and its version."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Tensor, version: int):
+        self.tensor, self.version = tensor, version
+
+
+def _check_version(counter: Tensor, saved: int, dtype: torch.dtype, shape, device: torch.device) -> None:
+    """torch's error for a saved tensor modified in place after it was saved."""
+    now = counter._version
+    if now != saved:
+        kind = str(dtype).replace("torch.", "")
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{kind} {list(shape)} on {device}], saved for backward under effmem's compress_activations, is at "
+            f"version {now}; expected version {saved} instead. Hint: change a copy (t.clone()) instead, or "
+            "enable anomaly detection (torch.autograd.set_detect_anomaly(True)) to find the operation that "
+            "saved it.")
 
 
 class _Handle:
@@ -47,6 +74,8 @@ class _Handle:
 
 def _restore(h: _Handle) -> Tensor:
     e = h.entry
+    if e.counter is not None:
+        _check_version(e.counter, e.version, e.dtype, h.shape, e.codes.device)
     flat = e.restored() if e.restored is not None else None
     if flat is None:
         if e.dtype == torch.bool:
@@ -214,7 +243,8 @@ class ActivationCompressor:
         self._note(t, module, reason)
         # A detached alias, not t itself: t may be the op's output, and a
         # packed output holding its own grad_fn would be a reference cycle.
-        return t.detach()
+        # The alias shares t's version counter, so in-place changes still show.
+        return _Kept(t.detach(), t._version)
 
     def _note(self, t: Tensor, module: str, decision: str) -> None:
         if self.records is not None:
@@ -282,6 +312,7 @@ class ActivationCompressor:
             entry = _Entry()
             entry.n, entry.dtype, entry.bits, entry.group_size = n, t.dtype, cfg.bits, g
             entry.origin, entry.restored = weakref.ref(src), None
+            entry.counter, entry.version = _version_handle(src), src._version
             if t.dtype == torch.bool:
                 entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n
                 after = entry.codes.numel()
@@ -297,7 +328,18 @@ class ActivationCompressor:
         return _Handle(entry, *handle_args)
 
     def _unpack(self, packed):
-        if isinstance(packed, Tensor):
+        if isinstance(packed, Tensor):  # saved while compiling
             return packed
+        if isinstance(packed, _Kept):
+            t = packed.tensor
+            _check_version(t, packed.version, t.dtype, t.shape, t.device)
+            return t
         with torch.no_grad():
             return _restore(packed)
+
+
+def _version_handle(t: Tensor) -> Optional[Tensor]:
+    """An empty tensor sharing t's version counter (None for inference tensors, which have none)."""
+    if t.is_inference():
+        return None
+    return _C.version_handle(t)
