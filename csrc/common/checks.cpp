@@ -131,7 +131,7 @@ void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int
                    "dtype must be float32, bfloat16 or float16, got ", dtype);
   TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes must be uint8, got ", codes.scalar_type());
   TORCH_CHECK_TYPE(stats.scalar_type() == at::kFloat, "stats must be float32, got ", stats.scalar_type());
-  TORCH_CHECK_VALUE(last_dim >= 1, "last_dim must be >= 1, got ", last_dim);
+  TORCH_CHECK_VALUE(last_dim >= 0, "last_dim must be >= 0, got ", last_dim);
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.is_contiguous(), "codes must be a contiguous 2-D tensor");
   TORCH_CHECK_VALUE(stats.device() == codes.device(), "stats is on ", stats.device(), " but codes on ", codes.device());
   const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);

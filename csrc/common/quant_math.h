@@ -1,20 +1,46 @@
 // Group-wise quantisation of one element, written once for host and device.
 //
 // A group is up to group_size consecutive elements of one row (the last
-// dimension). With lo = min, hi = max over the group and qmax = 2^bits - 1:
-//   scale = (hi - lo) / qmax              inv = scale > 0 ? 1 / scale : 0
-//   q     = clamp(floor((x - lo) * inv + u), 0, qmax)
-//   x'    = lo + q * scale
+// dimension). The kernels reduce each group twice: first lo = min and hi = max
+// (NaN ignored) and whether it holds a NaN, then, knowing lo and hi,
+// a_lo = max |x| over x != lo and a_hi = max |x| over x != hi. quant_group()
+// then picks one of two encodings of the group, held in its two stats floats;
+// qmax = 2^bits - 1.
+//
+// Affine, stats = (lo, scale) with scale >= +0 (the usual case):
+//   scale = (hi - lo) / qmax          (halves first if hi - lo overflows; a
+//                                      subnormal result is rounded up, see quant_step)
+//   q     = clamp(floor((x*p - lo*p) * inv + u), 0, qmax)     inv = 1 / (scale*p), 0 if scale = 0
+//   x'    = (lo*d + q * (scale*d)) / d,  clamped to +-FLT_MAX
+// p = 1/2 when scale > 2^100 (x - lo could overflow), 2^100 when
+// 0 < scale < 2^-100 (1 / scale would overflow), else 1; d = 1/2 when
+// scale > 2^100, else 1. Powers of two scale exactly: p and d change the
+// result only where the plain formula would leave the float range.
+//
+// Outlier, stats = (v, -s), the second float's sign bit set: one extreme value
+// v (lo or hi, however often it occurs) is kept exactly as code 0, and the
+// other values are stored symmetrically with step s = a / h (a = a_lo or a_hi,
+// h = (qmax - 1) / 2, mid = h + 1):
+//   q  = x == v ? 0 : clamp(floor(x*p * inv + mid + u), 1, qmax)   inv = 1 / (s*p), 0 if s = 0
+//   x' = q == 0 ? v : (q - mid) * s
+// (p as above for s). Chosen when the group holds -inf (v = lo) or +inf
+// (v = hi) but not both, or when it is finite and this step is 16x finer than
+// the affine one: a masked position (torch.finfo(dtype).min, or -inf) among
+// ordinary values no longer costs the whole group its precision. Ordinary
+// groups never qualify (their a is at least half their range).
+//
+// A group holding NaN, or both -inf and +inf, stores (NaN, NaN) and
+// dequantises to NaN: such activations stay non-finite.
+//
 // u = 0.5 rounds to nearest; u uniform in [0, 1) (stochastic rounding) makes
 // E[x'] = x. u comes from a counter-based hash of (seed, element index), so
-// the CPU and CUDA kernels produce the same codes for the same seed. A group
-// holding NaN or +-Inf stores lo = scale = NaN and so dequantises to NaN:
-// non-finite activations stay non-finite.
+// the CPU and CUDA kernels produce the same codes for the same seed.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "common/float_bits.h"
 #include "common/hd.h"
 
 namespace effmem {
@@ -45,37 +71,129 @@ EFFMEM_HD float hash_uniform(uint64_t seed, uint64_t index) {
   return hash_uniform_low(seed, static_cast<uint32_t>(index), hash_high(seed, static_cast<uint32_t>(index >> 32)));
 }
 
+// Scale thresholds beyond which the formulas above pre-scale by a power of two.
+constexpr float kQuantHugeScale = 0x1p100f;
+constexpr float kQuantTinyScale = 0x1p-100f;
+// How much finer the outlier encoding's step must be before it is used.
+constexpr float kOutlierGain = 16.0f;
+
+// Everything quantize_value() needs for one group, and the two stats floats.
 struct QuantGroup {
-  float lo;
-  float scale;
-  float inv;
+  float stat0, stat1;  // stored: (lo, scale) or (v, -s)
+  float p;             // pre-scale of x
+  float shift;         // lo*p (affine) or 0 (outlier)
+  float inv;           // 1 / (scale*p) or 1 / (s*p); 0 for a zero step
+  float off;           // 0 (affine) or mid (outlier)
+  float qlow;          // lowest code for an ordinary value: 0 (affine) or 1 (outlier)
+  float outlier;       // the value coded 0 (outlier); NaN (affine: equals nothing)
 };
 
-EFFMEM_HD QuantGroup quant_group(float lo, float hi, bool finite, int qmax) {
+EFFMEM_HD float quant_prescale(float step) {
+  return step > kQuantHugeScale ? 0.5f : (step > 0.0f && step < kQuantTinyScale ? 0x1p100f : 1.0f);
+}
+
+// span / divisor, as the step of a grid of divisor steps covering span. A
+// subnormal step has few significant bits, and rounded down it would leave
+// the top of the span beyond the last code: a subnormal step is rounded up
+// by one unit in the last place (never to 0 for a span > 0).
+EFFMEM_HD float quant_step(float span, float divisor) {
+  const float s = span / divisor;
+  return s < 0x1p-126f && span > 0.0f ? float_of(bits_of(s) + 1u) : s;
+}
+
+EFFMEM_HD QuantGroup quant_group(float lo, float hi, float a_lo, float a_hi, bool has_nan, int qmax) {
   QuantGroup g;
-  if (!finite) {
-    g.lo = g.scale = NAN;
-    g.inv = 0.0f;
+  g.off = 0.0f;
+  g.qlow = 0.0f;
+  g.outlier = NAN;
+  const bool lo_inf = lo == -INFINITY, hi_inf = hi == INFINITY;
+  if (has_nan || (lo_inf && hi_inf)) {
+    g.stat0 = g.stat1 = NAN;
+    g.p = 1.0f;
+    g.shift = g.inv = 0.0f;
     return g;
   }
-  g.lo = lo;
-  g.scale = (hi - lo) / static_cast<float>(qmax);
-  g.inv = g.scale > 0.0f ? 1.0f / g.scale : 0.0f;
+  const float h = static_cast<float>((qmax - 1) / 2);
+  bool outlier_mode;
+  float v = lo, a = a_lo;
+  float scale = 0.0f;
+  if (lo_inf || hi_inf) {
+    outlier_mode = true;
+    if (hi_inf) v = hi, a = a_hi;
+  } else {
+    const float diff = hi - lo;
+    scale = diff == INFINITY ? ((hi * 0.5f - lo * 0.5f) / static_cast<float>(qmax)) * 2.0f
+                             : quant_step(diff, static_cast<float>(qmax));
+    const float s_lo = quant_step(a_lo, h), s_hi = quant_step(a_hi, h);
+    const float s_min = s_lo <= s_hi ? s_lo : s_hi;
+    outlier_mode = s_min * kOutlierGain < scale;
+    if (s_hi < s_lo) v = hi, a = a_hi;
+  }
+  if (outlier_mode) {
+    const float s = quant_step(a, h);
+    g.stat0 = v;
+    g.stat1 = -s;
+    g.p = quant_prescale(s);
+    g.shift = 0.0f;
+    g.inv = s > 0.0f ? 1.0f / (s * g.p) : 0.0f;
+    g.off = h + 1.0f;
+    g.qlow = 1.0f;
+    g.outlier = v;
+  } else {
+    g.stat0 = lo;
+    g.stat1 = scale;
+    g.p = quant_prescale(scale);
+    g.shift = lo * g.p;
+    g.inv = scale > 0.0f ? 1.0f / (scale * g.p) : 0.0f;
+  }
   return g;
 }
 
 EFFMEM_HD uint32_t quantize_value(float x, const QuantGroup& g, float u, int qmax) {
-  float q = floorf((x - g.lo) * g.inv + u);
-  // clamp to [0, qmax]; NaN (a non-finite group, whose stats carry the NaN)
-  // fails the first test and codes 0
-  q = q >= 0.0f ? q : 0.0f;
+  float q = floorf((x * g.p - g.shift) * g.inv + g.off + u);
+  // clamp to [qlow, qmax]; NaN (only in a NaN group, coded 0) fails the first test
+  q = q >= g.qlow ? q : g.qlow;
   q = q < static_cast<float>(qmax) ? q : static_cast<float>(qmax);
   // via int32: one vector instruction, where float -> uint32 has none
-  return static_cast<uint32_t>(static_cast<int32_t>(q));
+  const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(q));
+  return x == g.outlier ? 0u : code;
 }
 
-EFFMEM_HD float dequantize_value(uint32_t q, float lo, float scale) {
-  return lo + static_cast<float>(static_cast<int32_t>(q)) * scale;
+// Per-group constants of dequantize_value(), from the two stats floats.
+struct DequantGroup {
+  float base;     // lo*d (affine) or 0 (outlier)
+  float step;     // scale*d or s
+  float off;      // 0 or mid
+  float unscale;  // 1/d (affine) or 1
+  float outlier;  // code 0's value (outlier) ; used only when is_outlier
+  bool is_outlier;
+};
+
+EFFMEM_HD DequantGroup dequant_group(float stat0, float stat1, int qmax) {
+  DequantGroup d;
+  d.is_outlier = (bits_of(stat1) >> 31) != 0u && stat1 == stat1;  // sign bit set, not NaN
+  d.outlier = stat0;
+  if (d.is_outlier) {
+    d.base = 0.0f;
+    d.step = -stat1;
+    d.off = static_cast<float>((qmax - 1) / 2 + 1);
+    d.unscale = 1.0f;
+  } else {
+    const float half = stat1 > kQuantHugeScale ? 0.5f : 1.0f;
+    d.base = stat0 * half;
+    d.step = stat1 * half;
+    d.off = 0.0f;
+    d.unscale = stat1 > kQuantHugeScale ? 2.0f : 1.0f;
+  }
+  return d;
+}
+
+EFFMEM_HD float dequantize_value(uint32_t q, const DequantGroup& d) {
+  float x = (d.base + (static_cast<float>(static_cast<int32_t>(q)) - d.off) * d.step) * d.unscale;
+  // a rounded-up top code of a group spanning most of the float range must not become inf
+  x = x > 3.402823466e38f ? 3.402823466e38f : x;
+  x = x < -3.402823466e38f ? -3.402823466e38f : x;
+  return d.is_outlier && q == 0u ? d.outlier : x;
 }
 
 // True when the float is neither NaN nor +-Inf (exponent not all ones).

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 
   float v[2 * kMaxPairsPerLane];
   float lo = INFINITY, hi = -INFINITY;
-  bool finite = true;
+  bool nan = false;
 #pragma unroll
   for (int p = 0; p < kMaxPairsPerLane; ++p) {
     const int64_t k = 2 * (lane + 32 * p);
@@ -65,17 +65,34 @@ __global__ void __launch_bounds__(kQuantThreads)
         v[2 * p + e] = f;
         lo = f < lo ? f : lo;
         hi = f > hi ? f : hi;
-        finite = finite && finite_bits(bits_of(f));
+        nan = nan || f != f;
       }
     }
   }
   lo = warp_min(lo);
   hi = warp_max(hi);
-  finite = __all_sync(0xffffffffu, finite);
-  const QuantGroup g = quant_group(lo, hi, finite, kQmax);
+  nan = __any_sync(0xffffffffu, nan);
+  // the largest magnitude among the values other than lo, and other than hi
+  float a_lo = 0.0f, a_hi = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kMaxPairsPerLane; ++p) {
+    const int64_t k = 2 * (lane + 32 * p);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (k + e < n) {
+        const float f = v[2 * p + e];
+        const float a = f < 0.0f ? -f : f;
+        a_lo = f != lo && a > a_lo ? a : a_lo;
+        a_hi = f != hi && a > a_hi ? a : a_hi;
+      }
+    }
+  }
+  a_lo = warp_max(a_lo);
+  a_hi = warp_max(a_hi);
+  const QuantGroup g = quant_group(lo, hi, a_lo, a_hi, nan, kQmax);
   if (lane == 0) {
-    stats[2 * gi] = g.lo;
-    stats[2 * gi + 1] = g.scale;
+    stats[2 * gi] = g.stat0;
+    stats[2 * gi + 1] = g.stat1;
   }
   uint8_t* out = codes + row * s.row_bytes;
 #pragma unroll
@@ -109,7 +126,7 @@ __global__ void __launch_bounds__(kQuantThreads)
   const int64_t row = gi / s.groups_per_row;
   const int64_t start = (gi % s.groups_per_row) * s.group_size;
   const int64_t n = min(s.group_size, s.last_dim - start);
-  const float lo = stats[2 * gi], scale = stats[2 * gi + 1];
+  const DequantGroup d = dequant_group(stats[2 * gi], stats[2 * gi + 1], (1 << kBits) - 1);
   const uint8_t* in = codes + row * s.row_bytes;
   T* y = out + row * s.last_dim + start;
   for (int64_t k = 2 * lane; k < n; k += 64) {
@@ -122,8 +139,8 @@ __global__ void __launch_bounds__(kQuantThreads)
       q0 = b & 0xfu;
       q1 = b >> 4;
     }
-    from_float(y + k, dequantize_value(q0, lo, scale));
-    if (k + 1 < n) from_float(y + k + 1, dequantize_value(q1, lo, scale));
+    from_float(y + k, dequantize_value(q0, d));
+    if (k + 1 < n) from_float(y + k + 1, dequantize_value(q1, d));
   }
 }
 

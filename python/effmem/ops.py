@@ -81,10 +81,12 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
 
     Returns ``(codes, stats)``: codes uint8 ``[rows, ceil(D * bits / 8)]`` (at 4
     bits two per byte, low nibble first), stats float32 ``[rows, groups, 2]``
-    holding each group's (min, scale); rows = numel / D, D = x.shape[-1].
-    ``stochastic`` rounding draws from a counter-based hash of (seed, element
-    index), so it is unbiased and gives the same codes on CPU and CUDA.
-    A group holding NaN or Inf dequantises to NaN.
+    holding each group's (min, scale), or (v, -step) for a group whose one
+    extreme value v (a mask, -inf, +inf) is kept exactly while the others are
+    stored symmetrically (csrc/common/quant_math.h); rows = numel / D,
+    D = x.shape[-1]. ``stochastic`` rounding draws from a counter-based hash of
+    (seed, element index), so it is unbiased and gives the same codes on CPU
+    and CUDA. A group holding NaN, or both -inf and +inf, dequantises to NaN.
     """
     check_quant_config(bits, group_size)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -104,7 +106,7 @@ def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shap
 @torch.library.register_fake("effmem::quantize")
 def _quantize_fake(x, bits, group_size, seed, stochastic):
     last_dim = x.shape[-1] if x.dim() > 0 else 1
-    rows = x.numel() // last_dim
+    rows = x.numel() // last_dim if last_dim > 0 else 0  # as quant_layout: no rows when D = 0
     codes = x.new_empty((rows, (last_dim * bits + 7) // 8), dtype=torch.uint8)
     stats = x.new_empty((rows, (last_dim + group_size - 1) // group_size, 2), dtype=torch.float32)
     return codes, stats

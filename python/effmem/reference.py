@@ -60,8 +60,67 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
+_HUGE, _TINY, _OUTLIER_GAIN = 2.0 ** 100, 2.0 ** -100, 16.0
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _prescale(step: Tensor) -> Tensor:
+    one = torch.ones_like(step)
+    return torch.where(step > _HUGE, 0.5 * one, torch.where((step > 0) & (step < _TINY), _HUGE * one, one))
+
+
+def _step(span: Tensor, divisor: float) -> Tensor:
+    """quant_math.h's quant_step(): span / divisor, a subnormal result rounded up by one ulp."""
+    s = span / divisor
+    up = (s.view(torch.int32) + 1).view(torch.float32)
+    return torch.where((s < 2.0 ** -126) & (span > 0), up, s)
+
+
+def _quant_group(part: Tensor, qmax: int):
+    """quant_math.h's quant_group() for each row of `part` (float32 [rows, n]): the stats and the
+    per-row constants of quantize_value(), each [rows, 1]."""
+    nan_at = part.isnan()
+    lo = torch.where(nan_at, float("inf"), part).amin(dim=1, keepdim=True)
+    hi = torch.where(nan_at, float("-inf"), part).amax(dim=1, keepdim=True)
+    has_nan = nan_at.any(dim=1, keepdim=True)
+    mag = torch.where(nan_at, 0.0, part.abs())
+    a_lo = torch.where(part != lo, mag, 0.0).amax(dim=1, keepdim=True)
+    a_hi = torch.where(part != hi, mag, 0.0).amax(dim=1, keepdim=True)
+    lo_inf, hi_inf = lo == float("-inf"), hi == float("inf")
+    nan_group = has_nan | (lo_inf & hi_inf)
+    h = float((qmax - 1) // 2)
+    diff = hi - lo
+    scale = torch.where(diff == float("inf"), ((hi * 0.5 - lo * 0.5) / qmax) * 2.0, _step(diff, float(qmax)))
+    s_lo, s_hi = _step(a_lo, h), _step(a_hi, h)
+    s_min = torch.where(s_lo <= s_hi, s_lo, s_hi)
+    any_inf = lo_inf | hi_inf
+    outlier = any_inf | (s_min * _OUTLIER_GAIN < scale)
+    use_hi = torch.where(any_inf, hi_inf, s_hi < s_lo)
+    v = torch.where(use_hi, hi, lo)
+    s = _step(torch.where(use_hi, a_hi, a_lo), h)
+    p_out, p_aff = _prescale(s), _prescale(scale)
+    nan = torch.full_like(lo, float("nan"))
+    zero, one = torch.zeros_like(lo), torch.ones_like(lo)
+    g = {
+        "stat0": torch.where(outlier, v, lo),
+        "stat1": torch.where(outlier, -s, scale),
+        "p": torch.where(outlier, p_out, p_aff),
+        "shift": torch.where(outlier, zero, lo * p_aff),
+        "inv": torch.where(outlier, torch.where(s > 0, 1.0 / (s * p_out), zero),
+                           torch.where(scale > 0, 1.0 / (scale * p_aff), zero)),
+        "off": torch.where(outlier, (h + 1.0) * one, zero),
+        "qlow": torch.where(outlier, one, zero),
+        "outlier": torch.where(outlier, v, nan),
+    }
+    for key, value in (("stat0", nan), ("stat1", nan), ("p", one), ("shift", zero), ("inv", zero),
+                       ("off", zero), ("qlow", zero), ("outlier", nan)):
+        g[key] = torch.where(nan_group, value, g[key])
+    return g
+
+
 def quantize(x: Tensor, bits: int = 8, group_size: int = 128, seed: int = 0, stochastic: bool = True):
-    """Reference: returns (codes as int64 [rows, D], stats float32 [rows, groups, 2] = (min, scale))."""
+    """Reference: returns (codes as int64 [rows, D], stats float32 [rows, groups, 2]), following
+    csrc/common/quant_math.h operation by operation in float32."""
     d = x.shape[-1] if x.dim() > 0 else 1
     rows = x.reshape(-1, d).float()
     groups = (d + group_size - 1) // group_size
@@ -69,24 +128,37 @@ def quantize(x: Tensor, bits: int = 8, group_size: int = 128, seed: int = 0, sto
     codes = torch.empty(rows.shape, dtype=torch.int64)
     stats = torch.empty(rows.shape[0], groups, 2, dtype=torch.float32)
     index = torch.arange(rows.numel(), dtype=torch.int64).reshape(rows.shape)
-    for g in range(groups):
-        part = rows[:, g * group_size:(g + 1) * group_size]
-        finite = torch.isfinite(part).all(dim=1, keepdim=True)
-        lo = torch.where(finite, part.amin(dim=1, keepdim=True), float("nan"))
-        hi = part.amax(dim=1, keepdim=True)
-        scale = torch.where(finite, (hi - lo) / qmax, float("nan"))
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        y = (part - lo) * inv
-        u = hash_uniform(seed, index[:, g * group_size:(g + 1) * group_size]).float() if stochastic else 0.5
-        q = torch.floor(y + u).clamp(0, qmax)
-        codes[:, g * group_size:(g + 1) * group_size] = torch.where(q.isnan(), 0.0, q).long()
-        stats[:, g, 0] = lo[:, 0]
-        stats[:, g, 1] = scale[:, 0]
+    for gi in range(groups):
+        cols = slice(gi * group_size, (gi + 1) * group_size)
+        part = rows[:, cols]
+        g = _quant_group(part, qmax)
+        u = hash_uniform(seed, index[:, cols]).float() if stochastic else 0.5
+        q = torch.floor((part * g["p"] - g["shift"]) * g["inv"] + g["off"] + u)
+        q = torch.where(q >= g["qlow"], q, g["qlow"])
+        q = torch.where(q < qmax, q, torch.full_like(q, float(qmax)))
+        code = torch.where(part == g["outlier"], 0, q.long())
+        codes[:, cols] = code
+        stats[:, gi, 0] = g["stat0"][:, 0]
+        stats[:, gi, 1] = g["stat1"][:, 0]
     return codes, stats
 
 
-def dequantize(codes: Tensor, stats: Tensor, group_size: int, shape, dtype) -> Tensor:
+def dequantize(codes: Tensor, stats: Tensor, group_size: int, shape, dtype, bits: int) -> Tensor:
+    """Reference of quant_math.h's dequant_group() / dequantize_value()."""
     d = codes.shape[-1]
-    lo = stats[..., 0].repeat_interleave(group_size, dim=1)[:, :d]
-    scale = stats[..., 1].repeat_interleave(group_size, dim=1)[:, :d]
-    return (lo + codes.float() * scale).to(dtype).reshape(shape)
+    qmax = (1 << bits) - 1
+    stat0 = stats[..., 0].repeat_interleave(group_size, dim=1)[:, :d]
+    stat1 = stats[..., 1].repeat_interleave(group_size, dim=1)[:, :d]
+    is_outlier = torch.signbit(stat1) & ~stat1.isnan()
+    huge = stat1 > _HUGE
+    half = torch.where(huge, 0.5, 1.0)
+    base = torch.where(is_outlier, 0.0, stat0 * half)
+    step = torch.where(is_outlier, -stat1, stat1 * half)
+    off = torch.where(is_outlier, float((qmax - 1) // 2 + 1), 0.0)
+    unscale = torch.where(is_outlier, 1.0, torch.where(huge, 2.0, 1.0))
+    q = codes.float()
+    x = (base + (q - off) * step) * unscale
+    x = torch.where(x > _FLT_MAX, _FLT_MAX, x)
+    x = torch.where(x < -_FLT_MAX, -_FLT_MAX, x)
+    x = torch.where(is_outlier & (codes == 0), stat0, x)
+    return x.to(dtype).reshape(shape)

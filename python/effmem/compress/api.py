@@ -68,11 +68,11 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     from one qkv projection) through the tensor they view, when that is at
     most 4x larger (otherwise they are kept as they are).
 
-    Values: a group holding NaN or +-Inf comes back as NaN, so such inputs
-    give non-finite gradients, never silently finite ones. A saved tensor
-    that legitimately holds -inf (log_softmax over logits masked with -inf)
-    therefore turns its group's gradient into NaN: mask with a large finite
-    value (torch.finfo(dtype).min) or keep it exact with ``exclude``.
+    Values: one extreme value per group of 128 (however often it occurs) is
+    stored exactly and the rest of the group quantised on its own range, so
+    masks (-inf, or torch.finfo(dtype).min) among ordinary values cost no
+    precision. A group holding NaN, or both -inf and +inf, comes back as NaN,
+    so such inputs give non-finite gradients, never silently finite ones.
 
     torch.compile: compiled regions compile as usual and what they save is
     compressed when the compiled code runs: call a compiled model inside the
