@@ -11,11 +11,16 @@ TORCH_LIBRARY(effmem, m) {
   // on the params' device), read on the device so the step can be captured in
   // a CUDA graph; so is lr_tensor when given (it then replaces lr).
   // inv_scale multiplies the gradients; a nonzero found_inf skips the step.
+  // A step count that is not a whole number in [1, 2^63), or an lr_tensor that
+  // is negative or not finite, is refused: on the CPU the op raises; on CUDA,
+  // where reading them would cost a host sync, the kernel leaves the tensors
+  // concerned unchanged and ORs into `status` (int32, one element, the params'
+  // device) 1 for a refused lr, 2 for a refused step count.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor[] steps, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool decoupled, bool bias_correction, "
-      "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+      "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, Tensor(e!)? status=None) -> ()");
   // Global L2 norm of a list of floating tensors on one device, as a float32
   // scalar on that device (sums of squares accumulated in float per block and
   // in double across blocks).

@@ -140,3 +140,128 @@ def test_op_rejects_bad_lists():
     args["grads"] = [torch.randn(6).bfloat16()[::2]]
     with pytest.raises(ValueError, match=r"grads\[0\] has strides"):
         ops.adam_step_(**args, **HYPER)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the fuzzer found (issue 14): values and aliases the op used to accept silently
+
+
+@pytest.mark.parametrize("step", [0.0, -1.0, 1.5, float("nan"), float("inf"), 2.0 ** 63, 2.0 ** 70])
+def test_op_refuses_step_counts_outside_whole_numbers_from_1(step):
+    args = _op_args()
+    args["steps"] = [torch.full((), step)]
+    before = args["params"][0].clone()
+    with pytest.raises(ValueError, match=r"steps\[0\] must hold a whole number in \[1, 2\^63\)"):
+        ops.adam_step_(**args, **HYPER)
+    assert torch.equal(args["params"][0], before)
+
+
+@pytest.mark.parametrize("lr", [-1.0, float("nan"), float("inf")])
+def test_op_refuses_a_bad_lr_tensor(lr):
+    args = _op_args()
+    with pytest.raises(ValueError, match="lr_tensor must hold a finite number >= 0"):
+        ops.adam_step_(**args, **HYPER, lr_tensor=torch.tensor([lr]))
+
+
+@pytest.mark.parametrize("lr", [-1.0, float("nan")])
+def test_fused_adam_checks_an_lr_tensor_given_or_assigned(lr):
+    with pytest.raises(ValueError, match="lr: expected a finite number >= 0, got a tensor holding"):
+        effmem.FusedAdam([param(3)], lr=torch.tensor(lr))
+    p = param(3)
+    opt = effmem.FusedAdam([p], lr=torch.tensor(1e-3))
+    p.grad = torch.randn(3)
+    opt.step()
+    opt.param_groups[0]["lr"] = torch.tensor(lr)   # assigned later (a scheduler, by hand)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\]: expected a finite number >= 0"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_fused_adam_refuses_an_lr_tensor_changed_in_place_to_a_bad_value():
+    p = param(3)
+    lr = torch.tensor(1e-3)
+    opt = effmem.FusedAdam([p], lr=lr)
+    p.grad = torch.randn(3)
+    opt.step()
+    lr.fill_(-1.0)                                   # the same tensor, changed: the CPU op reads it
+    with pytest.raises(ValueError, match="lr_tensor must hold a finite number >= 0, got -1"):
+        opt.step()
+
+
+@pytest.mark.parametrize("alias", ["same_param_twice", "exp_avg_is_param", "overlapping_views", "grad_is_master"])
+def test_op_refuses_aliased_tensors(alias):
+    args = _op_args(8, torch.float32)
+    p = args["params"][0]
+    if alias == "same_param_twice":
+        for key in ("params", "grads", "exp_avgs", "exp_avg_sqs", "steps"):
+            args[key] = args[key] + ([p] if key == "params" else [args[key][0].clone()])
+    elif alias == "exp_avg_is_param":
+        args["exp_avgs"] = [p]
+    elif alias == "overlapping_views":
+        base = torch.zeros(12)
+        args["exp_avgs"], args["exp_avg_sqs"] = [base[:8]], [base[4:]]
+    else:
+        args = _op_args(8, torch.bfloat16)
+        args["grads"] = [args["masters"][0].bfloat16()]   # fine: a copy
+        ops.adam_step_(**args, **HYPER)
+        args["grads"] = [args["params"][0]]              # the param itself as its gradient
+    with pytest.raises(ValueError, match="share memory; each tensor adam_step_ writes must have memory of its own"):
+        ops.adam_step_(**args, **HYPER)
+
+
+def test_grads_may_share_memory_with_each_other():
+    args = _op_args(8, torch.float32)
+    q = torch.randn(8)
+    for key in ("params", "exp_avgs", "exp_avg_sqs", "steps"):
+        args[key] = args[key] + [torch.randn(8) if key == "params" else args[key][0].clone()]
+    args["grads"] = [q, q]
+    ops.adam_step_(**args, **HYPER)
+
+
+def test_meta_and_cpu_tensors_mixed_are_refused():
+    args = _op_args(8, torch.float32)
+    args["exp_avgs"] = [torch.zeros(8, device="meta")]
+    with pytest.raises(ValueError, match=r"all tensors must be on one device, got params\[0\] on cpu, exp_avgs\[0\] on meta"):
+        ops.adam_step_(**args, **HYPER)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        ops.l2norm([torch.ones(3), torch.ones(3, device="meta")])
+    codes, stats = ops.quantize(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        torch.ops.effmem.dequantize(codes, stats.to("meta"), 8, 128, 64, torch.float32)
+
+
+def test_empty_lists_are_a_valid_call():
+    ops.adam_step_([], [], [], [], [], [], **HYPER)
+    torch.ops.effmem.adam_step_([], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    assert ops.l2norm([]).item() == 0.0 and torch.ops.effmem.l2norm([]).dtype == torch.float32
+    with pytest.raises(ValueError, match="lr must be"):
+        ops.adam_step_([], [], [], [], [], [], **{**HYPER, "lr": -1.0})
+
+
+def test_sparse_inputs_get_our_message():
+    args = _op_args(8, torch.float32)
+    args["grads"] = [torch.randn(8).to_sparse()]
+    with pytest.raises(ValueError, match=r"grads\[0\] is a Float tensor of shape \[8\] and layout Sparse"):
+        ops.adam_step_(**args, **HYPER)
+    with pytest.raises(ValueError, match=r"tensors\[0\] is .*layout Sparse"):
+        ops.l2norm([torch.randn(8).to_sparse()])
+    with pytest.raises(ValueError, match="x must be a dense"):
+        torch.ops.effmem.quantize(torch.randn(4, 64).to_sparse(), 8, 64, 0, True)
+
+
+def test_messages_say_what_they_got():
+    args = _op_args()
+    args["steps"] = [torch.ones((), dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"steps\[0\] must be a one-element float32 tensor on cpu, got a Double "
+                                         r"tensor of shape \[\] on cpu"):
+        ops.adam_step_(**args, **HYPER)
+    args = _op_args()
+    args["exp_avgs"] = [torch.zeros(3, dtype=torch.bfloat16)]
+    with pytest.raises(TypeError, match=r"exp_avgs\[0\] must be float32, got BFloat16"):
+        ops.adam_step_(**args, **HYPER)
+    for seed in (2 ** 64, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed: expected an int in \[0, 2\*\*64\)"):
+            ops.quantize(torch.randn(2, 64), seed=seed)
+    x = torch.randn(2, 64)
+    assert torch.equal(ops.quantize(x, seed=2 ** 64 - 1)[0], ops.quantize(x, seed=2 ** 64 - 1)[0])

@@ -81,8 +81,12 @@ def test_dequantize_messages_hold_the_sizes(device):
         OPS.dequantize(codes, stats, 8, 128, -7, torch.float32)
     with pytest.raises(ValueError, match=r"codes has 256 bytes per row but last_dim=300 at 8 bits needs 300$"):
         OPS.dequantize(codes, stats, 8, 128, 300, torch.float32)
-    with pytest.raises(ValueError, match=r"stats must be a contiguous \[6, 2, 2\] tensor, got \[6, 1, 2\]$"):
+    with pytest.raises(ValueError, match=r"stats has 1 groups per row but last_dim=256 in groups of 128 needs 2$"):
         OPS.dequantize(codes, stats[:, :1].contiguous(), 8, 128, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"codes has 4 rows but stats has 6; the rows of codes and stats must match$"):
+        OPS.dequantize(codes[:4], stats, 8, 128, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"stats must be contiguous, got strides \[2, 12, 1\] for shape \[6, 2, 2\]$"):
+        OPS.dequantize(codes, stats.transpose(0, 1).contiguous().transpose(0, 1), 8, 128, 256, torch.float32)
 
 
 def test_offload_engine_messages_hold_the_value():

@@ -48,6 +48,16 @@ EFFMEM_HD double pow_step(double base, double step) {
   return result;
 }
 
+// Why a step would be refused: 1 for an lr that is negative or not finite,
+// 2 for a step count (after this step) that is not a whole number in
+// [1, 2^63) (0 divides by zero in the bias corrections; pow_step's int64
+// conversion is undefined beyond). 0: fine.
+EFFMEM_HD int adam_refusal(double lr, double step) {
+  const bool lr_ok = lr >= 0.0 && lr <= 1.7976931348623157e308;  // false for NaN
+  const bool step_ok = step >= 1.0 && step < 9223372036854775808.0 && floor(step) == step;
+  return (lr_ok ? 0 : 1) | (step_ok ? 0 : 2);
+}
+
 // Bias corrections are computed in double and rounded to float once.
 EFFMEM_HD AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double eps,
                                  double weight_decay, bool decoupled, bool bias_correction,

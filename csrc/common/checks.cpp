@@ -1,8 +1,15 @@
 #include "common/checks.h"
 
+#include "common/adam_math.h"
+
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
 
 namespace effmem {
 
@@ -17,7 +24,72 @@ int dtype_index(at::ScalarType t, const char* arg) {
   return -1;
 }
 
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << "a " << t.scalar_type() << " tensor of shape " << t.sizes();
+  if (t.layout() != at::kStrided) out << " and layout " << t.layout();
+  out << " on " << t.device();
+  return out.str();
+}
+
+void check_step_value(double step, size_t i) {
+  TORCH_CHECK_VALUE((adam_refusal(0.0, step) & 2) == 0, "steps[", i,
+                    "] must hold a whole number in [1, 2^63) (the step count after this step), got ", step);
+}
+
+void check_lr_value(double lr, const char* name) {
+  TORCH_CHECK_VALUE((adam_refusal(lr, 1.0) & 1) == 0, name, " must hold a finite number >= 0, got ", lr);
+}
+
 namespace {
+
+void check_strided(const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, name, "[", i, "] is ", describe(t),
+                    "; only dense (strided) tensors are supported");
+}
+
+// Every tensor the step writes must own its memory: an alias (params=[p, p],
+// exp_avgs[0] is params[0], overlapping views) would be updated twice or read
+// after being written. Gradients are only read and may share memory with
+// each other, not with anything written.
+struct Span {
+  uintptr_t lo, hi;
+  bool written;
+  const char* name;
+  size_t index;
+};
+
+void check_no_aliases(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps) {
+  std::vector<Span> spans;
+  auto add = [&](at::TensorList list, const char* name, bool written) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor& t = list[i];
+      if (t.numel() == 0 || !t.has_storage() || t.device().is_meta()) continue;
+      const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+      spans.push_back({lo, lo + static_cast<uintptr_t>(t.numel() * t.element_size()), written, name, i});
+    }
+  };
+  add(params, "params", true);
+  add(exp_avgs, "exp_avgs", true);
+  add(exp_avg_sqs, "exp_avg_sqs", true);
+  add(masters, "masters", true);
+  add(steps, "steps", true);
+  add(grads, "grads", false);
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  const Span* reach_written = nullptr;  // of the spans so far, the written one reaching furthest
+  const Span* reach_any = nullptr;
+  for (const Span& s : spans) {
+    const Span* other = nullptr;
+    if (reach_written != nullptr && s.lo < reach_written->hi) other = reach_written;
+    else if (s.written && reach_any != nullptr && s.lo < reach_any->hi) other = reach_any;
+    TORCH_CHECK_VALUE(other == nullptr, other == nullptr ? "" : other->name, "[", other == nullptr ? 0 : other->index,
+                      "] and ", s.name, "[", s.index, "] share memory; each tensor adam_step_ writes must have "
+                      "memory of its own (only grads may share memory, with each other)");
+    if (s.written && (reach_written == nullptr || s.hi > reach_written->hi)) reach_written = &s;
+    if (reach_any == nullptr || s.hi > reach_any->hi) reach_any = &s;
+  }
+}
 
 // The kernels walk a tensor's memory as one flat span, so every tensor must be
 // dense and non-overlapping, and tensors updated together must share strides
@@ -26,7 +98,7 @@ void check_same_layout(const at::Tensor& t, const at::Tensor& param, const char*
                        const at::Device& device) {
   TORCH_CHECK_VALUE(t.device() == device, name, "[", i, "] is on ", t.device(),
                     " but params[0] is on ", device, "; all tensors of one call must share a device");
-  TORCH_CHECK_VALUE(!t.is_sparse(), name, "[", i, "] is sparse; only dense tensors are supported");
+  check_strided(t, name, i);
   TORCH_CHECK_VALUE(t.sizes() == param.sizes(), name, "[", i, "] has shape ", t.sizes(),
                     " but params[", i, "] has shape ", param.sizes());
   TORCH_CHECK_VALUE(t.strides() == param.strides(), name, "[", i, "] has strides ", t.strides(),
@@ -36,6 +108,7 @@ void check_same_layout(const at::Tensor& t, const at::Tensor& param, const char*
 
 void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name, const at::Device& device) {
   if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->layout() == at::kStrided, name, " must be a dense tensor, got ", describe(*t));
   TORCH_CHECK_VALUE(t->numel() == 1, name, " must hold one element, got ", t->numel());
   TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, " must be float32, got ", t->scalar_type());
   TORCH_CHECK_VALUE(t->device() == device, name, " is on ", t->device(), " but the params are on ", device);
@@ -48,7 +121,8 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
                      double lr, double beta1, double beta2, double eps, double weight_decay,
                      const std::optional<at::Tensor>& lr_tensor,
                      const std::optional<at::Tensor>& inv_scale,
-                     const std::optional<at::Tensor>& found_inf) {
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& status) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
                     "params, grads, exp_avgs, exp_avg_sqs and steps must have the same length, got ", n, ", ",
@@ -66,6 +140,11 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
   check_scalar_tensor(lr_tensor, "lr_tensor", device);
   check_scalar_tensor(inv_scale, "inv_scale", device);
   check_scalar_tensor(found_inf, "found_inf", device);
+  if (status.has_value()) {
+    TORCH_CHECK_VALUE(status->layout() == at::kStrided && status->numel() == 1 &&
+                          status->scalar_type() == at::kInt && status->device() == device,
+                      "status must be a one-element int32 tensor on ", device, ", got ", describe(*status));
+  }
   const at::ScalarType param_dtype = params[0].scalar_type();
   const at::ScalarType grad_dtype = grads[0].scalar_type();
   dtype_index(param_dtype, "params");
@@ -75,6 +154,7 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
                     low_precision ? "bf16/fp16 params need fp32 masters" : "fp32 params take no masters (pass [])");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
+    check_strided(p, "params", i);
     TORCH_CHECK_VALUE(p.device() == device, "params[", i, "] is on ", p.device(), " but params[0] is on ", device);
     TORCH_CHECK_TYPE(p.scalar_type() == param_dtype, "params[", i, "] is ", p.scalar_type(),
                      " but params[0] is ", param_dtype, "; one call takes one param dtype");
@@ -85,16 +165,21 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
     check_same_layout(grads[i], p, "grads", i, device);
     check_same_layout(exp_avgs[i], p, "exp_avgs", i, device);
     check_same_layout(exp_avg_sqs[i], p, "exp_avg_sqs", i, device);
-    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == at::kFloat, "exp_avgs[", i, "] must be float32");
-    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kFloat, "exp_avg_sqs[", i, "] must be float32");
+    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == at::kFloat, "exp_avgs[", i, "] must be float32, got ",
+                     exp_avgs[i].scalar_type());
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kFloat, "exp_avg_sqs[", i, "] must be float32, got ",
+                     exp_avg_sqs[i].scalar_type());
     if (low_precision) {
       check_same_layout(masters[i], p, "masters", i, device);
-      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kFloat, "masters[", i, "] must be float32");
+      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kFloat, "masters[", i, "] must be float32, got ",
+                       masters[i].scalar_type());
     }
-    TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
-                          steps[i].device() == device,
-                      "steps[", i, "] must be a one-element float32 tensor on ", device);
+    TORCH_CHECK_VALUE(steps[i].layout() == at::kStrided && steps[i].numel() == 1 &&
+                          steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
+                      "steps[", i, "] must be a one-element float32 tensor on ", device, ", got ",
+                      describe(steps[i]));
   }
+  check_no_aliases(params, grads, exp_avgs, exp_avg_sqs, masters, steps);
 }
 
 void check_norm_args(at::TensorList tensors) {
@@ -104,7 +189,7 @@ void check_norm_args(at::TensorList tensors) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK_VALUE(t.device() == device, "tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
                       device, "; call once per device");
-    TORCH_CHECK_VALUE(!t.is_sparse(), "tensors[", i, "] is sparse; only dense tensors are supported");
+    check_strided(t, "tensors", i);
     dtype_index(t.scalar_type(), "tensors");
     TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "tensors[", i,
                       "] must be dense and non-overlapping; pass t.contiguous()");
@@ -119,6 +204,7 @@ void check_quant_config(int64_t bits, int64_t group_size) {
 
 void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size) {
   check_quant_config(bits, group_size);
+  TORCH_CHECK_VALUE(x.layout() == at::kStrided, "x must be a dense (strided) tensor, got ", describe(x));
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
                    "x must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous; pass x.contiguous()");
@@ -129,18 +215,26 @@ void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int
   check_quant_config(bits, group_size);
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                    "dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(codes.layout() == at::kStrided && stats.layout() == at::kStrided,
+                    "codes and stats must be dense (strided) tensors, got ", describe(codes), " and ", describe(stats));
   TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes must be uint8, got ", codes.scalar_type());
   TORCH_CHECK_TYPE(stats.scalar_type() == at::kFloat, "stats must be float32, got ", stats.scalar_type());
   TORCH_CHECK_VALUE(last_dim >= 0, "last_dim must be >= 0, got ", last_dim);
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.is_contiguous(), "codes must be a contiguous 2-D tensor");
   TORCH_CHECK_VALUE(stats.device() == codes.device(), "stats is on ", stats.device(), " but codes on ", codes.device());
+  TORCH_CHECK_VALUE(codes.dim() == 2, "codes must be 2-D [rows, bytes per row], got shape ", codes.sizes());
+  TORCH_CHECK_VALUE(codes.is_contiguous(), "codes must be contiguous, got strides ", codes.strides(),
+                    " for shape ", codes.sizes());
+  TORCH_CHECK_VALUE(stats.dim() == 3 && stats.size(2) == 2, "stats must be 3-D [rows, groups, 2], got shape ",
+                    stats.sizes());
+  TORCH_CHECK_VALUE(stats.is_contiguous(), "stats must be contiguous, got strides ", stats.strides(),
+                    " for shape ", stats.sizes());
   const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);
   TORCH_CHECK_VALUE(codes.size(1) == l.row_bytes, "codes has ", codes.size(1), " bytes per row but last_dim=",
                     last_dim, " at ", bits, " bits needs ", l.row_bytes);
-  TORCH_CHECK_VALUE(stats.is_contiguous() && stats.dim() == 3 && stats.size(0) == l.rows &&
-                        stats.size(1) == l.groups_per_row && stats.size(2) == 2,
-                    "stats must be a contiguous [", l.rows, ", ", l.groups_per_row, ", 2] tensor, got ",
-                    stats.sizes());
+  TORCH_CHECK_VALUE(stats.size(0) == codes.size(0), "codes has ", codes.size(0), " rows but stats has ",
+                    stats.size(0), "; the rows of codes and stats must match");
+  TORCH_CHECK_VALUE(stats.size(1) == l.groups_per_row, "stats has ", stats.size(1), " groups per row but last_dim=",
+                    last_dim, " in groups of ", group_size, " needs ", l.groups_per_row);
 }
 
 QuantLayout quant_layout(int64_t numel, int64_t last_dim, int64_t bits, int64_t group_size) {

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <optional>
+#include <string>
 
 #include <cstdint>
 
@@ -19,7 +20,16 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
                      double lr, double beta1, double beta2, double eps, double weight_decay,
                      const std::optional<at::Tensor>& lr_tensor,
                      const std::optional<at::Tensor>& inv_scale,
-                     const std::optional<at::Tensor>& found_inf);
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& status);
+
+// "a float64 tensor of shape [3] on cpu", for messages.
+std::string describe(const at::Tensor& t);
+
+// Values read where they cost no device sync (CPU tensors): a step count
+// after this step must be a whole number in [1, 2^63), an lr finite and >= 0.
+void check_step_value(double step, size_t i);
+void check_lr_value(double lr, const char* name);
 
 // Validates the list given to l2norm: floating tensors on one device, dense.
 void check_norm_args(at::TensorList tensors);

@@ -22,13 +22,17 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                    double lr, double beta1, double beta2, double eps, double weight_decay,
                    bool decoupled, bool bias_correction, const std::optional<at::Tensor>& lr_tensor,
-                   const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf) {
+                   const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& status) {
   check_adam_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-                  weight_decay, lr_tensor, inv_scale, found_inf);
+                  weight_decay, lr_tensor, inv_scale, found_inf, status);
   if (params.empty()) return;
   // A grad scaler found inf/nan in the gradients: skip the whole step.
   if (scalar_value(found_inf, 0.0f) != 0.0f) return;
   const double step_lr = lr_tensor.has_value() ? scalar_value(lr_tensor, 0.0f) : lr;
+  // Host memory: the values are checked here, before anything is written.
+  if (lr_tensor.has_value()) check_lr_value(step_lr, "lr_tensor");
+  for (size_t i = 0; i < steps.size(); ++i) check_step_value(*steps[i].data_ptr<float>(), i);
   const double grad_scale = scalar_value(inv_scale, 1.0f);
 
   const KernelTable& table = kernels();

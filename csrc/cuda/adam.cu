@@ -22,9 +22,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                     double lr, double beta1, double beta2, double eps, double weight_decay,
                     bool decoupled, bool bias_correction, const std::optional<at::Tensor>& lr_tensor,
-                    const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& status) {
   check_adam_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-                  weight_decay, lr_tensor, inv_scale, found_inf);
+                  weight_decay, lr_tensor, inv_scale, found_inf, status);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -45,13 +46,15 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   const float* lr_ptr = optional_ptr(lr_tensor);
   const float* scale_ptr = optional_ptr(inv_scale);
   const float* inf_ptr = optional_ptr(found_inf);
+  int* status_ptr = status.has_value() ? status->data_ptr<int>() : nullptr;
 
   dispatch_float_dtype(params[0].scalar_type(), "params", [&](auto ptag) {
     dispatch_float_dtype(grads[0].scalar_type(), "grads", [&](auto gtag) {
       using P = typename decltype(ptag)::type;
       using G = typename decltype(gtag)::type;
       for_each_launch<5, 56>(lists, numels, step_ptrs, [&](const AdamTable& table, int blocks) {
-        adam_kernel<P, G><<<blocks, kAdamThreads, 0, stream>>>(table, hyper, lr_ptr, scale_ptr, inf_ptr);
+        adam_kernel<P, G><<<blocks, kAdamThreads, 0, stream>>>(table, hyper, lr_ptr, scale_ptr, inf_ptr,
+                                                                status_ptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });

@@ -54,7 +54,7 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
 template <class P, class G>
 __global__ void __launch_bounds__(kAdamThreads)
     adam_kernel(AdamTable table, AdamHyper h, const float* lr_ptr, const float* inv_scale,
-                const float* found_inf) {
+                const float* found_inf, int* status) {
   constexpr bool kLowPrecision = !std::is_same_v<P, float>;
   // Read on the device, so a grad scaler's skip costs no host sync.
   if (found_inf != nullptr && *found_inf != 0.0f) return;
@@ -65,13 +65,22 @@ __global__ void __launch_bounds__(kAdamThreads)
   const int64_t n = min(kChunk, table.numel[slot] - start);
 
   __shared__ AdamCoeffs coeffs;
+  __shared__ int refused;
   if (threadIdx.x == 0) {
     const double lr = lr_ptr != nullptr ? static_cast<double>(*lr_ptr) : h.lr;
     const double scale = inv_scale != nullptr ? static_cast<double>(*inv_scale) : 1.0;
-    coeffs = adam_coeffs(lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.bias_correction,
-                         static_cast<double>(*table.step[slot]), scale);
+    const double step = static_cast<double>(*table.step[slot]);
+    // Values on the device, unchecked by the host: refuse what the CPU op would
+    // reject (adam_refusal, shared with it) and say so in status.
+    refused = adam_refusal(lr, step);
+    if (refused != 0 && status != nullptr) atomicOr(status, refused);
+    if (refused == 0) {
+      coeffs = adam_coeffs(lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.bias_correction, step,
+                           scale);
+    }
   }
   __syncthreads();
+  if (refused != 0) return;
   const AdamCoeffs c = coeffs;
 
   P* param = static_cast<P*>(table.ptr[0][slot]) + start;

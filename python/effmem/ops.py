@@ -29,6 +29,7 @@ def adam_step_(
     lr_tensor: Optional[Tensor] = None,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    status: Optional[Tensor] = None,
 ) -> None:
     """One fused Adam/AdamW step over same-dtype tensors on one device.
 
@@ -37,11 +38,18 @@ def adam_step_(
     master rounded to nearest even; for fp32 params pass ``masters=[]``.
     ``steps[i]`` is param i's step count after this step (float32 tensor on the
     params' device). See csrc/common/adam_math.h for the formula.
+
+    A step count that is not a whole number in [1, 2^63), or an ``lr_tensor``
+    that is negative or not finite, is refused: on the CPU with a ValueError;
+    on CUDA (where reading them would cost a host sync) the tensors concerned
+    are left unchanged and ``status`` (int32, one element, when given) gets
+    1 (lr) or 2 (step count) ORed in. Every tensor written must have memory
+    of its own.
     """
     _lib.adam_step_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-        bool(bias_correction), lr_tensor, inv_scale, found_inf,
+        bool(bias_correction), lr_tensor, inv_scale, found_inf, status,
     )
 
 
@@ -50,16 +58,34 @@ def l2norm(tensors: Sequence[Tensor]) -> Tensor:
     return _lib.l2norm(list(tensors))
 
 
+def _one_device(op: str, named) -> None:
+    """The fake kernels run for meta tensors, also when real ones come with them (the dispatcher
+    picks Meta for the whole call): refuse such a mix rather than silently doing nothing."""
+    devices = {}
+    for name, t in named:
+        if t is not None:
+            devices.setdefault(str(t.device), name)
+    if len(devices) > 1:
+        found = ", ".join(f"{name} on {dev}" for dev, name in devices.items())
+        raise ValueError(f"effmem::{op}: all tensors must be on one device, got {found}")
+
+
 @torch.library.register_fake("effmem::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                     weight_decay, decoupled, bias_correction, lr_tensor=None, inv_scale=None,
-                    found_inf=None) -> None:
+                    found_inf=None, status=None) -> None:
+    lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+             ("masters", masters), ("steps", steps))
+    _one_device("adam_step_", [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
+                [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
     return None
 
 
 @torch.library.register_fake("effmem::l2norm")
 def _l2norm_fake(tensors: List[Tensor]) -> Tensor:
-    torch._check(len(tensors) > 0, lambda: "l2norm needs at least one tensor")
+    _one_device("l2norm", [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
     return tensors[0].new_empty((), dtype=torch.float32)
 
 
@@ -91,7 +117,14 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
     check_quant_config(bits, group_size)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
-    return _lib.quantize(x.contiguous(), int(bits), int(group_size), int(seed), bool(stochastic))
+    return _lib.quantize(x.contiguous(), int(bits), int(group_size), _seed_int64(seed), bool(stochastic))
+
+
+def _seed_int64(seed) -> int:
+    """A seed in [0, 2**64) as the int64 the op takes (the kernels read its 64 bits unsigned)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shape: Sequence[int],
@@ -105,6 +138,7 @@ def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shap
 
 @torch.library.register_fake("effmem::quantize")
 def _quantize_fake(x, bits, group_size, seed, stochastic):
+    check_quant_config(bits, group_size)
     last_dim = x.shape[-1] if x.dim() > 0 else 1
     rows = x.numel() // last_dim if last_dim > 0 else 0  # as quant_layout: no rows when D = 0
     codes = x.new_empty((rows, (last_dim * bits + 7) // 8), dtype=torch.uint8)
@@ -114,4 +148,6 @@ def _quantize_fake(x, bits, group_size, seed, stochastic):
 
 @torch.library.register_fake("effmem::dequantize")
 def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
+    _one_device("dequantize", [("codes", codes), ("stats", stats)])
+    torch._check(last_dim >= 0, lambda: f"last_dim must be >= 0, got {last_dim}")
     return codes.new_empty((codes.shape[0], last_dim), dtype=dtype)

@@ -23,14 +23,23 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local().detach() if is_dtensor(t) else t.detach()
 
 
-def hyperparameters(group: Dict[str, Any]) -> None:
-    lr = group["lr"]
+def lr_value(lr: Any, where: str = "lr") -> None:
+    """A float or one-element floating tensor holding a finite number >= 0. A tensor's value is
+    read, which for a CUDA tensor is one host sync: call this when an lr is given or assigned,
+    not per step (the CUDA kernel refuses a bad value that appears on the device later)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
-            raise ValueError(f"lr: expected a float or a one-element floating tensor, got a tensor of shape "
+            raise ValueError(f"{where}: expected a float or a one-element floating tensor, got a tensor of shape "
                              f"{tuple(lr.shape)} and dtype {lr.dtype}")
-    elif not isinstance(lr, numbers.Real) or not (lr >= 0.0 and math.isfinite(lr)):
-        raise ValueError(f"lr: expected a finite number >= 0, got {lr!r}")
+        value = float(lr)
+        if not (value >= 0.0 and math.isfinite(value)):
+            raise ValueError(f"{where}: expected a finite number >= 0, got a tensor holding {value!r}")
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0.0 and math.isfinite(lr)):
+        raise ValueError(f"{where}: expected a finite number >= 0, got {lr!r}")
+
+
+def hyperparameters(group: Dict[str, Any]) -> None:
+    lr_value(group["lr"])
     eps = group["eps"]
     if not isinstance(eps, numbers.Real) or not eps > 0.0:
         raise ValueError(f"eps: expected a number > 0, got {eps!r}")
@@ -102,20 +111,86 @@ def grad_like(p: Tensor, g: Tensor) -> Tensor:
     return g
 
 
-def loadable_groups(state_dict: Dict[str, Any], name: str) -> List[Dict[str, Any]]:
-    """The param groups of a state dict to load into an effmem Adam, refusing flags it would ignore."""
-    groups = state_dict["param_groups"]
-    for i, group in enumerate(groups):
+def step_value(step: Any, where: str) -> float:
+    """A saved step count: a whole number in [0, 2**63) (0: a state whose steps were all skipped by
+    a grad scaler), as a float. Beyond, the bias corrections divide by zero or are undefined."""
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or step.is_complex():
+            raise ValueError(f"{where}: expected a number or a one-element tensor, got a tensor of shape "
+                             f"{tuple(step.shape)} and dtype {step.dtype}")
+        value = float(step)
+    elif isinstance(step, numbers.Real) and not isinstance(step, bool):
+        value = float(step)
+    else:
+        raise ValueError(f"{where}: expected a step count, got {step!r}")
+    if not (math.isfinite(value) and 0.0 <= value < 2.0 ** 63 and value == math.floor(value)):
+        raise ValueError(f"{where}: expected a whole number in [0, 2**63), got {value!r}")
+    return value
+
+
+def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, view) -> None:
+    if key not in saved:
+        if required:
+            raise ValueError(f"{where}: missing {key!r} (an Adam checkpoint holds 'step', 'exp_avg' and "
+                             "'exp_avg_sq' for every parameter it has state for)")
+        return
+    t = saved[key]
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        got = f"a {t.dtype} tensor" if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{where}[{key!r}]: expected a floating-point tensor, got {got}")
+    if tuple(view(t).shape) != tuple(shape):
+        raise ValueError(f"{where}[{key!r}]: expected shape {tuple(shape)} (the parameter's), got "
+                         f"{tuple(view(t).shape)}")
+
+
+def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, local: bool = False):
+    """Checks a whole checkpoint before anything of it is loaded, so that a refused one changes
+    nothing. Returns [(param, saved state or None, step)] in the optimizer's parameter order.
+    local: compare this rank's shards (OffloadAdam) rather than whole tensors."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError(f"state_dict: expected a dict with 'state' and 'param_groups' (from "
+                         f"optimizer.state_dict()), got {type(state_dict).__name__}"
+                         + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else ""))
+    groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"state_dict: has {len(groups)} param groups but this {name} has "
+                         f"{len(optimizer.param_groups)}")
+    for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(group["params"]) != len(mine["params"]):
+            raise ValueError(f"state_dict: param_groups[{gi}] has {len(group['params'])} parameters but this "
+                             f"{name}'s group {gi} has {len(mine['params'])}")
         for flag in ("amsgrad", "maximize"):
             if group.get(flag, False):
-                raise ValueError(f"state_dict: param_groups[{i}] uses {flag}=True, which {name} "
+                raise ValueError(f"state_dict: param_groups[{gi}] uses {flag}=True, which {name} "
                                  "does not implement; loading it would silently change the math")
-    return groups
+        merged = dict(optimizer.defaults)
+        merged.update({k: v for k, v in group.items() if k != "params"})
+        try:
+            hyperparameters(merged)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"state_dict: param_groups[{gi}]: {err}") from None
+    view = local_tensor if local else (lambda t: t)
+    plan = []
+    for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
+        for saved_id, p in zip(group["params"], mine["params"]):
+            saved = saved_state.get(saved_id)
+            step = 0.0
+            if saved is not None:
+                where = f"state_dict['state'][{saved_id!r}]"
+                if not isinstance(saved, dict):
+                    raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
+                shape = view(p).shape
+                for key in ("exp_avg", "exp_avg_sq"):
+                    _state_tensor(saved, key, where, shape, True, view)
+                if p.dtype != torch.float32:
+                    _state_tensor(saved, "master", where, shape, False, view)
+                step = step_value(saved.get("step", 0), f"{where}['step']")
+            plan.append((p, saved, step))
+    return plan
 
 
 def complete_groups(optimizer: torch.optim.Optimizer) -> None:
-    """After loading: keys a torch.optim checkpoint lacks take the optimizer's defaults; all are checked."""
+    """After loading: keys a torch.optim checkpoint lacks take the optimizer's defaults."""
     for group in optimizer.param_groups:
         for key, value in optimizer.defaults.items():
             group.setdefault(key, value)
-        hyperparameters(group)

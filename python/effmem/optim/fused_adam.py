@@ -8,6 +8,7 @@ from torch import Tensor
 from effmem import ops
 from effmem.optim import _validate
 from effmem.optim._adam_base import AdamBase
+from effmem.optim._refusals import RefusalMonitor
 from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
@@ -39,6 +40,13 @@ class FusedAdam(AdamBase):
     scaling: ``step(inv_scale=..., found_inf=...)`` multiplies gradients by
     ``inv_scale`` and skips the step on the device when ``found_inf`` is
     nonzero; ``torch.amp.GradScaler.step(opt)`` supplies both automatically.
+
+    An lr tensor is checked (finite, >= 0) when it is given or assigned to a
+    param group; one changed in place later is checked on the device: the
+    kernel leaves the parameters unchanged for that step (and does not count
+    it), and the next ``step()`` raises. ``load_state_dict`` checks the whole
+    checkpoint (shapes, dtypes, step counts, hyper-parameters) before it
+    changes anything.
     """
 
     _step_supports_amp_scaling = True
@@ -56,6 +64,8 @@ class FusedAdam(AdamBase):
     ):
         self._pending_grad_scale: Dict[torch.device, Tensor] = {}
         self._pending_outside_capture = False
+        self._refusals = RefusalMonitor("FusedAdam")
+        self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
 
     def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
@@ -115,32 +125,47 @@ class FusedAdam(AdamBase):
                                "reading that one clip factor. Call opt.clip_grad_norm_() inside the captured "
                                "region, before step().")
 
-        for group in self.param_groups:
+        self._refusals.check()
+        devices = set()
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if isinstance(lr, Tensor) and self._lr_checked.get(gi) is not lr and not _capturing():
+                # A tensor given or assigned since the last step: its value is checked once
+                # (one host sync for a CUDA tensor); later changes on the device are the kernel's.
+                _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
+                self._lr_checked[gi] = lr
             for (device, _, _), b in self._buckets(group).items():
                 scale = _per_device(inv_scale, device)
                 if device in pending:
                     scale = pending[device] if scale is None else scale * pending[device]
                 inf = _per_device(found_inf, device)
-                if inf is None:
+                step_lr = float(lr) if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu" \
+                    else lr  # a host read; copying it to the GPU would block on a pageable copy
+                lr_tensor = step_lr.to(device=device, dtype=torch.float32) if isinstance(step_lr, Tensor) else None
+                # The step count advances on the device, by 0 for a step the kernel skips: found_inf
+                # (GradScaler sums it over devices, so it may exceed 1) or an lr it refuses.
+                advance = None if inf is None else inf == 0
+                if lr_tensor is not None and device.type != "cpu":
+                    lr_ok = torch.isfinite(lr_tensor) & (lr_tensor >= 0)
+                    advance = lr_ok if advance is None else advance & lr_ok
+                if advance is None:
                     torch._foreach_add_(b["steps"], 1.0)
                 else:
-                    # GradScaler sums found_inf over devices, so it may exceed 1. The
-                    # tensor-list overload: the one-tensor-scalar overload of _foreach_add_
+                    # The tensor-list overload: the one-tensor-scalar overload of _foreach_add_
                     # reads the scalar on the host (a sync per step, seen on an H100).
-                    advance = (inf == 0).to(torch.float32).reshape(())
+                    advance = advance.to(torch.float32).reshape(())
                     torch._foreach_add_(b["steps"], [advance] * len(b["steps"]))
-                lr = group["lr"]
-                if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
-                    lr = float(lr)  # a host read; copying it to the GPU would block on a pageable copy
-                lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
                 beta1, beta2 = group["betas"]
                 ops.adam_step_(
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
-                    lr=0.0 if lr_tensor is not None else lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    lr=0.0 if lr_tensor is not None else step_lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                     bias_correction=group["bias_correction"], lr_tensor=lr_tensor, inv_scale=scale,
-                    found_inf=inf,
+                    found_inf=inf, status=self._refusals.status(device),
                 )
+                devices.add(device)
+        for device in devices:
+            self._refusals.launched(device)
         return loss
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
@@ -169,26 +194,23 @@ class FusedAdam(AdamBase):
         they are restored in float32 exactly as saved. A checkpoint without
         masters (e.g. from torch.optim.AdamW) gets them from the parameters.
         """
-        saved_groups = _validate.loadable_groups(state_dict, "FusedAdam")
-        saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
+        plan = _validate.checkpoint(self, state_dict, "FusedAdam")  # everything checked before any change
+        # Only the groups go through torch's loader: it would round the state to the parameters' dtype.
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         _validate.complete_groups(self)
-        saved_ids = [i for g in saved_groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            if saved_id not in saved_state:
-                continue
-            self.state[p] = _restore_state(saved_state[saved_id], p)
+        self._lr_checked = {}
+        for p, saved, step in plan:
+            if saved is not None:
+                self.state[p] = _restore_state(saved, p, step)
 
 
-def _restore_state(saved: Dict[str, Any], p: Tensor) -> Dict[str, Tensor]:
+def _restore_state(saved: Dict[str, Any], p: Tensor, step: float) -> Dict[str, Tensor]:
     def f32(t: Tensor) -> Tensor:
         out = torch.empty_like(p, dtype=torch.float32)
         return out.copy_(t)
 
-    step = saved.get("step", 0)
     state = {
-        "step": torch.as_tensor(step, dtype=torch.float32).to(p.device, copy=True).reshape(()),
+        "step": torch.tensor(step, dtype=torch.float32, device=p.device),
         "exp_avg": f32(saved["exp_avg"]),
         "exp_avg_sq": f32(saved["exp_avg_sq"]),
     }

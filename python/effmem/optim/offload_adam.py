@@ -71,7 +71,11 @@ class OffloadAdam(AdamBase):
             rules out clipping by global norm (``clip_grad_norm_`` raises:
             the norm needs every gradient before any update) and
             accumulation across backward calls unless all but the last run
-            inside ``with opt.accumulating():``.
+            inside ``with opt.accumulating():``; (4) a backward that raises
+            midway (a user hook, an out-of-memory error) has already updated
+            the buckets it completed: further steps are then refused with an
+            error until you restore a checkpoint (the model's weights and
+            ``load_state_dict``) or call ``accept_partial_step()``.
         delay: delayed parameter update. ``step()`` queues the CPU update
             and returns at once; the update runs during the next step's
             forward and backward passes, and each parameter's new weights
@@ -115,6 +119,10 @@ class OffloadAdam(AdamBase):
     that reads the parameters on another stream must wait on it.
     ``close()`` (or ``with OffloadAdam(...) as opt:``) frees the engine and
     the host state; tensors already taken from ``state_dict()`` stay valid.
+    The engine updates the memory each parameter had when the optimizer was
+    built: giving a parameter new memory later (``p.data = ...``,
+    ``model.half()``, ``model.to(...)``) makes ``step()`` raise; build the
+    optimizer after such changes.
     """
 
     def __init__(
@@ -158,7 +166,9 @@ class OffloadAdam(AdamBase):
         self._masters_ready = False
         self._in_backward = False
         self._clip_scale = 1.0
-        self._fenced_task = -1  # the backward (graph task) that already queued its fence
+        self._open_task: Optional[int] = None  # the backward (graph task) under way, until its end callback
+        self._updates_at_open = 0
+        self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                       and torch.distributed.get_world_size() > 1)
@@ -259,6 +269,8 @@ class OffloadAdam(AdamBase):
             if self._in_backward:
                 return
             self._check_open()
+            self._check_consistent()
+            self._check_params()
             self._init_masters()
             if self._overlap:
                 self._sync_groups()
@@ -273,22 +285,79 @@ class OffloadAdam(AdamBase):
         self._send(i, _local(g))
         p.grad = None
 
-    def _fence_at_end_of_backward(self) -> None:
-        """Overlap and delay mode upload weights during backward: once per backward, queue a
-        callback that orders the caller's stream after them when backward ends, so that the
-        next forward (say of the next micro-batch, with no step() in between) reads whole
-        weights. Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook does it."""
+    def _track_backward(self) -> None:
+        """Overlap and delay mode upload weights during backward (and overlap updates buckets).
+        Once per backward, queue a callback for its end that orders the caller's stream after
+        the uploads, so that the next forward (say of the next micro-batch, with no step() in
+        between) reads whole weights, and that marks the backward as finished: autograd runs
+        it only when backward completes, so a backward whose callback never ran raised midway.
+        Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook fences instead."""
         task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._fenced_task:
+        if task == -1 or task == self._open_task:
             return
-        self._fenced_task = task
-        engine = self._engine
+        self._check_consistent()  # notes a previous backward that never finished
+        self._open_task = task
+        self._updates_at_open = self._engine.counters()["param_updates"]
+        engine, ref = self._engine, weakref.ref(self)
 
-        def fence():
+        def finished():
+            opt = ref()
+            if opt is not None and opt._open_task == task:
+                opt._open_task = None
             if not engine.closed:
                 engine.fence()
 
-        torch.autograd.Variable._execution_engine.queue_callback(fence)
+        torch.autograd.Variable._execution_engine.queue_callback(finished)
+
+    def _note_unfinished_backward(self) -> None:
+        """A backward that never reached its end: with overlap=True, buckets it completed were
+        already updated with its gradients. The state no longer matches any sequence of whole
+        steps, so further steps are refused until the caller chooses (see _check_consistent)."""
+        if self._open_task is None:
+            return
+        self._open_task = None
+        updates = self._engine.counters()["param_updates"] - self._updates_at_open
+        if self._overlap and updates > 0:
+            self._broken = (
+                f"OffloadAdam(overlap=True): a backward raised after {updates} parameter updates had already "
+                "been applied during it (overlap updates each bucket as soon as its gradients land), so the "
+                "parameters and the optimizer state now hold part of a step. Further steps are refused: restore "
+                "the model's weights and opt.load_state_dict(...) from a checkpoint, or call "
+                "opt.accept_partial_step() to go on from the parameters as they are.")
+
+    def _check_consistent(self) -> None:
+        self._note_unfinished_backward()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def accept_partial_step(self) -> None:
+        """After a backward raised under overlap=True: go on from the parameters and state as they
+        are (the buckets it completed keep their update), dropping its other gradients."""
+        self._check_open()
+        self._broken = None
+        self._open_task = None
+        self._engine.zero_grad()
+        self._in_backward = False
+        self._streamed.clear()
+
+    def _check_params(self) -> None:
+        """The engine updates the memory each parameter had when the optimizer was built. A
+        parameter given new memory since (p.data = ..., model.half(), model.to(...)) would no
+        longer be trained, silently: refuse."""
+        for i, (p, held) in enumerate(zip(self._params, self._local)):
+            t = p._local_tensor if _validate.is_dtensor(p) else p
+            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape:
+                continue
+            changes = [f"{what} {a} -> {b}" for what, a, b in (
+                ("dtype", held.dtype, t.dtype), ("device", held.device, t.device),
+                ("shape", tuple(held.shape), tuple(t.shape))) if a != b] or ["its memory"]
+            gi = next(k for k, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
+            raise RuntimeError(
+                f"OffloadAdam: parameter {i} (param group {gi}, shape {tuple(held.shape)}) was replaced after the "
+                f"optimizer was built ({', '.join(changes)}; p.data = ..., model.half() or model.to() do this). The "
+                "engine updates the memory it was given, so that parameter would silently stop training. Build "
+                "the optimizer after changing the model, carrying its state over with state_dict() / "
+                "load_state_dict().")
 
     def _send(self, i: int, g: Tensor) -> None:
         """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
@@ -298,7 +367,7 @@ class OffloadAdam(AdamBase):
             g = g.to(local_p.dtype)  # the staging holds the parameter's dtype
         self._engine.grad_ready(i, g)
         if self._overlap or self._delay:
-            self._fence_at_end_of_backward()
+            self._track_backward()
 
     def _take_leftover_grads(self) -> None:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
@@ -397,6 +466,8 @@ class OffloadAdam(AdamBase):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        self._check_consistent()
+        self._check_params()
         self._init_masters()
         self._take_leftover_grads()
         self._sync_groups()
@@ -410,6 +481,7 @@ class OffloadAdam(AdamBase):
         """Drops the pending gradients held by the engine (and any left in p.grad)."""
         super().zero_grad(set_to_none=set_to_none)
         self._check_open()
+        self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
         self._engine.zero_grad()
         self._clip_scale = 1.0
         self._in_backward = False
@@ -441,19 +513,15 @@ class OffloadAdam(AdamBase):
         the parameters; a parameter without saved state starts afresh.
         """
         self._check_open()
-        saved_groups = _validate.loadable_groups(state_dict, "OffloadAdam")
-        saved_state = state_dict["state"]
+        plan = _validate.checkpoint(self, state_dict, "OffloadAdam", local=True)  # all checked, nothing changed
         self._engine.synchronize()
         # Only the groups go through torch's loader: it would cast the state to
         # the parameters' dtype and device.
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         _validate.complete_groups(self)
-        saved_ids = [i for g in saved_groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
+        for p, saved, step in plan:
             i = self._index[p]
             master, exp_avg, exp_avg_sq = self._views[i]
-            saved = saved_state.get(saved_id)
             if saved is None:
                 exp_avg.zero_()
                 exp_avg_sq.zero_()
@@ -462,10 +530,12 @@ class OffloadAdam(AdamBase):
             else:
                 exp_avg.copy_(_local(saved["exp_avg"]))
                 exp_avg_sq.copy_(_local(saved["exp_avg_sq"]))
-                self._steps[i] = float(saved.get("step", 0))
+                self._steps[i] = step
                 master.copy_(_local(saved["master"]) if "master" in saved else self._local[i])
             self.state[p] = self._state_of(i)
         self._masters_ready = True
+        # A consistent state again: a failed overlap backward is behind us.
+        self._broken, self._open_task = None, None
 
     def flush(self) -> None:
         """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet

@@ -1,0 +1,62 @@
+// CompositeExplicitAutograd kernels of the effmem ops: what the dispatcher
+// runs when no CPU or CUDA kernel applies. That is a call with no tensor at
+// all (empty lists: the op's empty result, where the dispatcher would find no
+// kernel), or tensors of another layout or device (sparse, MPS...): the same
+// argument checks as the device kernels, so the user gets their message, and
+// otherwise an error naming the device.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "common/checks.h"
+
+namespace effmem {
+namespace {
+
+[[noreturn]] void no_kernel(const char* op, const at::Tensor& t) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "effmem::", op, " has CPU and CUDA kernels only, got ", describe(t));
+}
+
+void adam_step_fallback(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps, double lr,
+                        double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                        bool bias_correction, const std::optional<at::Tensor>& lr_tensor,
+                        const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& status) {
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
+                  lr_tensor, inv_scale, found_inf, status);
+  if (params.empty()) return;
+  no_kernel("adam_step_", params[0]);
+}
+
+at::Tensor l2norm_fallback(at::TensorList tensors) {
+  check_norm_args(tensors);
+  if (tensors.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+  no_kernel("l2norm", tensors[0]);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fallback(const at::Tensor& x, int64_t bits, int64_t group_size,
+                                                     int64_t, bool) {
+  check_quantize_args(x, bits, group_size);
+  no_kernel("quantize", x);
+}
+
+at::Tensor dequantize_fallback(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
+                               int64_t last_dim, at::ScalarType dtype) {
+  check_dequantize_args(codes, stats, bits, group_size, last_dim, dtype);
+  no_kernel("dequantize", codes);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
+  m.impl("adam_step_", &adam_step_fallback);
+  m.impl("l2norm", &l2norm_fallback);
+  m.impl("quantize", &quantize_fallback);
+  m.impl("dequantize", &dequantize_fallback);
+}
+
+}  // namespace effmem
