@@ -73,3 +73,47 @@ def test_step_captures_in_a_cuda_graph():
     for p, q in zip(params, twins):
         assert torch.equal(p.detach(), q.detach())
     assert opt.state[params[0]]["step"].item() == len(grads)
+
+
+@pytest.mark.parametrize("bad", ["lr_nan", "lr_negative", "step_fraction"])
+def test_the_kernel_refuses_bad_device_values_and_the_next_step_reports_it(bad):
+    """Values that change on the device cannot be checked on the host without a sync: the kernel
+    leaves the parameters alone, ORs a flag into the status, and the next step() raises."""
+    params, grads = make(torch.bfloat16, "cuda")
+    lr = torch.tensor(1e-3, device="cuda")
+    opt = effmem.FusedAdam(params, lr=lr)
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    opt.step()
+    if bad == "lr_nan":
+        lr.fill_(float("nan"))
+    elif bad == "lr_negative":
+        lr.fill_(-1.0)
+    else:
+        opt.state[params[0]]["step"].fill_(0.5)
+    before = [p.detach().clone() for p in params]
+    steps_before = [opt.state[p]["step"].clone() for p in params]
+    opt.step()                                   # refused on the device: no error yet, no sync
+    torch.cuda.synchronize()
+    refused = len(params) if bad.startswith("lr") else 1   # the lr: every tensor; a step count: its own
+    for k, (p, b) in enumerate(zip(params, before)):
+        assert torch.equal(p.detach(), b) == (k < refused)
+    if bad.startswith("lr"):                     # a refused lr does not count as a step
+        assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(params, steps_before))
+    with pytest.raises(RuntimeError, match="was refused" + (" \\(an lr tensor" if bad.startswith("lr") else
+                                                             " \\(a step count")):
+        opt.step()
+
+
+def test_op_refuses_aliases_and_bad_steps_on_cuda():
+    p = torch.randn(8, device="cuda")
+    args = ([p], [torch.randn(8, device="cuda")], [p], [torch.zeros(8, device="cuda")], [],
+            [torch.ones((), device="cuda")])
+    with pytest.raises(ValueError, match="share memory"):
+        torch.ops.effmem.adam_step_(*args, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    before = p.clone()
+    torch.ops.effmem.adam_step_([p], [torch.randn(8, device="cuda")], [torch.zeros(8, device="cuda")],
+                                [torch.zeros(8, device="cuda")], [], [torch.zeros((), device="cuda")],
+                                1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, status=status)
+    assert status.item() == 2 and torch.equal(p, before)

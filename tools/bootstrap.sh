@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark \
+python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark hypothesis \
   "scikit-build-core>=0.10" "cmake>=3.25" ninja
 
 # CUDA_HOME must name the toolkit's own folder: an nvcc on PATH may be a

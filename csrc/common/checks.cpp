@@ -91,6 +91,17 @@ void check_no_aliases(at::TensorList params, at::TensorList grads, at::TensorLis
   }
 }
 
+// Whether element k of the two tensors' memory is the same logical element
+// (shapes already equal): strides of size-1 dimensions, and of empty tensors,
+// do not matter.
+bool same_memory_order(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0) return true;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
 // The kernels walk a tensor's memory as one flat span, so every tensor must be
 // dense and non-overlapping, and tensors updated together must share strides
 // (then element k of the span is the same logical element in each).
@@ -101,7 +112,7 @@ void check_same_layout(const at::Tensor& t, const at::Tensor& param, const char*
   check_strided(t, name, i);
   TORCH_CHECK_VALUE(t.sizes() == param.sizes(), name, "[", i, "] has shape ", t.sizes(),
                     " but params[", i, "] has shape ", param.sizes());
-  TORCH_CHECK_VALUE(t.strides() == param.strides(), name, "[", i, "] has strides ", t.strides(),
+  TORCH_CHECK_VALUE(same_memory_order(t, param), name, "[", i, "] has strides ", t.strides(),
                     " but params[", i, "] has strides ", param.strides(),
                     "; make it match (e.g. torch.empty_like(param).copy_(x))");
 }

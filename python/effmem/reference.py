@@ -122,6 +122,8 @@ def quantize(x: Tensor, bits: int = 8, group_size: int = 128, seed: int = 0, sto
     """Reference: returns (codes as int64 [rows, D], stats float32 [rows, groups, 2]), following
     csrc/common/quant_math.h operation by operation in float32."""
     d = x.shape[-1] if x.dim() > 0 else 1
+    if d == 0:  # as the kernels' layout: no rows when the last dimension is empty
+        return torch.empty(0, 0, dtype=torch.int64), torch.empty(0, 0, 2, dtype=torch.float32)
     rows = x.reshape(-1, d).float()
     groups = (d + group_size - 1) // group_size
     qmax = (1 << bits) - 1

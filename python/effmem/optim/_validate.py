@@ -61,6 +61,8 @@ def max_norm(value: Any) -> None:
 
 def is_dense(t: Tensor) -> bool:
     """True when t's elements fill one block of memory without overlap (any dim order)."""
+    if t.numel() == 0:
+        return True  # as torch's is_non_overlapping_and_dense: nothing to walk
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
     expected = 1
     for stride, size in dims:
