@@ -145,7 +145,7 @@ def test_masked_positions_are_exact_and_the_rest_keeps_its_precision(device, dty
     other values came back with relative errors of 10 (the fuzzer's case). The extreme value is now
     kept exactly and the others are quantised on their own range."""
     x = (torch.randn(6, 256) * 3).to(device=device, dtype=dtype)
-    mask = torch.rand(6, 256) < 0.3
+    mask = (torch.rand(6, 256) < 0.3).to(device)
     mask[:, ::64] = True               # at least one masked position in every group
     big = torch.finfo(dtype).max
     x[:3][mask[:3]] = -big             # masked_fill(mask, finfo.min)

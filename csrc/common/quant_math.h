@@ -1,10 +1,11 @@
 // Group-wise quantisation of one element, written once for host and device.
 //
 // A group is up to group_size consecutive elements of one row (the last
-// dimension). The kernels reduce each group twice: first lo = min and hi = max
-// (NaN ignored) and whether it holds a NaN, then, knowing lo and hi,
-// a_lo = max |x| over x != lo and a_hi = max |x| over x != hi. quant_group()
-// then picks one of two encodings of the group, held in its two stats floats;
+// dimension). The kernels reduce each group to lo = min and hi = max (NaN
+// ignored) and whether it holds a NaN; quant_side() then says whether the
+// group might need the outlier encoding below and for which extreme v, and
+// only then do the kernels reduce it once more, to a = max |x| over x != v.
+// quant_group() picks the encoding, held in the group's two stats floats;
 // qmax = 2^bits - 1.
 //
 // Affine, stats = (lo, scale) with scale >= +0 (the usual case):
@@ -19,15 +20,17 @@
 //
 // Outlier, stats = (v, -s), the second float's sign bit set: one extreme value
 // v (lo or hi, however often it occurs) is kept exactly as code 0, and the
-// other values are stored symmetrically with step s = a / h (a = a_lo or a_hi,
-// h = (qmax - 1) / 2, mid = h + 1):
+// other values are stored symmetrically with step s = a / h (h = (qmax - 1) / 2,
+// mid = h + 1):
 //   q  = x == v ? 0 : clamp(floor(x*p * inv + mid + u), 1, qmax)   inv = 1 / (s*p), 0 if s = 0
 //   x' = q == 0 ? v : (q - mid) * s
-// (p as above for s). Chosen when the group holds -inf (v = lo) or +inf
-// (v = hi) but not both, or when it is finite and this step is 16x finer than
-// the affine one: a masked position (torch.finfo(dtype).min, or -inf) among
-// ordinary values no longer costs the whole group its precision. Ordinary
-// groups never qualify (their a is at least half their range).
+// (p as above for s). Used when the group holds -inf (v = lo) or +inf
+// (v = hi) but not both, or when it is finite and s is 16x finer than the
+// affine step: a masked position (torch.finfo(dtype).min, or -inf) among
+// ordinary values no longer costs the whole group its precision. Since a
+// is at least the other extreme's magnitude, at most one side can qualify,
+// and an ordinary group (extremes of similar size) none: quant_side() tells
+// from lo and hi alone, so most groups skip the second reduction.
 //
 // A group holding NaN, or both -inf and +inf, stores (NaN, NaN) and
 // dequantises to NaN: such activations stay non-finite.
@@ -101,36 +104,55 @@ EFFMEM_HD float quant_step(float span, float divisor) {
   return s < 0x1p-126f && span > 0.0f ? float_of(bits_of(s) + 1u) : s;
 }
 
-EFFMEM_HD QuantGroup quant_group(float lo, float hi, float a_lo, float a_hi, bool has_nan, int qmax) {
+// Which extreme might be kept apart: -1 lo, +1 hi, 0 neither (the affine
+// encoding, or a NaN group); and the affine scale, computed once here.
+struct QuantSide {
+  int side;
+  float scale;
+  bool nan_group;
+};
+
+EFFMEM_HD QuantSide quant_side(float lo, float hi, bool has_nan, int qmax) {
+  QuantSide r;
+  r.side = 0;
+  r.scale = 0.0f;
+  const bool lo_inf = lo == -INFINITY, hi_inf = hi == INFINITY;
+  r.nan_group = has_nan || (lo_inf && hi_inf);
+  if (r.nan_group) return r;
+  if (lo_inf || hi_inf) {
+    r.side = lo_inf ? -1 : 1;
+    return r;
+  }
+  const float diff = hi - lo;
+  r.scale = diff == INFINITY ? ((hi * 0.5f - lo * 0.5f) / static_cast<float>(qmax)) * 2.0f
+                             : quant_step(diff, static_cast<float>(qmax));
+  // a (over the values other than v) is at least the other extreme's magnitude
+  const float h = static_cast<float>((qmax - 1) / 2);
+  if (quant_step(hi < 0.0f ? -hi : hi, h) * kOutlierGain < r.scale) {
+    r.side = -1;
+  } else if (quant_step(lo < 0.0f ? -lo : lo, h) * kOutlierGain < r.scale) {
+    r.side = 1;
+  }
+  return r;
+}
+
+// a: max |x| over the group's values other than the side's extreme (unused when side is 0).
+EFFMEM_HD QuantGroup quant_group(float lo, float hi, const QuantSide& side, float a, int qmax) {
   QuantGroup g;
   g.off = 0.0f;
   g.qlow = 0.0f;
   g.outlier = NAN;
-  const bool lo_inf = lo == -INFINITY, hi_inf = hi == INFINITY;
-  if (has_nan || (lo_inf && hi_inf)) {
+  if (side.nan_group) {
     g.stat0 = g.stat1 = NAN;
     g.p = 1.0f;
     g.shift = g.inv = 0.0f;
     return g;
   }
   const float h = static_cast<float>((qmax - 1) / 2);
-  bool outlier_mode;
-  float v = lo, a = a_lo;
-  float scale = 0.0f;
-  if (lo_inf || hi_inf) {
-    outlier_mode = true;
-    if (hi_inf) v = hi, a = a_hi;
-  } else {
-    const float diff = hi - lo;
-    scale = diff == INFINITY ? ((hi * 0.5f - lo * 0.5f) / static_cast<float>(qmax)) * 2.0f
-                             : quant_step(diff, static_cast<float>(qmax));
-    const float s_lo = quant_step(a_lo, h), s_hi = quant_step(a_hi, h);
-    const float s_min = s_lo <= s_hi ? s_lo : s_hi;
-    outlier_mode = s_min * kOutlierGain < scale;
-    if (s_hi < s_lo) v = hi, a = a_hi;
-  }
-  if (outlier_mode) {
-    const float s = quant_step(a, h);
+  const float s = quant_step(a, h);
+  const bool forced = lo == -INFINITY || hi == INFINITY;
+  if (side.side != 0 && (forced || s * kOutlierGain < side.scale)) {
+    const float v = side.side < 0 ? lo : hi;
     g.stat0 = v;
     g.stat1 = -s;
     g.p = quant_prescale(s);
@@ -141,10 +163,10 @@ EFFMEM_HD QuantGroup quant_group(float lo, float hi, float a_lo, float a_hi, boo
     g.outlier = v;
   } else {
     g.stat0 = lo;
-    g.stat1 = scale;
-    g.p = quant_prescale(scale);
+    g.stat1 = side.scale;
+    g.p = quant_prescale(side.scale);
     g.shift = lo * g.p;
-    g.inv = scale > 0.0f ? 1.0f / (scale * g.p) : 0.0f;
+    g.inv = side.scale > 0.0f ? 1.0f / (side.scale * g.p) : 0.0f;
   }
   return g;
 }

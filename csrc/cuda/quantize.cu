@@ -72,24 +72,28 @@ __global__ void __launch_bounds__(kQuantThreads)
   lo = warp_min(lo);
   hi = warp_max(hi);
   nan = __any_sync(0xffffffffu, nan);
-  // the largest magnitude among the values other than lo, and other than hi
-  float a_lo = 0.0f, a_hi = 0.0f;
+  // Only a group that might keep one extreme apart (decided from lo and hi,
+  // so the whole warp takes the same branch) needs the largest magnitude
+  // among its other values.
+  const QuantSide side = quant_side(lo, hi, nan, kQmax);
+  float a = 0.0f;
+  if (side.side != 0) {
+    const float vx = side.side < 0 ? lo : hi;
 #pragma unroll
-  for (int p = 0; p < kMaxPairsPerLane; ++p) {
-    const int64_t k = 2 * (lane + 32 * p);
+    for (int p = 0; p < kMaxPairsPerLane; ++p) {
+      const int64_t k = 2 * (lane + 32 * p);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (k + e < n) {
-        const float f = v[2 * p + e];
-        const float a = f < 0.0f ? -f : f;
-        a_lo = f != lo && a > a_lo ? a : a_lo;
-        a_hi = f != hi && a > a_hi ? a : a_hi;
+      for (int e = 0; e < 2; ++e) {
+        if (k + e < n) {
+          const float f = v[2 * p + e];
+          const float m = f < 0.0f ? -f : f;
+          a = f != vx && m > a ? m : a;
+        }
       }
     }
+    a = warp_max(a);
   }
-  a_lo = warp_max(a_lo);
-  a_hi = warp_max(a_hi);
-  const QuantGroup g = quant_group(lo, hi, a_lo, a_hi, nan, kQmax);
+  const QuantGroup g = quant_group(lo, hi, side, a, kQmax);
   if (lane == 0) {
     stats[2 * gi] = g.stat0;
     stats[2 * gi + 1] = g.stat1;

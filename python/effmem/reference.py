@@ -91,13 +91,14 @@ def _quant_group(part: Tensor, qmax: int):
     h = float((qmax - 1) // 2)
     diff = hi - lo
     scale = torch.where(diff == float("inf"), ((hi * 0.5 - lo * 0.5) / qmax) * 2.0, _step(diff, float(qmax)))
-    s_lo, s_hi = _step(a_lo, h), _step(a_hi, h)
-    s_min = torch.where(s_lo <= s_hi, s_lo, s_hi)
     any_inf = lo_inf | hi_inf
-    outlier = any_inf | (s_min * _OUTLIER_GAIN < scale)
-    use_hi = torch.where(any_inf, hi_inf, s_hi < s_lo)
-    v = torch.where(use_hi, hi, lo)
+    # quant_side(): which extreme might be kept apart, from lo and hi alone
+    side_lo = torch.where(any_inf, lo_inf, _step(hi.abs(), h) * _OUTLIER_GAIN < scale)
+    side_hi = torch.where(any_inf, hi_inf & ~lo_inf, ~side_lo & (_step(lo.abs(), h) * _OUTLIER_GAIN < scale))
+    use_hi = side_hi
     s = _step(torch.where(use_hi, a_hi, a_lo), h)
+    outlier = (side_lo | side_hi) & (any_inf | (s * _OUTLIER_GAIN < scale))
+    v = torch.where(use_hi, hi, lo)
     p_out, p_aff = _prescale(s), _prescale(scale)
     nan = torch.full_like(lo, float("nan"))
     zero, one = torch.zeros_like(lo), torch.ones_like(lo)

@@ -49,7 +49,10 @@ class RefusalMonitor:
         self._landing[device] = (host, event)
 
     def check(self) -> None:
-        """Raises for a refusal whose report has reached the host; never waits for one."""
+        """Raises for a refusal whose report has reached the host; never waits for one (nor looks,
+        while a CUDA graph is being captured: event queries are not allowed then)."""
+        if self._landing and torch.cuda.is_current_stream_capturing():
+            return
         for device, (host, event) in list(self._landing.items()):
             if event is None or not event.query():
                 continue
