@@ -5,12 +5,12 @@
 # commit.
 #
 #   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
-#   PART: build tests bench demo offload capacity
+#   PART: build tests bench demo offload capacity linear_ce
 #
 # No PART runs them all in that order. The device tool allows 10 minutes per
 # command, which all of them together exceed: run `build tests bench demo` in
-# one call and `build offload capacity` in the next (the build is about a
-# minute on 16 cores). The device gets a copy of the working tree without
+# one call, `build offload capacity` in the next and `build linear_ce` in a
+# third (the build is about a minute on 16 cores). The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
 # `git rev-parse HEAD` here); it goes into every JSON.
 #
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity)
+[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity linear_ce)
 
 limit() { timeout -k 10 "$@"; }
 
@@ -65,8 +65,12 @@ for part in "${parts[@]}"; do
       # The largest Llama-shaped model each optimizer trains (each try in its own process).
       limit 330 "$PY" bench/bench_offload.py --device cuda --capacity-only --capacity-timeout 150 \
         --json "$OUT/gpu_offload_capacity.json" || status=1 ;;
+    linear_ce)
+      # Fused linear cross-entropy at 16k tokens x 128k vocabulary x 4096, bf16, against the
+      # unfused path eager and compiled: time, extra peak memory, targets.
+      limit 300 "$PY" bench/bench_linear_ce.py --device cuda --json "$OUT/gpu_linear_ce.json" || status=1 ;;
     *)
-      echo "unknown part: $part (expected build tests bench demo offload capacity)"; exit 2 ;;
+      echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce)"; exit 2 ;;
   esac
 done
 exit $status

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
 #include <tuple>
 
 #include "common/checks.h"
@@ -50,6 +51,18 @@ at::Tensor dequantize_fallback(const at::Tensor& codes, const at::Tensor& stats,
   no_kernel("dequantize", codes);
 }
 
+std::tuple<at::Tensor, at::Tensor> linear_ce_forward_fallback(const at::Tensor& hidden, const at::Tensor&,
+                                                              const std::optional<at::Tensor>&, const at::Tensor&,
+                                                              int64_t, double, double, int64_t) {
+  no_kernel("linear_ce_forward", hidden);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_fallback(
+    const at::Tensor&, const at::Tensor& hidden, const at::Tensor&, const std::optional<at::Tensor>&,
+    const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, std::array<bool, 3>) {
+  no_kernel("linear_ce_backward", hidden);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
@@ -57,6 +70,8 @@ TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("l2norm", &l2norm_fallback);
   m.impl("quantize", &quantize_fallback);
   m.impl("dequantize", &dequantize_fallback);
+  m.impl("linear_ce_forward", &linear_ce_forward_fallback);
+  m.impl("linear_ce_backward", &linear_ce_backward_fallback);
 }
 
 }  // namespace effmem

@@ -32,6 +32,21 @@ TORCH_LIBRARY(effmem, m) {
   // bits: 4 or 8; group_size: 32, 64, 128 or 256. stochastic rounding draws
   // from a hash of (seed, element index): the same codes on every device.
   m.def("quantize(Tensor x, int bits, int group_size, int seed, bool stochastic) -> (Tensor, Tensor)");
+  // Fused linear cross-entropy (common/linear_ce_math.h): the loss of
+  // cross_entropy(hidden @ weight.T + bias, target) per token (float32 [N], 0
+  // for ignore_index) and each token's log-sum-exp, without ever holding the
+  // [N, V] logits: they are made one vocabulary chunk of vocab_chunk entries
+  // at a time (0: 1/64 of the vocabulary, at most 128 MB of float32 logits). softcap 0: none.
+  m.def(
+      "linear_ce_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
+      "float label_smoothing, float softcap, int vocab_chunk) -> (Tensor, Tensor)");
+  // Its gradients with respect to hidden, weight and bias for grad_loss [N]
+  // (the incoming gradient of each token's loss), recomputing the logits chunk
+  // by chunk; an output whose output_mask entry is false comes back empty.
+  m.def(
+      "linear_ce_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "Tensor lse, int ignore_index, float label_smoothing, float softcap, int vocab_chunk, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // The inverse: a contiguous [rows, last_dim] tensor of dtype.
   m.def(
       "dequantize(Tensor codes, Tensor stats, int bits, int group_size, int last_dim, ScalarType dtype) "

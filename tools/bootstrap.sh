@@ -2,6 +2,9 @@
 # Fresh machine -> .venv with torch, the build tools and effmem built against
 # that torch (editable). Safe to run again: it reuses .venv and rebuilds.
 #
+# transformers is a test dependency: the tests build Hugging Face models from
+# configs, with random weights (no downloads).
+#
 # Settings (environment): PYTHON (default python3), EFFMEM_TORCH (the torch
 # requirement, default torch==2.14.1), CUDA_HOME (the CUDA toolkit's folder;
 # found under /usr/local when unset), EFFMEM_CUDA (AUTO|ON|OFF) and
@@ -14,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark hypothesis \
+python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark hypothesis transformers \
   "scikit-build-core>=0.10" "cmake>=3.25" ninja
 
 # CUDA_HOME must name the toolkit's own folder: an nvcc on PATH may be a

@@ -1,0 +1,188 @@
+// The device-generic part of the fused linear cross-entropy (common/linear_ce.h).
+//
+// Memory: the logits exist one vocabulary chunk at a time, [N, vc] in float32
+// (see chunk_size), never [N, V]. The forward
+// keeps per token only its log-sum-exp; the backward recomputes each chunk's
+// logits (one extra matrix product, the price of not holding them) and turns
+// them into d loss / d logits at once. The weight gradient of a chunk is one
+// product over all tokens (float accumulation, one rounding, as unfused); the
+// hidden gradient sums the chunks' products in float32 and is rounded once.
+#include "common/linear_ce.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/checks.h"
+
+namespace effmem {
+namespace {
+
+constexpr int64_t kChunkBytes = int64_t(128) << 20;  // float32 logits of one chunk
+constexpr int64_t kRowBlock = 4096;                   // tokens per product into the float hidden gradient
+
+// Vocabulary entries per chunk: 1/64 of the vocabulary (so that the chunk's
+// logits and their temporaries stay a few percent of what the unfused logits
+// take), in multiples of 128 and at least 256 (matrix products too thin to run
+// well below that), but no more than kChunkBytes of float32 logits.
+int64_t chunk_size(int64_t tokens, int64_t vocab, int64_t requested) {
+  if (requested > 0) return std::min(requested, vocab);
+  const int64_t fit = kChunkBytes / (4 * std::max<int64_t>(tokens, 1)) / 128 * 128;
+  const int64_t share = std::max<int64_t>(256, vocab / 64 / 128 * 128);
+  return std::max<int64_t>(1, std::min({vocab, share, std::max<int64_t>(128, fit)}));
+}
+
+// a @ b with float32 output and float accumulation. bf16/fp16 inputs on CUDA use
+// ATen's mm with an output dtype where this torch has it (cuBLAS then rounds only
+// once, to float32); elsewhere the inputs are converted to float32 first.
+at::Tensor mm_float(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) return at::mm(a, b);
+  if (a.is_cuda()) {
+    static const auto op = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
+    if (op.has_value()) {
+      return op->typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>().call(a, b, at::kFloat);
+    }
+  }
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+void check_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                const at::Tensor& target, double label_smoothing, double softcap) {
+  TORCH_CHECK_VALUE(hidden.layout() == at::kStrided && hidden.dim() == 2,
+                    "hidden must be a dense 2-D tensor [tokens, hidden_size], got ", describe(hidden));
+  TORCH_CHECK_VALUE(weight.layout() == at::kStrided && weight.dim() == 2,
+                    "weight must be a dense 2-D tensor [vocab, hidden_size], got ", describe(weight));
+  TORCH_CHECK_VALUE(weight.size(1) == hidden.size(1), "weight has hidden size ", weight.size(1), " but hidden has ",
+                    hidden.size(1));
+  TORCH_CHECK_VALUE(weight.size(0) >= 1, "weight must have at least one vocabulary row, got shape ", weight.sizes());
+  dtype_index(hidden.scalar_type(), "hidden");
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight is ", weight.scalar_type(),
+                   " but hidden is ", hidden.scalar_type(), "; give both one dtype (or run under autocast)");
+  TORCH_CHECK_VALUE(weight.device() == hidden.device(), "weight is on ", weight.device(), " but hidden on ",
+                    hidden.device());
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "target must be int64, got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == hidden.size(0), "target must be [", hidden.size(0),
+                    "] (one class index per token), got shape ", target.sizes());
+  TORCH_CHECK_VALUE(target.device() == hidden.device(), "target is on ", target.device(), " but hidden on ",
+                    hidden.device());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must be [", weight.size(0),
+                      "], got ", describe(*bias));
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), "bias is ", bias->scalar_type(), " but weight is ",
+                     weight.scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == hidden.device(), "bias is on ", bias->device(), " but hidden on ",
+                      hidden.device());
+  }
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+                    "label_smoothing must be in [0, 1], got ", label_smoothing);
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be a finite number >= 0 (0: none), got ",
+                    softcap);
+}
+
+// The chunk's logits in float32, bias added.
+at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        int64_t v0, int64_t vc) {
+  at::Tensor z = mm_float(hidden, weight.narrow(0, v0, vc).t());
+  if (bias.has_value()) z.add_(bias->narrow(0, v0, vc).to(at::kFloat));
+  return z;
+}
+
+// On the CPU a bf16/fp16 hidden is converted to float once, not once per chunk.
+at::Tensor gemm_input(const at::Tensor& t) {
+  return t.is_cuda() || t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidden, const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          const at::Tensor& target, int64_t ignore_index,
+                                                          double label_smoothing, double softcap,
+                                                          int64_t vocab_chunk, const CeChunkKernels& k) {
+  // The products here choose their own precision: autocast must not recast them.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  check_args(hidden, weight, bias, target, label_smoothing, softcap);
+  const int64_t n = hidden.size(0), vocab = weight.size(0);
+  const auto opts = hidden.options().dtype(at::kFloat);
+  CeState st{at::full({n}, -INFINITY, opts), at::zeros({n}, opts), at::full({n}, NAN, opts),
+             at::zeros({n}, opts)};
+  const bool need_sum = label_smoothing > 0.0;
+  const at::Tensor h = gemm_input(hidden);
+  const int64_t vc = chunk_size(n, vocab, vocab_chunk);
+  if (n > 0) {
+    for (int64_t v0 = 0; v0 < vocab; v0 += vc) {
+      const int64_t len = std::min(vc, vocab - v0);
+      k.forward(chunk_logits(h, weight, bias, v0, len), v0, target, softcap, need_sum, st);
+    }
+  }
+  // lse = m + log s; loss = (1 - eps)(lse - c_t) + eps (lse - mean c), 0 for ignored tokens
+  const at::Tensor lse = st.m + st.s.log();
+  at::Tensor loss = lse - st.c_target;
+  if (need_sum) {
+    loss = loss * (1.0 - label_smoothing) + (lse - st.c_sum / static_cast<double>(vocab)) * label_smoothing;
+  }
+  loss = loss.masked_fill(target == ignore_index, 0.0);
+  return {loss, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
+    const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+    double label_smoothing, double softcap, int64_t vocab_chunk, std::array<bool, 3> output_mask,
+    const CeChunkKernels& k) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  check_args(hidden, weight, bias, target, label_smoothing, softcap);
+  const int64_t n = hidden.size(0), vocab = weight.size(0);
+  TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n, "grad_loss must be [", n, "], got shape ",
+                    grad_loss.sizes());
+  TORCH_CHECK_VALUE(lse.dim() == 1 && lse.size(0) == n && lse.scalar_type() == at::kFloat,
+                    "lse must be the float32 [", n, "] from linear_ce_forward, got ", describe(lse));
+  const bool want_h = output_mask[0], want_w = output_mask[1], want_b = output_mask[2] && bias.has_value();
+  at::Tensor grad_h32 = want_h ? at::zeros({n, hidden.size(1)}, hidden.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor grad_w = want_w ? at::empty_like(weight, at::MemoryFormat::Contiguous) : at::Tensor();
+  at::Tensor grad_b = want_b ? at::empty_like(*bias) : at::Tensor();
+  // Ignored tokens contribute nothing: their incoming gradient is 0.
+  const at::Tensor g = grad_loss.to(at::kFloat).masked_fill(target == ignore_index, 0.0).contiguous();
+  const at::Tensor h = gemm_input(hidden);
+  // The products run in the inputs' dtype on CUDA (float accumulation); the CPU's in float32.
+  const at::ScalarType dz_dtype = h.scalar_type();
+  const int64_t vc = chunk_size(n, vocab, vocab_chunk);
+  if (n > 0 && (want_h || want_w || want_b)) {
+    for (int64_t v0 = 0; v0 < vocab; v0 += vc) {
+      const int64_t len = std::min(vc, vocab - v0);
+      const at::Tensor dz = k.grad(chunk_logits(h, weight, bias, v0, len), v0, target, lse, g, label_smoothing,
+                                   vocab, softcap, dz_dtype);
+      const at::Tensor w = weight.narrow(0, v0, len);
+      if (want_h) {
+        const at::Tensor wg = w.scalar_type() == dz_dtype ? w : w.to(dz_dtype);
+        for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
+          const int64_t rows = std::min(kRowBlock, n - r0);
+          grad_h32.narrow(0, r0, rows).add_(mm_float(dz.narrow(0, r0, rows), wg));
+        }
+      }
+      if (want_w) {
+        at::Tensor gw = at::mm(dz.t(), h);  // [len, H], one product over all tokens
+        grad_w.narrow(0, v0, len).copy_(gw);
+      }
+      if (want_b) grad_b.narrow(0, v0, len).copy_(dz.to(at::kFloat).sum(0));
+    }
+  } else {
+    if (want_w) grad_w.zero_();
+    if (want_b) grad_b.zero_();
+  }
+  at::Tensor grad_h = want_h ? grad_h32.to(hidden.scalar_type()) : at::empty({0}, hidden.options());
+  if (!want_w) grad_w = at::empty({0}, weight.options());
+  if (!want_b) grad_b = at::empty({0}, weight.options());
+  return {grad_h, grad_w, grad_b};
+}
+
+}  // namespace effmem

@@ -1,0 +1,96 @@
+// CPU chunk work of the fused linear cross-entropy (driver in common/linear_ce.cpp,
+// formulas in common/linear_ce_math.h), composed of ATen's vectorised,
+// multithreaded CPU ops working in place in the chunk's logits buffer: these
+// passes over it cost little next to the matrix products that make it.
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common/linear_ce.h"
+
+namespace effmem::cpu {
+namespace {
+
+// c = cap * tanh(z / cap), or z; in place: z is the chunk's own logits buffer,
+// and working in it keeps the chunk's memory to that one buffer.
+void cap_in_place(const at::Tensor& z, double cap) {
+  if (cap > 0.0) z.div_(cap).tanh_().mul_(cap);
+}
+
+// The chunk's part of each token: which tokens' targets fall in [v0, v0 + len), and where.
+std::tuple<at::Tensor, at::Tensor> targets_in_chunk(const at::Tensor& target, int64_t v0, int64_t len) {
+  const at::Tensor local = target - v0;
+  const at::Tensor inside = (local >= 0) & (local < len);
+  return {inside, local.clamp(0, len - 1)};
+}
+
+void forward_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, double cap, bool need_sum,
+                   CeState& st) {
+  cap_in_place(z, cap);
+  const at::Tensor& c = z;
+  auto [inside, idx] = targets_in_chunk(target, v0, c.size(1));
+  st.c_target = at::where(inside, c.gather(1, idx.unsqueeze(1)).squeeze(1), st.c_target);
+  if (need_sum) st.c_sum = st.c_sum + c.sum(1);
+  // online log-sum-exp (lse_merge): m' = max(m, cmax); s' = s exp(m - m') + sum exp(c - m')
+  const at::Tensor cmax = c.amax(1);
+  const at::Tensor m_new = at::where(st.m > cmax, st.m, cmax);
+  const at::Tensor old = at::where(st.m == -INFINITY, at::zeros_like(st.s), st.s * at::exp(st.m - m_new));
+  st.s = old + c.sub_(m_new.unsqueeze(1)).exp_().sum(1);
+  st.m = m_new;
+}
+
+at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
+                      const at::Tensor& g, double eps, int64_t vocab, double cap, at::ScalarType dtype) {
+  cap_in_place(z, cap);
+  // g * (exp(c - lse) - (1 - eps) [j = t] - eps / V) * (1 - (c / cap)^2)
+  const at::Tensor factor = cap > 0.0 ? (z / cap).square_().neg_().add_(1.0) : at::Tensor();
+  const at::Tensor& dz = z.sub_(lse.unsqueeze(1)).exp_();
+  if (eps > 0.0) dz.sub_(eps / static_cast<double>(vocab));
+  auto [inside, idx] = targets_in_chunk(target, v0, dz.size(1));
+  dz.scatter_add_(1, idx.unsqueeze(1), (inside.to(at::kFloat) * -(1.0 - eps)).unsqueeze(1));
+  dz.mul_(g.unsqueeze(1));
+  if (factor.defined()) dz.mul_(factor);
+  return dz.to(dtype);
+}
+
+void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
+  const at::Tensor bad = (target != ignore_index) & ((target < 0) | (target >= vocab));
+  if (bad.any().item<bool>()) {
+    const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+    TORCH_CHECK_INDEX(false, "target[", i, "] = ", target[i].item<int64_t>(), " is not a class index in [0, ", vocab,
+                      ") nor ignore_index (", ignore_index, ")");
+  }
+}
+
+const CeChunkKernels kCpuKernels{&forward_chunk, &grad_chunk};
+
+std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                                               int64_t ignore_index, double label_smoothing, double softcap,
+                                               int64_t vocab_chunk) {
+  if (target.scalar_type() == at::kLong && weight.dim() == 2) check_targets(target, weight.size(0), ignore_index);
+  return linear_ce_forward_impl(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, vocab_chunk,
+                                kCpuKernels);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+    double label_smoothing, double softcap, int64_t vocab_chunk, std::array<bool, 3> output_mask) {
+  return linear_ce_backward_impl(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing,
+                                 softcap, vocab_chunk, output_mask, kCpuKernels);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(effmem, CPU, m) {
+  m.impl("linear_ce_forward", &forward_cpu);
+  m.impl("linear_ce_backward", &backward_cpu);
+}
+
+}  // namespace effmem::cpu

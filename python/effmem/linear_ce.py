@@ -1,0 +1,107 @@
+"""Fused linear cross-entropy: the loss of ``cross_entropy(hidden @ weight.T + bias, target)`` and
+its gradients without ever holding the ``[tokens, vocab]`` logits.
+
+The ops are ``torch.ops.effmem.linear_ce_forward`` / ``linear_ce_backward`` (C++/CUDA, formulas
+in csrc/common/linear_ce_math.h): logits are made one vocabulary chunk at a time in float32
+(1/64 of the vocabulary by default, at most 128 MB), the forward keeps only each token's log-sum-exp, and the
+backward makes each chunk again and turns it into gradients at once. The price is one more
+matrix product than the unfused computation; the saving is every byte of logits.
+"""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_lib = torch.ops.effmem
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@torch.library.register_fake("effmem::linear_ce_forward")
+def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, vocab_chunk):
+    n = hidden.shape[0]
+    return hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("effmem::linear_ce_backward")
+def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, softcap,
+                   vocab_chunk, output_mask):
+    grad_h = torch.empty_like(hidden) if output_mask[0] else hidden.new_empty((0,))
+    grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if output_mask[1] else weight.new_empty((0,))
+    grad_b = torch.empty_like(bias) if output_mask[2] and bias is not None else weight.new_empty((0,))
+    return grad_h, grad_w, grad_b
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, ignore_index, label_smoothing, softcap, vocab_chunk = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, output[1])
+    ctx.options = (ignore_index, label_smoothing, softcap, vocab_chunk)
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
+    if grad_loss is None or not any(mask):
+        return None, None, None, None, None, None, None, None
+    grad_h, grad_w, grad_b = _lib.linear_ce_backward(grad_loss.contiguous(), hidden, weight, bias, target, lse,
+                                                     *ctx.options, mask)
+    return (grad_h if mask[0] else None, grad_w if mask[1] else None, grad_b if mask[2] else None,
+            None, None, None, None, None)
+
+
+torch.library.register_autograd("effmem::linear_ce_forward", _backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         logit_softcap: Optional[float] = None, vocab_chunk: int = 0) -> Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, target, ...)`` without the logits tensor.
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16 (the last hidden states).
+        weight: ``[V, H]``, the output projection (e.g. ``lm_head.weight``), same dtype.
+        target: ``[...]`` int64 class indices in ``[0, V)``, or ``ignore_index``.
+        bias: optional ``[V]``.
+        ignore_index: targets with this value contribute neither loss nor gradient.
+        reduction: "mean" (over the targets not ignored, as torch), "sum" or "none".
+        label_smoothing: in [0, 1], as in ``torch.nn.functional.cross_entropy``.
+        logit_softcap: ``cap * tanh(logits / cap)`` before the softmax (Gemma-style); None: none.
+        vocab_chunk: vocabulary entries per chunk; 0 chooses 1/64 of the vocabulary (at least 256,
+            at most 128 MB of float32 logits).
+
+    Logits and their softmax are computed in float32 from products that accumulate in float32
+    (bf16/fp16 products on CUDA round once, to float32); the loss is float32. Under autocast the
+    inputs are cast as ``F.linear`` would cast them. The gradients of ``hidden``, ``weight`` and
+    ``bias`` are those of the unfused computation. On the CPU a target outside ``[0, V)`` raises;
+    on CUDA (where checking would cost a host sync) that token's loss is NaN.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
+    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0
+                                          and math.isfinite(logit_softcap)):
+        raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
+    if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 0:
+        raise ValueError(f"vocab_chunk: expected an int >= 0 (0: automatic), got {vocab_chunk!r}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if hidden.dim() < 1 or tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden's without its last "
+                         f"dimension), got {tuple(target.shape)}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    loss, _ = _lib.linear_ce_forward(h, weight, bias, t, int(ignore_index), float(label_smoothing),
+                                     float(logit_softcap or 0.0), int(vocab_chunk))
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / (t != ignore_index).sum()  # no host sync; NaN when every target is ignored, as torch

@@ -1,0 +1,113 @@
+"""Hugging Face causal LMs computing their training loss with effmem.linear_cross_entropy.
+
+    model = effmem.fuse_linear_cross_entropy(model)     # LlamaForCausalLM, Mistral, Mixtral, Qwen2/3, GPT-2
+    loss = model(input_ids=x, labels=y).loss            # no [batch, seq, vocab] logits
+    effmem.unfuse_linear_cross_entropy(model)           # as it was
+
+How: the model's own forward runs unchanged (its arguments, caches, MoE router losses), except
+that, when it is given labels, its ``lm_head`` passes the hidden states through instead of
+making logits and its ``loss_function`` computes the fused loss from them. The output then has
+``logits=None``. Without labels (inference, generation) nothing changes.
+"""
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from effmem.linear_ce import linear_cross_entropy
+
+# Families whose forward feeds lm_head's output straight into loss_function (no logit
+# soft-capping or scaling in between, which the passed-through hidden states would get).
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+             "Qwen3ForCausalLM", "GPT2LMHeadModel")
+
+
+class _PassHead:
+    """Mixed into the lm_head's class: while ``_effmem_pass`` is set, forward returns its input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if getattr(self, "_effmem_pass", False):
+            return x
+        return self._effmem_base_forward(x)
+
+
+class _FusedLoss:
+    """The model's loss_function while fused: the causal-LM loss of HF (labels shifted by one,
+    ignore_index, num_items_in_batch), from the hidden states the head passed through."""
+
+    def __init__(self, head: nn.Module, fallback):
+        self.head, self.fallback = head, fallback
+
+    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch=None,
+                 ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs) -> Tensor:
+        if not getattr(self.head, "_effmem_pass", False):  # called with real logits
+            return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        hidden = logits
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.head.weight,
+                                    shift_labels.reshape(-1).to(hidden.device), self.head.bias,
+                                    ignore_index=ignore_index, reduction="sum" if num_items_in_batch is not None
+                                    else "mean")
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss
+
+
+def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
+    """Make a Hugging Face causal LM compute its ``labels=`` loss without logits (in place;
+    returns the model). Raises TypeError for a model it does not know."""
+    name = type(model).__name__
+    if getattr(model, "_effmem_fused_forward", None) is not None:
+        return model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    source = inspect.getsource(type(model).forward) if name in SUPPORTED else ""
+    if (name not in SUPPORTED or not isinstance(head, nn.Linear) or "self.lm_head(" not in source
+            or "self.loss_function(" not in source or "softcap" in source):
+        raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
+                        f"feeds lm_head straight into loss_function), got {name}; use "
+                        "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss instead")
+    base_cls = type(head)
+    head.__class__ = type(f"EffmemPass{base_cls.__name__}", (_PassHead, base_cls),
+                          {"_effmem_base_forward": base_cls.forward})
+    model._effmem_head_class = base_cls
+    model._effmem_loss_before = model.__dict__.get("_loss_function")
+    model.loss_function = _FusedLoss(head, model.loss_function)
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        if kwargs.get("labels") is None:
+            return original(*args, **kwargs)
+        head._effmem_pass = True
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            head._effmem_pass = False
+        out.logits = None  # it held the hidden states passed through
+        return out
+
+    model._effmem_fused_forward = forward
+    model.forward = forward
+    return model
+
+
+def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
+    """Undo fuse_linear_cross_entropy (in place; returns the model)."""
+    if getattr(model, "_effmem_fused_forward", None) is None:
+        return model
+    head = model.get_output_embeddings()
+    head.__class__ = model._effmem_head_class
+    head.__dict__.pop("_effmem_pass", None)
+    del model.forward
+    if model._effmem_loss_before is None:
+        model.__dict__.pop("_loss_function", None)
+    else:
+        model.loss_function = model._effmem_loss_before
+    for attr in ("_effmem_fused_forward", "_effmem_head_class", "_effmem_loss_before"):
+        model.__dict__.pop(attr, None)
+    return model
