@@ -16,14 +16,17 @@ from effmem.cli import lr_lambda
 from offload_helpers import HP, assert_same_training, batches, finish_step, tiny_gpt, train
 
 
-def train_stale_reference(model, opt, data, *, clip=None, sched=None):
-    """FusedAdam where step k's gradient comes from the weights before step k-1."""
+def train_stale_reference(model, opt, data, *, clip=None, sched=None, warmup=0):
+    """FusedAdam where step k's gradient comes from the weights before step k-1 (from the
+    weights before step k itself for the first warmup + 1 steps: delay_warmup's exact steps,
+    and the step after them, whose forward still sees the last exact step's weights)."""
     shadow = copy.deepcopy(model)
     stale = [p.detach().clone() for p in model.parameters()]
     losses = []
-    for x, y in data:
+    for k, (x, y) in enumerate(data, start=1):
+        source = list(model.parameters()) if k <= warmup + 1 else stale
         with torch.no_grad():
-            for s, w in zip(shadow.parameters(), stale):
+            for s, w in zip(shadow.parameters(), source):
                 s.copy_(w)
         _, loss = shadow(x, y)
         loss.backward()
@@ -59,6 +62,39 @@ def test_delay_is_adam_on_one_step_stale_gradients(dtype, mode):
     # Still one gradient down and one weight up per parameter and step.
     assert c["bytes_down"] == c["bytes_up"] == 20 * n * size
     off.close()
+
+
+@pytest.mark.parametrize("warmup", [1, 5])
+def test_delay_warmup_takes_exact_steps_first(warmup):
+    data = batches(12)
+    ref = tiny_gpt(torch.float32)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), **HP)
+    with OffloadAdam(model.parameters(), delay=True, delay_warmup=warmup, bucket_size=5000,
+                     _host_delay_us=100.0, **HP) as off:
+        la = train_stale_reference(ref, fused, data, warmup=warmup)
+        lb = train(model, off, data)
+        assert la == lb
+        off.flush()
+        assert_same_training(ref, model, fused, off)
+        # the same run without the warm-up differs from the second step on
+        other = copy.deepcopy(tiny_gpt(torch.float32))
+        with OffloadAdam(other.parameters(), delay=True, delay_warmup=0, bucket_size=5000, **HP) as plain_delay:
+            lc = train(other, plain_delay, data)
+        assert lc[:1] == lb[:1] and lc[1] != lb[1]  # without it, step 2 already runs on stale weights
+
+
+def test_delay_warmup_counts_steps_from_a_checkpoint():
+    model = tiny_gpt(torch.float32)
+    with OffloadAdam(model.parameters(), delay=True, delay_warmup=3, **HP) as off:
+        train(model, off, batches(2))
+        sd = off.state_dict()
+    again = tiny_gpt(torch.float32)
+    with OffloadAdam(again.parameters(), delay=True, delay_warmup=3, **HP) as off:
+        off.load_state_dict(sd)
+        assert off._step_count == 2
+    with pytest.raises(ValueError, match="delay_warmup: expected an int >= 0"):
+        OffloadAdam(model.parameters(), delay=True, delay_warmup=-1)
 
 
 def test_delay_leaves_the_weights_pending_until_the_next_backward_or_flush():

@@ -42,7 +42,8 @@ def test_delay_random_schedules_match_fused_adam(seed):
     split = rng.randint(1, len(params))
     hp = dict(betas=(0.9, 0.95), eps=1e-8)
     cfg = dict(bucket_size=rng.choice([1, 64, 500, 5000, 1 << 20]), num_threads=rng.randint(1, 3),
-               _host_delay_us=rng.choice([0.0, 30.0, 300.0]), stream_grads=rng.random() < 0.8)
+               _host_delay_us=rng.choice([0.0, 30.0, 300.0]), stream_grads=rng.random() < 0.8,
+               delay_warmup=rng.choice([0, 0, 2, 5]))
     off = OffloadAdam(_groups(params, split), delay=True, **hp, **cfg)
     fused = FusedAdam(_groups(ref, split), **hp)
     versions = [[r.detach().clone()] for r in ref]
@@ -58,6 +59,8 @@ def test_delay_random_schedules_match_fused_adam(seed):
             for i in used:
                 w = params[i].detach().clone()
                 assert _version_of(w, versions[i]), f"step {k}: param {i} holds no version of its weights ({cfg})"
+                if off._step_count <= cfg["delay_warmup"]:  # warm-up: every step installed at once
+                    assert torch.equal(w, versions[i][-1]), f"step {k}: param {i} stale during warm-up ({cfg})"
                 c = rng.uniform(0.5, 2.0)
                 x = w.clone().requires_grad_()
                 (c * (x.float() ** 2).sum() / 2).backward()
