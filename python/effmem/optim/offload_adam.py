@@ -332,6 +332,9 @@ class OffloadAdam(AdamBase):
         if self._open_task is None:
             return
         self._open_task = None
+        # Bucket updates run on the engine's workers: wait for those the failed backward queued,
+        # or they would be missed by the count below (seen as a rare flaky test).
+        self._engine.synchronize()
         updates = self._engine.counters()["param_updates"] - self._updates_at_open
         if self._overlap and updates > 0:
             self._broken = (
