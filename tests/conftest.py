@@ -16,6 +16,11 @@ def pytest_collection_modifyitems(config, items):
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def same(a, b) -> bool:
+    """Equal element for element, NaN equal to NaN (torch.equal says NaN != NaN)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

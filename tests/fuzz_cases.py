@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import effmem
 from effmem import FusedAdam, OffloadAdam, ops, reference
 from effmem.optim._validate import is_dense
+from conftest import same  # this file runs as a script from tests/, so conftest imports as a module
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FMAX = float(torch.finfo(torch.float32).max)
@@ -73,10 +74,6 @@ def tensors(draw, max_dims=3, max_size=300, dtypes=DTYPES):
         shape = (shape[0] % 50 + 1,) + shape[1:2]
     return dict(shape=shape, dtype=draw(st.sampled_from(dtypes)), mode=draw(st.sampled_from(MODES)),
                 rng_seed=draw(st.integers(0, 2 ** 31)), n_specials=draw(st.integers(1, 8)))
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The build: what was compiled, and clear errors when the extension does not fit."""
+import os
 import pathlib
 import shutil
 import subprocess
@@ -49,8 +50,6 @@ def test_multi_tensor_launch_tables(tmp_path):
 
 def _cuda_compiler_for_default_build():
     """The nvcc a default build uses (CMakeLists.txt looks at CUDA_HOME, CUDA_PATH, /usr/local/cuda)."""
-    import os
-
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
             return os.path.join(root, "bin", "nvcc")
@@ -60,8 +59,6 @@ def _cuda_compiler_for_default_build():
 def test_cuda_was_compiled_where_the_default_build_finds_nvcc():
     """The default build compiles CUDA whenever the toolkit is there (CI has one), and it builds for
     the default architectures (no GPU: machine code for sm_80 and sm_90 plus sm_90 PTX)."""
-    import os
-
     if os.environ.get("EFFMEM_CUDA") == "OFF" or torch.version.cuda is None:
         pytest.skip("a CPU-only build was asked for, or torch has no CUDA")
     if _cuda_compiler_for_default_build() is None:

@@ -10,7 +10,7 @@ import torch
 
 import effmem
 from effmem import ops, reference
-from conftest import DEVICES
+from conftest import DEVICES, same
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1,), (3,), (5, 300), (2, 3, 257), (4097,), (64, 128)]
@@ -102,11 +102,6 @@ def test_every_cpu_isa_gives_identical_codes(isa):
     finally:
         effmem._C.set_cpu_isa(previous)
     assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
-
-
-def same(a, b):
-    """Equal, with NaN equal to NaN."""
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b))
 
 
 def roundtrip(x, bits=8, group_size=64, stochastic=False):

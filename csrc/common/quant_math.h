@@ -218,7 +218,4 @@ EFFMEM_HD float dequantize_value(uint32_t q, const DequantGroup& d) {
   return d.is_outlier && q == 0u ? d.outlier : x;
 }
 
-// True when the float is neither NaN nor +-Inf (exponent not all ones).
-EFFMEM_HD bool finite_bits(uint32_t bits) { return (bits & 0x7f800000u) != 0x7f800000u; }
-
 }  // namespace effmem

@@ -68,7 +68,7 @@ def ddp_stream_hook(ref: "weakref.ref"):
             opt = ref()
             if opt is not None and opt._engine is not None and not opt._engine.closed and opt._ddp_error is None:
                 try:
-                    opt._take_reduced(params, grads)
+                    take_reduced(opt, params, grads)
                 except Exception as err:  # raised by step(): failing here would leave DDP mid-reduction
                     opt._ddp_error = err
             return reduced
@@ -95,3 +95,38 @@ class DdpClearStreamed:
             opt._engine.order_after_downloads()
             for i in opt._streamed:
                 opt._params[i].grad = None
+
+
+def attach_ddp(opt, ddp_module) -> None:
+    """OffloadAdam.attach_ddp's checks and hooks (see its docstring)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_module, DistributedDataParallel):
+        raise TypeError(f"ddp_module: expected a DistributedDataParallel module, got {type(ddp_module).__name__}")
+    if opt._hooks:
+        raise RuntimeError("attach_ddp: this optimizer streams gradients with backward hooks, which take them "
+                           "before DDP's all-reduce; construct it with stream_grads=False")
+    if ddp_module.find_unused_parameters or getattr(ddp_module, "static_graph", False):
+        raise ValueError("ddp_module: attach_ddp does not support find_unused_parameters=True or "
+                         "static_graph=True: DDP's bucket then holds zeros for an unused parameter, which "
+                         "the engine would step (weight decay, momentum); leave gradients to step()")
+    missing = [n for n, p in ddp_module.module.named_parameters() if p.requires_grad and p not in opt._index]
+    if missing:
+        raise ValueError(f"ddp_module: parameters {missing[:3]} are not in this optimizer")
+    ref = weakref.ref(opt)
+    ddp_module.register_comm_hook(ddp_module.process_group, ddp_stream_hook(ref))
+    opt._ddp_handles.append(ddp_module.register_forward_pre_hook(DdpClearStreamed(ref)))
+
+
+@torch.no_grad()
+def take_reduced(opt, params: List[Tensor], grads: List[Tensor]) -> None:
+    """Hands DDP's all-reduced gradients of one bucket to the engine."""
+    for p, g in zip(params, grads):
+        if not p.is_contiguous():
+            # DDP's bucket holds such a gradient in the parameter's own strides, not
+            # as bucket.gradients() views it: take it from p.grad at step() instead.
+            continue
+        i = opt._index[p]
+        opt._begin_backward()
+        opt._send(i, g.reshape(opt._local[i].shape))
+        opt._streamed.add(i)

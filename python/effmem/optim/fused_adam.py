@@ -126,7 +126,7 @@ class FusedAdam(AdamBase):
                                "region, before step().")
 
         self._refusals.check()
-        devices = set()
+        per_device: Dict[torch.device, Tuple] = {}  # (scale, found_inf) of each device, once per step
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
             if isinstance(lr, Tensor) and self._lr_checked.get(gi) is not lr and not _capturing():
@@ -134,28 +134,24 @@ class FusedAdam(AdamBase):
                 # (one host sync for a CUDA tensor); later changes on the device are the kernel's.
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
                 self._lr_checked[gi] = lr
+            per_group: Dict[torch.device, Tuple] = {}  # (lr, lr_tensor, advance) of each device
+            beta1, beta2 = group["betas"]
             for (device, _, _), b in self._buckets(group).items():
-                scale = _per_device(inv_scale, device)
-                if device in pending:
-                    scale = pending[device] if scale is None else scale * pending[device]
-                inf = _per_device(found_inf, device)
-                step_lr = float(lr) if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu" \
-                    else lr  # a host read; copying it to the GPU would block on a pageable copy
-                lr_tensor = step_lr.to(device=device, dtype=torch.float32) if isinstance(step_lr, Tensor) else None
-                # The step count advances on the device, by 0 for a step the kernel skips: found_inf
-                # (GradScaler sums it over devices, so it may exceed 1) or an lr it refuses.
-                advance = None if inf is None else inf == 0
-                if lr_tensor is not None and device.type != "cpu":
-                    lr_ok = torch.isfinite(lr_tensor) & (lr_tensor >= 0)
-                    advance = lr_ok if advance is None else advance & lr_ok
+                if device not in per_device:
+                    scale = _per_device(inv_scale, device)
+                    if device in pending:
+                        scale = pending[device] if scale is None else scale * pending[device]
+                    per_device[device] = (scale, _per_device(found_inf, device))
+                scale, inf = per_device[device]
+                if device not in per_group:
+                    per_group[device] = _lr_and_advance(lr, device, inf)
+                step_lr, lr_tensor, advance = per_group[device]
                 if advance is None:
                     torch._foreach_add_(b["steps"], 1.0)
                 else:
                     # The tensor-list overload: the one-tensor-scalar overload of _foreach_add_
                     # reads the scalar on the host (a sync per step, seen on an H100).
-                    advance = advance.to(torch.float32).reshape(())
                     torch._foreach_add_(b["steps"], [advance] * len(b["steps"]))
-                beta1, beta2 = group["betas"]
                 ops.adam_step_(
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
                     lr=0.0 if lr_tensor is not None else step_lr, beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -163,8 +159,7 @@ class FusedAdam(AdamBase):
                     bias_correction=group["bias_correction"], lr_tensor=lr_tensor, inv_scale=scale,
                     found_inf=inf, status=self._refusals.status(device),
                 )
-                devices.add(device)
-        for device in devices:
+        for device in per_device:
             self._refusals.launched(device)
         return loss
 
@@ -217,6 +212,20 @@ def _restore_state(saved: Dict[str, Any], p: Tensor, step: float) -> Dict[str, T
     if p.dtype != torch.float32:
         state["master"] = f32(saved["master"] if "master" in saved else p.detach())
     return state
+
+
+def _lr_and_advance(lr, device: torch.device, inf: Optional[Tensor]):
+    """A group's lr for the kernels on `device` (a float, or a float32 tensor there) and by how
+    much the step counts advance (None: by 1): by 0 on the device for a step the kernel skips,
+    for found_inf (GradScaler sums it over devices, so it may exceed 1) or an lr it refuses."""
+    if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
+        lr = float(lr)  # a host read; copying it to the GPU would block on a pageable copy
+    lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
+    advance = None if inf is None else inf == 0
+    if lr_tensor is not None and device.type != "cpu":
+        lr_ok = torch.isfinite(lr_tensor) & (lr_tensor >= 0)
+        advance = lr_ok if advance is None else advance & lr_ok
+    return lr, lr_tensor, None if advance is None else advance.to(torch.float32).reshape(())
 
 
 def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:

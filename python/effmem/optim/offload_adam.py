@@ -13,21 +13,20 @@ from torch import Tensor
 from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _validate
 from effmem.optim._adam_base import AdamBase
+from effmem.optim._offload_checkpoint import OffloadCheckpoint
+from effmem.optim._offload_guards import OffloadGuards
+from effmem.optim._offload_layout import GradHook, build_engine
 from effmem.optim.clip import clip_coefficient
 from effmem.optim.fused_adam import ParamsT
 
 _local = _validate.local_tensor
 
 
-# A gradient for a parameter whose host staging already holds one lands in one
-# of these page-locked chunks first, then is added in on the host.
-LANDING_CHUNK_NUMEL = 1 << 22
-LANDING_CHUNKS = 8
 # delay=True takes this many exact steps first (see the docstring's delay_warmup).
 DELAY_WARMUP = 0
 
 
-class OffloadAdam(AdamBase):
+class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
     """Adam / AdamW with the optimizer state on the CPU and the update run there by a C++ engine.
 
     The GPU keeps only the parameters (bf16, fp16 or fp32). The fp32 master
@@ -97,14 +96,10 @@ class OffloadAdam(AdamBase):
             ``state_dict()``, ``load_state_dict()`` and ``close()`` flush
             too.
         delay_warmup: with ``delay=True``, the number of exact steps taken
-            first (each installs its weights before returning, as without
-            delay), counted from the first step or from a loaded checkpoint's
-            step count. Default 0. Measured on a 2-layer Llama (hidden 128)
-            trained from scratch on the CPU, final loss against plain
-            OffloadAdam: 400 steps, warm-up 0/50/100/200: +25%/+21%/+16%/+13%;
-            torch AdamW fed the same one-step-stale gradients is as far off, so
-            the staleness, not the engine, costs it. No warm-up short of the
-            whole run closed that gap there, which is why the default stays 0.
+            first (each installs its weights before returning), counted from
+            the first step or a loaded checkpoint's. Default 0: on a small Llama
+            from scratch no warm-up short of the run closed the loss gap of
+            one-step staleness (measurement in the README).
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
@@ -205,7 +200,7 @@ class OffloadAdam(AdamBase):
         self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
         self._local = [_local(p) for p in self._params]
-        self._engine = _build_engine(self, **self._config)
+        self._engine = build_engine(self, **self._config)
         self._steps = self._engine.steps()
         self._views = [self._engine.state(i) for i in range(len(self._params))]
         for i, p in enumerate(self._params):
@@ -217,7 +212,7 @@ class OffloadAdam(AdamBase):
             ref = weakref.ref(self)
             for p in self._params:
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(_Hook(ref)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(GradHook(ref)))
 
     @torch.no_grad()
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -301,83 +296,6 @@ class OffloadAdam(AdamBase):
         self._send(i, _local(g))
         p.grad = None
 
-    def _track_backward(self) -> None:
-        """Overlap and delay mode upload weights during backward (and overlap updates buckets).
-        Once per backward, queue a callback for its end that orders the caller's stream after
-        the uploads, so that the next forward (say of the next micro-batch, with no step() in
-        between) reads whole weights, and that marks the backward as finished: autograd runs
-        it only when backward completes, so a backward whose callback never ran raised midway.
-        Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook fences instead."""
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._open_task:
-            return
-        self._check_consistent()  # notes a previous backward that never finished
-        self._open_task = task
-        self._updates_at_open = self._engine.counters()["param_updates"]
-        engine, ref = self._engine, weakref.ref(self)
-
-        def finished():
-            opt = ref()
-            if opt is not None and opt._open_task == task:
-                opt._open_task = None
-            if not engine.closed:
-                engine.fence()
-
-        torch.autograd.Variable._execution_engine.queue_callback(finished)
-
-    def _note_unfinished_backward(self) -> None:
-        """A backward that never reached its end: with overlap=True, buckets it completed were
-        already updated with its gradients. The state no longer matches any sequence of whole
-        steps, so further steps are refused until the caller chooses (see _check_consistent)."""
-        if self._open_task is None:
-            return
-        self._open_task = None
-        # Bucket updates run on the engine's workers: wait for those the failed backward queued,
-        # or they would be missed by the count below (seen as a rare flaky test).
-        self._engine.synchronize()
-        updates = self._engine.counters()["param_updates"] - self._updates_at_open
-        if self._overlap and updates > 0:
-            self._broken = (
-                f"OffloadAdam(overlap=True): a backward raised after {updates} parameter updates had already "
-                "been applied during it (overlap updates each bucket as soon as its gradients land), so the "
-                "parameters and the optimizer state now hold part of a step. Further steps are refused: restore "
-                "the model's weights and opt.load_state_dict(...) from a checkpoint, or call "
-                "opt.accept_partial_step() to go on from the parameters as they are.")
-
-    def _check_consistent(self) -> None:
-        self._note_unfinished_backward()
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
-
-    def accept_partial_step(self) -> None:
-        """After a backward raised under overlap=True: go on from the parameters and state as they
-        are (the buckets it completed keep their update), dropping its other gradients."""
-        self._check_open()
-        self._broken = None
-        self._open_task = None
-        self._engine.zero_grad()
-        self._in_backward = False
-        self._streamed.clear()
-
-    def _check_params(self) -> None:
-        """The engine updates the memory each parameter had when the optimizer was built. A
-        parameter given new memory since (p.data = ..., model.half(), model.to(...)) would no
-        longer be trained, silently: refuse."""
-        for i, (p, held) in enumerate(zip(self._params, self._local)):
-            t = p._local_tensor if _validate.is_dtensor(p) else p
-            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape:
-                continue
-            changes = [f"{what} {a} -> {b}" for what, a, b in (
-                ("dtype", held.dtype, t.dtype), ("device", held.device, t.device),
-                ("shape", tuple(held.shape), tuple(t.shape))) if a != b] or ["its memory"]
-            gi = next(k for k, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
-            raise RuntimeError(
-                f"OffloadAdam: parameter {i} (param group {gi}, shape {tuple(held.shape)}) was replaced after the "
-                f"optimizer was built ({', '.join(changes)}; p.data = ..., model.half() or model.to() do this). The "
-                "engine updates the memory it was given, so that parameter would silently stop training. Build "
-                "the optimizer after changing the model, carrying its state over with state_dict() / "
-                "load_state_dict().")
-
     def _send(self, i: int, g: Tensor) -> None:
         """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
         local_p = self._local[i]
@@ -413,36 +331,8 @@ class OffloadAdam(AdamBase):
         them). Not with ``find_unused_parameters`` or ``static_graph``.
         Non-contiguous parameters are taken at ``step()``.
         """
-        from torch.nn.parallel import DistributedDataParallel
-
         self._check_open()
-        if not isinstance(ddp_module, DistributedDataParallel):
-            raise TypeError(f"ddp_module: expected a DistributedDataParallel module, got {type(ddp_module).__name__}")
-        if self._hooks:
-            raise RuntimeError("attach_ddp: this optimizer streams gradients with backward hooks, which take them "
-                               "before DDP's all-reduce; construct it with stream_grads=False")
-        if ddp_module.find_unused_parameters or getattr(ddp_module, "static_graph", False):
-            raise ValueError("ddp_module: attach_ddp does not support find_unused_parameters=True or "
-                             "static_graph=True: DDP's bucket then holds zeros for an unused parameter, which "
-                             "the engine would step (weight decay, momentum); leave gradients to step()")
-        missing = [n for n, p in ddp_module.module.named_parameters() if p.requires_grad and p not in self._index]
-        if missing:
-            raise ValueError(f"ddp_module: parameters {missing[:3]} are not in this optimizer")
-        ref = weakref.ref(self)
-        ddp_module.register_comm_hook(ddp_module.process_group, _dist.ddp_stream_hook(ref))
-        self._ddp_handles.append(ddp_module.register_forward_pre_hook(_dist.DdpClearStreamed(ref)))
-
-    @torch.no_grad()
-    def _take_reduced(self, params: List[Tensor], grads: List[Tensor]) -> None:
-        for p, g in zip(params, grads):
-            if not p.is_contiguous():
-                # DDP's bucket holds such a gradient in the parameter's own strides, not
-                # as bucket.gradients() views it: take it from p.grad at step() instead.
-                continue
-            i = self._index[p]
-            self._begin_backward()
-            self._send(i, g.reshape(self._local[i].shape))
-            self._streamed.add(i)
+        _dist.attach_ddp(self, ddp_module)
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -511,55 +401,7 @@ class OffloadAdam(AdamBase):
         self._streamed.clear()
 
     # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> Dict[str, Any]:
-        """torch.optim's layout plus ``master`` per bf16/fp16 parameter (FusedAdam's layout).
-
-        The tensors are the engine's host memory, as torch optimizers hand out
-        their own state: ``torch.save`` it, or clone it to keep a snapshot.
-        Parameters that have not been stepped yet have no entry.
-        """
-        self._check_open()
-        self._engine.synchronize()
-        sd = super().state_dict()
-        # Parameters never stepped have no state in torch's optimizers (nor in
-        # FusedAdam): leave them out, so checkpoints of the two compare equal.
-        sd["state"] = {k: v for k, v in sd["state"].items() if float(v["step"]) > 0}
-        return sd
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.
-
-        Values are copied into the engine's host memory (nothing is staged on
-        the GPU). A checkpoint without masters (torch's AdamW) takes them from
-        the parameters; a parameter without saved state starts afresh.
-        """
-        self._check_open()
-        plan = _validate.checkpoint(self, state_dict, "OffloadAdam", local=True)  # all checked, nothing changed
-        self._engine.synchronize()
-        # Only the groups go through torch's loader: it would cast the state to
-        # the parameters' dtype and device.
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        _validate.complete_groups(self)
-        for p, saved, step in plan:
-            i = self._index[p]
-            master, exp_avg, exp_avg_sq = self._views[i]
-            if saved is None:
-                exp_avg.zero_()
-                exp_avg_sq.zero_()
-                self._steps[i] = 0.0
-                master.copy_(self._local[i])
-            else:
-                exp_avg.copy_(_local(saved["exp_avg"]))
-                exp_avg_sq.copy_(_local(saved["exp_avg_sq"]))
-                self._steps[i] = step
-                master.copy_(_local(saved["master"]) if "master" in saved else self._local[i])
-            self.state[p] = self._state_of(i)
-        self._masters_ready = True
-        self._step_count = int(max((step for _, _, step in plan), default=0))
-        # A consistent state again: a failed overlap backward is behind us.
-        self._broken, self._open_task = None, None
+    # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
 
     def flush(self) -> None:
         """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
@@ -609,63 +451,3 @@ class OffloadAdam(AdamBase):
     # itself cannot be pickled or deep-copied (it owns threads and host memory).
     def __getstate__(self):
         raise TypeError("OffloadAdam cannot be pickled or copied; save opt.state_dict() instead")
-
-
-class _Hook:
-    """Post-accumulate-grad hook: hands the gradient to the engine. Holds the optimizer weakly,
-    so that parameters do not keep a dropped optimizer (and its engine) alive."""
-
-    def __init__(self, ref: "weakref.ref[OffloadAdam]"):
-        self.ref = ref
-
-    def __call__(self, p: Tensor) -> None:
-        opt = self.ref()
-        if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:
-            return
-        opt._begin_backward()
-        opt._hand_off(p)
-
-
-def _build_engine(opt: OffloadAdam, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
-                  host_delay_us: float):
-    from effmem import _C
-
-    if not opt._params:
-        raise ValueError("params: OffloadAdam got no parameters")
-    devices = {t.device for t in opt._local}
-    if len(devices) > 1:
-        raise ValueError(f"params: OffloadAdam offloads the parameters of one device, got {sorted(map(str, devices))}; "
-                         "use one optimizer per device")
-    device = devices.pop()
-    wanted = "cuda" if device.type == "cuda" else "host"
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"params: expected CPU or CUDA parameters, got {device}")
-    if backend is None:
-        backend = wanted
-    if backend not in ("cuda", "host"):
-        raise ValueError(f"backend: expected 'cuda', 'host' or None, got {backend!r}")
-    if backend != wanted:
-        raise ValueError(f"backend: {backend!r} needs {'CUDA' if backend == 'cuda' else 'CPU'} parameters, "
-                         f"but they are on {device}")
-    # Buckets of one dtype, filled in reverse registration order: roughly the
-    # order in which backward produces the gradients.
-    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
-    bucket_of = [0] * len(opt._params)
-    open_bucket: Dict[torch.dtype, Tuple[int, int]] = {}
-    num_buckets = 0
-    for i in reversed(range(len(opt._params))):
-        t = opt._local[i]
-        b, filled = open_bucket.get(t.dtype, (-1, 0))
-        if b < 0 or (filled > 0 and filled + t.numel() > bucket_size):
-            b, filled = num_buckets, 0
-            num_buckets += 1
-        bucket_of[i] = b
-        open_bucket[t.dtype] = (b, filled + t.numel())
-    expects = [bool(p.requires_grad) for p in opt._params]
-    # Landing chunks (for gradients accumulated over micro-batches): up to 4M
-    # elements each, no larger than the largest parameter.
-    chunk = max(1, min(LANDING_CHUNK_NUMEL, max(t.numel() for t in opt._local)))
-    return _C.OffloadEngine(opt._local, bucket_of, group_of, expects, len(opt.param_groups), backend=backend,
-                            device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
-                            pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
-                            landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0)

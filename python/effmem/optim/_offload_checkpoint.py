@@ -1,0 +1,60 @@
+"""OffloadAdam's checkpoints (a mixin of OffloadAdam): torch.optim's layout plus ``master``,
+read from and written into the engine's host memory, interchangeable with FusedAdam's."""
+from typing import Any, Dict
+
+import torch
+
+from effmem.optim import _validate
+
+_local = _validate.local_tensor
+
+
+class OffloadCheckpoint:
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim's layout plus ``master`` per bf16/fp16 parameter (FusedAdam's layout).
+
+        The tensors are the engine's host memory, as torch optimizers hand out
+        their own state: ``torch.save`` it, or clone it to keep a snapshot.
+        Parameters that have not been stepped yet have no entry.
+        """
+        self._check_open()
+        self._engine.synchronize()
+        sd = super().state_dict()
+        # Parameters never stepped have no state in torch's optimizers (nor in
+        # FusedAdam): leave them out, so checkpoints of the two compare equal.
+        sd["state"] = {k: v for k, v in sd["state"].items() if float(v["step"]) > 0}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.
+
+        Values are copied into the engine's host memory (nothing is staged on
+        the GPU). A checkpoint without masters (torch's AdamW) takes them from
+        the parameters; a parameter without saved state starts afresh.
+        """
+        self._check_open()
+        plan = _validate.checkpoint(self, state_dict, "OffloadAdam", local=True)  # all checked, nothing changed
+        self._engine.synchronize()
+        # Only the groups go through torch's loader: it would cast the state to
+        # the parameters' dtype and device.
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        _validate.complete_groups(self)
+        for p, saved, step in plan:
+            i = self._index[p]
+            master, exp_avg, exp_avg_sq = self._views[i]
+            if saved is None:
+                exp_avg.zero_()
+                exp_avg_sq.zero_()
+                self._steps[i] = 0.0
+                master.copy_(self._local[i])
+            else:
+                exp_avg.copy_(_local(saved["exp_avg"]))
+                exp_avg_sq.copy_(_local(saved["exp_avg_sq"]))
+                self._steps[i] = step
+                master.copy_(_local(saved["master"]) if "master" in saved else self._local[i])
+            self.state[p] = self._state_of(i)
+        self._masters_ready = True
+        self._step_count = int(max((step for _, _, step in plan), default=0))
+        # A consistent state again: a failed overlap backward is behind us.
+        self._broken, self._open_task = None, None

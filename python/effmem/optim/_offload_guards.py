@@ -1,0 +1,89 @@
+"""What OffloadAdam refuses to go on with, silently wrong otherwise (a mixin of OffloadAdam).
+
+A backward that raised midway under overlap=True has already updated the buckets it completed;
+a parameter given new memory after the optimizer was built would no longer be trained.
+"""
+import weakref
+
+import torch
+
+from effmem.optim import _validate
+
+
+class OffloadGuards:
+    def _track_backward(self) -> None:
+        """Overlap and delay mode upload weights during backward (and overlap updates buckets).
+        Once per backward, queue a callback for its end that orders the caller's stream after
+        the uploads, so that the next forward (say of the next micro-batch, with no step() in
+        between) reads whole weights, and that marks the backward as finished: autograd runs
+        it only when backward completes, so a backward whose callback never ran raised midway.
+        Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook fences instead."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._open_task:
+            return
+        self._check_consistent()  # notes a previous backward that never finished
+        self._open_task = task
+        self._updates_at_open = self._engine.counters()["param_updates"]
+        engine, ref = self._engine, weakref.ref(self)
+
+        def finished():
+            opt = ref()
+            if opt is not None and opt._open_task == task:
+                opt._open_task = None
+            if not engine.closed:
+                engine.fence()
+
+        torch.autograd.Variable._execution_engine.queue_callback(finished)
+
+    def _note_unfinished_backward(self) -> None:
+        """A backward that never reached its end: with overlap=True, buckets it completed were
+        already updated with its gradients. The state no longer matches any sequence of whole
+        steps, so further steps are refused until the caller chooses (see _check_consistent)."""
+        if self._open_task is None:
+            return
+        self._open_task = None
+        # Bucket updates run on the engine's workers: wait for those the failed backward queued,
+        # or they would be missed by the count below (seen as a rare flaky test).
+        self._engine.synchronize()
+        updates = self._engine.counters()["param_updates"] - self._updates_at_open
+        if self._overlap and updates > 0:
+            self._broken = (
+                f"OffloadAdam(overlap=True): a backward raised after {updates} parameter updates had already "
+                "been applied during it (overlap updates each bucket as soon as its gradients land), so the "
+                "parameters and the optimizer state now hold part of a step. Further steps are refused: restore "
+                "the model's weights and opt.load_state_dict(...) from a checkpoint, or call "
+                "opt.accept_partial_step() to go on from the parameters as they are.")
+
+    def _check_consistent(self) -> None:
+        self._note_unfinished_backward()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def accept_partial_step(self) -> None:
+        """After a backward raised under overlap=True: go on from the parameters and state as they
+        are (the buckets it completed keep their update), dropping its other gradients."""
+        self._check_open()
+        self._broken = None
+        self._open_task = None
+        self._engine.zero_grad()
+        self._in_backward = False
+        self._streamed.clear()
+
+    def _check_params(self) -> None:
+        """The engine updates the memory each parameter had when the optimizer was built. A
+        parameter given new memory since (p.data = ..., model.half(), model.to(...)) would no
+        longer be trained, silently: refuse."""
+        for i, (p, held) in enumerate(zip(self._params, self._local)):
+            t = p._local_tensor if _validate.is_dtensor(p) else p
+            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape:
+                continue
+            changes = [f"{what} {a} -> {b}" for what, a, b in (
+                ("dtype", held.dtype, t.dtype), ("device", held.device, t.device),
+                ("shape", tuple(held.shape), tuple(t.shape))) if a != b] or ["its memory"]
+            gi = next(k for k, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
+            raise RuntimeError(
+                f"OffloadAdam: parameter {i} (param group {gi}, shape {tuple(held.shape)}) was replaced after the "
+                f"optimizer was built ({', '.join(changes)}; p.data = ..., model.half() or model.to() do this). The "
+                "engine updates the memory it was given, so that parameter would silently stop training. Build "
+                "the optimizer after changing the model, carrying its state over with state_dict() / "
+                "load_state_dict().")

@@ -1,0 +1,72 @@
+"""How OffloadAdam wires its parameters to the C++ engine: one device, buckets of one dtype in
+backward order, landing chunks for accumulated gradients, and the hook handing gradients over."""
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class GradHook:
+    """Post-accumulate-grad hook: hands the gradient to the engine. Holds the optimizer weakly,
+    so that parameters do not keep a dropped optimizer (and its engine) alive."""
+
+    def __init__(self, ref):  # a weakref.ref to the optimizer
+        self.ref = ref
+
+    def __call__(self, p: Tensor) -> None:
+        opt = self.ref()
+        if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:
+            return
+        opt._begin_backward()
+        opt._hand_off(p)
+
+
+# A gradient for a parameter whose host staging already holds one lands in one
+# of these page-locked chunks first, then is added in on the host.
+LANDING_CHUNK_NUMEL = 1 << 22
+LANDING_CHUNKS = 8
+
+
+def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
+                 host_delay_us: float):
+    from effmem import _C
+
+    if not opt._params:
+        raise ValueError("params: OffloadAdam got no parameters")
+    devices = {t.device for t in opt._local}
+    if len(devices) > 1:
+        raise ValueError(f"params: OffloadAdam offloads the parameters of one device, got {sorted(map(str, devices))}; "
+                         "use one optimizer per device")
+    device = devices.pop()
+    wanted = "cuda" if device.type == "cuda" else "host"
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"params: expected CPU or CUDA parameters, got {device}")
+    if backend is None:
+        backend = wanted
+    if backend not in ("cuda", "host"):
+        raise ValueError(f"backend: expected 'cuda', 'host' or None, got {backend!r}")
+    if backend != wanted:
+        raise ValueError(f"backend: {backend!r} needs {'CUDA' if backend == 'cuda' else 'CPU'} parameters, "
+                         f"but they are on {device}")
+    # Buckets of one dtype, filled in reverse registration order: roughly the
+    # order in which backward produces the gradients.
+    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
+    bucket_of = [0] * len(opt._params)
+    open_bucket: Dict[torch.dtype, Tuple[int, int]] = {}
+    num_buckets = 0
+    for i in reversed(range(len(opt._params))):
+        t = opt._local[i]
+        b, filled = open_bucket.get(t.dtype, (-1, 0))
+        if b < 0 or (filled > 0 and filled + t.numel() > bucket_size):
+            b, filled = num_buckets, 0
+            num_buckets += 1
+        bucket_of[i] = b
+        open_bucket[t.dtype] = (b, filled + t.numel())
+    expects = [bool(p.requires_grad) for p in opt._params]
+    # Landing chunks (for gradients accumulated over micro-batches): up to 4M
+    # elements each, no larger than the largest parameter.
+    chunk = max(1, min(LANDING_CHUNK_NUMEL, max(t.numel() for t in opt._local)))
+    return _C.OffloadEngine(opt._local, bucket_of, group_of, expects, len(opt.param_groups), backend=backend,
+                            device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
+                            pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
+                            landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0)
