@@ -99,7 +99,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
             first (each installs its weights before returning), counted from
             the first step or a loaded checkpoint's. Default 0: on a small Llama
             from scratch no warm-up short of the run closed the loss gap of
-            one-step staleness (measurement in the README).
+            one-step staleness (bench/bench_delay_warmup.py; figures in the README).
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
