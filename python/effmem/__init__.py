@@ -11,7 +11,8 @@ from effmem.compress import compress_activations  # noqa: E402
 from effmem.linear_ce import linear_cross_entropy  # noqa: E402
 from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy  # noqa: E402
 from effmem.optim import FusedAdam, OffloadAdam, clip_grad_norm_  # noqa: E402
+from effmem.plan import Plan, plan  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["FusedAdam", "OffloadAdam", "clip_grad_norm_", "compress_activations", "linear_cross_entropy",
-           "fuse_linear_cross_entropy", "unfuse_linear_cross_entropy", "ops", "build_info"]
+           "fuse_linear_cross_entropy", "unfuse_linear_cross_entropy", "plan", "Plan", "ops", "build_info"]

@@ -1,4 +1,4 @@
-"""The ``effmem`` command: ``effmem info`` and ``effmem demo``.
+"""The ``effmem`` command: ``effmem info``, ``effmem demo`` and ``effmem plan`` (effmem/plan/cli.py).
 
 ``effmem demo`` trains the same small byte-level GPT once per optimizer
 configuration (``DEMO_CONFIGS``), each in a fresh Python process, so that
@@ -24,6 +24,7 @@ import effmem
 from effmem import demo_model
 from effmem.compress import compress_activations
 from effmem.info import collect_info, format_info
+from effmem.plan import cli as plan_cli
 
 def cmd_info(args) -> int:
     info = collect_info()
@@ -426,7 +427,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="effmem", description="effmem: memory-efficient training for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,plan}")
     info = sub.add_parser("info", help="show how effmem was built and what it finds on this machine")
     info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     demo = sub.add_parser("demo", help="train a small GPT with each optimizer configuration and compare memory",
@@ -443,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: 0)")
     demo.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     demo.set_defaults(subparser=demo)  # errors found after parsing then show the demo's usage line
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -455,6 +457,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return cmd_info(args)
+    if args.command == "plan":
+        return plan_cli.cmd_plan(args)
     return cmd_demo(args, args.subparser)
 
 

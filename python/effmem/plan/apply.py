@@ -1,0 +1,91 @@
+"""plan.apply(model): the chosen configuration, ready for a training loop."""
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from effmem.compress import compress_activations
+from effmem.optim import FusedAdam, OffloadAdam
+from effmem.plan.model import Trainable, find_blocks
+from effmem.plan.report import code_for
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Checkpoint each decoder layer: its inputs are kept, its insides recomputed in backward."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        # The model's own switch: its layers checkpoint themselves (and the key/value cache goes off).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    blocks = find_blocks(model)[1]
+    if not blocks:
+        raise ValueError(f"model: {type(model).__name__} has no list of decoder layers to checkpoint")
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+class _SaveOnCpu:
+    """Forward hooks that run the model's forward inside torch.autograd.graph.save_on_cpu."""
+
+    def __init__(self, model: nn.Module, pin: bool):
+        self.ctx = None
+        self.pin = pin
+        model.register_forward_pre_hook(self.enter)
+        model.register_forward_hook(self.exit, always_call=True)
+
+    def enter(self, module, args):
+        if torch.is_grad_enabled():
+            self.ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.pin)
+            self.ctx.__enter__()
+
+    def exit(self, module, args, output):
+        if self.ctx is not None:
+            ctx, self.ctx = self.ctx, None
+            ctx.__exit__(None, None, None)
+
+
+def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3e-4,
+          **optimizer_kwargs) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """Prepare `model` as the pick (or the named candidate) of `plan` says; returns (model, optimizer).
+
+    Moves and casts the model (bf16 weights, or fp32 ones to run under autocast), freezes what the
+    plan's ``trainable`` leaves frozen, checkpoints, compresses or offloads activations, and builds
+    FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
+    ``micro_batch`` sequences per optimizer step (``plan.pick.config``).
+    """
+    c = plan.pick if candidate is None else plan.candidate(candidate)
+    if c is None:
+        raise RuntimeError(f"plan: nothing fits {plan.gpu_memory / 1e9:.1f} GB, so there is nothing to apply "
+                           f"(see str(plan) for how far each candidate is over)")
+    cfg = c.config
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if cfg.sharding != "none":
+        raise ValueError(f"candidate {c.name}: sharded configurations ({cfg.sharding}) are applied per rank "
+                         f"under torch.distributed; apply() prepares single-process ones. The lines to use:\n"
+                         f"{code_for(cfg)}")
+    spec = plan.spec
+    which = Trainable.parse(spec.trainable_text) if spec is not None and spec.trainable_text else None
+    if which is not None:
+        if which.partial:
+            raise ValueError(f"trainable: {which.text!r} trains part of a parameter (#a:b); apply() freezes "
+                             "whole parameters only")
+        for name, p in model.named_parameters():
+            p.requires_grad_(which.numel(name, tuple(p.shape)) > 0)
+    device = torch.device("cuda" if plan.device == "cuda" else "cpu")
+    model = model.to(device=device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    if hasattr(model, "config") and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # a training forward needs no key/value cache
+    if cfg.activations == "checkpoint":
+        _checkpoint_blocks(model)
+    elif cfg.activations.startswith("compress"):
+        model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
+    elif cfg.activations == "save_on_cpu":
+        model._effmem_save_on_cpu = _SaveOnCpu(model, pin=device.type == "cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "gpu":
+        opt = FusedAdam(params, lr=lr, **optimizer_kwargs)
+    else:
+        opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap", **optimizer_kwargs)
+    return model, opt

@@ -1,0 +1,100 @@
+"""effmem plan --chart: stacked bars of where each candidate's peak goes, with the GPU's memory as a line.
+
+SVG is written directly (no dependency); PNG needs matplotlib.
+"""
+from pathlib import Path
+from typing import List, Tuple
+from xml.sax.saxutils import escape
+
+# (label, parts summed, colour): the split users know from the ZeRO paper's figure.
+SERIES = (("parameters", ("weights",), "#4c72b0"), ("gradients", ("grads",), "#dd8452"),
+          ("optimizer state", ("master", "optimizer"), "#55a868"),
+          ("activations", ("activations", "logits"), "#c44e52"),
+          ("temporary + reserve", ("temporary", "reserve"), "#8c8c8c"))
+CHART_ROWS = (("fp32", "none", "gpu"), ("bf16", "none", "gpu"), ("bf16", "checkpoint", "gpu"),
+              ("bf16", "compress8", "gpu"), ("bf16", "checkpoint", "offload"), ("bf16", "compress8", "offload"))
+
+
+def chart_rows(plan) -> List[Tuple[str, List[float]]]:
+    """The bars: the classic progression (fp32, bf16, + checkpointing, + offload...) and the pick, in GB."""
+    micro = plan.pick.config.micro_batch if plan.pick else None
+    chosen = []
+    for prec, act, opt in CHART_ROWS:
+        rows = [c for c in plan.candidates if (c.config.precision, c.config.activations, c.config.optimizer)
+                == (prec, act, opt)]
+        same = [c for c in rows if c.config.micro_batch == micro] or rows
+        if same:
+            chosen.append(min(same, key=lambda c: c.cost.peak_bytes))
+    if plan.pick is not None and plan.pick not in chosen:
+        chosen.append(plan.pick)
+    return [(c.name + (" (pick)" if c is plan.pick else ""),
+             [sum(c.cost.parts[p] for p in parts) / 1e9 for _, parts, _ in SERIES]) for c in chosen]
+
+
+def write_chart(plan, path: str) -> str:
+    rows = chart_rows(plan)
+    if not rows:
+        raise ValueError("chart: the plan has no candidates to draw")
+    out = Path(path)
+    if out.suffix.lower() == ".png":
+        return _png(plan, rows, out)
+    if out.suffix.lower() != ".svg":
+        raise ValueError(f"chart: expected a path ending in .svg or .png, got {path!r}")
+    out.write_text(_svg(plan, rows))
+    return str(out)
+
+
+def _svg(plan, rows) -> str:
+    width, bar_h, gap, left, top = 900, 26, 12, 330, 50
+    budget = plan.gpu_memory / 1e9
+    top_gb = max(max(sum(v) for _, v in rows), budget) * 1.05
+    scale = (width - left - 30) / top_gb
+    height = top + len(rows) * (bar_h + gap) + 70
+    el = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+          f'font-size="12">', f'<text x="10" y="22" font-size="15">{escape(plan.model)}: predicted peak per GPU, '
+          f'batch {plan.batch} x {plan.seq} (GB = 1e9 bytes)</text>']
+    for i, (name, values) in enumerate(rows):
+        y = top + i * (bar_h + gap)
+        el.append(f'<text x="{left - 8}" y="{y + bar_h * 0.7:.0f}" text-anchor="end">{escape(name)}</text>')
+        x = left
+        for (label, _, colour), v in zip(SERIES, values):
+            w = v * scale
+            el.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}">'
+                      f'<title>{escape(label)}: {v:.2f} GB</title></rect>')
+            x += w
+        el.append(f'<text x="{x + 5:.1f}" y="{y + bar_h * 0.7:.0f}">{sum(values):.1f}</text>')
+    bx = left + budget * scale
+    y_end = top + len(rows) * (bar_h + gap)
+    el.append(f'<line x1="{bx:.1f}" y1="{top - 8}" x2="{bx:.1f}" y2="{y_end}" stroke="black" '
+              f'stroke-dasharray="4,3"/><text x="{bx + 4:.1f}" y="{top - 10}">GPU memory {budget:.0f} GB</text>')
+    for j, (label, _, colour) in enumerate(SERIES):
+        lx = left + j * 115
+        el.append(f'<rect x="{lx}" y="{y_end + 20}" width="12" height="12" fill="{colour}"/>'
+                  f'<text x="{lx + 16}" y="{y_end + 30}">{escape(label)}</text>')
+    el.append("</svg>")
+    return "\n".join(el) + "\n"
+
+
+def _png(plan, rows, out: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("chart: a .png needs matplotlib (pip install matplotlib); a .svg needs nothing") from None
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
+    names = [n for n, _ in rows]
+    left = [0.0] * len(rows)
+    for k, (label, _, colour) in enumerate(SERIES):
+        vals = [v[k] for _, v in rows]
+        ax.barh(names, vals, left=left, color=colour, label=label)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.axvline(plan.gpu_memory / 1e9, color="black", linestyle="--", label="GPU memory")
+    ax.invert_yaxis()
+    ax.set_xlabel("GB (1e9 bytes)")
+    ax.set_title(f"{plan.model}: predicted peak per GPU, batch {plan.batch} x {plan.seq}")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return str(out)

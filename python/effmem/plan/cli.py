@@ -1,0 +1,78 @@
+"""``effmem plan MODEL``: the command's arguments and body (effmem/cli.py registers it)."""
+import argparse
+import json
+import sys
+
+from effmem.plan.model import preset_names
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="predict where training memory goes and pick the fastest configuration that fits",
+        description="Predict each candidate configuration's peak memory (parts: weights, gradients, master, "
+        "optimizer state, activations traced from the model on meta tensors, logits, temporaries, reserve) "
+        "and step time, and pick the fastest that fits. MODEL: a preset (" + ", ".join(preset_names()) +
+        ") or a Hugging Face config.json (file or folder). Sizes: 80GB (1e9 bytes) or 80GiB (2^30).")
+    p.add_argument("model", nargs="?", help="preset name or config.json path")
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step, all GPUs (default 8)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--accum", type=int, default=None, help="micro-batches per step (default: searched)")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU (default: this machine's GPU)")
+    p.add_argument("--host-memory", default=None, help="host memory (default: this machine's)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (default: this machine's, at least 1)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="train on (default: cuda when there is a GPU or --gpu-memory is given)")
+    p.add_argument("--trainable", default=None, metavar="PATTERN",
+                   help="comma-separated regular expressions of the parameters that train; "
+                        "REGEX#a:b trains rows a..b-1 of a stacked parameter (experts)")
+    p.add_argument("--no-clipping", action="store_true",
+                   help="the recipe does not clip by global norm (allows OffloadAdam's overlap mode)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the plan as JSON ('-' for stdout)")
+    p.add_argument("--chart", metavar="PATH", default=None, help="draw the parts per candidate (.svg or .png)")
+    p.add_argument("--verify", nargs="?", const="best", choices=("best", "all"), default=None,
+                   help="train a few steps of the pick (or of every candidate that fits) and compare")
+    p.add_argument("--steps", type=int, default=3, help="steps per verified candidate (default 3)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's rates first and keep them for later plans")
+    p.set_defaults(subparser=p)
+    return p
+
+
+def cmd_plan(args) -> int:
+    # effmem.plan is the function (effmem/__init__.py), so the package's parts are imported by path.
+    from effmem.plan.planner import plan as make_plan
+    from effmem.plan.rates import calibrate
+    from effmem.plan.chart import write_chart
+    from effmem.plan.verify import format_verify, verify
+    if args.calibrate:
+        rates = calibrate()
+        print(f"calibrated {rates.device}: {json.dumps(rates.as_dict())}", file=sys.stderr)
+        if args.model is None:
+            return 0
+    if args.model is None:
+        args.subparser.error("MODEL is required (a preset or a config.json path) unless --calibrate is given")
+    try:
+        plan = make_plan(args.model, batch=args.batch, seq=args.seq, accum=args.accum,
+                             gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus=args.gpus,
+                             trainable=args.trainable, device=args.device, clipping=not args.no_clipping)
+    except (ValueError, TypeError, ImportError) as e:
+        args.subparser.error(str(e))
+    data = plan.as_dict()
+    if plan.pick is not None:
+        from effmem.plan.report import code_for
+        data["code"] = code_for(plan.pick.config)
+    if args.verify:
+        names = [c.name for c in plan.candidates if c.fits] if args.verify == "all" else None
+        data["verify"] = verify(plan, candidates=names, steps=args.steps)
+    if args.json == "-":
+        print(json.dumps(data, indent=1))
+    else:
+        print(plan)
+        if args.verify:
+            print("\n" + format_verify(data["verify"]))
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if args.chart:
+        print(f"chart: {write_chart(plan, args.chart)}", file=sys.stderr)
+    return 0 if plan.best else 1

@@ -1,0 +1,165 @@
+"""Bytes and seconds of one training configuration: the arithmetic behind effmem plan.
+
+Memory: the peak is the larger of two moments of a step.
+* Start of backward (the last micro-batch's forward done): weights, the
+  gradients accumulated by earlier micro-batches, master weights and Adam
+  state, everything forward left alive (activations and logits), plus the
+  largest transient of backward: the loss's gradient over the logits, or,
+  under checkpointing, one recomputed layer and its gradients.
+* Optimizer step: weights, all gradients, master and state.
+Parts of the peak are those of the larger moment. Bytes are per GPU (per
+rank when sharded); ``host`` is what the host holds for the GPU.
+
+Time: forward FLOPs are counted in the trace (matmuls by torch's own
+formulas, attention at a flash kernel's count); backward costs two forwards
+for trained weights and one where only the input gradient is needed;
+checkpointing adds the layers' forward again. Transfers and the CPU update
+use the rates in rates.py.
+"""
+from dataclasses import dataclass, field
+from typing import Dict
+
+from effmem.plan.rates import Rates
+
+# bytes per element: (weights, gradients, fp32 master, Adam state)
+PRECISIONS = {
+    "bf16": (2, 2, 4, 8),   # bf16 weights and gradients, FusedAdam's fp32 master and moments
+    "fp32": (4, 4, 0, 8),   # fp32 weights under bf16 autocast, Adam on them (torch AdamW or FusedAdam)
+}
+ACTIVATIONS = ("none", "checkpoint", "compress8", "compress4", "save_on_cpu")
+OPTIMIZERS = ("gpu", "offload", "offload_overlap")
+SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
+OFFLOAD_BUCKET = 1 << 23        # OffloadAdam's default bucket (elements); two are in flight on the GPU
+CUDA_CONTEXT = 512 << 20        # the CUDA context and cuBLAS workspace: device memory outside the allocator
+FRAGMENTATION = 0.03            # the caching allocator's reserved-but-unused share, measured at a few percent
+
+
+@dataclass(frozen=True)
+class Config:
+    precision: str = "bf16"
+    activations: str = "none"
+    optimizer: str = "gpu"
+    sharding: str = "none"
+    micro_batch: int = 1
+    accumulation: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = [self.precision, self.activations if self.activations != "none" else "",
+                 {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap"}[self.optimizer],
+                 self.sharding if self.sharding != "none" else "", f"mb{self.micro_batch}x{self.accumulation}"]
+        return "+".join(p for p in parts if p)
+
+
+@dataclass
+class Model:
+    """What costs.py needs of a model: counts from model.py and activations from trace.py, per micro-batch."""
+    params: int
+    trainable: int
+    activations: Dict[str, Dict[str, int]]   # strategy -> kind -> bytes alive at the end of forward
+    offloaded: int                           # bytes save_on_cpu moves to the host
+    block_bytes: int                         # one decoder layer's internally saved bytes
+    largest_logits: int                      # the largest saved tensor of the loss
+    largest_block: int                       # the largest saved tensor inside a layer
+    matmul_flops: float                      # forward FLOPs without attention
+    attention_flops: float                   # forward FLOPs of attention
+    trainable_matmul_share: float = 1.0      # share of matmul FLOPs whose weights train
+    layers: int = 1
+    tokens: int = 1                          # tokens per micro-batch
+
+
+@dataclass
+class Cost:
+    parts: Dict[str, int]
+    peak_bytes: int
+    allocated_bytes: int
+    host_bytes: int
+    states: Dict[str, int] = field(default_factory=dict)  # model states at the optimizer step
+    forward_alive: int = 0   # bytes a micro-batch's forward leaves alive: activations, logits and loss
+
+
+def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
+    w_b, g_b, master_b, opt_b = PRECISIONS[cfg.precision]
+    n, t = m.params, m.trainable
+    shard_state = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
+    shard_grads = world if cfg.sharding in ("zero2", "zero3") else 1
+    shard_weights = world if cfg.sharding == "zero3" else 1
+    weights = n * w_b // shard_weights
+    grads = t * g_b // shard_grads
+    master, optimizer = t * master_b // shard_state, t * opt_b // shard_state
+    host = 0
+    temporary_step = 0
+    if cfg.optimizer != "gpu":
+        # OffloadAdam: master and moments on the host, gradients staged there (2 B/param for bf16).
+        host = (t * (master_b or 4) + t * opt_b + t * g_b) // shard_state
+        master = optimizer = 0
+        grads = min(t, 2 * OFFLOAD_BUCKET) * g_b
+    if cfg.sharding == "zero3":
+        # FSDP2 gathers a layer's weights ahead of use: about two layers' full weights at a time.
+        temporary_step = 2 * n * w_b // max(1, m.layers)
+    act = dict(m.activations[cfg.activations])
+    logits = act.pop("logits", 0)
+    activations = sum(act.values())
+    if cfg.activations == "save_on_cpu":
+        host += m.offloaded
+    transient = max(2 * m.largest_logits,
+                    (m.block_bytes if cfg.activations == "checkpoint" else 0) + 2 * m.largest_block)
+    accumulated = grads if cfg.accumulation > 1 else 0
+    start_backward = weights + accumulated + master + optimizer + activations + logits + transient + temporary_step
+    step = weights + grads + master + optimizer + temporary_step
+    if start_backward >= step:
+        parts = dict(weights=weights, grads=accumulated, master=master, optimizer=optimizer,
+                     activations=activations, logits=logits, temporary=transient + temporary_step)
+    else:
+        parts = dict(weights=weights, grads=grads, master=master, optimizer=optimizer, activations=0, logits=0,
+                     temporary=temporary_step)
+    allocated = sum(parts.values())
+    reserve = (CUDA_CONTEXT + int(FRAGMENTATION * allocated)) if device_is_cuda else 0
+    parts["reserve"] = reserve
+    parts["activations_by_kind"] = act
+    states = dict(weights=weights, grads=grads, master=master, optimizer=optimizer)
+    return Cost(parts, allocated + reserve, allocated, host, states, activations + logits)
+
+
+def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
+    """Seconds per optimizer step, by part."""
+    rate = r.matmul_flops if cfg.precision == "bf16" else r.matmul_flops_fp32
+    rate *= m.tokens / (m.tokens + r.half_rate_tokens)
+    fwd = (m.matmul_flops + m.attention_flops) / rate  # the trace's FLOPs are per micro-batch
+    bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops) / rate
+    recompute = fwd if cfg.activations == "checkpoint" else 0.0
+    extra = 0.0
+    if cfg.activations.startswith("compress"):
+        saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
+        extra = saved / r.compress_bw
+    elif cfg.activations == "save_on_cpu":
+        # save_on_cpu copies each saved tensor off and back, on the compute stream.
+        extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")
+    out = {"compute": cfg.accumulation * (fwd + bwd + recompute), "activations": cfg.accumulation * extra}
+    w_b, g_b, _, _ = PRECISIONS[cfg.precision]
+    shard = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
+    t = m.trainable // shard
+    if cfg.optimizer == "gpu":
+        # FusedAdam reads and writes weights, gradients, master and moments: 28 B/param for bf16.
+        out["optimizer"] = t * (2 * w_b + g_b + 2 * 4 * 3) / r.memory_bw
+    else:
+        if not r.link_bw:
+            out["optimizer"] = float("inf")
+        else:
+            cpu = t / r.host_adam
+            upload = t * w_b / r.link_bw
+            # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
+            down = max(0.0, t * g_b / r.link_bw - bwd) * cfg.accumulation
+            if cfg.optimizer == "offload_overlap":
+                # Updates run as buckets land during the last backward; what remains after it shows.
+                out["optimizer"] = down + max(upload, cpu + upload - bwd)
+            else:
+                out["optimizer"] = down + cpu + upload
+    if world > 1 and cfg.sharding != "none":
+        grad_bytes = m.trainable * g_b
+        comm = 2 * grad_bytes * (world - 1) / world  # all-reduce (or reduce-scatter + all-gather)
+        if cfg.sharding == "zero3":
+            comm += 2 * m.params * w_b * (world - 1) / world * cfg.accumulation  # gathers in fwd and bwd
+        comm_s = comm / r.interconnect_bw if r.interconnect_bw else float("inf")
+        out["communication"] = max(0.0, comm_s - cfg.accumulation * (bwd + fwd) * 0.8)
+    return out

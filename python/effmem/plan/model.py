@@ -1,0 +1,207 @@
+"""What effmem plan is asked about: a model named by preset, config.json or module, and its parameters.
+
+A Hugging Face config is turned into a model on the meta device (no memory,
+no download), so parameter counts and names are the library's own. The
+trace (trace.py) runs on smaller copies of the same config: one and two
+decoder layers, from which every per-layer quantity is extrapolated exactly
+(all layers of these models are alike).
+"""
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+PRESET_DIR = Path(__file__).with_name("presets")
+# Config keys that hold the number of decoder layers, by model family.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer")
+
+
+def preset_names() -> List[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_config(spec: str) -> Tuple[str, dict]:
+    """A preset name or a path to a config.json (or a folder holding one) -> (name, config dict)."""
+    preset = PRESET_DIR / f"{spec}.json"
+    if preset.is_file():
+        cfg = json.loads(preset.read_text())
+        cfg.pop("_effmem_preset", None)
+        return spec, cfg
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict) or "model_type" not in cfg:
+            raise ValueError(f"model: {path} is not a Hugging Face config.json (no \"model_type\" key)")
+        return path.parent.name or str(path), cfg
+    raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(preset_names())}) nor a config.json path")
+
+
+def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("effmem plan needs the transformers package to read a Hugging Face config "
+                          "(pip install transformers)") from None
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type")
+    if num_layers is not None:
+        for key in _LAYER_KEYS:
+            if key in cfg:
+                cfg[key] = num_layers
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    config.use_cache = False
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def config_layers(cfg: dict) -> int:
+    for key in _LAYER_KEYS:
+        if key in cfg:
+            return int(cfg[key])
+    raise ValueError(f"model: the config has no layer count ({' or '.join(_LAYER_KEYS)})")
+
+
+def find_blocks(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
+    """The decoder layers: the longest ModuleList whose entries are all of one type."""
+    best: Tuple[str, Sequence[nn.Module]] = ("", [])
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > len(best[1]) and len({type(m) for m in mod}) == 1:
+            best = (name, list(mod))
+    return best
+
+
+@dataclass
+class Trainable:
+    """Which parameters train: regular expressions searched in parameter names.
+
+    An item may end in ``#a:b`` to train only entries a..b-1 along the
+    parameter's first dimension, for parameters that stack several units
+    (Hugging Face's Mixtral keeps all experts of a layer in one tensor:
+    ``mlp\\.experts\\.#0:2`` trains two of them). None trains everything.
+    """
+    text: Optional[str] = None
+    items: List[Tuple[re.Pattern, Optional[Tuple[int, int]]]] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: Optional[str]) -> "Trainable":
+        if text is None:
+            return cls()
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"trainable: expected comma-separated regular expressions, got {text!r}")
+        items = []
+        for raw in text.split(","):
+            raw = raw.strip()
+            pattern, _, part = raw.partition("#")
+            rows = None
+            if part:
+                m = re.fullmatch(r"(\d+):(\d+)", part)
+                if not m or int(m.group(1)) >= int(m.group(2)):
+                    raise ValueError(f"trainable: {raw!r}: after '#' expected a:b with a < b (rows of the first "
+                                     f"dimension), got {part!r}")
+                rows = (int(m.group(1)), int(m.group(2)))
+            try:
+                items.append((re.compile(pattern), rows))
+            except re.error as e:
+                raise ValueError(f"trainable: {pattern!r} is not a regular expression ({e})") from None
+        return cls(text, items)
+
+    @property
+    def partial(self) -> bool:
+        return any(rows is not None for _, rows in self.items)
+
+    def numel(self, name: str, shape: Sequence[int]) -> int:
+        """How many of this parameter's elements train."""
+        total = 1
+        for s in shape:
+            total *= s
+        if self.text is None:
+            return total
+        best = 0
+        for pattern, rows in self.items:
+            if pattern.search(name):
+                if rows is None:
+                    return total
+                first = shape[0] if shape else 1
+                take = max(0, min(rows[1], first) - rows[0])
+                best = max(best, total // max(first, 1) * take)
+        return best
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    shape: Tuple[int, ...]
+    numel: int
+    trainable: int   # elements that train (0 for frozen)
+
+
+@dataclass
+class ModelSpec:
+    """A model as the planner sees it."""
+    name: str
+    params: List[ParamInfo]
+    num_layers: int
+    config: Optional[dict] = None          # Hugging Face config, when the model came as one
+    module: Optional[nn.Module] = None     # the user's module, when it came as one
+    # Builds a meta-device copy with n decoder layers (configs only): the trace extrapolates from 1 and 2.
+    build_layers: Optional[Callable[[int], nn.Module]] = None
+    trainable_text: Optional[str] = None   # the trainable= argument, for apply()
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(p.trainable for p in self.params)
+
+
+def _param_infos(model: nn.Module, trainable: Trainable) -> List[ParamInfo]:
+    out = []
+    for name, p in model.named_parameters():  # tied parameters are listed once
+        frozen_by_user = trainable.text is None and not p.requires_grad
+        n = 0 if frozen_by_user else trainable.numel(name, tuple(p.shape))
+        out.append(ParamInfo(name, tuple(p.shape), p.numel(), n))
+    return out
+
+
+ModelArg = Union[str, dict, nn.Module, "transformers.PretrainedConfig"]  # noqa: F821
+
+
+def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
+    """Resolve the MODEL argument of effmem plan (preset, config.json path, config dict or object, module)."""
+    which = Trainable.parse(trainable)
+    if isinstance(model, nn.Module):
+        blocks = find_blocks(model)[1]
+        spec = ModelSpec(type(model).__name__, _param_infos(model, which), len(blocks), module=model)
+    else:
+        if isinstance(model, str):
+            name, cfg = load_config(model)
+        elif isinstance(model, dict):
+            if "model_type" not in model:
+                raise ValueError("model: a config dict needs a \"model_type\" key (a Hugging Face config)")
+            name, cfg = model["model_type"], dict(model)
+        elif hasattr(model, "to_dict") and hasattr(model, "model_type"):
+            cfg = model.to_dict()
+            cfg["model_type"] = model.model_type
+            name = model.model_type
+        else:
+            raise TypeError(f"model: expected a preset name, a config.json path, a Hugging Face config "
+                            f"(dict or object) or an nn.Module, got {type(model).__name__}")
+        full = _hf_model_from_config(cfg)
+        spec = ModelSpec(name, _param_infos(full, which), config_layers(cfg), config=cfg,
+                         build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
+    spec.trainable_text = which.text
+    if which.text is not None and spec.num_trainable == 0:
+        raise ValueError(f"trainable: {which.text!r} matches no parameter of {spec.name} "
+                         f"(names look like {spec.params[min(1, len(spec.params) - 1)].name!r})")
+    return spec

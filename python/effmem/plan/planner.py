@@ -1,0 +1,266 @@
+"""effmem.plan(): every candidate configuration's predicted peak and step time, and the pick."""
+import itertools
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from effmem.plan import costs
+from effmem.plan.model import ModelArg, ModelSpec, model_spec
+from effmem.plan.rates import Rates, rates_for
+from effmem.plan.trace import InputsFn, trace_spec
+
+GB = 10 ** 9
+HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory
+
+
+def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
+    if text is None or (isinstance(text, (int, float)) and not isinstance(text, bool)):
+        if text is not None and text <= 0:
+            raise ValueError(f"{what}: expected a positive size, got {text!r}")
+        return None if text is None else int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1}
+    for i, p in enumerate("KMGT", start=1):
+        scale[f"{p}B"], scale[f"{p}IB"] = 10 ** (3 * i), 1 << (10 * i)
+    return int(float(m.group(1)) * scale[unit])
+
+
+def machine() -> Dict[str, object]:
+    """What this machine has: GPU count and memory (of GPU 0), host memory."""
+    host = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    host = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if host is None:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        props = torch.cuda.get_device_properties(0)
+        return dict(gpus=gpus, gpu_memory=props.total_memory, gpu_name=props.name, host_memory=host)
+    return dict(gpus=0, gpu_memory=None, gpu_name=None, host_memory=host)
+
+
+@dataclass
+class Candidate:
+    config: costs.Config
+    cost: costs.Cost
+    time_parts: Dict[str, float]
+    fits: bool = False
+    why: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(self.time_parts.values())
+
+    def as_dict(self) -> dict:
+        parts = {k: v for k, v in self.cost.parts.items() if k != "activations_by_kind"}
+        c = self.config
+        return {"name": self.name, "fits": self.fits, "peak_bytes": self.cost.peak_bytes,
+                "allocated_bytes": self.cost.allocated_bytes, "host_bytes": self.cost.host_bytes,
+                "step_time_s": self.step_time_s, "parts": parts,
+                "activations_by_kind": self.cost.parts["activations_by_kind"], "time_parts": self.time_parts,
+                "precision": c.precision, "activations": c.activations, "optimizer": c.optimizer,
+                "sharding": c.sharding, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
+                "why": self.why}
+
+
+def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
+    if accum is not None:
+        if per_gpu % accum:
+            raise ValueError(f"accum: {accum} does not divide the batch per GPU ({per_gpu})")
+        return [per_gpu // accum]
+    return [m for m in range(1, per_gpu + 1) if per_gpu % m == 0 and (m & (m - 1) == 0 or m == per_gpu)]
+
+
+class _Activity:
+    """A model's activations and FLOPs at any micro-batch, from traces at micro-batch 1 and 2 (affine in it)."""
+
+    def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn]):
+        self.one = trace_spec(spec, 1, seq, dtype, target, inputs=inputs)
+        self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs)
+        self.method, self.seq = self.one.method, seq
+
+    def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
+        def lin(f):
+            a, b = f(self.one), f(self.two)
+            if isinstance(a, dict):
+                return {k: a[k] + (micro - 1) * (b[k] - a[k]) for k in a}
+            return a + (micro - 1) * (b - a)
+        return costs.Model(
+            params=spec.num_params, trainable=spec.num_trainable,
+            activations={s: lin(lambda t, s=s: t.activations(s)) for s in costs.ACTIVATIONS},
+            offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
+            largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
+                t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
+            matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
+            trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
+            tokens=micro * self.seq)
+
+
+@dataclass
+class Plan:
+    """The answer of effmem plan: every candidate, the pick, and how they were predicted."""
+    model: str
+    params: int
+    trainable_params: int
+    gpu_memory: int
+    host_memory: int
+    gpus: int
+    device: str
+    batch: int
+    seq: int
+    rates: Rates
+    candidates: List[Candidate]
+    best: Optional[str]
+    method: str
+    seconds: float
+    spec: ModelSpec = field(repr=False, default=None)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def pick(self) -> Optional[Candidate]:
+        return next((c for c in self.candidates if c.name == self.best), None)
+
+    def candidate(self, name: str) -> Candidate:
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise KeyError(f"candidate: no {name!r} in this plan (names look like {self.candidates[0].name!r})")
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "params": self.params, "trainable_params": self.trainable_params,
+                "gpu_memory": self.gpu_memory, "host_memory": self.host_memory, "gpus": self.gpus,
+                "device": self.device, "batch": self.batch, "seq": self.seq, "method": self.method,
+                "rates": self.rates.as_dict(), "plan_seconds": self.seconds, "notes": self.notes,
+                "candidates": [c.as_dict() for c in self.candidates], "best": self.best}
+
+    def apply(self, model, candidate: Optional[str] = None, **optimizer_kwargs):
+        """The model prepared as the pick (or the named candidate) says, and its optimizer."""
+        from effmem.plan.apply import apply
+        return apply(self, model, candidate, **optimizer_kwargs)
+
+    def __str__(self) -> str:
+        from effmem.plan.report import format_plan
+        return format_plan(self)
+
+
+def _trainable_share(spec: ModelSpec) -> float:
+    """Share of weight elements that train, counted over matrices (the weights matmuls use)."""
+    mats = [p for p in spec.params if len(p.shape) >= 2]
+    total = sum(p.numel for p in mats)
+    return sum(p.trainable for p in mats) / total if total else 1.0
+
+
+def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] = None,
+         gpu_memory: Union[str, int, None] = None, host_memory: Union[str, int, None] = None,
+         gpus: Optional[int] = None, trainable: Optional[str] = None, device: Optional[str] = None,
+         clipping: bool = True, headroom: float = HEADROOM, inputs: Optional[InputsFn] = None,
+         rates: Optional[Rates] = None) -> Plan:
+    """Predict every candidate configuration's peak memory and step time; pick the fastest that fits.
+
+    model: a preset name (effmem.plan.preset_names()), a config.json path, a Hugging Face config or
+    an nn.Module (any device; it is traced on meta tensors). batch: sequences per optimizer step over
+    all GPUs; seq: tokens per sequence; accum: micro-batches per step (searched when None).
+    gpu_memory / host_memory: sizes ("80GB", "80GiB" or bytes; default: this machine's). gpus: GPUs
+    (default: this machine's). device: "cuda" or "cpu" (default: cuda when there is a GPU or
+    gpu_memory was given). trainable: regular expressions of the parameters that train (model.py's
+    Trainable). clipping: the recipe clips by global norm (rules out OffloadAdam's overlap mode).
+    """
+    t0 = time.perf_counter()
+    for name, v in (("batch", batch), ("seq", seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
+        raise ValueError(f"accum: expected an int >= 1, got {accum!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom!r}")
+    here = machine()
+    gpu_mem = parse_bytes(gpu_memory, "gpu_memory")
+    if device is None:
+        device = "cuda" if (gpu_mem is not None or here["gpus"]) else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+    host_mem = parse_bytes(host_memory, "host_memory") or here["host_memory"]
+    if device == "cpu":
+        world = 1
+        gpu_mem = gpu_mem or host_mem
+    else:
+        world = gpus if gpus is not None else max(1, here["gpus"])
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"gpus: expected an int >= 1, got {gpus!r}")
+        if gpu_mem is None:
+            gpu_mem = here["gpu_memory"] or 80 * GB
+    if batch % world:
+        raise ValueError(f"batch: {batch} sequences do not split evenly over {world} GPUs")
+    rates = rates or rates_for("cpu" if device == "cpu" else (here["gpu_name"] or "NVIDIA H100 80GB HBM3"))
+
+    spec = model_spec(model, trainable)
+    share = _trainable_share(spec)
+    notes = []
+    activity: Dict[str, _Activity] = {}
+    for precision in costs.PRECISIONS:
+        try:
+            activity[precision] = _Activity(spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32,
+                                            device, inputs)
+        except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
+            if precision == "bf16" or not activity:
+                raise
+            notes.append(f"{precision}: the model could not be traced in this dtype ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}); no {precision} candidates")
+    if any(p.trainable and p.trainable < p.numel for p in spec.params):
+        notes.append("trainable: part of a parameter trains (#a:b): counted as such; apply() cannot do that")
+
+    cands: List[Candidate] = []
+    shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
+    optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
+    acts = [a for a in costs.ACTIVATIONS if device == "cuda" or a != "save_on_cpu"]
+    for precision, micro in itertools.product(activity, _micro_batches(batch // world, accum)):
+        m = activity[precision].model(spec, micro, share)
+        for act, opt, shard in itertools.product(acts, optimizers, shardings):
+            if opt != "gpu" and shard in ("zero1", "zero2"):
+                continue  # OffloadAdam shards with FSDP2 (zero3) or offloads everything under DDP
+            cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro)
+            cost = costs.memory(cfg, m, world, device == "cuda")
+            cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
+    budget = gpu_mem * (1 - headroom)
+    for c in cands:
+        over = c.cost.peak_bytes - budget
+        host_over = c.cost.host_bytes - host_mem * 0.9
+        if over > 0:
+            c.why = (f"does not fit: needs {c.cost.peak_bytes / GB:.1f} GB, {over / GB:.1f} GB over the "
+                     f"{budget / GB:.1f} GB budget ({gpu_mem / GB:.1f} GB less {headroom:.0%} headroom)")
+        elif host_over > 0:
+            c.why = (f"does not fit: needs {c.cost.host_bytes / GB:.1f} GB of host memory, "
+                     f"{host_over / GB:.1f} GB over 90% of {host_mem / GB:.1f} GB")
+        elif clipping and c.config.optimizer == "offload_overlap":
+            c.why = "overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
+        elif c.step_time_s == float("inf"):
+            c.why = "not possible here (no host link)"
+        else:
+            c.fits = True
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.step_time_s, c.cost.peak_bytes))
+    best = fitting[0] if fitting else None
+    for c in fitting[1:]:
+        c.why = f"fits, {c.step_time_s / best.step_time_s - 1:.1%} slower than the pick"
+    if best is not None:
+        best.why = "the pick: fastest that fits"
+    cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.cost.peak_bytes))
+    return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
+                rates, cands, best.name if best else None, activity["bf16"].method, time.perf_counter() - t0,
+                spec, notes)

@@ -1,0 +1,124 @@
+"""The machine rates the step-time model uses: measured here (``effmem plan --calibrate``) or from a named GPU's runs.
+
+Every default comes from a committed measurement and says which. A rate
+measured on this machine (``calibrate()``) is written to
+``~/.cache/effmem/plan_rates.json`` under the device's name and wins.
+"""
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rates:
+    device: str                 # what the rates describe
+    matmul_flops: float         # achieved dense matmul FLOP/s in the training dtype, at large sizes
+    matmul_flops_fp32: float    # the same for fp32 weights (under autocast on a GPU)
+    memory_bw: float            # device memory copy bandwidth, B/s (read + write counted)
+    link_bw: float              # host <-> device, B/s, one direction (0: no link, CPU training)
+    host_adam: float            # parameters/s of effmem's CPU Adam on this host
+    compress_bw: float          # saved bytes/s that compress_activations quantises and restores (both ways)
+    interconnect_bw: float      # all-reduce bus bandwidth between GPUs, B/s
+    half_rate_tokens: float     # tokens per micro-batch at which matmuls run at half their large-size rate
+    source: str                 # where the numbers come from
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# H100 80GB HBM3 (bench/results, commit 30c4269, torch 2.11): copy bandwidth from gpu_adam.json (3.00 TB/s);
+# the link from gpu_offload.json (transfer: 54.0 GB/s); matmul from the same file's FusedAdam row (1.3B
+# Llama, 65,536 tokens per step in 1,061 ms of forward and backward at 6 FLOPs per parameter per token plus
+# attention: 5.4e14 FLOP/s); host Adam from its plain OffloadAdam row (292 ms for 1.35e9 parameters, less
+# the 49 ms weight upload: 5.5e9 parameters/s on 16 cores); compress from the TinyLlama run in
+# gpu-runs/2026-11-23-h100 (117 ms more per step for about 36 GB saved: 3.1e11 B/s). The interconnect is
+# NVLink 4's all-reduce bus bandwidth as NVIDIA quotes it (not measured here: one GPU). half_rate_tokens
+# is an assumption (small micro-batches leave an H100 idle between kernels), to be fitted by bench_plan.py.
+H100 = Rates("NVIDIA H100 80GB HBM3", 5.4e14, 4.9e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 256.0,
+             "bench/results/gpu_*.json (H100, commit 30c4269)")
+# This 2-core AVX2 development machine (effmem plan --calibrate, 2026-11-23).
+CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 0.0, 16.0, "2-core AVX2 defaults")
+
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "effmem" / "plan_rates.json"
+
+
+def _cached() -> dict:
+    try:
+        return json.loads(_CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def rates_for(device: str) -> Rates:
+    """Rates for "cpu" or a GPU name: this machine's calibration if there is one, else the defaults."""
+    cached = _cached().get(device)
+    if cached:
+        return Rates(**cached)
+    if device == "cpu":
+        return CPU_DEFAULT
+    if "H100" not in device:
+        return replace(H100, device=device, source=f"{H100.source}; no calibration for {device}: "
+                                                     "run effmem plan --calibrate on it")
+    return H100
+
+
+def _median_time(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rates:
+    """Measure this machine's rates (a few seconds) and remember them for later plans."""
+    from effmem.optim import FusedAdam
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(fn):
+        def run():
+            fn()
+            sync()
+        return _median_time(run)
+
+    n = 4096 if cuda else 512
+    flops = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        flops[dtype] = 2 * n ** 3 / timed(lambda: a @ a)
+    numel = (1 << 28) if cuda else (1 << 24)
+    src = torch.empty(numel, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    memory_bw = 2 * numel / timed(lambda: dst.copy_(src))
+    link_bw = 0.0
+    if cuda:
+        host = torch.empty(numel, dtype=torch.uint8, pin_memory=True)
+        link_bw = numel / timed(lambda: src.copy_(host, non_blocking=True))
+    p = torch.zeros(1 << 22, requires_grad=True)
+    p.grad = torch.randn_like(p)
+    opt = FusedAdam([p])
+    host_adam = p.numel() / _median_time(opt.step)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    base = rates_for(name)
+    # fp32 weights train under bf16 autocast on a GPU (bf16 matmuls, plus the casts: 0.9 as in the H100
+    # figures above); on a CPU they run fp32 matmuls.
+    fp32 = 0.9 * flops[torch.bfloat16] if cuda else flops[torch.float32]
+    rates = Rates(name, flops[torch.bfloat16], fp32, memory_bw, link_bw, host_adam,
+                  base.compress_bw, base.interconnect_bw, base.half_rate_tokens,
+                  f"effmem plan --calibrate on this machine, {time.strftime('%Y-%m-%d')} (compress and "
+                  f"interconnect: {base.source})")
+    if write:
+        data = _cached()
+        data[name] = rates.as_dict()
+        _CACHE.parent.mkdir(parents=True, exist_ok=True)
+        _CACHE.write_text(json.dumps(data, indent=1))
+    return rates

@@ -1,0 +1,79 @@
+"""effmem plan's text: the pick, its parts, the other candidates and why each lost, and the pick as code."""
+from typing import List
+
+from effmem.plan.costs import Config
+
+GB = 10 ** 9
+PARTS = ("weights", "grads", "master", "optimizer", "activations", "logits", "temporary", "reserve")
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f}"
+
+
+def format_plan(plan, max_rows: int = 14) -> str:
+    lines: List[str] = []
+    lines.append(f"effmem plan: {plan.model}, {plan.params / 1e9:.3f}B parameters "
+                 f"({plan.trainable_params / 1e9:.3f}B trained), batch {plan.batch} x {plan.seq} tokens, "
+                 f"{plan.gpus} x {plan.device} with {_gb(plan.gpu_memory)} GB, host {_gb(plan.host_memory)} GB")
+    lines.append(f"activations: {plan.method}; rates: {plan.rates.device} ({plan.rates.source}); "
+                 f"planned in {plan.seconds:.2f} s. GB = 1e9 bytes.")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    pick = plan.pick
+    if pick is None:
+        closest = min(plan.candidates, key=lambda c: c.cost.peak_bytes)
+        lines.append(f"\nNothing fits. Closest: {closest.name}: {closest.why}")
+    else:
+        lines.append(f"\npick: {pick.name}  (peak {_gb(pick.cost.peak_bytes)} GB, "
+                     f"host {_gb(pick.cost.host_bytes)} GB, step {pick.step_time_s * 1e3:.0f} ms)")
+        lines.append("  " + "  ".join(f"{k} {_gb(pick.cost.parts[k])}" for k in PARTS))
+        lines.append("\n" + code_for(pick.config))
+    lines.append("\ncandidates (best micro-batch of each combination; --json has all of them):")
+    header = f"  {'name':<44} {'fits':<5} {'peak GB':>8} {'host GB':>8} {'step ms':>9}  why"
+    lines.append(header)
+    seen = set()
+    rows = 0
+    for c in plan.candidates:
+        cfg = c.config
+        key = (cfg.precision, cfg.activations, cfg.optimizer, cfg.sharding)
+        if key in seen:
+            continue
+        seen.add(key)
+        lines.append(f"  {c.name:<44} {'yes' if c.fits else 'no':<5} {_gb(c.cost.peak_bytes):>8} "
+                     f"{_gb(c.cost.host_bytes):>8} {c.step_time_s * 1e3:>9.0f}  {c.why}")
+        rows += 1
+        if rows >= max_rows:
+            break
+    return "\n".join(lines)
+
+
+def code_for(cfg: Config) -> str:
+    """The pick as the lines of a training script."""
+    out = ["# the pick as code (model: your nn.Module; for a Hugging Face model):"]
+    if cfg.precision == "bf16":
+        out.append("model = model.to('cuda', torch.bfloat16)")
+    else:
+        out.append("model = model.to('cuda')          # fp32 weights; run forward under "
+                   "torch.autocast('cuda', torch.bfloat16)")
+    if cfg.activations == "checkpoint":
+        out.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+    elif cfg.activations.startswith("compress"):
+        out.append(f"model = effmem.compress_activations(model, bits={cfg.activations[len('compress'):]})")
+    elif cfg.activations == "save_on_cpu":
+        out.append("# run forward inside: with torch.autograd.graph.save_on_cpu(pin_memory=True):")
+    if cfg.sharding == "ddp":
+        out.append("model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)")
+    elif cfg.sharding in ("zero2", "zero3"):
+        resh = "True" if cfg.sharding == "zero3" else "False"
+        out.append(f"for block in blocks: fully_shard(block, reshard_after_forward={resh})  # FSDP2")
+        out.append(f"fully_shard(model, reshard_after_forward={resh})")
+    opt = {"gpu": "effmem.FusedAdam(model.parameters(), lr=3e-4)",
+           "offload": "effmem.OffloadAdam(model.parameters(), lr=3e-4)",
+           "offload_overlap": "effmem.OffloadAdam(model.parameters(), lr=3e-4, overlap=True)"}[cfg.optimizer]
+    if cfg.sharding == "zero1":
+        opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
+               "optimizer_class=effmem.FusedAdam, lr=3e-4)")
+    out.append(f"opt = {opt}")
+    out.append(f"# {cfg.accumulation} micro-batch(es) of {cfg.micro_batch} sequence(s) per optimizer step")
+    return "\n".join(out)

@@ -1,0 +1,379 @@
+"""What autograd saves for backward, recorded from the model itself on meta tensors.
+
+The model's forward runs on the meta device (shapes and dtypes, no memory)
+with a saved_tensors_hooks pack hook that records every saved tensor's
+storage: its bytes, which storage it is (a tensor saved by three ops is held
+once), whether it is a parameter (costs nothing extra), which module was
+running (for the per-kind breakdown) and whether that was inside a decoder
+layer. Pre-hooks on the decoder layers record their inputs: what a
+checkpointed layer keeps. The forward's outputs (loss, logits) are recorded
+too: the training loop holds them until backward.
+
+From those records every activation strategy's bytes follow without
+another run (``Trace.activations``): all saved (none), the outside of the
+layers plus their inputs (checkpointing), the saved tensors at effmem's
+compressed sizes (compress), or nothing but the outputs (save_on_cpu).
+
+Attention: on the meta device scaled_dot_product_attention runs as plain
+math (saving the [s, s] weights). CUDA runs a flash kernel, which saves q,
+k, v, the output and a float32 log-sum-exp per row, and so does the CPU
+without dropout (with dropout the CPU runs the math). The trace replaces
+the function by one that saves what the target device's kernel saves.
+"""
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from effmem.compress._codec import packed_bytes
+from effmem.compress.policy import CompressConfig, value_reason
+from effmem.plan.model import ModelSpec, find_blocks
+
+KINDS = ("embedding", "attention", "mlp", "norm", "block", "logits", "other")
+_KIND_WORDS = (("logits", ("lm_head", "head", "output")), ("embedding", ("emb", "wte", "wpe")),
+               ("attention", ("attn", "attention")),
+               ("mlp", ("mlp", "moe", "expert", "feed_forward", "ffn", "fc")),
+               ("norm", ("norm", "ln_", "ln")))
+
+
+def kind_of(module_path: str, in_block: bool, after_head: bool) -> str:
+    """The layer kind a saved tensor is charged to, from the running modules' names (innermost first)."""
+    if after_head:
+        return "logits"  # the loss, computed after the output projection
+    for part in reversed(module_path.lower().split(".")) if module_path else ():
+        for kind, words in _KIND_WORDS:
+            if any(part == w or part.startswith(w) or part.endswith(w) for w in words):
+                return kind
+    return "block" if in_block else "other"
+
+
+@dataclass
+class Record:
+    """One storage the forward left alive."""
+    nbytes: int
+    kind: str
+    elem_size: int
+    last_dim: int
+    dtype: torch.dtype
+    saved: bool = False
+    saved_outside: bool = False          # saved while no decoder layer ran
+    first_block: Optional[int] = None    # first decoder layer that saved it
+    boundary: bool = False               # a decoder layer's input
+    output: bool = False                 # part of what forward returned
+
+    def compressible(self, cfg: CompressConfig) -> bool:
+        """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
+        rows = max(1, self.nbytes // self.elem_size // max(self.last_dim, 1))
+        probe = torch.empty((rows, self.last_dim), dtype=self.dtype, device="meta")
+        return self.saved and value_reason(cfg, probe) is None
+
+
+class _FlashSdpa(torch.autograd.Function):
+    """scaled_dot_product_attention as CUDA's flash kernel holds it: q, k, v, output, fp32 log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        # Flash kernels write [batch, seq, heads, dim] and return it viewed as [batch, heads, seq, dim],
+        # so the usual transpose back before the output projection costs no copy.
+        out = q.new_empty(q.shape[:-3] + (q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@dataclass
+class _Flops:
+    attention: float = 0.0
+
+
+@contextlib.contextmanager
+def _flash_attention(flops: _Flops, target: str):
+    real = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if target == "cpu" and dropout_p > 0:
+            return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        b_h = math.prod(query.shape[:-2])
+        s_q, s_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
+        # QK^T and PV, 2 FLOPs per multiply-add; a causal mask halves the work a flash kernel does.
+        flops.attention += 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
+        return _FlashSdpa.apply(query, key, value)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+class _Counter(TorchDispatchMode):
+    """Counts matmul FLOPs (torch's own formulas) and makes meta tensors behave like the target device's.
+
+    Hugging Face models test a value now and then (is this a packed batch?
+    is the mask all ones?); a meta tensor has none, so the check gets the
+    answer of an ordinary unpacked, unmasked batch: True (or 0). Meta
+    kernels follow CUDA's dtypes; the CPU's layer norm keeps its mean and
+    rstd in a bf16/fp16 input's own dtype, CUDA's in float32."""
+
+    def __init__(self, target: str):
+        super().__init__()
+        self.flops = 0.0
+        self.target = target
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return True if args[0].dtype == torch.bool else 0
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if (self.target == "cpu" and packet is torch.ops.aten.native_layer_norm
+                and args[0].dtype in (torch.bfloat16, torch.float16)):
+            return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
+        if packet in flop_registry:
+            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet is torch.ops.aten._grouped_mm:
+            # [tokens, k] x [experts, k, n]: each token row meets one expert's matrix.
+            self.flops += 2.0 * out.numel() * args[0].shape[-1]
+        return out
+
+
+def _storage(t: Tensor):
+    s = t.untyped_storage()
+    return s._cdata, s.nbytes()
+
+
+def _tensors(obj):
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict) or hasattr(obj, "items"):
+        try:
+            for o in obj.values():
+                yield from _tensors(o)
+        except Exception:  # a ModelOutput-like object that is not a mapping after all
+            return
+
+
+@dataclass
+class Trace:
+    """The records of one forward, and the FLOPs it took."""
+    records: Dict[int, Record] = field(default_factory=dict)
+    num_blocks: int = 0
+    matmul_flops: float = 0.0     # forward FLOPs of everything but attention
+    attention_flops: float = 0.0  # forward FLOPs of attention scores and weighted sums
+    method: str = "traced"
+
+    def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
+        """(record, counts as saved activation) pairs that stay alive until backward under a strategy."""
+        out = []
+        for r in self.records.values():
+            if strategy in ("none", "compress8", "compress4", "save_on_cpu"):
+                alive = r.saved or r.output
+            elif strategy == "checkpoint":
+                alive = r.saved_outside or r.boundary or r.output
+            else:
+                raise ValueError(f"activation strategy: unknown {strategy!r}")
+            if alive:
+                out.append((r, r.saved))
+        return out
+
+    def activations(self, strategy: str) -> Dict[str, int]:
+        """Bytes alive at the end of forward under a strategy, by kind (outputs included, under 'logits')."""
+        by_kind = {k: 0 for k in KINDS}
+        cfg = CompressConfig()
+        for r, saved in self._kept(strategy):
+            n = r.nbytes
+            if r.output and not saved:
+                by_kind["logits" if r.kind == "logits" or r.elem_size else r.kind] += n
+                continue
+            if strategy.startswith("compress") and r.compressible(cfg):
+                bits = int(strategy[len("compress"):])
+                n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(
+                    n // r.elem_size // r.last_dim, r.last_dim, bits, cfg.group_size)
+            if strategy == "save_on_cpu" and not r.output:
+                n = 0
+            by_kind[r.kind] += n
+        return by_kind
+
+    def offloaded_bytes(self) -> int:
+        """Bytes torch.autograd.graph.save_on_cpu moves to the host."""
+        return sum(r.nbytes for r in self.records.values() if r.saved and not r.output)
+
+    def block_bytes(self) -> List[int]:
+        """Bytes saved inside each decoder layer (what a checkpointed layer recomputes)."""
+        out = [0] * self.num_blocks
+        for r in self.records.values():
+            if r.saved and r.first_block is not None and not r.saved_outside and not r.boundary:
+                out[r.first_block] += r.nbytes
+        return out
+
+    def largest(self, kind: Optional[str] = None) -> int:
+        sizes = [r.nbytes for r in self.records.values() if r.saved and (kind is None or r.kind == kind)]
+        return max(sizes, default=0)
+
+
+def default_inputs(model: nn.Module, batch: int, seq: int, device) -> Tuple[tuple, dict]:
+    """Training inputs for the models effmem knows: Hugging Face causal LMs and the demo GPT."""
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    if hasattr(model, "config") and hasattr(model.config, "vocab_size"):
+        return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+    from effmem.demo_model import ByteGPT
+    if isinstance(model, ByteGPT):
+        return (ids, ids), {}
+    raise TypeError(f"model: effmem plan does not know how to call {type(model).__name__}; pass "
+                    f"inputs=callable(batch, seq, device) -> (args, kwargs) giving a forward that returns the loss")
+
+
+InputsFn = Callable[[int, int, torch.device], Tuple[tuple, dict]]
+
+
+def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, target: str,
+                 inputs: Optional[InputsFn] = None) -> Trace:
+    """Run one training forward of `model` on meta tensors of `dtype` and record what it leaves alive.
+
+    target: "cuda" or "cpu", the device whose attention kernel to model."""
+    meta = torch.device("meta")
+    state = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() else v.dtype)
+             .requires_grad_(v.requires_grad and v.is_floating_point())
+             for k, v in model.named_parameters()}
+    buffers = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() and v.dtype != torch.float32
+                                   else v.dtype) for k, v in model.named_buffers()}
+    # Rotary inverse frequencies stay float32 in Hugging Face models; only the values would differ.
+    owned = {_storage(t)[0] for t in list(state.values()) + list(buffers.values())}
+    args, kwargs = (inputs or (lambda b, s, d: default_inputs(model, b, s, d)))(batch, seq, meta)
+
+    tr = Trace()
+    blocks = find_blocks(model)[1]
+    tr.num_blocks = len(blocks)
+    block_index = {id(m): i for i, m in enumerate(blocks)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: List[nn.Module] = []
+    st = {"block": None, "after_head": False}
+
+    alive: List[Tensor] = []  # keeps recorded storages from being freed and their addresses reused
+
+    def record(t: Tensor, **flags) -> None:
+        key, nbytes = _storage(t)
+        if key in owned:
+            return
+        r = tr.records.get(key)
+        if r is None:
+            alive.append(t)
+            path = names.get(id(stack[-1]), "") if stack else ""
+            r = tr.records[key] = Record(nbytes, kind_of(path, st["block"] is not None, st["after_head"] and
+                                                         not stack[1:]), t.element_size(),
+                                         t.shape[-1] if t.dim() else 1, t.dtype)
+        for k, v in flags.items():
+            if k == "first_block":
+                if r.first_block is None:
+                    r.first_block = v
+            elif v:
+                setattr(r, k, True)
+
+    def pack(t: Tensor):
+        record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"])
+        return t
+
+    def pre(mod, a, kw):
+        stack.append(mod)
+        i = block_index.get(id(mod))
+        if i is not None:
+            st["block"] = i
+            for t in _tensors((a, kw)):
+                record(t, boundary=True)
+
+    def post(mod, a, kw, out):
+        stack.pop()
+        if id(mod) in block_index:
+            st["block"] = None
+        if mod is head:
+            st["after_head"] = True
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+    flops = _Flops()
+    try:
+        with _Counter(target) as counter, _flash_attention(flops, target), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(model, {**state, **buffers}, args, kwargs, tie_weights=True)
+        st["after_head"] = True
+        for t in _tensors(out):
+            record(t, output=True)
+    finally:
+        for h in handles:
+            h.remove()
+    tr.matmul_flops = float(counter.flops)
+    tr.attention_flops = flops.attention
+    return tr
+
+
+def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target: str,
+               inputs: Optional[InputsFn] = None) -> "Extrapolated":
+    """Trace a model; for a config, trace 1 and 2 decoder layers and extrapolate to all of them."""
+    if spec.module is not None:
+        t = trace_module(spec.module, batch, seq, dtype, target, inputs)
+        return Extrapolated(t, None, t.num_blocks)
+    one = trace_module(spec.build_layers(1), batch, seq, dtype, target, inputs)
+    two = trace_module(spec.build_layers(2), batch, seq, dtype, target, inputs)
+    return Extrapolated(one, two, spec.num_layers)
+
+
+class Extrapolated:
+    """Per-strategy bytes of an L-layer model from traces of 1 and 2 layers: T(L) = T(1) + (L-1)(T(2)-T(1)).
+
+    Exact when every layer saves the same tensors, which holds for the
+    decoder stacks of these models; tensors shared by all layers (rotary
+    tables) appear in T(1) and T(2) alike, so they are counted once."""
+
+    def __init__(self, one: Trace, two: Optional[Trace], layers: int):
+        self.one, self.two, self.layers = one, two, layers
+        self.method = "traced" if two is None else "traced (1 and 2 layers, extrapolated)"
+
+    def _lin(self, f):
+        a = f(self.one)
+        if self.two is None:
+            return a
+        b = f(self.two)
+        if isinstance(a, dict):
+            return {k: a[k] + (self.layers - 1) * (b[k] - a[k]) for k in a}
+        return a + (self.layers - 1) * (b - a)
+
+    def activations(self, strategy: str) -> Dict[str, int]:
+        return self._lin(lambda t: t.activations(strategy))
+
+    def offloaded_bytes(self) -> int:
+        return self._lin(lambda t: t.offloaded_bytes())
+
+    def block_bytes(self) -> int:
+        """The largest decoder layer's internally saved bytes."""
+        src = self.two if self.two is not None else self.one
+        return max(src.block_bytes(), default=0)
+
+    def largest(self, kind: Optional[str] = None) -> int:
+        src = self.two if self.two is not None else self.one
+        return src.largest(kind)
+
+    @property
+    def matmul_flops(self) -> float:
+        return self._lin(lambda t: t.matmul_flops)
+
+    @property
+    def attention_flops(self) -> float:
+        return self._lin(lambda t: t.attention_flops)

@@ -1,0 +1,147 @@
+"""effmem plan --verify: run a few steps of a candidate and put what it measured beside what was predicted.
+
+CUDA: the peak is torch.cuda.max_memory_allocated over the steps, compared
+with the prediction's allocated bytes (the peak less the reserve the
+allocator cannot see). Everywhere: model states are the bytes of the
+parameters, their gradients and the optimizer's state tensors; activations
+are the bytes a training forward leaves alive, measured as the allocator's
+bytes in use after forward minus before (glibc's mallinfo2 on the CPU,
+torch.cuda.memory_allocated on a GPU).
+"""
+import ctypes
+import gc
+import time
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from effmem.plan.trace import default_inputs
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _host_in_use() -> Optional[int]:
+    """Bytes malloc has handed out and not taken back (heap plus mmap'd blocks), or None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+def bytes_in_use(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    gc.collect()
+    return _host_in_use()
+
+
+def _loss_of(out) -> torch.Tensor:
+    if hasattr(out, "loss"):
+        return out.loss
+    if isinstance(out, (tuple, list)):
+        return next(t for t in out if torch.is_tensor(t) and t.dim() == 0)
+    return out
+
+
+def model_for(plan) -> nn.Module:
+    """A randomly initialised model of the plan's config (no download), or the plan's own module."""
+    spec = plan.spec
+    if spec.module is not None:
+        return spec.module
+    import transformers
+    cfg = dict(spec.config)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config.use_cache = False
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[str]] = None, steps: int = 3,
+           make_model: Optional[Callable[[], nn.Module]] = None, inputs=None) -> List[dict]:
+    """Train `steps` steps of each named candidate (default: the pick) and measure it. One dict per candidate."""
+    names = candidates or ([plan.best] if plan.best else [])
+    rows = []
+    for name in names:
+        c = plan.candidate(name)
+        m = make_model() if make_model else (model if model is not None else model_for(plan))
+        m, opt = plan.apply(m, name)
+        device = next(m.parameters()).device
+        cfg = c.config
+        args, kwargs = (inputs or (lambda b, s, d: default_inputs(m, b, s, d)))(cfg.micro_batch, plan.seq, device)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "fp32" and
+                                  device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        measured_act = None
+        t_steps = []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            for micro in range(cfg.accumulation):
+                before = bytes_in_use(device)
+                with autocast:
+                    out = m(*args, **kwargs)
+                after = bytes_in_use(device)
+                if step == steps - 1 and micro == cfg.accumulation - 1 and before is not None:
+                    measured_act = after - before
+                _loss_of(out).backward()
+                del out
+            measured_states = _state_bytes(m, opt, device)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t_steps.append(time.perf_counter() - t0)
+        row = {"name": name, "device": str(device), "steps": steps,
+               "predicted_activation_bytes": c.cost.forward_alive,
+               "measured_activation_bytes": measured_act,
+               "predicted_state_bytes": c.cost.states, "measured_state_bytes": measured_states,
+               "predicted_step_s": c.step_time_s, "measured_step_s": sorted(t_steps)[len(t_steps) // 2]}
+        if device.type == "cuda":
+            row["predicted_allocated_bytes"] = c.cost.allocated_bytes
+            row["measured_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        if hasattr(opt, "close"):
+            opt.close()
+        rows.append(row)
+    return rows
+
+
+def _state_bytes(model: nn.Module, opt, device: torch.device) -> dict:
+    """Model states as allocated on the training device: weights, gradients (p.grad), optimizer state."""
+    params = list(model.parameters())
+    master = optimizer = 0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.device == device:
+                if k == "master":
+                    master += v.nbytes
+                else:
+                    optimizer += v.nbytes
+    return {"weights": sum(p.nbytes for p in params),
+            "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
+            "master": master, "optimizer": optimizer}
+
+
+def format_verify(rows: List[dict]) -> str:
+    def gb(n):
+        return "n/a" if n is None else f"{n / 1e9:.3f}"
+    lines = ["verify: predicted against measured (GB = 1e9 bytes)"]
+    for r in rows:
+        lines.append(f"  {r['name']} on {r['device']}, {r['steps']} steps:")
+        lines.append(f"    activations alive after forward: predicted {gb(r['predicted_activation_bytes'])}, "
+                     f"measured {gb(r['measured_activation_bytes'])}")
+        for k, v in r["predicted_state_bytes"].items():
+            lines.append(f"    {k:<12} predicted {gb(v)}, measured {gb(r['measured_state_bytes'].get(k))}")
+        if "measured_max_allocated_bytes" in r:
+            lines.append(f"    peak allocated: predicted {gb(r['predicted_allocated_bytes'])}, measured "
+                         f"{gb(r['measured_max_allocated_bytes'])}")
+        lines.append(f"    step: predicted {r['predicted_step_s'] * 1e3:.0f} ms, measured "
+                     f"{r['measured_step_s'] * 1e3:.0f} ms (median)")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""effmem plan's activation trace against what a real CPU forward saves, for each activation strategy.
+
+The prediction comes from meta tensors (for a config: one- and two-layer
+copies, extrapolated; for a module: the module itself). The counts here come
+from the real model on the CPU: saved-tensor hooks (every distinct storage
+autograd saves, parameters excluded, plus what forward returned), effmem's
+own compression statistics, and the allocator's bytes in use after forward.
+"""
+import pytest
+import torch
+
+import effmem  # noqa: F401  (loads the extension)
+from effmem.compress import compress_activations
+from effmem.demo_model import ByteGPT, GPTConfig
+from effmem.plan.model import model_spec
+from effmem.plan.trace import trace_spec
+from effmem.plan.verify import bytes_in_use
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=320, n_positions=256)
+
+
+def real_model(cfg: dict, dtype=torch.float32):
+    c = dict(cfg)
+    config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    config.use_cache = False
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
+
+
+def hf_call(m, batch, seq):
+    ids = torch.randint(0, m.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return m(input_ids=ids, labels=ids, use_cache=False)
+
+
+def counted_saved_bytes(m, run) -> int:
+    """Distinct non-parameter storages autograd saves in a real forward, plus the outputs' storages."""
+    owned = {t.untyped_storage()._cdata for t in list(m.parameters()) + list(m.buffers())}
+    seen, keep = {}, []
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in owned:
+            seen[s._cdata] = s.nbytes()
+            keep.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    outs = [out.loss, out.logits] if hasattr(out, "loss") else [t for t in out if torch.is_tensor(t)]
+    for t in outs:
+        seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch,seq", [(2, 64), (3, 40)])
+def test_config_trace_equals_real_saved_bytes(cfg, dtype, batch, seq):
+    predicted = trace_spec(model_spec(cfg), batch, seq, dtype, "cpu").activations("none")
+    m = real_model(cfg, dtype)
+    assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, batch, seq))
+
+
+def test_module_trace_equals_real_saved_bytes_demo_gpt():
+    torch.manual_seed(0)
+    m = ByteGPT(GPTConfig(seq_len=48, n_layer=3, d_model=64, n_head=4)).train()
+    predicted = trace_spec(model_spec(m), 4, 48, torch.float32, "cpu").activations("none")
+    x = torch.randint(0, 256, (4, 48))
+    assert sum(predicted.values()) == counted_saved_bytes(m, lambda: m(x, x))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compressed_bytes_match_compress_stats(bits):
+    """compress8/compress4: the saved bytes at compress_activations' sizes, against its own statistics.
+
+    The prediction stores each storage once. compress_activations today
+    quantises a few storages twice (a buffer reused after a view of it was
+    saved: the deduplication defect issue 10 names), so it holds up to about
+    9% more here; the bound keeps that visible without calling it exact."""
+    batch, seq = 2, 64
+    tr = trace_spec(model_spec(LLAMA), batch, seq, torch.float32, "cpu")
+    predicted = sum(tr.activations(f"compress{bits}").values())
+    m = compress_activations(real_model(LLAMA), bits=bits)
+    out = hf_call(m, batch, seq)
+    outputs = out.loss.untyped_storage().nbytes() + out.logits.untyped_storage().nbytes()
+    stats = m.compress_stats
+    assert stats.num_compressed > 0
+    measured = stats.total_bytes_after + outputs
+    assert predicted <= measured <= 1.10 * predicted, (predicted, measured)
+    assert predicted < 0.5 * sum(tr.activations("none").values())
+
+
+def test_checkpoint_bytes_match_allocator():
+    """checkpoint: what the allocator holds after a checkpointed forward: the prediction plus the Python
+    objects of the graph (a few hundred kB, which the prediction leaves out: under 4% here)."""
+    batch, seq = 4, 256
+    cfg = dict(LLAMA, hidden_size=128, intermediate_size=352)
+    pred = trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu")
+    predicted = sum(pred.activations("checkpoint").values())
+    full = sum(pred.activations("none").values())
+    assert predicted < 0.5 * full  # checkpointing keeps much less than everything: the test can tell them apart
+    m = real_model(cfg)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if bytes_in_use(torch.device("cpu")) is None:
+        pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
+    for _ in range(3):  # the last of three: lazy allocations and the allocator's caches have settled
+        m.zero_grad(set_to_none=True)
+        before = bytes_in_use(torch.device("cpu"))
+        out = hf_call(m, batch, seq)
+        held = bytes_in_use(torch.device("cpu")) - before
+        out.loss.backward()
+        del out
+    assert predicted <= held <= 1.04 * predicted, (held, predicted)
