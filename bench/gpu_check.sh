@@ -5,12 +5,12 @@
 # commit.
 #
 #   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
-#   PART: build tests bench demo offload capacity linear_ce
+#   PART: build tests bench demo offload capacity linear_ce plan
 #
 # No PART runs them all in that order. The device tool allows 10 minutes per
 # command, which all of them together exceed: run `build tests bench demo` in
 # one call, `build offload capacity` in the next and `build linear_ce` in a
-# third (the build is about a minute on 16 cores). The device gets a copy of the working tree without
+# third, `build plan` in a fourth (the build is about a minute on 16 cores). The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
 # `git rev-parse HEAD` here); it goes into every JSON.
 #
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity linear_ce)
+[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity linear_ce plan)
 
 limit() { timeout -k 10 "$@"; }
 
@@ -69,8 +69,11 @@ for part in "${parts[@]}"; do
       # Fused linear cross-entropy at 16k tokens x 128k vocabulary x 4096, bf16, against the
       # unfused path eager and compiled: time, extra peak memory, targets.
       limit 300 "$PY" bench/bench_linear_ce.py --device cuda --json "$OUT/gpu_linear_ce.json" || status=1 ;;
+    plan)
+      # effmem plan's predicted peak and step against measured, 24 configurations, and its pick.
+      limit 480 "$PY" bench/bench_plan.py --json "$OUT/gpu_plan.json" || status=1 ;;
     *)
-      echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce)"; exit 2 ;;
+      echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce plan)"; exit 2 ;;
   esac
 done
 exit $status

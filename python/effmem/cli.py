@@ -25,6 +25,7 @@ from effmem import demo_model
 from effmem.compress import compress_activations
 from effmem.info import collect_info, format_info
 from effmem.plan import cli as plan_cli
+from effmem.plan.demo import compare, demo_plan
 
 def cmd_info(args) -> int:
     info = collect_info()
@@ -369,6 +370,8 @@ def cmd_demo(args, parser) -> int:
     print(f"effmem demo: byte-level GPT, {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
           f"seq {s['seq_len']}, batch {s['batch_size']}, {s['steps']} steps on {s['device']}; "
           f"corpus: Python {sys.version.split()[0]} standard-library source", flush=True)
+    plan_text, predictions = demo_plan(DEMO_CONFIGS, s)
+    print("\n" + plan_text + "\n", flush=True)
     start = time.perf_counter()
     runs = []
     for cfg in DEMO_CONFIGS:
@@ -402,13 +405,14 @@ def cmd_demo(args, parser) -> int:
             print(f"\nsaved activations of the last training step, {r['name']} "
                   "(before -> after compression; parameters are saved by reference and not counted):")
             print(r["compress_table"])
+    print("\n" + compare(runs, predictions))
     if args.json:
         with open(args.json, "w") as f:
             # What a result is meaningless without: the build, the device, the commit (the GPU
             # machine gets a copy of the tree without .git: gpu_check.sh passes it in).
             env = {**collect_info(), "git_commit": os.environ.get("EFFMEM_GIT_COMMIT") or None}
-            json.dump({"env": env, "settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs},
-                      f, indent=2)
+            json.dump({"env": env, "settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs,
+                       "plan_predictions": predictions}, f, indent=2)
     return 0
 
 

@@ -8,7 +8,7 @@ PARTS = ("weights", "grads", "master", "optimizer", "activations", "logits", "te
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.2f}"
+    return f"{n / GB:.3g}"
 
 
 def format_plan(plan, max_rows: int = 14) -> str:
@@ -28,7 +28,7 @@ def format_plan(plan, max_rows: int = 14) -> str:
         lines.append(f"\npick: {pick.name}  (peak {_gb(pick.cost.peak_bytes)} GB, "
                      f"host {_gb(pick.cost.host_bytes)} GB, step {pick.step_time_s * 1e3:.0f} ms)")
         lines.append("  " + "  ".join(f"{k} {_gb(pick.cost.parts[k])}" for k in PARTS))
-        lines.append("\n" + code_for(pick.config))
+        lines.append("\n" + code_for(pick.config, plan.device))
     lines.append("\ncandidates (best micro-batch of each combination; --json has all of them):")
     header = f"  {'name':<44} {'fits':<5} {'peak GB':>8} {'host GB':>8} {'step ms':>9}  why"
     lines.append(header)
@@ -48,14 +48,14 @@ def format_plan(plan, max_rows: int = 14) -> str:
     return "\n".join(lines)
 
 
-def code_for(cfg: Config) -> str:
+def code_for(cfg: Config, device: str = "cuda") -> str:
     """The pick as the lines of a training script."""
-    out = ["# the pick as code (model: your nn.Module; for a Hugging Face model):"]
+    out = ["# the pick as code (or: model, opt = plan.apply(model)):"]
     if cfg.precision == "bf16":
-        out.append("model = model.to('cuda', torch.bfloat16)")
+        out.append(f"model = model.to('{device}', torch.bfloat16)")
     else:
-        out.append("model = model.to('cuda')          # fp32 weights; run forward under "
-                   "torch.autocast('cuda', torch.bfloat16)")
+        out.append(f"model = model.to('{device}')" + ("  # fp32 weights; run forward under torch.autocast('cuda', "
+                                                       "torch.bfloat16)" if device == "cuda" else ""))
     if cfg.activations == "checkpoint":
         out.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
     elif cfg.activations.startswith("compress"):

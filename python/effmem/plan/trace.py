@@ -209,6 +209,11 @@ class Trace:
             by_kind[r.kind] += n
         return by_kind
 
+    def saved_bytes(self, strategy: str) -> int:
+        """Bytes saved for backward under a strategy: activations() less what forward returned."""
+        outputs = sum(r.nbytes for r in self.records.values() if r.output and not r.saved)
+        return sum(self.activations(strategy).values()) - outputs
+
     def offloaded_bytes(self) -> int:
         """Bytes torch.autograd.graph.save_on_cpu moves to the host."""
         return sum(r.nbytes for r in self.records.values() if r.saved and not r.output)
@@ -357,6 +362,9 @@ class Extrapolated:
 
     def activations(self, strategy: str) -> Dict[str, int]:
         return self._lin(lambda t: t.activations(strategy))
+
+    def saved_bytes(self, strategy: str) -> int:
+        return self._lin(lambda t: t.saved_bytes(strategy))
 
     def offloaded_bytes(self) -> int:
         return self._lin(lambda t: t.offloaded_bytes())

@@ -61,7 +61,9 @@ def model_for(plan) -> nn.Module:
     cfg = dict(spec.config)
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     config.use_cache = False
-    return transformers.AutoModelForCausalLM.from_config(config)
+    # Initialised where it trains: a 1B model's random init takes seconds on a GPU, minutes on two cores.
+    with torch.device("cuda" if plan.device == "cuda" else "cpu"):
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[str]] = None, steps: int = 3,
