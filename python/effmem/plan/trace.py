@@ -198,7 +198,7 @@ class Trace:
         for r, saved in self._kept(strategy):
             n = r.nbytes
             if r.output and not saved:
-                by_kind["logits" if r.kind == "logits" or r.elem_size else r.kind] += n
+                by_kind["logits"] += n  # what forward returned: the logits and the loss
                 continue
             if strategy.startswith("compress") and r.compressible(cfg):
                 bits = int(strategy[len("compress"):])
