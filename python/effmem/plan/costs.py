@@ -8,7 +8,7 @@ Memory: the peak is the larger of two moments of a step.
   under checkpointing, one recomputed layer and its gradients.
 * Optimizer step: weights, all gradients, master and state.
 Parts of the peak are those of the larger moment. Bytes are per GPU (per
-rank when sharded); ``host`` is what the host holds for the GPU.
+rank when sharded); ``host`` is what the host holds for all the GPUs.
 
 Time: forward FLOPs are counted in the trace (matmuls by torch's own
 formulas, attention at a flash kernel's count); backward costs two forwards
@@ -118,7 +118,8 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     parts["reserve"] = reserve
     parts["activations_by_kind"] = act
     states = dict(weights=weights, grads=grads, master=master, optimizer=optimizer)
-    return Cost(parts, allocated + reserve, allocated, host, states, activations + logits)
+    # Host memory is the machine's, shared by all ranks on it (one machine: all `world` GPUs).
+    return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits)
 
 
 def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
