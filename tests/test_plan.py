@@ -160,12 +160,13 @@ def real_tiny():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("act", ["none", "checkpoint", "compress8"])
+@pytest.mark.parametrize("act,loss", [("none", "standard"), ("checkpoint", "standard"), ("compress8", "standard"),
+                                      ("none", "fused")])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_apply_and_verify_on_cpu(act, precision):
+def test_apply_and_verify_on_cpu(act, loss, precision):
     """The applied candidate trains, and its model states are what the plan predicted, to the byte."""
     p = effmem.plan(TINY, batch=2, seq=64, device="cpu", host_memory="8GB")
-    c = pick_of(p, precision=precision, activations=act, micro_batch=2)
+    c = pick_of(p, precision=precision, activations=act, micro_batch=2, loss=loss)
     rows = verify(p, candidates=[c.name], steps=2, make_model=real_tiny)
     r = rows[0]
     assert r["measured_state_bytes"] == r["predicted_state_bytes"]
@@ -178,6 +179,9 @@ def test_apply_and_verify_on_cpu(act, precision):
     assert isinstance(opt, effmem.FusedAdam)
     assert (compressor_of(m) is not None) == (act == "compress8")
     assert m.model.gradient_checkpointing == (act == "checkpoint")
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
+    out = m(input_ids=ids, labels=ids)
+    assert (out.logits is None) == (loss == "fused") and torch.isfinite(out.loss)
 
 
 def test_apply_refuses_what_it_cannot_do():

@@ -9,7 +9,7 @@ own compression statistics, and the allocator's bytes in use after forward.
 import pytest
 import torch
 
-import effmem  # noqa: F401  (loads the extension)
+import effmem
 from effmem.compress import compress_activations
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import model_spec
@@ -51,6 +51,7 @@ def counted_saved_bytes(m, run) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     outs = [out.loss, out.logits] if hasattr(out, "loss") else [t for t in out if torch.is_tensor(t)]
+    outs = [t for t in outs if t is not None]  # a fused loss returns no logits
     for t in outs:
         seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
     return sum(seen.values())
@@ -63,6 +64,18 @@ def test_config_trace_equals_real_saved_bytes(cfg, dtype, batch, seq):
     predicted = trace_spec(model_spec(cfg), batch, seq, dtype, "cpu").activations("none")
     m = real_model(cfg, dtype)
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, batch, seq))
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_fused_loss_trace_equals_real_saved_bytes(cfg):
+    """With effmem.fuse_linear_cross_entropy the trace runs the fused op too, and the logits are gone."""
+    batch, seq = 2, 64
+    tr = trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu", fused_loss=True)
+    m = effmem.fuse_linear_cross_entropy(real_model(cfg))
+    predicted = sum(tr.activations("none").values())
+    assert predicted == counted_saved_bytes(m, lambda: hf_call(m, batch, seq))
+    unfused = trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu").activations("none")["logits"]
+    assert tr.activations("none")["logits"] < 0.2 * unfused
 
 
 def test_module_trace_equals_real_saved_bytes_demo_gpt():

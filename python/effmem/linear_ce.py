@@ -91,7 +91,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         raise ValueError(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden's without its last "
                          f"dimension), got {tuple(target.shape)}")
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    # Autocast exists for real devices only; meta tensors (effmem plan's trace) have none to ask about.
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None

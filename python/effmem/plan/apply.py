@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from effmem.compress import compress_activations
+from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
 from effmem.plan.model import Trainable, find_blocks
 from effmem.plan.report import code_for
@@ -50,7 +51,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     """Prepare `model` as the pick (or the named candidate) of `plan` says; returns (model, optimizer).
 
     Moves and casts the model (bf16 weights, or fp32 ones to run under autocast), freezes what the
-    plan's ``trainable`` leaves frozen, checkpoints, compresses or offloads activations, and builds
+    plan's ``trainable`` leaves frozen, checkpoints, compresses or offloads activations, computes the
+    loss with effmem.linear_cross_entropy (a "fused-ce" pick), and builds
     FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
     ``micro_batch`` sequences per optimizer step (``plan.pick.config``).
     """
@@ -83,6 +85,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
     elif cfg.activations == "save_on_cpu":
         model._effmem_save_on_cpu = _SaveOnCpu(model, pin=device.type == "cuda")
+    if cfg.loss == "fused":
+        fuse_linear_cross_entropy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "gpu":
         opt = FusedAdam(params, lr=lr, **optimizer_kwargs)

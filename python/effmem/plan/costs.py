@@ -42,12 +42,14 @@ class Config:
     sharding: str = "none"
     micro_batch: int = 1
     accumulation: int = 1
+    loss: str = "standard"   # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits
 
     @property
     def name(self) -> str:
         parts = [self.precision, self.activations if self.activations != "none" else "",
                  {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap"}[self.optimizer],
-                 self.sharding if self.sharding != "none" else "", f"mb{self.micro_batch}x{self.accumulation}"]
+                 self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
+                 f"mb{self.micro_batch}x{self.accumulation}"]
         return "+".join(p for p in parts if p)
 
 
@@ -66,6 +68,7 @@ class Model:
     trainable_matmul_share: float = 1.0      # share of matmul FLOPs whose weights train
     layers: int = 1
     tokens: int = 1                          # tokens per micro-batch
+    fused_ce_transient: int = 0              # backward buffers of effmem.linear_cross_entropy (fused loss)
 
 
 @dataclass
@@ -102,7 +105,9 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     activations = sum(act.values())
     if cfg.activations == "save_on_cpu":
         host += m.offloaded
-    transient = max(2 * m.largest_logits,
+    # The loss's backward: the gradient of the logits beside them (about 2x the largest logits tensor),
+    # or the fused loss's chunk buffers.
+    transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
                     (m.block_bytes if cfg.activations == "checkpoint" else 0) + 2 * m.largest_block)
     accumulated = grads if cfg.accumulation > 1 else 0
     start_backward = weights + accumulated + master + optimizer + activations + logits + transient + temporary_step
@@ -120,6 +125,15 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     states = dict(weights=weights, grads=grads, master=master, optimizer=optimizer)
     # Host memory is the machine's, shared by all ranks on it (one machine: all `world` GPUs).
     return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits)
+
+
+def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
+    """Backward buffers of effmem.linear_cross_entropy: one chunk's float32 logits and their gradient
+    (chunk_size in csrc/common/linear_ce.cpp: 1/64 of the vocabulary in multiples of 128, at least 256,
+    at most 128 MB of logits), and the float32 hidden gradient it sums into."""
+    fit = (128 << 20) // (4 * max(tokens, 1)) // 128 * 128
+    chunk = max(1, min(vocab, max(256, vocab // 64 // 128 * 128), max(128, fit)))
+    return 2 * 4 * tokens * chunk + 4 * tokens * hidden
 
 
 def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:

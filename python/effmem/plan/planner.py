@@ -77,6 +77,7 @@ class Candidate:
                 "activations_by_kind": self.cost.parts["activations_by_kind"], "time_parts": self.time_parts,
                 "precision": c.precision, "activations": c.activations, "optimizer": c.optimizer,
                 "sharding": c.sharding, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
+                "loss": c.loss,
                 "why": self.why}
 
 
@@ -91,9 +92,11 @@ def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
 class _Activity:
     """A model's activations and FLOPs at any micro-batch, from traces at micro-batch 1 and 2 (affine in it)."""
 
-    def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn]):
-        self.one = trace_spec(spec, 1, seq, dtype, target, inputs=inputs)
-        self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs)
+    def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn],
+                 fused_loss: bool = False):
+        self.one = trace_spec(spec, 1, seq, dtype, target, inputs=inputs, fused_loss=fused_loss)
+        self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs, fused_loss=fused_loss)
+        self.fused_loss = fused_loss
         self.method, self.seq = self.one.method, seq
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
@@ -110,7 +113,8 @@ class _Activity:
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
-            tokens=micro * self.seq)
+            tokens=micro * self.seq, fused_ce_transient=costs.fused_ce_buffers(
+                micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
 
 
 @dataclass
@@ -158,6 +162,25 @@ class Plan:
     def __str__(self) -> str:
         from effmem.plan.report import format_plan
         return format_plan(self)
+
+
+def _hf_config(spec: ModelSpec) -> dict:
+    if spec.config is not None:
+        return spec.config
+    cfg = getattr(spec.module, "config", None)
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+
+
+def _vocab_hidden(spec: ModelSpec):
+    cfg = _hf_config(spec)
+    return cfg.get("vocab_size", 1), cfg.get("hidden_size", cfg.get("n_embd", 1))
+
+
+def _fusable(spec: ModelSpec) -> bool:
+    """Whether effmem.fuse_linear_cross_entropy knows the model's class."""
+    from effmem.linear_ce_hf import SUPPORTED
+    model = spec.module if spec.module is not None else spec.build_layers(1)
+    return type(model).__name__ in SUPPORTED
 
 
 def _trainable_share(spec: ModelSpec) -> float:
@@ -213,16 +236,17 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     spec = model_spec(model, trainable)
     share = _trainable_share(spec)
     notes = []
-    activity: Dict[str, _Activity] = {}
-    for precision in costs.PRECISIONS:
+    activity: Dict[tuple, _Activity] = {}
+    losses = ["standard", "fused"] if _fusable(spec) else ["standard"]
+    for precision, loss in itertools.product(costs.PRECISIONS, losses):
         try:
-            activity[precision] = _Activity(spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32,
-                                            device, inputs)
+            activity[precision, loss] = _Activity(
+                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss == "fused")
         except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
             if precision == "bf16" or not activity:
                 raise
-            notes.append(f"{precision}: the model could not be traced in this dtype ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]}); no {precision} candidates")
+            notes.append(f"{precision} ({loss} loss): the model could not be traced in this dtype "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); no such candidates")
     if any(p.trainable and p.trainable < p.numel for p in spec.params):
         notes.append("trainable: part of a parameter trains (#a:b): counted as such; apply() cannot do that")
 
@@ -230,12 +254,12 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
     acts = [a for a in costs.ACTIVATIONS if device == "cuda" or a != "save_on_cpu"]
-    for precision, micro in itertools.product(activity, _micro_batches(batch // world, accum)):
-        m = activity[precision].model(spec, micro, share)
+    for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
+        m = activity[precision, loss].model(spec, micro, share)
         for act, opt, shard in itertools.product(acts, optimizers, shardings):
             if opt != "gpu" and shard in ("zero1", "zero2"):
                 continue  # OffloadAdam shards with FSDP2 (zero3) or offloads everything under DDP
-            cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro)
+            cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss)
             cost = costs.memory(cfg, m, world, device == "cuda")
             cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
     budget = gpu_mem * (1 - headroom)
@@ -262,5 +286,5 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         best.why = "the pick: fastest that fits"
     cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.cost.peak_bytes))
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
-                rates, cands, best.name if best else None, activity["bf16"].method, time.perf_counter() - t0,
+                rates, cands, best.name if best else None, activity["bf16", "standard"].method, time.perf_counter() - t0,
                 spec, notes)

@@ -36,7 +36,7 @@ def format_plan(plan, max_rows: int = 14) -> str:
     rows = 0
     for c in plan.candidates:
         cfg = c.config
-        key = (cfg.precision, cfg.activations, cfg.optimizer, cfg.sharding)
+        key = (cfg.precision, cfg.activations, cfg.optimizer, cfg.sharding, cfg.loss)
         if key in seen:
             continue
         seen.add(key)
@@ -62,6 +62,8 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
         out.append(f"model = effmem.compress_activations(model, bits={cfg.activations[len('compress'):]})")
     elif cfg.activations == "save_on_cpu":
         out.append("# run forward inside: with torch.autograd.graph.save_on_cpu(pin_memory=True):")
+    if cfg.loss == "fused":
+        out.append("model = effmem.fuse_linear_cross_entropy(model)   # the labels= loss without logits")
     if cfg.sharding == "ddp":
         out.append("model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)")
     elif cfg.sharding in ("zero2", "zero3"):

@@ -330,14 +330,27 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
 
 def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target: str,
-               inputs: Optional[InputsFn] = None) -> "Extrapolated":
-    """Trace a model; for a config, trace 1 and 2 decoder layers and extrapolate to all of them."""
+               inputs: Optional[InputsFn] = None, fused_loss: bool = False) -> "Extrapolated":
+    """Trace a model; for a config, trace 1 and 2 decoder layers and extrapolate to all of them.
+
+    fused_loss: with the training loss computed by effmem.linear_cross_entropy
+    (effmem.fuse_linear_cross_entropy; a user's module is unfused again afterwards)."""
+    from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
+
+    def run(model: nn.Module, fresh: bool) -> Trace:
+        if not fused_loss:
+            return trace_module(model, batch, seq, dtype, target, inputs)
+        fuse_linear_cross_entropy(model)
+        try:
+            return trace_module(model, batch, seq, dtype, target, inputs)
+        finally:
+            if not fresh:
+                unfuse_linear_cross_entropy(model)
+
     if spec.module is not None:
-        t = trace_module(spec.module, batch, seq, dtype, target, inputs)
+        t = run(spec.module, fresh=False)
         return Extrapolated(t, None, t.num_blocks)
-    one = trace_module(spec.build_layers(1), batch, seq, dtype, target, inputs)
-    two = trace_module(spec.build_layers(2), batch, seq, dtype, target, inputs)
-    return Extrapolated(one, two, spec.num_layers)
+    return Extrapolated(run(spec.build_layers(1), True), run(spec.build_layers(2), True), spec.num_layers)
 
 
 class Extrapolated:
