@@ -190,3 +190,17 @@ def test_apply_refuses_what_it_cannot_do():
         p.apply(real_tiny(), p.candidates[0].name)
     with pytest.raises(KeyError, match="no 'nope'"):
         p.candidate("nope")
+
+
+@pytest.mark.parametrize("preset", ["llama-7b", "mistral-7b", "llama3-8b", "gpt2"])
+def test_trace_agrees_with_the_closed_form_count(preset):
+    """plan/formula.py, written from reading the modules, against the trace: two derivations, one number."""
+    p = effmem.plan(preset, batch=2, seq=1024, gpu_memory="80GB", host_memory="1TB")
+    check = p.formula_check
+    assert check is not None and abs(check["relative_difference"]) < 1e-4, check
+    assert any(n.startswith("cross-check") for n in p.notes)
+
+
+def test_no_formula_for_a_model_it_does_not_describe():
+    p = effmem.plan("mixtral-8x7b", batch=1, seq=256, gpu_memory="80GB", host_memory="1TB")
+    assert p.formula_check is None and p.as_dict()["formula_check"] is None

@@ -136,6 +136,7 @@ class Plan:
     seconds: float
     spec: ModelSpec = field(repr=False, default=None)
     notes: List[str] = field(default_factory=list)
+    formula_check: Optional[dict] = None   # the trace against plan/formula.py, where it applies
 
     @property
     def pick(self) -> Optional[Candidate]:
@@ -152,6 +153,7 @@ class Plan:
                 "gpu_memory": self.gpu_memory, "host_memory": self.host_memory, "gpus": self.gpus,
                 "device": self.device, "batch": self.batch, "seq": self.seq, "method": self.method,
                 "rates": self.rates.as_dict(), "plan_seconds": self.seconds, "notes": self.notes,
+                "formula_check": self.formula_check,
                 "candidates": [c.as_dict() for c in self.candidates], "best": self.best}
 
     def apply(self, model, candidate: Optional[str] = None, **optimizer_kwargs):
@@ -181,6 +183,17 @@ def _fusable(spec: ModelSpec) -> bool:
     from effmem.linear_ce_hf import SUPPORTED
     model = spec.module if spec.module is not None else spec.build_layers(1)
     return type(model).__name__ in SUPPORTED
+
+
+def _cross_check(spec: ModelSpec, act: "_Activity", seq: int) -> Optional[dict]:
+    """The trace against plan/formula.py for one bf16 sequence, where the formula knows the model."""
+    from effmem.plan.formula import saved_bytes
+    cfg = _hf_config(spec)
+    formula = saved_bytes(cfg, 1, seq) if cfg else None
+    if formula is None:
+        return None
+    traced = sum(act.one.activations("none").values())
+    return {"formula": formula, "traced": traced, "relative_difference": traced / formula - 1}
 
 
 def _trainable_share(spec: ModelSpec) -> float:
@@ -247,6 +260,11 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
                 raise
             notes.append(f"{precision} ({loss} loss): the model could not be traced in this dtype "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); no such candidates")
+    cross_check = _cross_check(spec, activity["bf16", "standard"], seq)
+    if cross_check is not None:
+        notes.append(f"cross-check: the closed-form count (plan/formula.py) of one sequence's saved activations "
+                     f"is {cross_check['formula'] / 1e6:.2f} MB, the trace {cross_check['traced'] / 1e6:.2f} MB "
+                     f"({cross_check['relative_difference']:+.2%})")
     if any(p.trainable and p.trainable < p.numel for p in spec.params):
         notes.append("trainable: part of a parameter trains (#a:b): counted as such; apply() cannot do that")
 
@@ -287,4 +305,4 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.cost.peak_bytes))
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
                 rates, cands, best.name if best else None, activity["bf16", "standard"].method, time.perf_counter() - t0,
-                spec, notes)
+                spec, notes, cross_check)
