@@ -14,11 +14,13 @@ another run (``Trace.activations``): all saved (none), the outside of the
 layers plus their inputs (checkpointing), the saved tensors at effmem's
 compressed sizes (compress), or nothing but the outputs (save_on_cpu).
 
-Attention: on the meta device scaled_dot_product_attention runs as plain
-math (saving the [s, s] weights). CUDA runs a flash kernel, which saves q,
-k, v, the output and a float32 log-sum-exp per row, and so does the CPU
-without dropout (with dropout the CPU runs the math). The trace replaces
-the function by one that saves what the target device's kernel saves.
+Device kernels: on the meta device scaled_dot_product_attention runs as
+plain math (saving the [s, s] weights). CUDA runs a flash kernel, which
+saves q, k, v, the output and a float32 log-sum-exp per row, and so does
+the CPU without dropout (with dropout the CPU runs the math). CUDA's
+F.rms_norm is one fused kernel keeping the input and a float32 rstd; the
+CPU's is the math. The trace swaps in functions that save what the target
+device's kernels save.
 """
 import contextlib
 import math
@@ -97,25 +99,49 @@ class _Flops:
     attention: float = 0.0
 
 
+class _FusedRmsNorm(torch.autograd.Function):
+    """F.rms_norm as CUDA runs it (aten._fused_rms_norm): it keeps the input and a float32 rstd per row.
+
+    The CPU and the meta device run the math instead (a float32 copy of the
+    input and of the normalised values are kept): that is traced as is."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims: int):
+        rstd = torch.empty(x.shape[:x.dim() - dims] + (1,) * dims, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.zeros_like(x), None if weight is None else torch.zeros_like(weight), None
+
+
 @contextlib.contextmanager
-def _flash_attention(flops: _Flops, target: str):
-    real = F.scaled_dot_product_attention
+def _device_kernels(flops: _Flops, target: str):
+    """Swap in functions that save what the target device's kernels save (attention; CUDA's rms_norm)."""
+    real_sdpa, real_rms = F.scaled_dot_product_attention, F.rms_norm
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if target == "cpu" and dropout_p > 0:
-            return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+            return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
         b_h = math.prod(query.shape[:-2])
         s_q, s_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
         # QK^T and PV, 2 FLOPs per multiply-add; a causal mask halves the work a flash kernel does.
         flops.attention += 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
         return _FlashSdpa.apply(query, key, value)
 
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        return _FusedRmsNorm.apply(input, weight, len(tuple(normalized_shape)))
+
     F.scaled_dot_product_attention = sdpa
+    if target == "cuda":
+        F.rms_norm = rms_norm
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = real
+        F.scaled_dot_product_attention, F.rms_norm = real_sdpa, real_rms
 
 
 class _Counter(TorchDispatchMode):
@@ -231,6 +257,15 @@ class Trace:
         return max(sizes, default=0)
 
 
+def _output_head(model: nn.Module, blocks) -> Optional[nn.Module]:
+    """The output projection: Hugging Face's get_output_embeddings(), else the widest Linear outside the layers."""
+    if hasattr(model, "get_output_embeddings"):
+        return model.get_output_embeddings()
+    inside = {id(m) for b in blocks for m in b.modules()}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+    return max(linears, key=lambda m: m.out_features, default=None)
+
+
 def default_inputs(model: nn.Module, batch: int, seq: int, device) -> Tuple[tuple, dict]:
     """Training inputs for the models effmem knows: Hugging Face causal LMs and the demo GPT."""
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
@@ -265,7 +300,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     blocks = find_blocks(model)[1]
     tr.num_blocks = len(blocks)
     block_index = {id(m): i for i, m in enumerate(blocks)}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_head(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
     stack: List[nn.Module] = []
     st = {"block": None, "after_head": False}
@@ -315,7 +350,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
     flops = _Flops()
     try:
-        with _Counter(target) as counter, _flash_attention(flops, target), \
+        with _Counter(target) as counter, _device_kernels(flops, target), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, {**state, **buffers}, args, kwargs, tie_weights=True)
         st["after_head"] = True
