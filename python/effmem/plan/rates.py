@@ -37,9 +37,10 @@ class Rates:
 # attention: 5.4e14 FLOP/s); host Adam from its plain OffloadAdam row (292 ms for 1.35e9 parameters, less
 # the 49 ms weight upload: 5.5e9 parameters/s on 16 cores); compress from the TinyLlama run in
 # gpu-runs/2026-11-23-h100 (117 ms more per step for about 36 GB saved: 3.1e11 B/s). The interconnect is
-# NVLink 4's all-reduce bus bandwidth as NVIDIA quotes it (not measured here: one GPU). half_rate_tokens
-# is an assumption (small micro-batches leave an H100 idle between kernels), to be fitted by bench_plan.py.
-H100 = Rates("NVIDIA H100 80GB HBM3", 5.4e14, 4.9e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 256.0,
+# NVLink 4's all-reduce bus bandwidth as NVIDIA quotes it (not measured here: one GPU). half_rate_tokens:
+# small micro-batches leave an H100 idle between kernels; 600 puts the capacity rows of
+# gpu_offload_capacity.json (1.3B and 3B at 2,048 tokens per step) within 20% (tests/test_plan_h100.py).
+H100 = Rates("NVIDIA H100 80GB HBM3", 5.4e14, 4.9e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 600.0,
              "bench/results/gpu_*.json (H100, commit 30c4269)")
 # This 2-core AVX2 development machine (effmem plan --calibrate, 2026-11-23).
 CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 0.0, 16.0, "2-core AVX2 defaults")
