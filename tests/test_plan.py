@@ -171,8 +171,8 @@ def test_apply_and_verify_on_cpu(act, loss, precision):
     r = rows[0]
     assert r["measured_state_bytes"] == r["predicted_state_bytes"]
     # Activations alive after forward: the prediction plus the graph's Python objects (about 110-140 kB
-    # here; test_plan_trace.py checks the saved bytes themselves exactly) and compress' double saves.
-    assert r["predicted_activation_bytes"] <= r["measured_activation_bytes"] <= (
+    # here; test_plan_trace.py checks the saved bytes themselves exactly, compressed ones within 2%).
+    assert 0.98 * r["predicted_activation_bytes"] <= r["measured_activation_bytes"] <= (
         1.1 * r["predicted_activation_bytes"] + 150_000), r
     m, opt = p.apply(real_tiny(), c.name)
     assert next(m.parameters()).dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)

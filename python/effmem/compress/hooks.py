@@ -3,10 +3,12 @@
 The pack hook (torch.autograd.graph.saved_tensors_hooks) decides, from shapes,
 dtypes, storages and what the OutputTracker saw, whether to quantise a saved
 tensor; it never reads tensor values, so it adds no host synchronisation.
-The unpack hook dequantises (or reuses the buffer that another save of the
-same memory restored, while that one is still in use) and never frees the
-compressed data, so a graph kept with retain_graph=True can be unpacked
-again; the data goes when the last handle referring to it does.
+A memory saved by several ops (the input of q, k and v) is quantised once,
+as long as the tensor owning it lives. The unpack hook dequantises it once
+and hands the same buffer to each of those saves, keeping it until the last
+of them is unpacked; it never frees the compressed data, so a graph kept
+with retain_graph=True can be unpacked again; the data goes when the last
+handle referring to it does.
 """
 import itertools
 import threading
@@ -40,6 +42,7 @@ class _Entry:
     checks saved tensors for in-place changes only when no saved_tensors_hooks
     are active, so the unpack hook makes that check itself."""
     __slots__ = ("codes", "stats", "rows", "cols", "n", "dtype", "bits", "group_size", "origin", "restored",
+                 "saves", "unpacked", "held",
                  "counter", "version", "__weakref__")
 
 
@@ -86,6 +89,14 @@ def _restore(h: _Handle) -> Tensor:
         # Saves of one memory (q, k and v of one qkv) unpacked together share
         # one restored buffer, as the originals shared one storage.
         e.restored = weakref.ref(flat)
+    # Held until every save of this memory has been unpacked (the backward of q, k and v's inputs: one
+    # dequantize, not three), then let go, so a graph kept with retain_graph=True restores it afresh the
+    # next time. Never longer than autograd held the original: as long as its last save.
+    e.unpacked += 1
+    if e.unpacked < e.saves:
+        e.held = flat
+    else:
+        e.held, e.unpacked = None, 0
     # The buffer is the memory the tensor lived in, so its own strides view it.
     return flat.as_strided(h.shape, h.stride, h.offset)
 
@@ -303,6 +314,7 @@ class ActivationCompressor:
         entry = self._table.get(key)
         # The first saver must still be alive, or its memory may since hold another tensor.
         if entry is not None and entry.origin() is not None:
+            entry.saves += 1
             self.stats.deduplicated += 1
             self._note(t, module, "deduplicated")
             return _Handle(entry, *handle_args)
@@ -311,7 +323,11 @@ class ActivationCompressor:
             flat = src.as_strided((n,), (1,), offset)
             entry = _Entry()
             entry.n, entry.dtype, entry.bits, entry.group_size = n, t.dtype, cfg.bits, g
-            entry.origin, entry.restored = weakref.ref(src), None
+            # The tensor that owns the memory, not src: src is often a temporary view (the 2-D view
+            # F.linear makes of its input), gone before the next op saves the same memory (k and v's
+            # projections after q's), while the owner lives as long as the memory does.
+            entry.origin = weakref.ref(src._base if src._base is not None else src)
+            entry.restored, entry.saves, entry.unpacked, entry.held = None, 1, 0, None
             entry.counter, entry.version = _version_handle(src), src._version
             if t.dtype == torch.bool:
                 entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n

@@ -1,0 +1,88 @@
+"""compress_activations stores a memory saved by several ops once, and restores it once (issue 10).
+
+Counted in quantize and dequantize calls on a Hugging Face Llama (random
+init, no download): the input of q, k and v is one memory saved by three
+linears, the input of gate and up one saved by two. Before the fix, the
+first save's identity was F.linear's temporary 2-D view, dead before k's
+projection saved the same memory, so q/k/v's input was quantised three
+times; and the restored buffer was held only weakly, so each deduplicated
+save was dequantised again in backward.
+"""
+import collections
+
+import pytest
+import torch
+
+from effmem.compress import _codec, compress_activations
+from effmem.compress.api import compressor_of
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 2
+
+
+def llama():
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    counts = collections.Counter()
+    for name in ("quantize", "dequantize"):
+        real = getattr(_codec, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(_codec, name, counted)
+    return counts
+
+
+def run(model, retain=False):
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=retain)
+    return loss
+
+
+def test_shared_inputs_are_quantised_once_per_layer(calls):
+    m = compress_activations(llama(), bits=8, record=True)
+    ids = torch.randint(0, 256, (2, 64))
+    m(input_ids=ids, labels=ids)
+    decisions = collections.defaultdict(list)
+    for r in compressor_of(m).records:
+        if r["module"].endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) and r["decision"] != "parameter":
+            layer = r["module"].split(".")[2]
+            group = "qkv" if r["module"].endswith(("q_proj", "k_proj", "v_proj")) else "gate_up"
+            decisions[layer, group].append(r["decision"])
+    assert len(decisions) == 2 * LAYERS
+    for (layer, group), got in decisions.items():
+        want = ["compressed"] + ["deduplicated"] * (2 if group == "qkv" else 1)
+        assert got == want, (layer, group, got)
+    assert calls["quantize"] == m.compress_stats.num_compressed
+
+
+def test_each_quantised_memory_is_dequantised_once(calls):
+    m = compress_activations(llama(), bits=8)
+    run(m)
+    stats = m.compress_stats
+    assert stats.deduplicated >= 3 * LAYERS  # k, v and up share q's and gate's inputs in every layer
+    assert calls["quantize"] == stats.num_compressed
+    assert calls["dequantize"] == calls["quantize"], dict(calls)
+
+
+def test_retained_graph_restores_again_and_gradients_match(calls):
+    """retain_graph=True: a second backward dequantises each memory once more and gives the same gradients."""
+    m = compress_activations(llama(), bits=8)
+    loss = run(m, retain=True)
+    first = [p.grad.clone() for p in m.parameters()]
+    n = calls["dequantize"]
+    m.zero_grad()
+    loss.backward()
+    assert calls["dequantize"] == 2 * n
+    for a, p in zip(first, m.parameters()):
+        assert torch.equal(a, p.grad)
