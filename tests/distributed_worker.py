@@ -2,7 +2,7 @@
 
     python distributed_worker.py MODE RANK WORLD_SIZE STORE_FILE
 
-MODE is "ddp" or "fsdp2". CPU tensors, gloo backend. Each rank checks its
+MODE is "ddp", "fsdp2" or "plan" (effmem.plan's sharded picks applied). CPU tensors, gloo backend. Each rank checks its
 own results and exits non-zero (with the assertion on stderr) on a mismatch.
 """
 import copy
@@ -147,12 +147,46 @@ def run_fsdp2(rank):
     off.close()
 
 
+def run_plan(rank):
+    """effmem.plan's sharded picks applied on two ranks train like one process on both ranks' batches."""
+    import effmem
+    from torch.distributed.tensor import DTensor
+
+    base = tiny_gpt(torch.float32)
+    plan = effmem.plan(base, batch=8, seq=16, accum=1, device="cpu", gpus=2)
+    for sharding in ("ddp", "zero1", "zero2", "zero3"):
+        name = next(c.name for c in plan.candidates if (c.config.sharding, c.config.precision, c.config.activations,
+                                                         c.config.optimizer) == (sharding, "fp32", "none", "gpu"))
+        model, opt = plan.apply(copy.deepcopy(base), name, lr=LR)
+        ref = copy.deepcopy(base)
+        ref_opt = FusedAdam(ref.parameters(), lr=LR)
+        for step in range(3):
+            _, loss = model(*batch(rank, step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            # The reference sees both ranks' batches: the mean of their mean losses, as DDP and FSDP average.
+            total = sum(ref(*batch(r, step))[1] for r in range(2)) / 2
+            total.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        inner = model.module if hasattr(model, "module") else model
+        for (n, p), (_, q) in zip(inner.named_parameters(), ref.named_parameters()):
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            # Summation order differs (gradients averaged across ranks): Adam turns last-bit differences of
+            # near-zero gradients into up to ~1e-6 here; a wrong setup (a rank's gradient left out or
+            # counted twice) moves weights by about the learning rate, 3e-3.
+            assert torch.allclose(full, q, rtol=1e-5, atol=2e-5), (sharding, n, (full - q).abs().max())
+        if sharding in ("zero2", "zero3"):
+            assert all(isinstance(p, DTensor) for p in inner.parameters()), sharding
+
+
 def main():
     mode, rank, world, store = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        {"ddp": run_ddp, "fsdp2": run_fsdp2}[mode](rank)
+        {"ddp": run_ddp, "fsdp2": run_fsdp2, "plan": run_plan}[mode](rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -2,7 +2,9 @@
 
 Each rank offloads what it owns (DDP: every parameter; FSDP2: the local
 shard of each DTensor) and must match FusedAdam run on the same gradients;
-the checks run inside the ranks (tests/distributed_worker.py).
+the checks run inside the ranks (tests/distributed_worker.py). "plan": effmem.plan's
+DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2) picks, applied by plan.apply on each rank, train as one
+process does on both ranks' batches.
 """
 import os
 import subprocess
@@ -16,7 +18,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "plan"])
 def test_two_ranks(mode, tmp_path):
     store = tmp_path / "store"
     # gloo connects the ranks over the loopback interface: on a machine without a network the

@@ -14,6 +14,18 @@ from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter, gradient or state tensor, in place; else t.
+
+    Adam is elementwise, so each rank updates its shard with the same kernel. The state stays a
+    DTensor of the parameter's placements (zeros_like), which torch.distributed.checkpoint expects."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
 class FusedAdam(AdamBase):
     """Adam / AdamW whose whole update is one fused kernel per device and dtype.
 
@@ -172,13 +184,13 @@ class FusedAdam(AdamBase):
             grad = _validate.grad(p)
             state = self._init_state(p)
             b = buckets[(p.device, p.dtype, grad.dtype)]
-            b["params"].append(p)
-            b["grads"].append(grad)
-            b["exp_avgs"].append(state["exp_avg"])
-            b["exp_avg_sqs"].append(state["exp_avg_sq"])
+            b["params"].append(_local(p))
+            b["grads"].append(_local(grad))
+            b["exp_avgs"].append(_local(state["exp_avg"]))
+            b["exp_avg_sqs"].append(_local(state["exp_avg_sq"]))
             b["steps"].append(state["step"])
             if "master" in state:
-                b["masters"].append(state["master"])
+                b["masters"].append(_local(state["master"]))
         return buckets
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

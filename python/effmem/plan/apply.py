@@ -64,9 +64,7 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if cfg.sharding != "none":
-        raise ValueError(f"candidate {c.name}: sharded configurations ({cfg.sharding}) are applied per rank "
-                         f"under torch.distributed; apply() prepares single-process ones. The lines to use:\n"
-                         f"{code_for(cfg)}")
+        _check_distributed(plan, c.name)
     spec = plan.spec
     which = Trainable.parse(spec.trainable_text) if spec is not None and spec.trainable_text else None
     if which is not None:
@@ -87,9 +85,41 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         model._effmem_save_on_cpu = _SaveOnCpu(model, pin=device.type == "cuda")
     if cfg.loss == "fused":
         fuse_linear_cross_entropy(model)
+    if cfg.sharding in ("zero2", "zero3"):
+        _fully_shard(model, reshard=cfg.sharding == "zero3", device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "gpu":
+    if cfg.sharding == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=FusedAdam, lr=lr, **optimizer_kwargs)
+    elif cfg.optimizer == "gpu":
         opt = FusedAdam(params, lr=lr, **optimizer_kwargs)
     else:
         opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap", **optimizer_kwargs)
+    if cfg.sharding in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        # Gradients as views of DDP's buckets: no second copy of them (what the plan counted).
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
     return model, opt
+
+
+def _check_distributed(plan, name: str) -> None:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"candidate {name}: a sharded configuration is applied on every rank after "
+                         f"torch.distributed.init_process_group (torchrun); it is not initialised here. The "
+                         f"lines each rank runs:\n{code_for(plan.candidate(name).config, plan.device)}")
+    if dist.get_world_size() != plan.gpus:
+        raise ValueError(f"candidate {name}: planned for {plan.gpus} ranks, torch.distributed has "
+                         f"{dist.get_world_size()}")
+
+
+def _fully_shard(model: nn.Module, reshard: bool, device: torch.device) -> None:
+    """FSDP2: each decoder layer its own unit, then the rest; reshard=False keeps the gathered weights
+    from forward to backward (ZeRO-2: sharded gradients and state), True gathers them again (ZeRO-3)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in find_blocks(model)[1]:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

@@ -234,12 +234,13 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
     host_mem = parse_bytes(host_memory, "host_memory") or here["host_memory"]
     if device == "cpu":
-        world = 1
+        # One process, or `gpus` CPU ranks under torch.distributed (gloo): what the tests run.
+        world = gpus if gpus is not None else 1
         gpu_mem = gpu_mem or host_mem
     else:
         world = gpus if gpus is not None else max(1, here["gpus"])
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"gpus: expected an int >= 1, got {gpus!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"gpus: expected an int >= 1, got {gpus!r}")
         if gpu_mem is None:
             gpu_mem = here["gpu_memory"] or 80 * GB
     if batch % world:

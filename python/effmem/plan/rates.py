@@ -43,7 +43,8 @@ class Rates:
 H100 = Rates("NVIDIA H100 80GB HBM3", 5.4e14, 4.9e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 600.0,
              "bench/results/gpu_*.json (H100, commit 30c4269)")
 # This 2-core AVX2 development machine (effmem plan --calibrate, 2026-11-23).
-CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 0.0, 16.0, "2-core AVX2 defaults")
+CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 1.0e9, 16.0,
+                    "2-core AVX2 defaults; interconnect: gloo over loopback, assumed")
 
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "effmem" / "plan_rates.json"
 
