@@ -204,3 +204,13 @@ def test_trace_agrees_with_the_closed_form_count(preset):
 def test_no_formula_for_a_model_it_does_not_describe():
     p = effmem.plan("mixtral-8x7b", batch=1, seq=256, gpu_memory="80GB", host_memory="1TB")
     assert p.formula_check is None and p.as_dict()["formula_check"] is None
+
+
+def test_calibrate_measures_this_machine_and_later_plans_use_it(tmp_path, monkeypatch):
+    from effmem.plan import rates as rates_mod
+    monkeypatch.setattr(rates_mod, "_CACHE", tmp_path / "plan_rates.json")
+    r = rates_mod.calibrate(torch.device("cpu"))
+    assert r.device == "cpu" and r.matmul_flops > 1e8 and r.memory_bw > 1e8 and r.host_adam > 1e6
+    assert json.loads((tmp_path / "plan_rates.json").read_text())["cpu"]["matmul_flops"] == r.matmul_flops
+    p = effmem.plan("gpt2", batch=2, seq=64, device="cpu")
+    assert p.rates == r and "calibrate" in p.rates.source
