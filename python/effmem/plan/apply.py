@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from effmem.activations import apply_activation_policy
 from effmem.compress import compress_activations
 from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
@@ -79,6 +80,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         model.config.use_cache = False  # a training forward needs no key/value cache
     if cfg.activations == "checkpoint":
         _checkpoint_blocks(model)
+    elif cfg.activations == "checkpoint8":
+        apply_activation_policy(model, "min")
     elif cfg.activations.startswith("compress"):
         model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
     elif cfg.activations == "save_on_cpu":

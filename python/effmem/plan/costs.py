@@ -26,7 +26,8 @@ PRECISIONS = {
     "bf16": (2, 2, 4, 8),   # bf16 weights and gradients, FusedAdam's fp32 master and moments
     "fp32": (4, 4, 0, 8),   # fp32 weights under bf16 autocast, Adam on them (torch AdamW or FusedAdam)
 }
-ACTIVATIONS = ("none", "checkpoint", "compress8", "compress4", "save_on_cpu")
+# checkpoint8: effmem.apply_activation_policy(model, "min"), checkpointed layers with 8-bit inputs.
+ACTIVATIONS = ("none", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
 OPTIMIZERS = ("gpu", "offload", "offload_overlap")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
 OFFLOAD_BUCKET = 1 << 23        # OffloadAdam's default bucket (elements); two are in flight on the GPU
@@ -115,7 +116,8 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     # The loss's backward: the gradient of the logits beside them (about 2x the largest logits tensor),
     # or the fused loss's chunk buffers.
     transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
-                    (m.block_bytes if cfg.activations == "checkpoint" else 0) + 2 * m.largest_block)
+                    (m.block_bytes if cfg.activations in ("checkpoint", "checkpoint8") else 0)
+                    + 2 * m.largest_block)
     accumulated = grads if cfg.accumulation > 1 else 0
     start_backward = weights + accumulated + master + optimizer + activations + logits + transient + temporary_step
     step = weights + grads + master + optimizer + temporary_step
@@ -149,11 +151,15 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     rate *= m.tokens / (m.tokens + r.half_rate_tokens)
     fwd = (m.matmul_flops + m.attention_flops) / rate  # the trace's FLOPs are per micro-batch
     bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops) / rate
-    recompute = fwd if cfg.activations == "checkpoint" else 0.0
+    recompute = fwd if cfg.activations in ("checkpoint", "checkpoint8") else 0.0
     extra = 0.0
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
         extra = saved / r.compress_bw
+    elif cfg.activations == "checkpoint8":
+        # One quantisation and one dequantisation of each layer's input.
+        kept = m.activations["checkpoint"]
+        extra = (sum(kept.values()) - kept.get("logits", 0)) / r.compress_bw
     elif cfg.activations == "save_on_cpu":
         # save_on_cpu copies each saved tensor off and back, on the compute stream.
         extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")

@@ -58,6 +58,8 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
                                                        "torch.bfloat16)" if device == "cuda" else ""))
     if cfg.activations == "checkpoint":
         out.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+    elif cfg.activations == "checkpoint8":
+        out.append("model = effmem.apply_activation_policy(model, 'min')   # checkpointed layers, 8-bit inputs")
     elif cfg.activations.startswith("compress"):
         out.append(f"model = effmem.compress_activations(model, bits={cfg.activations[len('compress'):]})")
     elif cfg.activations == "save_on_cpu":

@@ -67,6 +67,7 @@ class Record:
     saved_outside: bool = False          # saved while no decoder layer ran
     first_block: Optional[int] = None    # first decoder layer that saved it
     boundary: bool = False               # a decoder layer's input
+    block_input: bool = False            # its hidden-state input (what the "min" policy keeps in 8 bits)
     output: bool = False                 # part of what forward returned
 
     def compressible(self, cfg: CompressConfig) -> bool:
@@ -209,7 +210,7 @@ class Trace:
         for r in self.records.values():
             if strategy in ("none", "compress8", "compress4", "save_on_cpu"):
                 alive = r.saved or r.output
-            elif strategy == "checkpoint":
+            elif strategy in ("checkpoint", "checkpoint8"):
                 alive = r.saved_outside or r.boundary or r.output
             else:
                 raise ValueError(f"activation strategy: unknown {strategy!r}")
@@ -230,6 +231,9 @@ class Trace:
                 bits = int(strategy[len("compress"):])
                 n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(
                     n // r.elem_size // r.last_dim, r.last_dim, bits, cfg.group_size)
+            if strategy == "checkpoint8" and r.block_input and not r.saved_outside:
+                # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows.
+                n = packed_bytes(n // r.elem_size // r.last_dim, r.last_dim, 8, cfg.group_size)
             if strategy == "save_on_cpu" and not r.output:
                 n = 0
             by_kind[r.kind] += n
@@ -334,8 +338,9 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         i = block_index.get(id(mod))
         if i is not None:
             st["block"] = i
+            hidden = a[0] if a else kw.get("hidden_states")
             for t in _tensors((a, kw)):
-                record(t, boundary=True)
+                record(t, boundary=True, block_input=t is hidden)
 
     def post(mod, a, kw, out):
         stack.pop()

@@ -1,0 +1,156 @@
+"""effmem.apply_activation_policy: "checkpoint" and "min" (checkpointed layers, inputs kept in 8 bits).
+
+Checked on Hugging Face Llama and GPT-2 (random init, no download) and the demo GPT: the forward is
+unchanged, gradients carry only the 8-bit rounding of each layer's input (and the dropout masks replay:
+GPT-2 trains with dropout), training follows plain training to within 1% of the final loss, the memory
+held after forward is what effmem plan predicts and less than checkpointing's, and removing the policy
+restores the model.
+"""
+import copy
+
+import pytest
+import torch
+
+import effmem
+from effmem.activations import apply_activation_policy, remove_activation_policy
+from effmem.demo_model import ByteGPT, GPTConfig
+from effmem.plan.model import model_spec
+from effmem.plan.trace import trace_spec
+from effmem.plan.verify import bytes_in_use
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+
+
+def llama(**kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**LLAMA, **kw}, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)
+    return transformers.GPT2LMHeadModel(cfg).train()   # dropout 0.1 everywhere
+
+
+def ids(batch=2, seq=64, seed=1):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def grads_after_one_step(model, x, seed=5):
+    torch.manual_seed(seed)  # the same dropout masks for every model
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+def test_min_policy_changes_gradients_only_by_the_rounding_of_layer_inputs(make):
+    plain, ckpt, small = make(), apply_activation_policy(make(), "checkpoint"), apply_activation_policy(make(), "min")
+    x = ids()
+    l0, g0 = grads_after_one_step(plain, x)
+    l1, g1 = grads_after_one_step(ckpt, x)
+    l2, g2 = grads_after_one_step(small, x)
+    assert torch.equal(l0, l1) and torch.equal(l0, l2)  # the forward is the model's own
+    for a, b, c in zip(g0, g1, g2):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        # 8-bit stochastic rounding of each layer's input: about 1% relative error in the gradients; a
+        # recompute with other dropout masks or a wrong input would be off by order 100%.
+        assert (c - a).norm() <= 0.05 * a.norm() + 1e-6
+
+
+def pattern(batch, seq, seed):
+    """Sequences a model can learn: arithmetic progressions mod 256, random start and stride."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, 256, (batch, 1), generator=g), torch.randint(1, 8, (batch, 1), generator=g)
+    return (start + stride * torch.arange(seq)) % 256
+
+
+def loss_of(model, x):
+    return model(input_ids=x, labels=x).loss if hasattr(model, "config") else model(x, x)[1]
+
+
+def train(model, steps=150, lr=1e-3):
+    opt = effmem.FusedAdam(model.parameters(), lr=lr)
+    for step in range(steps):
+        loss_of(model, pattern(4, 64, seed=step)).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # held-out batches: less noisy than the last training losses
+        return sum(loss_of(model, pattern(8, 64, seed=1000 + i)).item() for i in range(4)) / 4
+
+
+@pytest.mark.parametrize("which", ["llama", "demo_gpt"])
+def test_min_policy_trains_like_plain(which):
+    """Final held-out loss within 1% of plain training (issue 10). At a higher learning rate (2e-3) both
+    runs are still in a fast, chaotic descent at the end and differ by a few percent either way from run
+    to run, with or without the policy: 1e-3 over 150 steps ends where they have settled."""
+    make = llama if which == "llama" else (lambda: ByteGPT(GPTConfig(seq_len=64, n_layer=3, d_model=64,
+                                                                     n_head=4)))
+    torch.manual_seed(0)
+    plain = make()
+    first = loss_of(plain, pattern(8, 64, seed=1000)).item()
+    small = apply_activation_policy(copy.deepcopy(plain), "min")
+    a, b = train(plain), train(small)
+    assert a < 0.5 * first  # it learned the sequences
+    assert abs(b - a) <= 0.01 * a, (a, b)
+
+
+def held_after_forward(model, x):
+    for _ in range(3):  # the last of three: lazy allocations have settled
+        model.zero_grad(set_to_none=True)
+        before = bytes_in_use(torch.device("cpu"))
+        out = model(input_ids=x, labels=x)
+        held = bytes_in_use(torch.device("cpu")) - before
+        out.loss.backward()
+        del out
+    return held
+
+
+def test_min_policy_holds_what_plan_predicts_and_less_than_checkpointing():
+    if bytes_in_use(torch.device("cpu")) is None:
+        pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
+    x = ids(4, 256)
+    cfg = dict(model_type="llama", **LLAMA)
+    tr = trace_spec(model_spec(cfg), 4, 256, torch.float32, "cpu")
+    pred_min, pred_ckpt = (sum(tr.activations(s).values()) for s in ("checkpoint8", "checkpoint"))
+    held_min = held_after_forward(apply_activation_policy(llama(), "min"), x)
+    held_ckpt = held_after_forward(apply_activation_policy(llama(), "checkpoint"), x)
+    assert pred_min <= held_min <= 1.05 * pred_min, (held_min, pred_min)
+    assert held_min < held_ckpt and pred_min < pred_ckpt
+    # The layer inputs themselves: 4 x 256 x 128 fp32 each, 8-bit codes plus a float32 (min, scale) per 128.
+    layer_inputs = 3 * (4 * 256 * 128 * 4 - (4 * 256 * 128 + 4 * 256 * 8))
+    assert pred_ckpt - pred_min == layer_inputs
+
+
+def test_remove_restores_and_bad_arguments_name_themselves():
+    m = llama()
+    x = ids()
+    before = m(input_ids=x, labels=x).loss
+    apply_activation_policy(m, "min")
+    with pytest.raises(ValueError, match="already applied"):
+        apply_activation_policy(m, "checkpoint")
+    remove_activation_policy(m)
+    assert all("forward" not in layer.__dict__ for layer in m.model.layers)
+    assert torch.equal(m(input_ids=x, labels=x).loss, before)
+    with pytest.raises(ValueError, match="policy: expected one of 'checkpoint', 'min'"):
+        apply_activation_policy(m, "fastest")
+    with pytest.raises(ValueError, match="no list of decoder layers"):
+        apply_activation_policy(torch.nn.Linear(2, 2), "min")
+    with torch.no_grad():  # evaluation: nothing is saved, the policy stays out of the way
+        apply_activation_policy(m, "min")
+        assert torch.equal(m(input_ids=x, labels=x).loss, before)
+
+
+def test_plan_offers_and_applies_the_min_policy():
+    p = effmem.plan(dict(model_type="llama", **LLAMA), batch=2, seq=64, device="cpu", host_memory="8GB")
+    c = next(c for c in p.candidates if c.config.activations == "checkpoint8" and c.config.loss == "standard")
+    plain = next(c2 for c2 in p.candidates if c2.config.activations == "checkpoint" and
+                 c2.config.loss == "standard" and c2.config.precision == c.config.precision and
+                 c2.config.micro_batch == c.config.micro_batch)
+    assert c.cost.forward_alive < plain.cost.forward_alive
+    m, _ = p.apply(llama(), c.name)
+    assert all(layer._effmem_policy == "checkpoint8" for layer in m.model.layers)
