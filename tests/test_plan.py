@@ -133,6 +133,15 @@ def test_bad_arguments_name_themselves(bad, match):
         effmem.plan(kw.pop("model"), **kw)
 
 
+def test_defaults_come_from_the_machine():
+    p = effmem.plan("gpt2", batch=2, seq=64, device="cuda")  # no GPU here: an 80 GB one is assumed
+    assert p.gpu_memory == (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
+                            else 80 * 10 ** 9)
+    assert p.host_memory > 0 and p.gpus >= 1
+    cpu = effmem.plan("gpt2", batch=2, seq=64, device="cpu")
+    assert cpu.gpus == 1 and cpu.gpu_memory == cpu.host_memory
+
+
 def test_parse_bytes_units():
     assert parse_bytes("80GB", "x") == 80 * 10 ** 9 and parse_bytes("80GiB", "x") == 80 << 30
     assert parse_bytes("1.5TB", "x") == 1_500_000_000_000 and parse_bytes(1024, "x") == 1024

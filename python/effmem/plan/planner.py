@@ -239,10 +239,10 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         gpu_mem = gpu_mem or host_mem
     else:
         world = gpus if gpus is not None else max(1, here["gpus"])
+        if gpu_mem is None:  # this machine's GPU, or an 80 GB one where there is none
+            gpu_mem = here["gpu_memory"] or 80 * GB
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"gpus: expected an int >= 1, got {gpus!r}")
-        if gpu_mem is None:
-            gpu_mem = here["gpu_memory"] or 80 * GB
     if batch % world:
         raise ValueError(f"batch: {batch} sequences do not split evenly over {world} GPUs")
     rates = rates or rates_for("cpu" if device == "cpu" else (here["gpu_name"] or "NVIDIA H100 80GB HBM3"))
@@ -305,5 +305,5 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         best.why = "the pick: fastest that fits"
     cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.cost.peak_bytes))
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
-                rates, cands, best.name if best else None, activity["bf16", "standard"].method, time.perf_counter() - t0,
-                spec, notes, cross_check)
+                rates, cands, best.name if best else None, activity["bf16", "standard"].method,
+                time.perf_counter() - t0, spec, notes, cross_check)
