@@ -164,12 +164,14 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         # save_on_cpu copies each saved tensor off and back, on the compute stream.
         extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")
     out = {"compute": cfg.accumulation * (fwd + bwd + recompute), "activations": cfg.accumulation * extra}
-    w_b, g_b, _, _ = PRECISIONS[cfg.precision]
+    w_b, g_b, master_b, _ = PRECISIONS[cfg.precision]
     shard = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
     t = m.trainable // shard
     if cfg.optimizer == "gpu":
-        # FusedAdam reads and writes weights, gradients, master and moments: 28 B/param for bf16.
-        out["optimizer"] = t * (2 * w_b + g_b + 2 * 4 * 3) / r.memory_bw
+        # FusedAdam reads the gradient, reads and writes both moments and the master (or the fp32
+        # weight itself), and writes a low-precision weight: 28 B/param for bf16 and for fp32.
+        weight_bytes = w_b + 2 * master_b if master_b else 2 * w_b
+        out["optimizer"] = t * (g_b + weight_bytes + 2 * 2 * 4) / r.memory_bw
     else:
         if not r.link_bw:
             out["optimizer"] = float("inf")
