@@ -70,7 +70,7 @@ for part in "${parts[@]}"; do
       # unfused path eager and compiled: time, extra peak memory, targets.
       limit 300 "$PY" bench/bench_linear_ce.py --device cuda --json "$OUT/gpu_linear_ce.json" || status=1 ;;
     plan)
-      # effmem plan's predicted peak and step against measured, 24 configurations, and its pick.
+      # effmem plan's predicted peak and step against measured, 30 configurations, and its pick.
       limit 480 "$PY" bench/bench_plan.py --json "$OUT/gpu_plan.json" || status=1 ;;
     *)
       echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce plan)"; exit 2 ;;

@@ -223,3 +223,17 @@ def test_calibrate_measures_this_machine_and_later_plans_use_it(tmp_path, monkey
     assert json.loads((tmp_path / "plan_rates.json").read_text())["cpu"]["matmul_flops"] == r.matmul_flops
     p = effmem.plan("gpt2", batch=2, seq=64, device="cpu")
     assert p.rates == r and "calibrate" in p.rates.source
+
+
+def test_bench_plan_runs_its_loop_on_the_cpu(tmp_path):
+    """bench/bench_plan.py's GPU run is one device call; its loop is run here so it cannot fail on a typo."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "plan.json"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_plan.py"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke", "--steps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["rows"] and all(r["status"] == "ok" for r in data["rows"]) and len(data["targets"]) == 4
