@@ -411,3 +411,29 @@ print("dropped")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "dropped" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("budget", ["all", "some"])
+def test_device_accumulation_sends_once_and_changes_nothing(budget):
+    """device_accumulation: gradients summed in p.grad over the micro-batches inside accumulating()
+    and sent once; the same bits as summing them on the host, fewer bytes down (issue 12, item 3)."""
+    accum, steps = 4, 3
+    data = batches(accum * steps)
+    ref_model, model = tiny_gpt(torch.bfloat16), tiny_gpt(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    ref = OffloadAdam(ref_model.parameters(), **HP, bucket_size=n // 4)
+    size = 2 * n if budget == "all" else n  # bytes: every bucket, or about half of them
+    off = OffloadAdam(model.parameters(), **HP, bucket_size=n // 4, device_accumulation=size)
+    kept = sum(off._local[i].numel() for i in off._keep_on_device)
+    assert kept == n if budget == "all" else 0 < kept < n
+    train(ref_model, ref, data, accum=accum)
+    train(model, off, data, accum=accum)
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    down_ref, down = ref.counters()["bytes_down"], off.counters()["bytes_down"]
+    assert down_ref == steps * accum * 2 * n
+    assert down == steps * 2 * (accum * (n - kept) + kept)
+    with pytest.raises(ValueError, match="device_accumulation: expected an int >= 0"):
+        OffloadAdam(model.parameters(), device_accumulation=-1)
+    ref.close()
+    off.close()

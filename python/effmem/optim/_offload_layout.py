@@ -17,6 +17,8 @@ class GradHook:
         opt = self.ref()
         if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:
             return
+        if opt._accumulating and opt._index[p] in opt._keep_on_device:
+            return  # device_accumulation: autograd sums this gradient in p.grad until the last micro-batch
         opt._begin_backward()
         opt._hand_off(p)
 
@@ -62,6 +64,7 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
             num_buckets += 1
         bucket_of[i] = b
         open_bucket[t.dtype] = (b, filled + t.numel())
+    opt._bucket_of = bucket_of
     expects = [bool(p.requires_grad) for p in opt._params]
     # Landing chunks (for gradients accumulated over micro-batches): up to 4M
     # elements each, no larger than the largest parameter.
@@ -70,3 +73,21 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
                             device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
                             pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
                             landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0)
+
+
+def keep_on_device(opt, budget: int) -> set:
+    """Indices of the parameters whose gradients stay on the device during accumulation: whole buckets,
+    first to last (backward order), while their gradients fit in `budget` bytes."""
+    if budget <= 0:
+        return set()
+    by_bucket: Dict[int, list] = {}
+    for i, b in enumerate(opt._bucket_of):
+        by_bucket.setdefault(b, []).append(i)
+    keep, used = set(), 0
+    for b in sorted(by_bucket):
+        size = sum(opt._local[i].numel() * opt._local[i].element_size() for i in by_bucket[b])
+        if used + size > budget:
+            break
+        keep.update(by_bucket[b])
+        used += size
+    return keep

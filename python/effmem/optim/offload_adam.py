@@ -15,7 +15,7 @@ from effmem.optim import _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._offload_checkpoint import OffloadCheckpoint
 from effmem.optim._offload_guards import OffloadGuards
-from effmem.optim._offload_layout import GradHook, build_engine
+from effmem.optim._offload_layout import GradHook, build_engine, keep_on_device
 from effmem.optim.clip import clip_coefficient
 from effmem.optim.fused_adam import ParamsT
 
@@ -100,6 +100,13 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
             the first step or a loaded checkpoint's. Default 0: on a small Llama
             from scratch no warm-up short of the run closed the loss gap of
             one-step staleness (bench/bench_delay_warmup.py; figures in the README).
+        device_accumulation: bytes of device memory that gradients may keep during gradient
+            accumulation (default 0). Inside ``accumulating()``, whole buckets (in backward order)
+            whose gradients fit in this budget leave them in ``p.grad``, where autograd sums the
+            micro-batches on the device, and hand the sum over once, in the backward outside
+            ``accumulating()`` (or at ``step()``): 2 B/param cross the link per step instead of 2 per
+            micro-batch. The same sums, in the same order and dtype, as the host's: results are
+            bit-identical either way.
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
@@ -149,6 +156,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         pin_state: bool = True,
         backend: Optional[str] = None,
         delay_warmup: int = DELAY_WARMUP,
+        device_accumulation: int = 0,
         _host_delay_us: float = 0.0,
     ):
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
@@ -168,6 +176,12 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, int) or delay_warmup < 0:
             raise ValueError(f"delay_warmup: expected an int >= 0 (steps), got {delay_warmup!r}")
         self._delay_warmup = delay_warmup
+        if isinstance(device_accumulation, bool) or not isinstance(device_accumulation, int) or \
+                device_accumulation < 0:
+            raise ValueError(f"device_accumulation: expected an int >= 0 (bytes), got {device_accumulation!r}")
+        self._device_accumulation = device_accumulation
+        self._accumulating = False
+        self._keep_on_device: set = set()  # params whose gradients accumulate in p.grad (device_accumulation)
         self._step_count = 0  # steps taken (restored by load_state_dict): the warm-up's clock
         self._hooks = []
         self._ddp_handles = []
@@ -202,6 +216,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         self._local = [_local(p) for p in self._params]
         self._engine = build_engine(self, **self._config)
         self._steps = self._engine.steps()
+        self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
         for i, p in enumerate(self._params):
             self.state[p] = self._state_of(i)
@@ -340,9 +355,11 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         the last micro-batch; harmless otherwise)."""
         self._check_open()
         self._engine.set_accumulating(True)
+        self._accumulating = True
         try:
             yield
         finally:
+            self._accumulating = False
             self._engine.set_accumulating(False)
 
     @torch.no_grad()
