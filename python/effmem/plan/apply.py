@@ -1,10 +1,8 @@
 """plan.apply(model): the chosen configuration, ready for a training loop."""
-import functools
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from effmem.activations import apply_activation_policy
 from effmem.compress import compress_activations
@@ -19,12 +17,8 @@ def _checkpoint_blocks(model: nn.Module) -> None:
     if getattr(model, "supports_gradient_checkpointing", False):
         # The model's own switch: its layers checkpoint themselves (and the key/value cache goes off).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
-    blocks = find_blocks(model)[1]
-    if not blocks:
-        raise ValueError(f"model: {type(model).__name__} has no list of decoder layers to checkpoint")
-    for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    else:
+        apply_activation_policy(model, "checkpoint")
 
 
 class _SaveOnCpu:
