@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 import effmem
 from effmem import demo_model
 from effmem.compress import compress_activations
+from effmem.demo_measure import ProgressBar, mib, rss_now_and_peak
 from effmem.info import collect_info, format_info
 from effmem.plan import cli as plan_cli
 from effmem.plan.demo import compare, demo_plan
@@ -109,77 +109,11 @@ def lr_lambda(total_steps: int):
     return factor
 
 
-class ProgressBar:
-    """One self-overwriting line on a terminal; on a pipe or file, a line at each quarter."""
-
-    def __init__(self, label: str, total: int, stream=None, width: int = 20):
-        self.label, self.total, self.width = label, total, width
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.last_draw = 0.0
-        self.last_len = 0
-        self.next_quarter = 1
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        filled = self.width * step // self.total
-        line = (f"{self.label:<32} [{'#' * filled}{'.' * (self.width - filled)}] {step:>5}/{self.total}"
-                f"  loss {loss:6.3f}  {tokens_per_s:>9,.0f} tok/s")
-        if self.tty:
-            now = time.monotonic()
-            # Redrawing every step would cost more than a tiny step on a fast GPU.
-            if now - self.last_draw >= 0.1 or step == self.total:
-                # Pad to the previous line's length so no characters of it are left behind.
-                self.stream.write("\r" + line.ljust(self.last_len))
-                self.last_len = len(line)
-                self.stream.flush()
-                self.last_draw = now
-        elif step * 4 >= self.next_quarter * self.total:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-            self.next_quarter = 4 * step // self.total + 1
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _config_by_name(name: str) -> DemoConfig:
     for cfg in DEMO_CONFIGS:
         if cfg.name == name:
             return cfg
     raise KeyError(f"unknown demo configuration {name!r}")
-
-
-def _ru_maxrss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
-
-
-def _proc_status_bytes(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _rss_now_and_peak():
-    """(current RSS or None, peak RSS, how the peak was read) for this process.
-
-    On Linux ru_maxrss is not this process's own: at exec the kernel folds the
-    old address space's high-water mark into it, so a worker started by a
-    parent that has imported torch reports at least the parent's size. VmHWM
-    in /proc/self/status covers only the worker's own address space, so it is
-    preferred; ru_maxrss is the fallback where /proc does not exist.
-    """
-    peak = _proc_status_bytes("VmHWM")
-    if peak is not None:
-        return _proc_status_bytes("VmRSS"), peak, "process peak RSS (VmHWM)"
-    return None, _ru_maxrss_bytes(), "process peak RSS (ru_maxrss)"
 
 
 def train_one(cfg: DemoConfig, s: dict) -> dict:
@@ -213,7 +147,7 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         start_bytes = torch.cuda.memory_allocated(device)
     else:
-        start_bytes = _rss_now_and_peak()[0]
+        start_bytes = rss_now_and_peak()[0]
 
     losses, rates = [], []
     bar = ProgressBar(cfg.name, s["steps"])
@@ -241,7 +175,7 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
     if device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
     else:
-        _, peak, peak_kind = _rss_now_and_peak()
+        _, peak, peak_kind = rss_now_and_peak()
     params = list(model.parameters())  # tied weights are listed once
     param_bytes = sum(p.nbytes for p in params)
     grad_bytes = sum(p.grad.nbytes for p in params if p.grad is not None)
@@ -300,10 +234,6 @@ def demo_worker(spec_json: str) -> int:
 # effmem demo: the driver
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 def format_table(runs: List[dict]) -> str:
     on_cpu = runs[0]["peak_memory_kind"].startswith("process peak RSS")
     peak_label = "peak RSS (process)" if on_cpu else "peak CUDA alloc"
@@ -311,14 +241,14 @@ def format_table(runs: List[dict]) -> str:
     columns = [
         ("configuration", lambda r: r["name"]),
         ("params", lambda r: f"{r['params']:,}"),
-        ("optimizer state", lambda r: _mib(r["optimizer_state_bytes"]) + "".join(
+        ("optimizer state", lambda r: mib(r["optimizer_state_bytes"]) + "".join(
             f" on {d}" for d in r.get("optimizer_state_elsewhere") or [])),
-        ("model state", lambda r: _mib(r["model_state_bytes"])),
-        (peak_label, lambda r: _mib(r["peak_memory_bytes"])),
+        ("model state", lambda r: mib(r["model_state_bytes"])),
+        (peak_label, lambda r: mib(r["peak_memory_bytes"])),
         ("peak above start", lambda r: "n/a" if r["peak_above_start_bytes"] is None
-         else _mib(r["peak_above_start_bytes"])),
+         else mib(r["peak_above_start_bytes"])),
         ("saved activations", lambda r: "-" if r.get("activation_bytes_before") is None else
-         f"{_mib(r['activation_bytes_before'])} -> {_mib(r['activation_bytes_after'])}"),
+         f"{mib(r['activation_bytes_before'])} -> {mib(r['activation_bytes_after'])}"),
         ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
         ("train loss", lambda r: f"{r['train_loss']:.3f}"),
         ("val loss", lambda r: f"{r['val_loss']:.3f}"),

@@ -15,10 +15,7 @@ The decoder layers are the longest nn.ModuleList of same-typed modules (a
 Hugging Face model's ``model.layers``, GPT-2's ``transformer.h``, the demo
 GPT's ``blocks``).
 """
-import functools
-
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
 from effmem.plan.model import find_blocks
@@ -45,13 +42,7 @@ def apply_activation_policy(model: nn.Module, policy: str = "min", *, bits: int 
         # own gradient checkpointing, training turns the cache off).
         config.use_cache = False
     for layer in layers:
-        if policy == "min":
-            checkpoint_layer(layer, bits=bits, group_size=group_size)
-        else:
-            if "forward" in layer.__dict__:
-                raise ValueError(f"{type(layer).__name__}: its forward is already replaced; remove that first")
-            layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False)
-            layer._effmem_policy = "checkpoint"
+        checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size)
     return model
 
 

@@ -19,9 +19,11 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
+from effmem.plan.trace import _tensors
 
 
 def _drop(t: Tensor) -> None:
@@ -88,16 +90,6 @@ def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: i
     return _CompressedCheckpoint.apply(run, x, bits, group_size, _seed(seed))
 
 
-def _tensors_needing_grad(obj) -> bool:
-    if isinstance(obj, Tensor):
-        return obj.requires_grad
-    if isinstance(obj, (list, tuple)):
-        return any(_tensors_needing_grad(o) for o in obj)
-    if isinstance(obj, dict):
-        return any(_tensors_needing_grad(o) for o in obj.values())
-    return False
-
-
 def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args, **kwargs):
     """The layer's forward, checkpointed with its hidden-state input (first argument) compressed."""
     if not torch.is_grad_enabled():
@@ -115,7 +107,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         raise TypeError(f"{type(layer).__name__}: got a key/value cache; recomputing a layer would add to it "
                         "a second time. Train with use_cache=False (apply_activation_policy sets it in the "
                         "model's config)")
-    if _tensors_needing_grad((rest, kwargs)):
+    if any(t.requires_grad for t in _tensors((rest, kwargs))):
         raise TypeError(f"{type(layer).__name__}: an input other than the hidden state needs a gradient; "
                         "compressed checkpointing recomputes from the hidden state alone")
     tail = {}
@@ -131,13 +123,18 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     return (y, *tail["rest"]) if "rest" in tail else y
 
 
-def checkpoint_layer(layer: nn.Module, bits: int = 8, group_size: int = 128) -> None:
-    """Make `layer` a compressed checkpoint (in place; undo with restore_layer)."""
+def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int = 128) -> None:
+    """Checkpoint `layer` (in place; undo with restore_layer): its input kept in `bits`-bit codes, or
+    as it is (torch.utils.checkpoint, non-reentrant) for bits=None."""
     if "forward" in layer.__dict__:
         raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation policy "
                          "or checkpointing); remove that first")
-    layer.forward = functools.partial(_layer_forward, layer, layer.forward, bits, group_size)
-    layer._effmem_policy = f"checkpoint{bits}"
+    if bits is None:
+        layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False)
+        layer._effmem_policy = "checkpoint"
+    else:
+        layer.forward = functools.partial(_layer_forward, layer, layer.forward, bits, group_size)
+        layer._effmem_policy = f"checkpoint{bits}"
 
 
 def restore_layer(layer: nn.Module) -> None:

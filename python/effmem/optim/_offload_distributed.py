@@ -1,4 +1,5 @@
 """OffloadAdam under torch.distributed: DDP's gradient hand-over, FSDP2's sharded norms and state."""
+import warnings
 import weakref
 from typing import Dict, List, Tuple
 
@@ -130,3 +131,18 @@ def take_reduced(opt, params: List[Tensor], grads: List[Tensor]) -> None:
         opt._begin_backward()
         opt._send(i, g.reshape(opt._local[i].shape))
         opt._streamed.add(i)
+
+
+def stream_grads_choice(stream_grads) -> bool:
+    """OffloadAdam's stream_grads: by default on, except with several ranks (DDP reads p.grad after the
+    hooks would have taken it); asked for with several ranks, it warns."""
+    multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                  and torch.distributed.get_world_size() > 1)
+    if stream_grads is None:
+        return not multi_rank
+    if stream_grads and multi_rank:
+        warnings.warn("OffloadAdam(stream_grads=True) with several ranks: under DDP the hooks take each "
+                      "rank's local gradient before DDP's all-reduce, and the replicas drift apart. Leave "
+                      "stream_grads unset (False here) unless the parameters are not DDP's (FSDP2 "
+                      "assigns its gradients without the hooks either way).", stacklevel=3)
+    return bool(stream_grads)

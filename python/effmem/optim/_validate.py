@@ -23,6 +23,13 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local().detach() if is_dtensor(t) else t.detach()
 
 
+def whole(value: Any, name: str, minimum: int, unit: str = "") -> int:
+    """An int (not a bool) >= minimum, or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}{f' ({unit})' if unit else ''}, got {value!r}")
+    return value
+
+
 def lr_value(lr: Any, where: str = "lr") -> None:
     """A float or one-element floating tensor holding a finite number >= 0. A tensor's value is
     read, which for a CUDA tensor is one host sync: call this when an lr is given or assigned,

@@ -19,11 +19,7 @@ def _local(t: Tensor) -> Tensor:
 
     Adam is elementwise, so each rank updates its shard with the same kernel. The state stays a
     DTensor of the parameter's placements (zeros_like), which torch.distributed.checkpoint expects."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+    return t.to_local() if _validate.is_dtensor(t) else t
 
 
 class FusedAdam(AdamBase):

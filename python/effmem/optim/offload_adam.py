@@ -3,7 +3,6 @@ import collections
 import contextlib
 import math
 import threading
-import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -105,8 +104,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
             whose gradients fit in this budget leave them in ``p.grad``, where autograd sums the
             micro-batches on the device, and hand the sum over once, in the backward outside
             ``accumulating()`` (or at ``step()``): 2 B/param cross the link per step instead of 2 per
-            micro-batch. The same sums, in the same order and dtype, as the host's: results are
-            bit-identical either way.
+            micro-batch. The host would add the same gradients in the same order and dtype: bit-identical.
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
@@ -159,12 +157,9 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         device_accumulation: int = 0,
         _host_delay_us: float = 0.0,
     ):
-        if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
-            raise ValueError(f"bucket_size: expected an int >= 1 (elements), got {bucket_size!r}")
-        if num_threads is None:
-            num_threads = torch.get_num_threads()
-        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
-            raise ValueError(f"num_threads: expected an int >= 1, got {num_threads!r}")
+        _validate.whole(bucket_size, "bucket_size", 1, "elements")
+        num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
+                                      "num_threads", 1)
         self._engine = None
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
                             host_delay_us=_host_delay_us)
@@ -173,15 +168,9 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
                              "forward and backward)")
         self._overlap = bool(overlap)
         self._delay = bool(delay)
-        if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, int) or delay_warmup < 0:
-            raise ValueError(f"delay_warmup: expected an int >= 0 (steps), got {delay_warmup!r}")
-        self._delay_warmup = delay_warmup
-        if isinstance(device_accumulation, bool) or not isinstance(device_accumulation, int) or \
-                device_accumulation < 0:
-            raise ValueError(f"device_accumulation: expected an int >= 0 (bytes), got {device_accumulation!r}")
-        self._device_accumulation = device_accumulation
+        self._delay_warmup = _validate.whole(delay_warmup, "delay_warmup", 0, "steps")
+        self._device_accumulation = _validate.whole(device_accumulation, "device_accumulation", 0, "bytes")
         self._accumulating = False
-        self._keep_on_device: set = set()  # params whose gradients accumulate in p.grad (device_accumulation)
         self._step_count = 0  # steps taken (restored by load_state_dict): the warm-up's clock
         self._hooks = []
         self._ddp_handles = []
@@ -195,16 +184,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
-        multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
-                      and torch.distributed.get_world_size() > 1)
-        if stream_grads is None:
-            stream_grads = not multi_rank
-        elif stream_grads and multi_rank:
-            warnings.warn("OffloadAdam(stream_grads=True) with several ranks: under DDP the hooks take each "
-                          "rank's local gradient before DDP's all-reduce, and the replicas drift apart. Leave "
-                          "stream_grads unset (False here) unless the parameters are not DDP's (FSDP2 "
-                          "assigns its gradients without the hooks either way).", stacklevel=2)
-        self._stream_grads = bool(stream_grads)
+        self._stream_grads = _dist.stream_grads_choice(stream_grads)
         self._build()
 
     # ------------------------------------------------------------------ setup

@@ -3,14 +3,8 @@ from typing import List, Tuple
 
 import torch
 
+from effmem.demo_measure import mib
 from effmem.plan.costs import PRECISIONS
-
-GiB = 2 ** 20
-
-
-def _mib(n: float) -> str:
-    return f"{n / GiB:.2f} MiB"
-
 
 def demo_plan(configs, settings: dict) -> Tuple[str, List[dict]]:
     """The plan for the demo's GPT on this machine, and per demo configuration what it predicts."""
@@ -46,11 +40,11 @@ def compare(runs: List[dict], predictions: List[dict]) -> str:
     lines = ["effmem plan, predicted against measured (model state: parameters + gradients + optimizer state; "
              "saved activations of one training step, as compress_activations counts them where it ran):"]
     for r, pr in zip(runs, predictions):
-        line = (f"  {r['name']}: model state predicted {_mib(pr['model_state_bytes'])}, measured "
-                f"{_mib(r['model_state_bytes'])}")
+        line = (f"  {r['name']}: model state predicted {mib(pr['model_state_bytes'])}, measured "
+                f"{mib(r['model_state_bytes'])}")
         if r.get("activation_bytes_before") is not None:
-            line += (f"; saved activations predicted {_mib(pr['activation_bytes_before'])} -> "
-                     f"{_mib(pr['activation_bytes_after'])}, measured {_mib(r['activation_bytes_before'])} -> "
-                     f"{_mib(r['activation_bytes_after'])}")
+            line += (f"; saved activations predicted {mib(pr['activation_bytes_before'])} -> "
+                     f"{mib(pr['activation_bytes_after'])}, measured {mib(r['activation_bytes_before'])} -> "
+                     f"{mib(r['activation_bytes_after'])}")
         lines.append(line)
     return "\n".join(lines)

@@ -174,7 +174,8 @@ def _param_infos(model: nn.Module, trainable: Trainable) -> List[ParamInfo]:
     return out
 
 
-ModelArg = Union[str, dict, nn.Module, "transformers.PretrainedConfig"]  # noqa: F821
+# A preset name or config.json path, a config dict, a transformers PretrainedConfig, or a module.
+ModelArg = Union[str, dict, nn.Module, object]
 
 
 def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
+from effmem.optim._validate import whole
 from effmem.plan import costs
 from effmem.plan.model import ModelArg, ModelSpec, model_spec
 from effmem.plan.rates import Rates, rates_for
@@ -219,11 +220,10 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     Trainable). clipping: the recipe clips by global norm (rules out OffloadAdam's overlap mode).
     """
     t0 = time.perf_counter()
-    for name, v in (("batch", batch), ("seq", seq)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
-        raise ValueError(f"accum: expected an int >= 1, got {accum!r}")
+    whole(batch, "batch", 1)
+    whole(seq, "seq", 1)
+    if accum is not None:
+        whole(accum, "accum", 1)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom!r}")
     here = machine()
@@ -241,8 +241,7 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         world = gpus if gpus is not None else max(1, here["gpus"])
         if gpu_mem is None:  # this machine's GPU, or an 80 GB one where there is none
             gpu_mem = here["gpu_memory"] or 80 * GB
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"gpus: expected an int >= 1, got {gpus!r}")
+    whole(world, "gpus", 1)
     if batch % world:
         raise ValueError(f"batch: {batch} sequences do not split evenly over {world} GPUs")
     rates = rates or rates_for("cpu" if device == "cpu" else (here["gpu_name"] or "NVIDIA H100 80GB HBM3"))

@@ -202,7 +202,6 @@ class Trace:
     num_blocks: int = 0
     matmul_flops: float = 0.0     # forward FLOPs of everything but attention
     attention_flops: float = 0.0  # forward FLOPs of attention scores and weighted sums
-    method: str = "traced"
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
         """(record, counts as saved activation) pairs that stay alive until backward under a strategy."""
