@@ -24,6 +24,11 @@ def same(a, b) -> bool:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    # The quantisation seeds that effmem draws from a process-wide counter: reset too, so a test's
+    # stochastic rounding does not depend on which tests ran before it in the same process.
+    import itertools
+    from effmem.compress import functions
+    functions._SEEDS = itertools.count()
 
 
 @pytest.fixture(scope="module")

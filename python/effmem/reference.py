@@ -41,14 +41,18 @@ def clone_params(params: List[Tensor], dtype=None) -> List[torch.nn.Parameter]:
 # Group-wise quantisation (effmem::quantize / effmem::dequantize); the formula
 # is in csrc/common/quant_math.h.
 
-def hash_uniform(seed: int, index: Tensor) -> Tensor:
-    """The counter-based uniform in [0, 1) for element `index` (int64) under `seed`."""
+def hash_word(seed: int, word: Tensor) -> Tensor:
+    """quant_math.h's hash_word(): the 32-bit hash (int64 holding uint32) of word index `word` (int64)."""
     mask = 0xFFFFFFFF
-    lo = index & mask
-    hi = (index >> 32) & mask
-    h = (lo * 0x9E3779B1 + (seed & mask)) & mask
-    h = _fmix32(h ^ _fmix32((hi + 0x7F4A7C15 + ((seed >> 32) & mask)) & mask))
-    return (h >> 8).double() * (1.0 / (1 << 24))
+    lo = word & mask
+    hi = (word >> 32) & mask
+    high = _fmix32((hi + 0x7F4A7C15 + ((seed >> 32) & mask)) & mask)
+    return _fmix32((lo * 0x9E3779B1 + ((seed & mask) ^ high)) & mask)
+
+
+def hash_byte(seed: int, index: Tensor) -> Tensor:
+    """The stochastic rounding byte of element `index` (int64): byte index % 4 of hash_word(index // 4)."""
+    return (hash_word(seed, index >> 2) >> (8 * (index & 3))) & 0xFF
 
 
 def _fmix32(h: Tensor) -> Tensor:
@@ -62,6 +66,12 @@ def _fmix32(h: Tensor) -> Tensor:
 
 _HUGE, _TINY, _OUTLIER_GAIN = 2.0 ** 100, 2.0 ** -100, 16.0
 _FLT_MAX = torch.finfo(torch.float32).max
+_MAGIC = 2.0 ** 23
+
+
+def _recip(d: int) -> Tensor:
+    """quant_recip(): 1/d rounded to float32 (the kernels' constant)."""
+    return torch.tensor(1.0, dtype=torch.float32) / d
 
 
 def _prescale(step: Tensor) -> Tensor:
@@ -69,9 +79,9 @@ def _prescale(step: Tensor) -> Tensor:
     return torch.where(step > _HUGE, 0.5 * one, torch.where((step > 0) & (step < _TINY), _HUGE * one, one))
 
 
-def _step(span: Tensor, divisor: float) -> Tensor:
-    """quant_math.h's quant_step(): span / divisor, a subnormal result rounded up by one ulp."""
-    s = span / divisor
+def _step(span: Tensor, recip: Tensor) -> Tensor:
+    """quant_math.h's quant_step(): span * recip, a subnormal result rounded up by one ulp."""
+    s = span * recip
     up = (s.view(torch.int32) + 1).view(torch.float32)
     return torch.where((s < 2.0 ** -126) & (span > 0), up, s)
 
@@ -88,15 +98,16 @@ def _quant_group(part: Tensor, qmax: int):
     a_hi = torch.where(part != hi, mag, 0.0).amax(dim=1, keepdim=True)
     lo_inf, hi_inf = lo == float("-inf"), hi == float("inf")
     nan_group = has_nan | (lo_inf & hi_inf)
-    h = float((qmax - 1) // 2)
+    h = (qmax - 1) // 2
+    rq, rh = _recip(qmax), _recip(h)
     diff = hi - lo
-    scale = torch.where(diff == float("inf"), ((hi * 0.5 - lo * 0.5) / qmax) * 2.0, _step(diff, float(qmax)))
+    scale = torch.where(diff == float("inf"), ((hi * 0.5 - lo * 0.5) * rq) * 2.0, _step(diff, rq))
     any_inf = lo_inf | hi_inf
     # quant_side(): which extreme might be kept apart, from lo and hi alone
-    side_lo = torch.where(any_inf, lo_inf, _step(hi.abs(), h) * _OUTLIER_GAIN < scale)
-    side_hi = torch.where(any_inf, hi_inf & ~lo_inf, ~side_lo & (_step(lo.abs(), h) * _OUTLIER_GAIN < scale))
+    side_lo = torch.where(any_inf, lo_inf, _step(hi.abs(), rh) * _OUTLIER_GAIN < scale)
+    side_hi = torch.where(any_inf, hi_inf & ~lo_inf, ~side_lo & (_step(lo.abs(), rh) * _OUTLIER_GAIN < scale))
     use_hi = side_hi
-    s = _step(torch.where(use_hi, a_hi, a_lo), h)
+    s = _step(torch.where(use_hi, a_hi, a_lo), rh)
     outlier = (side_lo | side_hi) & (any_inf | (s * _OUTLIER_GAIN < scale))
     v = torch.where(use_hi, hi, lo)
     p_out, p_aff = _prescale(s), _prescale(scale)
@@ -107,14 +118,14 @@ def _quant_group(part: Tensor, qmax: int):
         "stat1": torch.where(outlier, -s, scale),
         "p": torch.where(outlier, p_out, p_aff),
         "shift": torch.where(outlier, zero, lo * p_aff),
-        "inv": torch.where(outlier, torch.where(s > 0, 1.0 / (s * p_out), zero),
-                           torch.where(scale > 0, 1.0 / (scale * p_aff), zero)),
-        "off": torch.where(outlier, (h + 1.0) * one, zero),
-        "qlow": torch.where(outlier, one, zero),
+        "inv256": torch.where(outlier, torch.where(s > 0, (1.0 / (s * p_out)) * 256.0, zero),
+                              torch.where(scale > 0, (1.0 / (scale * p_aff)) * 256.0, zero)),
+        "off256": torch.where(outlier, float((h + 1) * 256) * one, zero),
+        "tlow": torch.where(outlier, 256.0 * one, zero),
         "outlier": torch.where(outlier, v, nan),
     }
-    for key, value in (("stat0", nan), ("stat1", nan), ("p", one), ("shift", zero), ("inv", zero),
-                       ("off", zero), ("qlow", zero), ("outlier", nan)):
+    for key, value in (("stat0", nan), ("stat1", nan), ("p", one), ("shift", zero), ("inv256", zero),
+                       ("off256", zero), ("tlow", zero), ("outlier", nan)):
         g[key] = torch.where(nan_group, value, g[key])
     return g
 
@@ -135,12 +146,14 @@ def quantize(x: Tensor, bits: int = 8, group_size: int = 128, seed: int = 0, sto
         cols = slice(gi * group_size, (gi + 1) * group_size)
         part = rows[:, cols]
         g = _quant_group(part, qmax)
-        u = hash_uniform(seed, index[:, cols]).float() if stochastic else 0.5
-        q = torch.floor((part * g["p"] - g["shift"]) * g["inv"] + g["off"] + u)
-        q = torch.where(q >= g["qlow"], q, g["qlow"])
-        q = torch.where(q < qmax, q, torch.full_like(q, float(qmax)))
-        code = torch.where(part == g["outlier"], 0, q.long())
-        codes[:, cols] = code
+        b = hash_byte(seed, index[:, cols]) if stochastic else torch.full_like(index[:, cols], 128)
+        t = (part * g["p"] - g["shift"]) * g["inv256"] + g["off256"]
+        t = torch.where(t >= g["tlow"], t, g["tlow"])  # NaN takes tlow, as the kernels' comparison
+        t = torch.where(t <= 256.0 * qmax, t, torch.full_like(t, 256.0 * qmax))
+        # code_of(): RN(t + b) >> 8, the rounding done by a float32 add at 2^23, where the unit is 1
+        z = t + (_MAGIC + b.float())
+        q = (z.view(torch.int32).long() >> 8) & 0xFF
+        codes[:, cols] = torch.where(part == g["outlier"], 0, q)
         stats[:, gi, 0] = g["stat0"][:, 0]
         stats[:, gi, 1] = g["stat1"][:, 0]
     return codes, stats

@@ -1,0 +1,62 @@
+"""The quantize / dequantize CUDA kernels stay cheap per element, checked without a GPU.
+
+bench/sass_count.py compiles csrc/cuda/quantize.cu for sm_90 with the rare
+branches compiled away and counts the instructions on each kernel's longest
+path. A kernel moving about 3 bytes per element is bandwidth-bound on an H100
+only well under ~20 instructions per element; before the rewrite (one warp per
+group, a hash per element) quantize took about 105 and dequantize about 50.
+The bounds below sit just above what the rewrite measures (15.6 and 6.8 for
+bf16, 8-bit), so a change that adds work per element shows up here.
+"""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("sass_count", os.path.join(ROOT, "bench", "sass_count.py"))
+sass_count = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sass_count)
+
+pytestmark = pytest.mark.skipif(sass_count.find_nvcc() is None or sass_count.find_cuobjdump() is None,
+                                reason="needs nvcc and cuobjdump (a CUDA toolkit and torch's triton wheel)")
+
+# instructions per element on the 16-byte (aligned, whole-chunk) path
+BOUNDS = {"quantize": 17.5, "dequantize": 7.5}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return sass_count.measure("sm_90")
+
+
+def test_every_kernel_is_counted(rows):
+    kinds = {(r["kernel"], r["dtype"], r["bits"], r["vector"]) for r in rows}
+    assert len(kinds) == 24 == len(rows)
+
+
+@pytest.mark.parametrize("kernel", ["quantize", "dequantize"])
+def test_vector_path_instructions_per_element(rows, kernel):
+    got = {(r["dtype"], r["bits"]): r["per_element"] for r in rows if r["kernel"] == kernel and r["vector"]}
+    assert len(got) == 6
+    worst = max(got.values())
+    assert worst <= BOUNDS[kernel], f"{kernel}: {got}"
+    assert min(got.values()) > 3, "a count this low means the kernel's body was not found"
+
+
+def test_longest_path_counts_one_branch_of_an_if():
+    listing = """
+        /*0000*/                   ISETP.NE.AND P0, PT, R0, RZ, PT ;
+        /*0010*/               @P0 BRA 0x40 ;
+        /*0020*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0030*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0040*/                   IADD3 R2, R1, 0x1, RZ ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   BRA 0x60;
+    """.splitlines()
+    instrs = sass_count._parse(listing)
+    assert sass_count.longest_path(instrs) == 6  # ISETP, BRA, 2 x IADD3, IADD3, EXIT
+    loop = sass_count._parse(["        /*0000*/  IADD3 R1, R1, 0x1, RZ ;", "        /*0010*/  @P0 BRA 0x0 ;",
+                              "        /*0020*/  EXIT ;"])
+    with pytest.raises(ValueError, match="loop"):
+        sass_count.longest_path(loop)
