@@ -1,10 +1,18 @@
 """Activation-memory policies for a whole model: one call, undone by another.
 
-    model = effmem.apply_activation_policy(model, "min")      # checkpointed layers, inputs kept in 8 bits
+    model = effmem.apply_activation_policy(model, "fast")     # 8-bit saves, cheap parts recomputed
     effmem.remove_activation_policy(model)                     # as it was
 
 Policies:
 
+* ``"fast"``: every decoder layer keeps what is expensive to recompute
+  (matmul inputs, attention's q, k, v and output, the residual stream) as
+  8-bit codes and recomputes what is cheap: norms, SiLU-times-up and GELU
+  outputs are rebuilt in backward from their 8-bit inputs instead of being
+  kept (effmem.activations.fused, fast paths in .paths for the Llama,
+  Mistral, Mixtral, Qwen2/3 and GPT-2 families of transformers and the demo
+  GPT; other layers get the 8-bit storage alone). Nothing runs twice but
+  those elementwise ops.
 * ``"checkpoint"``: each decoder layer checkpointed (torch.utils.checkpoint,
   non-reentrant): its input kept, its insides recomputed in backward.
 * ``"min"``: the same, with each layer's input kept as 8-bit codes
@@ -15,22 +23,29 @@ The decoder layers are the longest nn.ModuleList of same-typed modules (a
 Hugging Face model's ``model.layers``, GPT-2's ``transformer.h``, the demo
 GPT's ``blocks``).
 """
-from torch import nn
+import functools
 
+import torch
+from torch import Tensor, nn
+
+from effmem.activations import paths
 from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
+from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.plan.model import find_blocks
+from effmem.plan.trace import _tensors
 
-POLICIES = ("checkpoint", "min")
+POLICIES = ("fast", "checkpoint", "min")
+_FAST = "_effmem_fast"
 
 
-def apply_activation_policy(model: nn.Module, policy: str = "min", *, bits: int = 8,
+def apply_activation_policy(model: nn.Module, policy: str = "fast", *, bits: int = 8,
                             group_size: int = 128) -> nn.Module:
     """Apply an activation policy to every decoder layer of `model` (in place); returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(repr(p) for p in POLICIES)}, got {policy!r}")
-    layers = find_blocks(model)[1]
+    name, layers = find_blocks(model)
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
                          "modules of one type) to apply a policy to")
@@ -41,16 +56,90 @@ def apply_activation_policy(model: nn.Module, policy: str = "min", *, bits: int 
         # A recomputed layer would append its keys and values to the cache again (as transformers'
         # own gradient checkpointing, training turns the cache off).
         config.use_cache = False
+    if policy == "fast":
+        comp = FastCompressor(bits=bits, group_size=group_size)
+        setattr(model, _FAST, comp)
+        for i, layer in enumerate(layers):
+            if "forward" in layer.__dict__:
+                raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation "
+                                 "policy or checkpointing); remove that first")
+            layer._effmem_patched = paths.patch(layer)
+            layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, f"{name}.{i}", i == 0,
+                                              param_shapes(layer))
+            layer._effmem_policy = "fast"
+        return model
     for layer in layers:
         checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size)
     return model
 
 
+def _fast_layer_forward(original, comp: FastCompressor, name: str, first: bool, shapes, *args, **kwargs):
+    """A layer's forward with its saves routed through the "fast" policy's compressor."""
+    if torch.compiler.is_compiling():
+        # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
+        # with the hooks around it (see _compiled_layer).
+        return _compiled_layer(original, comp, name, first, shapes, *args, **kwargs)
+    if not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, Tensor):
+        return original(*args, **kwargs)
+    others = _tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden}))
+    with comp.layer(name, hidden, others, shapes, first):
+        return original(*args, **kwargs)
+
+
+_COMPILED = {}
+_aten = torch.ops.aten
+# Inside a compiled layer, what the "fast" policy keeps: matmul and attention outputs (the partitioner then
+# recomputes norms and elementwise ops from them and the layer input).
+_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+         _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+         _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(forward, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy), **kwargs)
+
+
+@torch.compiler.disable
+def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
+    """The layer compiled on its own (one graph per layer call, shared by layers of one class), called with
+    the policy's hooks active: they store what the compiled forward saves for backward, and its backward
+    restores one layer at a time. Traced whole, the model's compiled backward would restore every layer's
+    saves at once."""
+    fn = _COMPILED.get(original.__func__)
+    if fn is None:
+        fn = _COMPILED[original.__func__] = torch.compile(functools.partial(_selective, original.__func__))
+    if not torch.is_grad_enabled():
+        return fn(original.__self__, *args, **kwargs)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    others = _tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden}))
+    with comp.layer(name, hidden, others, shapes, first):
+        return fn(original.__self__, *args, **kwargs)
+
+
+def activation_stats(model: nn.Module):
+    """What the "fast" policy saved in the latest forward (a CompressionStats), or None without it."""
+    comp = getattr(model, _FAST, None)
+    return None if comp is None else comp.stats
+
+
 def remove_activation_policy(model: nn.Module) -> nn.Module:
     """Undo apply_activation_policy: every layer's own forward again."""
     for layer in find_blocks(model)[1]:
+        paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)
+    model.__dict__.pop(_FAST, None)
     return model
 
 
-__all__ = ["apply_activation_policy", "remove_activation_policy", "compressed_checkpoint", "POLICIES"]
+__all__ = ["apply_activation_policy", "remove_activation_policy", "activation_stats", "compressed_checkpoint",
+           "POLICIES"]

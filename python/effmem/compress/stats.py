@@ -3,6 +3,10 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 
+# Kept tensors that are not activations (they live anyway): listed in skipped, left out of the totals.
+NOT_ACTIVATIONS = ("parameter", "layer_input")
+
+
 @dataclass
 class Tally:
     count: int = 0
@@ -34,8 +38,8 @@ class CompressionStats:
     they would have cost without it.
 
     ``skipped`` maps each reason a tensor was kept as it is to a Tally whose
-    bytes_before == bytes_after; "parameter" is listed there but left out of
-    the totals. The reasons: parameter (a parameter or a view of one, any
+    bytes_before == bytes_after; "parameter" and "layer_input" are listed
+    there but left out of the totals. The reasons: parameter (a parameter or a view of one, any
     leaf tensor that requires grad, or a buffer of the model when
     compress_activations knows the model),
     parameter_copy (autocast's cast of a
@@ -44,7 +48,11 @@ class CompressionStats:
     small (under min_numel), exact (attention log-sum-exp, normalisation
     statistics), row_statistic (last dim of 1 or 2: per-row statistics such as
     a decomposed norm's rstd), overlapping (expanded views), strided_view (a
-    view with gaps into a tensor more than 4x its size), no_gain.
+    view with gaps into a tensor more than 4x its size), no_gain; and under
+    the "fast" activation policy: layer_input (a decoder layer's other
+    inputs, rotary tables and masks), statistic (fewer than hidden/8 values
+    per token). Saves of an output that policy rebuilds in backward store
+    nothing and are counted in ``deduplicated``.
     """
     total_bytes_before: int = 0
     total_bytes_after: int = 0
@@ -79,7 +87,7 @@ class CompressionStats:
 
     def record_kept(self, reason: str, dtype: str, module: str, nbytes: int) -> None:
         self.skipped.setdefault(reason, Tally()).add(nbytes, nbytes)
-        if reason != "parameter":
+        if reason not in NOT_ACTIVATIONS:
             self._record(dtype, module, nbytes, nbytes)
 
     def _record(self, dtype: str, module: str, before: int, after: int) -> None:

@@ -1,0 +1,219 @@
+"""The "fast" activation policy's saved-tensor hooks: one decoder layer at a time.
+
+While a layer's forward runs, autograd's saves go through a FastCompressor:
+
+* a tensor that a fused function (activations.fused) registered as
+  rebuildable (a norm's output, SwiGLU's product, a GELU's output) is not
+  stored at all: the save holds a recipe (the function and its inputs, which
+  are themselves saved through these rules), and backward rebuilds the
+  output once for all of its saves;
+* matmul inputs, attention's q, k, v and output, the residual stream: every
+  other floating tensor of at least `min_numel` elements is stored as 8-bit
+  (or 4-bit) codes, once per memory however often it is saved (compress/);
+* kept as they are: parameters and autocast's copies of them, the layer's
+  other inputs (rotary tables, masks: they live anyway), integer tensors,
+  and statistics, recognised by size: fewer than hidden/8 values per token
+  (attention's log-sum-exp, a norm's rstd) cost under 1/8 of one hidden
+  state and their exactness matters to backward.
+
+No dispatch mode watches the ops (compress_activations' exact-statistics
+tracker costs 4-8 us per aten op); what a layer saves is classified from the
+tensor alone, and the layer's inputs and parameter shapes are read once per
+layer call.
+"""
+import functools
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from effmem.compress.hooks import ActivationCompressor, _check_version, _Handle, _Kept, _version_handle
+from effmem.compress.policy import CompressConfig, early_reason, value_reason
+from effmem.compress.tracker import storage_key
+
+_LOCAL = threading.local()
+
+# Saved tensors with fewer values per token than hidden / STATISTIC_FRACTION are statistics.
+STATISTIC_FRACTION = 8
+
+
+def current() -> Optional["FastCompressor"]:
+    """The compressor of the layer running on this thread, if a "fast" layer is running."""
+    return getattr(_LOCAL, "scope", None)
+
+
+def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs) -> None:
+    """Under the "fast" policy, let saves of `out` rebuild it as fn(*inputs) in backward; else nothing."""
+    scope = getattr(_LOCAL, "scope", None)
+    if scope is not None and not torch.compiler.is_compiling():
+        scope.add_recipe(out, fn, inputs)
+
+
+class _Recipe:
+    """How to rebuild one output: fn applied to its packed inputs; shared by every save of that output."""
+    __slots__ = ("fn", "inputs", "owner", "shape", "stride", "counter", "version", "saves", "unpacked", "held",
+                 "__weakref__")
+
+
+class _RecipeHandle:
+    """One save of a rebuildable output: the recipe and this save's view of the output."""
+    __slots__ = ("recipe", "shape", "stride", "offset")
+
+    def __init__(self, recipe: _Recipe, shape, stride, offset):
+        self.recipe, self.shape, self.stride, self.offset = recipe, shape, stride, offset
+
+
+class FastCompressor(ActivationCompressor):
+    """compress_activations' machinery (dedup, 8-bit entries, statistics) with the rules above."""
+
+    def __init__(self, bits: int = 8, group_size: int = 128, min_numel: int = 4096):
+        super().__init__(CompressConfig(bits=bits, group_size=group_size, min_numel=min_numel, track_exact=False))
+        self._recipes: Dict[tuple, _Recipe] = {}
+        self._external: set = set()
+        self._tokens = self._hidden = 0
+        self._param_shapes: frozenset = frozenset()
+
+    def _init_runtime(self) -> None:
+        super()._init_runtime()
+        self._recipes = {}
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_recipes", None)
+        return state
+
+    # ------------------------------------------------------------ one layer call
+
+    @contextmanager
+    def layer(self, name: str, hidden: Tensor, others, param_shapes: frozenset, first: bool):
+        """Route the saves of one layer call through this compressor; `others`: the layer's other inputs."""
+        prev = (self._external, self._tokens, self._hidden, self._param_shapes)
+        self._external = {storage_key(t) for t in others if t.device.type != "meta"}
+        self._hidden = hidden.shape[-1] if hidden.dim() else 1
+        self._tokens = hidden.numel() // max(self._hidden, 1)
+        self._param_shapes = param_shapes
+        outer = getattr(_LOCAL, "scope", None)
+        _LOCAL.scope = self
+        stack = self._state().stack
+        stack.append((name, False))
+        self._begin(reset=first)
+        try:
+            yield
+        finally:
+            self._end()
+            stack.pop()
+            _LOCAL.scope = outer
+            self._external, self._tokens, self._hidden, self._param_shapes = prev
+
+    # ------------------------------------------------------------ rules
+
+    def _reason(self, t: Tensor, excluded: bool) -> Optional[str]:
+        reason = early_reason(self.config, t)
+        if reason is not None:
+            return reason
+        if storage_key(t) in self._external:
+            return "layer_input"
+        reason = value_reason(self.config, t)
+        if reason is not None:
+            return reason
+        if t.numel() * STATISTIC_FRACTION < self._tokens * self._hidden:
+            return "statistic"
+        if t.dim() == 2 and tuple(t.shape) in self._param_shapes and _is_parameter_copy(t):
+            return "parameter_copy"
+        return None
+
+    # ------------------------------------------------------------ recipes
+
+    def add_recipe(self, out: Tensor, fn: Callable[..., Tensor], inputs: Sequence) -> None:
+        r = _Recipe()
+        r.fn = fn
+        # the inputs go through the same rules (and dedup) as any save: an input the function also
+        # saves itself is stored once
+        r.inputs = tuple(self._pack(i) if isinstance(i, Tensor) else i for i in inputs)
+        key = storage_key(out)
+        # Forget the recipe when its output dies: its memory may then hold another tensor.
+        r.owner = weakref.ref(out, functools.partial(_drop_recipe, weakref.ref(self), key, weakref.ref(r)))
+        r.shape, r.stride = tuple(out.shape), out.stride()
+        r.counter, r.version = _version_handle(out), out._version
+        r.saves, r.unpacked, r.held = 0, 0, None
+        self._recipes[key] = r
+
+    def _pack(self, t: Tensor):
+        if self._recipes and not torch.compiler.is_compiling():
+            r = self._recipes.get(storage_key(t))
+            if r is not None and r.owner() is not None and r.version == t._version:
+                r.saves += 1
+                self.stats.deduplicated += 1
+                self._note(t, self._state().stack[-1][0] if self._state().stack else "", "recomputed")
+                base = r.owner()
+                return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - base.storage_offset())
+        return super()._pack(t)
+
+    def _unpack(self, packed):
+        if isinstance(packed, _RecipeHandle):
+            with torch.no_grad():
+                return _rebuild(self, packed)
+        return super()._unpack(packed)
+
+
+def _drop_recipe(comp_ref, key, recipe_ref, _dead) -> None:
+    comp = comp_ref()
+    if comp is not None and comp._recipes.get(key) is recipe_ref():
+        del comp._recipes[key]
+
+
+def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
+    r = h.recipe
+    if r.counter is not None:
+        _check_version(r.counter, r.version, r.counter.dtype, h.shape, r.counter.device)
+    out = r.held
+    if out is None:
+        out = r.fn(*[comp._unpack(i) if isinstance(i, _PACKED) else i for i in r.inputs])
+        if out.stride() != r.stride:  # the saves view the output's memory: lay it out as the original was
+            out = torch.empty_strided(r.shape, r.stride, dtype=out.dtype, device=out.device).copy_(out)
+    # Held until its last save is unpacked (q, k, v: one rebuild), then let go, as compressed entries are.
+    r.unpacked += 1
+    if r.unpacked < r.saves:
+        r.held = out
+    else:
+        r.held, r.unpacked = None, 0
+    return out.as_strided(h.shape, h.stride, out.storage_offset() + h.offset)
+
+
+# What packed inputs of a recipe can be (the rest, None or numbers, are kept as given).
+_PACKED = (_Kept, _Handle, _RecipeHandle, Tensor)
+# Autograd nodes that only cast or view their input.
+_CAST_OR_VIEW = ("ToCopyBackward", "TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward",
+                 "PermuteBackward")
+
+
+def _is_parameter_copy(t: Tensor) -> bool:
+    """Whether t's history is a parameter cast or viewed (autocast's weight copies): up to three
+    cast/view nodes back to a gradient accumulator."""
+    fn = t.grad_fn
+    for _ in range(3):
+        if fn is None:
+            return False
+        name = fn.name()
+        if name == "torch::autograd::AccumulateGrad":
+            return True
+        if not name.startswith(_CAST_OR_VIEW):
+            return False
+        nexts = [f for f, _ in fn.next_functions if f is not None]
+        if len(nexts) != 1:
+            return False
+        fn = nexts[0]
+    return fn is not None and fn.name() == "torch::autograd::AccumulateGrad"
+
+
+def param_shapes(layer: nn.Module) -> frozenset:
+    """2-D parameter shapes of a layer and their transposes: where autocast copies of weights could hide."""
+    shapes = set()
+    for p in layer.parameters():
+        if p.dim() == 2:
+            shapes.add(tuple(p.shape))
+            shapes.add(tuple(p.shape[::-1]))
+    return frozenset(shapes)

@@ -1,0 +1,136 @@
+"""Norms and activations whose outputs backward rebuilds instead of keeping.
+
+Each Function saves only its inputs and, under the "fast" activation policy
+(effmem.activations.fast), tells the policy how to rebuild its output from
+them (``recompute_output``). The output's consumers, which save it (q, k and
+v's projections after a norm, the down projection after SwiGLU), then keep
+nothing of their own: backward rebuilds the output once, from the inputs the
+policy holds in 8 bits, for all of them. Without the policy they save their
+inputs and behave like the code they replace.
+
+Forwards compute with the same operations as the modules they replace
+(Hugging Face's RMSNorm, torch's layer norm, SiLU times up, the module's own
+GELU), so the forward and the loss are unchanged; backwards use the
+derivative formulas autograd would (aten's silu/gelu/layer-norm backward, the
+RMSNorm gradient written out), evaluated at the restored inputs.
+"""
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from effmem.activations.fast import recompute_output
+
+
+def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    return weight * (x.float() * rstd).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        # Hugging Face's LlamaRMSNorm, operation for operation
+        xf = x.to(torch.float32)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = weight * (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(x, rstd, weight)
+        recompute_output(y, _rms_norm_out, x, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        n = x.float() * rstd
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            gw = grad * n.to(x.dtype)
+            grad_w = gw.sum(dim=tuple(range(gw.dim() - weight.dim()))).to(weight.dtype)
+        gn = (grad * weight).to(x.dtype).float()
+        # d/dx of x * rstd(x): rstd * (g - n * mean(g * n)), with n = x * rstd
+        grad_x = (rstd * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) computed as Hugging Face's Llama-family RMSNorm computes it."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _layer_norm_out(x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
+    y = (x.float() - mean.float()) * rstd.float()
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps):
+        # what F.layer_norm runs, keeping the statistics for backward
+        y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.shape = shape
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        recompute_output(y, _layer_norm_out, x, mean, rstd, weight, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2]]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, x, ctx.shape, mean, rstd, weight, bias, mask)
+        return gx, gw, gb, None, None
+
+
+def layer_norm(x: Tensor, shape, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+    """F.layer_norm(x, shape, weight, bias, eps)."""
+    return _LayerNorm.apply(x, weight, bias, tuple(shape), eps)
+
+
+def _swiglu_out(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        out = F.silu(gate) * up
+        ctx.save_for_backward(gate, up)
+        recompute_output(out, _swiglu_out, gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up: the gated MLP of Llama-family models."""
+    return _SwiGLU.apply(gate, up)
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, act: Callable[[Tensor], Tensor], approximate: str) -> Tensor:
+        y = act(x)  # the model's own GELU, so the forward keeps its bits
+        ctx.approximate = approximate
+        ctx.save_for_backward(x)
+        recompute_output(y, act, x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None
+
+
+def gelu(x: Tensor, act: Callable[[Tensor], Tensor], approximate: str) -> Tensor:
+    """act(x), where act computes GELU (exact for approximate="none", the tanh form for "tanh");
+    backward differentiates GELU in that form."""
+    return _GELU.apply(x, act, approximate)
