@@ -75,6 +75,7 @@ class FastCompressor(ActivationCompressor):
         self._external: set = set()
         self._tokens = self._hidden = 0
         self._param_shapes: frozenset = frozenset()
+        self._layer_name = ""
 
     def _init_runtime(self) -> None:
         super()._init_runtime()
@@ -90,31 +91,29 @@ class FastCompressor(ActivationCompressor):
     @contextmanager
     def layer(self, name: str, hidden: Tensor, others, param_shapes: frozenset, first: bool):
         """Route the saves of one layer call through this compressor; `others`: the layer's other inputs."""
-        prev = (self._external, self._tokens, self._hidden, self._param_shapes)
+        prev = (self._external, self._tokens, self._hidden, self._param_shapes, self._layer_name)
         self._external = {storage_key(t) for t in others if t.device.type != "meta"}
         self._hidden = hidden.shape[-1] if hidden.dim() else 1
         self._tokens = hidden.numel() // max(self._hidden, 1)
         self._param_shapes = param_shapes
+        self._layer_name = name
         outer = getattr(_LOCAL, "scope", None)
         _LOCAL.scope = self
-        stack = self._state().stack
-        stack.append((name, False))
         self._begin(reset=first)
         try:
             yield
         finally:
             self._end()
-            stack.pop()
             _LOCAL.scope = outer
-            self._external, self._tokens, self._hidden, self._param_shapes = prev
+            self._external, self._tokens, self._hidden, self._param_shapes, self._layer_name = prev
 
     # ------------------------------------------------------------ rules
 
-    def _reason(self, t: Tensor, excluded: bool) -> Optional[str]:
+    def _reason(self, t: Tensor, excluded: bool, key=None) -> Optional[str]:
         reason = early_reason(self.config, t)
         if reason is not None:
             return reason
-        if storage_key(t) in self._external:
+        if (key or storage_key(t)) in self._external:
             return "layer_input"
         reason = value_reason(self.config, t)
         if reason is not None:
@@ -142,15 +141,27 @@ class FastCompressor(ActivationCompressor):
         self._recipes[key] = r
 
     def _pack(self, t: Tensor):
-        if self._recipes and not torch.compiler.is_compiling():
-            r = self._recipes.get(storage_key(t))
-            if r is not None and r.owner() is not None and r.version == t._version:
-                r.saves += 1
-                self.stats.deduplicated += 1
-                self._note(t, self._state().stack[-1][0] if self._state().stack else "", "recomputed")
-                base = r.owner()
-                return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - base.storage_offset())
-        return super()._pack(t)
+        # The pack hook of every save in a layer: the common cases are decided first and cheaply.
+        if torch.compiler.is_compiling():
+            return t.detach()
+        base = t._base
+        if type(t) is nn.Parameter or (base is not None and type(base) is nn.Parameter):
+            return _Kept(t.detach(), t._version)  # a weight (or weight.t()): nothing to store or count
+        key = storage_key(t)
+        if self._recipes:
+            r = self._recipes.get(key)
+            if r is not None and r.version == t._version:
+                owner = r.owner()
+                if owner is not None:
+                    r.saves += 1
+                    self.stats.deduplicated += 1
+                    if self.records is not None:
+                        self._note(t, self._layer_name, "recomputed")
+                    return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - owner.storage_offset())
+        reason = self._reason(t, False, key)
+        if reason is not None:
+            return self._keep(t, reason, self._layer_name)
+        return self._store(t, self._layer_name)
 
     def _unpack(self, packed):
         if isinstance(packed, _RecipeHandle):

@@ -26,6 +26,15 @@ from effmem.compress.stats import CompressionStats
 from effmem.compress.tracker import OutputTracker, storage_key
 
 UNKNOWN_MODULE = "<unknown>"
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16 (cached: the statistics name a dtype per save)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 # A strided view is compressed through the dense tensor it views when that
@@ -250,8 +259,9 @@ class ActivationCompressor:
     # ---------------------------------------------------------------- pack / unpack
 
     def _keep(self, t: Tensor, reason: str, module: str) -> Tensor:
-        self.stats.record_kept(reason, str(t.dtype).replace("torch.", ""), module, t.numel() * t.element_size())
-        self._note(t, module, reason)
+        self.stats.record_kept(reason, dtype_name(t.dtype), module, t.numel() * t.element_size())
+        if self.records is not None:
+            self._note(t, module, reason)
         # A detached alias, not t itself: t may be the op's output, and a
         # packed output holding its own grad_fn would be a reference cycle.
         # The alias shares t's version counter, so in-place changes still show.
@@ -290,6 +300,10 @@ class ActivationCompressor:
         reason = self._reason(t, excluded)
         if reason is not None:
             return self._keep(t, reason, module)
+        return self._store(t, module)
+
+    def _store(self, t: Tensor, module: str):
+        """t's memory as compressed codes shared by every save of it (or t kept, where that is no gain)."""
         case = classify(t)
         if case == OVERLAPPING:
             return self._keep(t, "overlapping", module)
@@ -316,31 +330,32 @@ class ActivationCompressor:
         if entry is not None and entry.origin() is not None:
             entry.saves += 1
             self.stats.deduplicated += 1
-            self._note(t, module, "deduplicated")
+            if self.records is not None:
+                self._note(t, module, "deduplicated")
             return _Handle(entry, *handle_args)
 
-        with torch.no_grad():
-            flat = src.as_strided((n,), (1,), offset)
-            entry = _Entry()
-            entry.n, entry.dtype, entry.bits, entry.group_size = n, t.dtype, cfg.bits, g
-            # The tensor that owns the memory, not src: src is often a temporary view (the 2-D view
-            # F.linear makes of its input), gone before the next op saves the same memory (k and v's
-            # projections after q's), while the owner lives as long as the memory does.
-            entry.origin = weakref.ref(src._base if src._base is not None else src)
-            entry.restored, entry.saves, entry.unpacked, entry.held = None, 1, 0, None
-            entry.counter, entry.version = _version_handle(src), src._version
-            if t.dtype == torch.bool:
-                entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n
-                after = entry.codes.numel()
-            else:
-                entry.rows, entry.cols = rows, cols
-                entry.codes, entry.stats = _codec.quantize(
-                    flat.view(rows, cols), bits=cfg.bits, group_size=g, seed=cfg.seed + next(self._seeds),
-                    stochastic=cfg.stochastic)
-                after = entry.codes.numel() + entry.stats.numel() * 4
+        flat = src.detach().as_strided((n,), (1,), offset)
+        entry = _Entry()
+        entry.n, entry.dtype, entry.bits, entry.group_size = n, t.dtype, cfg.bits, g
+        # The tensor that owns the memory, not src: src is often a temporary view (the 2-D view
+        # F.linear makes of its input), gone before the next op saves the same memory (k and v's
+        # projections after q's), while the owner lives as long as the memory does.
+        entry.origin = weakref.ref(src._base if src._base is not None else src)
+        entry.restored, entry.saves, entry.unpacked, entry.held = None, 1, 0, None
+        entry.counter, entry.version = _version_handle(src), src._version
+        if t.dtype == torch.bool:
+            entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n
+            after = entry.codes.numel()
+        else:
+            entry.rows, entry.cols = rows, cols
+            entry.codes, entry.stats = _codec.quantize(
+                flat.view(rows, cols), bits=cfg.bits, group_size=g, seed=cfg.seed + next(self._seeds),
+                stochastic=cfg.stochastic)
+            after = entry.codes.numel() + entry.stats.numel() * 4
         self._table[key] = entry
-        self.stats.record_compressed(str(t.dtype).replace("torch.", ""), module, nbytes, after)
-        self._note(t, module, "compressed")
+        self.stats.record_compressed(dtype_name(t.dtype), module, nbytes, after)
+        if self.records is not None:
+            self._note(t, module, "compressed")
         return _Handle(entry, *handle_args)
 
     def _unpack(self, packed):

@@ -29,6 +29,8 @@ def memory_order(sizes: Sequence[int], strides: Sequence[int]) -> List[int]:
 
 def classify(t: Tensor) -> str:
     """DENSE, STRIDED or OVERLAPPING (the last also for layouts too tangled to prove otherwise)."""
+    if t.is_contiguous():  # most saves; one call instead of the walk over dims below
+        return DENSE
     sizes, strides = t.shape, t.stride()
     order = memory_order(sizes, strides)
     # Size-1 dims never move the pointer, so their stride says nothing.
