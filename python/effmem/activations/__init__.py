@@ -18,32 +18,57 @@ Policies:
 * ``"min"``: the same, with each layer's input kept as 8-bit codes
   (effmem.activations.checkpoint): about half of checkpointing's memory in
   bf16, a quarter in fp32, for one quantisation per layer and its inverse.
+* ``memory_budget=`` instead of a policy: each layer plain, "fast" or "min",
+  the mix of least time whose layers' saved activations fit the budget
+  (effmem.activations.budget), chosen at the first forward of each shape.
+
+Under torch.compile, a "fast" layer is compiled as its own graph with
+selective checkpointing that keeps matmul and attention outputs, and called
+inside the policy's hooks (the compiled backward of a whole model would
+restore every layer's saves at once).
 
 The decoder layers are the longest nn.ModuleList of same-typed modules (a
 Hugging Face model's ``model.layers``, GPT-2's ``transformer.h``, the demo
 GPT's ``blocks``).
 """
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from effmem.activations import paths
 from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
+from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.plan.model import find_blocks
 from effmem.plan.trace import _tensors
 
 POLICIES = ("fast", "checkpoint", "min")
 _FAST = "_effmem_fast"
+_BUDGET = "_effmem_budget"
 
 
-def apply_activation_policy(model: nn.Module, policy: str = "fast", *, bits: int = 8,
+def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, memory_budget=None, bits: int = 8,
                             group_size: int = 128) -> nn.Module:
-    """Apply an activation policy to every decoder layer of `model` (in place); returns the model."""
+    """Apply an activation policy to every decoder layer of `model` (in place); returns the model.
+
+    policy: "fast" (the default), "checkpoint" or "min" for every layer. memory_budget: instead of one
+    policy, each layer plain, "fast" or "min", the mix of least time whose saved activations fit: a
+    fraction in (0, 1] of the layers' plain saved bytes, or bytes (an int) at the shape of each forward
+    (see effmem.activations.budget; the choice is made at the first forward of each input shape).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if policy not in POLICIES:
+    if memory_budget is not None:
+        if policy is not None:
+            raise ValueError(f"policy: memory_budget chooses the policy of each layer; leave policy unset "
+                             f"(got policy={policy!r})")
+        check_budget(memory_budget)
+        policy = "budget"
+    elif policy is None:
+        policy = "fast"
+    elif policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(repr(p) for p in POLICIES)}, got {policy!r}")
     name, layers = find_blocks(model)
     if not layers:
@@ -56,17 +81,25 @@ def apply_activation_policy(model: nn.Module, policy: str = "fast", *, bits: int
         # A recomputed layer would append its keys and values to the cache again (as transformers'
         # own gradient checkpointing, training turns the cache off).
         config.use_cache = False
-    if policy == "fast":
+    if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
         setattr(model, _FAST, comp)
+        budget = None
+        if policy == "budget":
+            budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size)
+            setattr(model, _BUDGET, budget)
         for i, layer in enumerate(layers):
             if "forward" in layer.__dict__:
                 raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation "
                                  "policy or checkpointing); remove that first")
             layer._effmem_patched = paths.patch(layer)
-            layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, f"{name}.{i}", i == 0,
-                                              param_shapes(layer))
-            layer._effmem_policy = "fast"
+            if budget is None:
+                layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, f"{name}.{i}", i == 0,
+                                                  param_shapes(layer))
+            else:
+                layer.forward = functools.partial(_budget_layer_forward, layer, layer.forward, budget, i,
+                                                  f"{name}.{i}", param_shapes(layer))
+            layer._effmem_policy = policy
         return model
     for layer in layers:
         checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size)
@@ -126,6 +159,22 @@ def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
         return fn(original.__self__, *args, **kwargs)
 
 
+def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, name: str, shapes, *args, **kwargs):
+    """A layer under memory_budget: plain, "fast" or "min", as chosen for the current input shape."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(hidden, Tensor):
+        return original(*args, **kwargs)
+    others = list(_tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden})))
+    return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs)
+
+
+def budget_choice(model: nn.Module) -> Optional[dict]:
+    """Under memory_budget, the latest choice: per-layer modes, measured bytes per layer of each mode, the
+    budget in bytes and the bytes the choice holds; None before the first forward or without a budget."""
+    budget = getattr(model, _BUDGET, None)
+    return None if budget is None else budget.latest()
+
+
 def activation_stats(model: nn.Module):
     """What the "fast" policy saved in the latest forward (a CompressionStats), or None without it."""
     comp = getattr(model, _FAST, None)
@@ -138,8 +187,9 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)
     model.__dict__.pop(_FAST, None)
+    model.__dict__.pop(_BUDGET, None)
     return model
 
 
-__all__ = ["apply_activation_policy", "remove_activation_policy", "activation_stats", "compressed_checkpoint",
-           "POLICIES"]
+__all__ = ["apply_activation_policy", "remove_activation_policy", "activation_stats", "budget_choice",
+           "compressed_checkpoint", "POLICIES"]
