@@ -285,3 +285,15 @@ def test_no_host_synchronisation_on_cuda():
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_plan_offers_and_applies_the_fast_policy():
+    p = effmem.plan(dict(model_type="llama", **LLAMA), batch=2, seq=64, device="cpu", host_memory="8GB")
+    fast_c = next(c for c in p.candidates if c.config.activations == "fast" and c.config.loss == "standard")
+    plain = next(c for c in p.candidates if c.config.activations == "none" and c.config.loss == "standard"
+                 and c.config.precision == fast_c.config.precision and c.config.micro_batch == fast_c.config.micro_batch)
+    assert fast_c.cost.forward_alive < 0.5 * plain.cost.forward_alive
+    from effmem.plan.report import code_for
+    assert "apply_activation_policy(model, 'fast')" in code_for(fast_c.config, "cpu")
+    m, _ = p.apply(llama(), fast_c.name)
+    assert all(layer._effmem_policy == "fast" for layer in m.model.layers)

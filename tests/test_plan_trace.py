@@ -127,3 +127,17 @@ def test_checkpoint_bytes_match_allocator():
         out.loss.backward()
         del out
     assert predicted <= held <= 1.04 * predicted, (held, predicted)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch,seq", [(2, 64), (3, 40)])
+def test_fast_policy_trace_equals_real_bytes(cfg, dtype, batch, seq):
+    """The "fast" activation policy: the layers' compressor run on meta tensors stores exactly the bytes it
+    stores in a real forward, and outside the layers the saves are those of the real model."""
+    from effmem.activations import activation_stats, apply_activation_policy
+    predicted = trace_spec(model_spec(cfg), batch, seq, dtype, "cpu").activations("fast")
+    m = apply_activation_policy(real_model(cfg, dtype), "fast")
+    outside = counted_saved_bytes(m, lambda: hf_call(m, batch, seq))  # the layers' saves go to the policy
+    assert predicted["block"] == activation_stats(m).total_bytes_after
+    assert sum(predicted.values()) == outside + activation_stats(m).total_bytes_after

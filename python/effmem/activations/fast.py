@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from effmem.compress.hooks import ActivationCompressor, _check_version, _Handle, _Kept, _version_handle
 from effmem.compress.policy import CompressConfig, early_reason, value_reason
-from effmem.compress.tracker import storage_key
+from effmem.compress.tracker import is_param_like, storage_key
 
 _LOCAL = threading.local()
 
@@ -47,8 +47,10 @@ def current() -> Optional["FastCompressor"]:
 
 def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs) -> None:
     """Under the "fast" policy, let saves of `out` rebuild it as fn(*inputs) in backward; else nothing."""
+    if torch.compiler.is_compiling():  # a compiled graph decides what it saves; nothing to register
+        return
     scope = getattr(_LOCAL, "scope", None)
-    if scope is not None and not torch.compiler.is_compiling():
+    if scope is not None:
         scope.add_recipe(out, fn, inputs)
 
 
@@ -69,8 +71,11 @@ class _RecipeHandle:
 class FastCompressor(ActivationCompressor):
     """compress_activations' machinery (dedup, 8-bit entries, statistics) with the rules above."""
 
-    def __init__(self, bits: int = 8, group_size: int = 128, min_numel: int = 4096):
+    def __init__(self, bits: int = 8, group_size: int = 128, min_numel: int = 4096, allow_meta: bool = False):
         super().__init__(CompressConfig(bits=bits, group_size=group_size, min_numel=min_numel, track_exact=False))
+        # effmem plan runs layers on meta tensors under this compressor to count what it would store
+        # (the kernels' fake implementations give the codes' shapes).
+        self.allow_meta = allow_meta
         self._recipes: Dict[tuple, _Recipe] = {}
         self._external: set = set()
         self._tokens = self._hidden = 0
@@ -92,7 +97,7 @@ class FastCompressor(ActivationCompressor):
     def layer(self, name: str, hidden: Tensor, others, param_shapes: frozenset, first: bool):
         """Route the saves of one layer call through this compressor; `others`: the layer's other inputs."""
         prev = (self._external, self._tokens, self._hidden, self._param_shapes, self._layer_name)
-        self._external = {storage_key(t) for t in others if t.device.type != "meta"}
+        self._external = {storage_key(t) for t in others}
         self._hidden = hidden.shape[-1] if hidden.dim() else 1
         self._tokens = hidden.numel() // max(self._hidden, 1)
         self._param_shapes = param_shapes
@@ -110,9 +115,13 @@ class FastCompressor(ActivationCompressor):
     # ------------------------------------------------------------ rules
 
     def _reason(self, t: Tensor, excluded: bool, key=None) -> Optional[str]:
-        reason = early_reason(self.config, t)
-        if reason is not None:
-            return reason
+        if self.allow_meta and t.device.type == "meta":
+            if is_param_like(t) or (t._base is not None and is_param_like(t._base)):
+                return "parameter"
+        else:
+            reason = early_reason(self.config, t)
+            if reason is not None:
+                return reason
         if (key or storage_key(t)) in self._external:
             return "layer_input"
         reason = value_reason(self.config, t)

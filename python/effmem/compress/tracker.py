@@ -95,8 +95,10 @@ class WeakTable:
 
 
 def storage_key(t: Tensor) -> Tuple[torch.device, int]:
-    """(device, address of the storage): equal for every view of one storage while it lives."""
-    return (t.device, t.untyped_storage().data_ptr())
+    """(device, identity of the storage object): equal for every view of one storage while it lives. The
+    storage's own identity, not its data pointer: empty storages (and every meta tensor, as effmem plan
+    traces models) all have data pointer 0."""
+    return (t.device, t.untyped_storage()._cdata)
 
 
 class OutputTracker(TorchDispatchMode):

@@ -11,7 +11,7 @@ SERIES = (("parameters", ("weights",), "#4c72b0"), ("gradients", ("grads",), "#d
           ("optimizer state", ("master", "optimizer"), "#55a868"),
           ("activations", ("activations", "logits"), "#c44e52"),
           ("temporary + reserve", ("temporary", "reserve"), "#8c8c8c"))
-CHART_ROWS = (("fp32", "none", "gpu"), ("bf16", "none", "gpu"), ("bf16", "checkpoint", "gpu"),
+CHART_ROWS = (("fp32", "none", "gpu"), ("bf16", "none", "gpu"), ("bf16", "fast", "gpu"), ("bf16", "checkpoint", "gpu"),
               ("bf16", "checkpoint8", "gpu"),
               ("bf16", "compress8", "gpu"), ("bf16", "checkpoint", "offload"), ("bf16", "compress8", "offload"))
 

@@ -27,7 +27,8 @@ PRECISIONS = {
     "fp32": (4, 4, 0, 8),   # fp32 weights under bf16 autocast, Adam on them (torch AdamW or FusedAdam)
 }
 # checkpoint8: effmem.apply_activation_policy(model, "min"), checkpointed layers with 8-bit inputs.
-ACTIVATIONS = ("none", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
+# fast: effmem.apply_activation_policy(model, "fast"), 8-bit saves with norms and activations rebuilt.
+ACTIVATIONS = ("none", "fast", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
 OPTIMIZERS = ("gpu", "offload", "offload_overlap")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
 OFFLOAD_BUCKET = 1 << 23        # OffloadAdam's default bucket (elements); two are in flight on the GPU
@@ -75,6 +76,7 @@ class Model:
     layers: int = 1
     tokens: int = 1                          # tokens per micro-batch
     fused_ce_transient: int = 0              # backward buffers of effmem.linear_cross_entropy (fused loss)
+    fast_compressed: int = 0                 # plain bytes the "fast" policy quantises (and restores)
 
 
 @dataclass
@@ -156,6 +158,10 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
         extra = saved / r.compress_bw
+    elif cfg.activations == "fast":
+        # Its saves quantised and restored; the rebuilt norm and activation outputs are elementwise and
+        # left out.
+        extra = m.fast_compressed / r.compress_bw
     elif cfg.activations == "checkpoint8":
         # One quantisation and one dequantisation of each layer's input.
         kept = m.activations["checkpoint"]

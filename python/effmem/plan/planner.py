@@ -99,6 +99,8 @@ class _Activity:
         self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs, fused_loss=fused_loss)
         self.fused_loss = fused_loss
         self.method, self.seq = self.one.method, seq
+        # traced under the "fast" policy too (not for a module with a policy of its own)
+        self.has_fast = self.one.has_fast and self.two.has_fast
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
         def lin(f):
@@ -108,12 +110,14 @@ class _Activity:
             return a + (micro - 1) * (b - a)
         return costs.Model(
             params=spec.num_params, trainable=spec.num_trainable,
-            activations={s: lin(lambda t, s=s: t.activations(s)) for s in costs.ACTIVATIONS},
+            activations={s: lin(lambda t, s=s: t.activations(s)) for s in costs.ACTIVATIONS
+                         if s != "fast" or self.has_fast},
             offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
+            fast_compressed=lin(lambda t: t.fast_compressed()),
             tokens=micro * self.seq, fused_ce_transient=costs.fused_ce_buffers(
                 micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
 
@@ -271,7 +275,8 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     cands: List[Candidate] = []
     shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
-    acts = [a for a in costs.ACTIVATIONS if device == "cuda" or a != "save_on_cpu"]
+    acts = [a for a in costs.ACTIVATIONS if (device == "cuda" or a != "save_on_cpu")
+            and (a != "fast" or all(t.has_fast for t in activity.values()))]
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
         for act, opt, shard in itertools.product(acts, optimizers, shardings):

@@ -202,6 +202,11 @@ class Trace:
     num_blocks: int = 0
     matmul_flops: float = 0.0     # forward FLOPs of everything but attention
     attention_flops: float = 0.0  # forward FLOPs of attention scores and weighted sums
+    # The same forward under effmem's "fast" policy (trace_module(fast=True)): its records hold what was
+    # saved outside the decoder layers, the policy's compressor counted what the layers stored.
+    fast: Optional["Trace"] = None
+    fast_layer_bytes: int = 0        # bytes the layers' saves take under the policy
+    fast_compressed_bytes: int = 0   # plain bytes of what it quantised (the work of its kernels)
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
         """(record, counts as saved activation) pairs that stay alive until backward under a strategy."""
@@ -219,6 +224,12 @@ class Trace:
 
     def activations(self, strategy: str) -> Dict[str, int]:
         """Bytes alive at the end of forward under a strategy, by kind (outputs included, under 'logits')."""
+        if strategy == "fast":
+            if self.fast is None:
+                raise ValueError("activation strategy 'fast': this trace ran without the policy")
+            by_kind = self.fast.activations("none")  # outside the layers: all that was saved
+            by_kind["block"] += self.fast.fast_layer_bytes
+            return by_kind
         by_kind = {k: 0 for k in KINDS}
         cfg = CompressConfig()
         for r, saved in self._kept(strategy):
@@ -237,6 +248,9 @@ class Trace:
                 n = 0
             by_kind[r.kind] += n
         return by_kind
+
+    def fast_compressed(self) -> int:
+        return 0 if self.fast is None else self.fast.fast_compressed_bytes
 
     def saved_bytes(self, strategy: str) -> int:
         """Bytes saved for backward under a strategy: activations() less what forward returned."""
@@ -285,10 +299,26 @@ InputsFn = Callable[[int, int, torch.device], Tuple[tuple, dict]]
 
 
 def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, target: str,
-                 inputs: Optional[InputsFn] = None) -> Trace:
+                 inputs: Optional[InputsFn] = None, fast: bool = False) -> Trace:
     """Run one training forward of `model` on meta tensors of `dtype` and record what it leaves alive.
 
-    target: "cuda" or "cpu", the device whose attention kernel to model."""
+    target: "cuda" or "cpu", the device whose attention kernel to model. fast: with
+    effmem.apply_activation_policy(model, "fast") applied for the run (and removed after), its
+    compressor counting what the decoder layers store."""
+    if fast:
+        from effmem.activations import apply_activation_policy, remove_activation_policy
+        apply_activation_policy(model, "fast")
+        comp = model._effmem_fast
+        comp.allow_meta = True
+        try:
+            tr = trace_module(model, batch, seq, dtype, target, inputs)
+        finally:
+            remove_activation_policy(model)
+        st = comp.stats
+        tr.fast_layer_bytes = st.total_bytes_after
+        kept = sum(t.bytes_before for reason, t in st.skipped.items() if reason not in ("parameter", "layer_input"))
+        tr.fast_compressed_bytes = st.total_bytes_before - kept
+        return tr
     meta = torch.device("meta")
     state = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() else v.dtype)
              .requires_grad_(v.requires_grad and v.is_floating_point())
@@ -377,13 +407,18 @@ def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target
     from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 
     def run(model: nn.Module, fresh: bool) -> Trace:
-        if not fused_loss:
-            return trace_module(model, batch, seq, dtype, target, inputs)
-        fuse_linear_cross_entropy(model)
+        if fused_loss:
+            fuse_linear_cross_entropy(model)
         try:
-            return trace_module(model, batch, seq, dtype, target, inputs)
+            t = trace_module(model, batch, seq, dtype, target, inputs)
+            if getattr(model, "_effmem_fast", None) is None and all(
+                    getattr(b, "_effmem_policy", None) is None for b in find_blocks(model)[1]):
+                # the same forward under the "fast" activation policy (a module that has a policy of its
+                # own already is traced as it is, without the candidate)
+                t.fast = trace_module(model, batch, seq, dtype, target, inputs, fast=True)
+            return t
         finally:
-            if not fresh:
+            if fused_loss and not fresh:
                 unfuse_linear_cross_entropy(model)
 
     if spec.module is not None:
@@ -420,6 +455,13 @@ class Extrapolated:
 
     def offloaded_bytes(self) -> int:
         return self._lin(lambda t: t.offloaded_bytes())
+
+    def fast_compressed(self) -> int:
+        return self._lin(lambda t: t.fast_compressed())
+
+    @property
+    def has_fast(self) -> bool:
+        return all(t.fast is not None for t in (self.one, self.two) if t is not None)
 
     def block_bytes(self) -> int:
         """The largest decoder layer's internally saved bytes."""
