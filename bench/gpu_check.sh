@@ -5,12 +5,13 @@
 # commit.
 #
 #   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
-#   PART: build tests bench demo offload capacity linear_ce plan
+#   PART: build tests bench demo offload capacity linear_ce plan activations
 #
 # No PART runs them all in that order. The device tool allows 10 minutes per
 # command, which all of them together exceed: run `build tests bench demo` in
 # one call, `build offload capacity` in the next and `build linear_ce` in a
-# third, `build plan` in a fourth (the build is about a minute on 16 cores). The device gets a copy of the working tree without
+# third, `build plan` in a fourth, `build activations` in a fifth (the build is about a minute on 16
+# cores). The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
 # `git rev-parse HEAD` here); it goes into every JSON.
 #
@@ -24,7 +25,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity linear_ce plan)
+[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity linear_ce plan activations)
 
 limit() { timeout -k 10 "$@"; }
 
@@ -72,8 +73,19 @@ for part in "${parts[@]}"; do
     plan)
       # effmem plan's predicted peak and step against measured, 30 configurations, and its pick.
       limit 480 "$PY" bench/bench_plan.py --json "$OUT/gpu_plan.json" || status=1 ;;
+    activations)
+      # Activation-memory techniques on a TinyLlama-shaped Llama (issue 10, item 5), in two runs that fit
+      # one call with the build (330 + 130 s). First every row at TinyLlama's shape (22 layers, bf16,
+      # batch 8 x 2048) for 12 steps (8 timed): step time, peak, saved and held memory. Its losses after
+      # 12 steps are early descent, and 200 steps of 9 rows there (4 compiled: a minute or more each) take
+      # far longer, so the loss comparison is a second run: 4 layers, batch 8 x 1024, 200 steps, the eager
+      # rows. Each JSON is written after every row, so a run cut off by its limit keeps what it measured.
+      limit 330 "$PY" bench/bench_activations.py --device cuda --steps 12 \
+        --json "$OUT/gpu_activations.json" || status=1
+      limit 130 "$PY" bench/bench_activations.py --device cuda --layers 4 --seq 1024 --steps 200 --no-compile \
+        --json "$OUT/gpu_activations_loss.json" || status=1 ;;
     *)
-      echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce plan)"; exit 2 ;;
+      echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce plan activations)"; exit 2 ;;
   esac
 done
 exit $status

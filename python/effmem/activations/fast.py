@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from effmem.compress.hooks import ActivationCompressor, _check_version, _Handle, _Kept, _version_handle
-from effmem.compress.policy import CompressConfig, early_reason, value_reason
-from effmem.compress.tracker import is_param_like, storage_key
+from effmem.compress import _codec
+from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, value_reason
+from effmem.compress.tracker import storage_key
 
 _LOCAL = threading.local()
 
@@ -115,19 +116,24 @@ class FastCompressor(ActivationCompressor):
     # ------------------------------------------------------------ rules
 
     def _reason(self, t: Tensor, excluded: bool, key=None) -> Optional[str]:
-        if self.allow_meta and t.device.type == "meta":
-            if is_param_like(t) or (t._base is not None and is_param_like(t._base)):
-                return "parameter"
-        else:
-            reason = early_reason(self.config, t)
-            if reason is not None:
-                return reason
+        # compress.policy's early_reason and value_reason, in the order and form cheapest for one save
+        # (this runs for every save in a layer; parameters of type nn.Parameter never get here)
+        if type(t) is not Tensor or t.layout is not torch.strided or (t.is_meta and not self.allow_meta):
+            return "unsupported"
+        base = t._base
+        if (t.requires_grad and t.is_leaf) or (base is not None and base.requires_grad and base.is_leaf):
+            return "parameter"
         if (key or storage_key(t)) in self._external:
             return "layer_input"
-        reason = value_reason(self.config, t)
-        if reason is not None:
-            return reason
-        if t.numel() * STATISTIC_FRACTION < self._tokens * self._hidden:
+        dtype = t.dtype
+        if dtype not in _codec.FLOAT_DTYPES:
+            return value_reason(self.config, t)  # bool masks (packed), integers, float64: its rules
+        n = t.numel()
+        if n < self.config.min_numel:
+            return "small"
+        if t.dim() == 0 or t.shape[-1] <= ROW_STAT_MAX_LAST_DIM:
+            return "row_statistic"
+        if n * STATISTIC_FRACTION < self._tokens * self._hidden:
             return "statistic"
         if t.dim() == 2 and tuple(t.shape) in self._param_shapes and _is_parameter_copy(t):
             return "parameter_copy"
@@ -153,9 +159,13 @@ class FastCompressor(ActivationCompressor):
         # The pack hook of every save in a layer: the common cases are decided first and cheaply.
         if torch.compiler.is_compiling():
             return t.detach()
+        if type(t) is nn.Parameter:
+            # a weight, kept with its version for the in-place check (a leaf has no grad_fn: no cycle to
+            # break by detaching, as compress_activations' _keep does for an op's own output)
+            return _Kept(t, t._version)
         base = t._base
-        if type(t) is nn.Parameter or (base is not None and type(base) is nn.Parameter):
-            return _Kept(t.detach(), t._version)  # a weight (or weight.t()): nothing to store or count
+        if base is not None and type(base) is nn.Parameter:
+            return _Kept(t.detach(), t._version)  # weight.t(): nothing to store or count
         key = storage_key(t)
         if self._recipes:
             r = self._recipes.get(key)
@@ -173,7 +183,13 @@ class FastCompressor(ActivationCompressor):
         return self._store(t, self._layer_name)
 
     def _unpack(self, packed):
-        if isinstance(packed, _RecipeHandle):
+        cls = type(packed)
+        if cls is _Kept:
+            t = packed.tensor
+            if t._version != packed.version:
+                _check_version(t, packed.version, t.dtype, t.shape, t.device)
+            return t
+        if cls is _RecipeHandle:
             with torch.no_grad():
                 return _rebuild(self, packed)
         return super()._unpack(packed)

@@ -94,11 +94,11 @@ class WeakTable:
         return len(self._refs)
 
 
-def storage_key(t: Tensor) -> Tuple[torch.device, int]:
-    """(device, identity of the storage object): equal for every view of one storage while it lives. The
-    storage's own identity, not its data pointer: empty storages (and every meta tensor, as effmem plan
-    traces models) all have data pointer 0."""
-    return (t.device, t.untyped_storage()._cdata)
+def storage_key(t: Tensor) -> int:
+    """The identity of t's storage object: equal for every view of one storage while it lives (on any
+    device). Not the data pointer: empty storages (and every meta tensor, as effmem plan traces models)
+    all have data pointer 0."""
+    return t.untyped_storage()._cdata
 
 
 class OutputTracker(TorchDispatchMode):

@@ -1,0 +1,99 @@
+"""bench/bench_activations.py on the CPU: its smoke configuration, run in-process, measures what it claims.
+
+The GPU run is one device call; this runs the same code on a 2-layer Llama (fp32, 4 x 128 tokens, 12
+steps) so a typo or an API change cannot first show up there. Compiled rows run with the aot_eager
+backend (the partitioner that activation_memory_budget steers, without inductor's code generation);
+effmem_fast_compiled is left out: the "fast" policy compiles each layer with inductor whatever the
+backend, about 15 s on two cores, which would take this test past a minute.
+"""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_activations.py"
+spec = importlib.util.spec_from_file_location("bench_activations", BENCH)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+CONTRACT = {"plain", "plain_compiled", "hf_checkpointing", "torch_sac", "compile_budget", "effmem_fast",
+            "effmem_min", "effmem_min_compiled"}
+LEFT_OUT = {"effmem_fast_compiled"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    if bench.host_in_use() is None:
+        pytest.skip("no glibc mallinfo2 here: the benchmark's CPU memory numbers need it")
+    out = tmp_path_factory.mktemp("bench") / "activations.json"
+    rows = [r for r in bench.ROWS if r not in LEFT_OUT]
+    threads = torch.get_num_threads()
+    try:  # --smoke runs on one thread (see bench_activations.main) and gives the others back
+        rc = bench.main(["--smoke", "--compile", "--compile-backend", "aot_eager", "--rows", ",".join(rows),
+                         "--json", str(out)])
+    finally:
+        torch._dynamo.reset()  # the compiled rows' graphs: nothing of them for the tests after this one
+    assert rc == 0 and torch.get_num_threads() == threads
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_every_row_is_measured_and_the_json_keeps_the_contract(result):
+    assert result["benchmark"] == "activations" and result["complete"] is True
+    for key in ("device", "torch_version", "git_commit"):
+        assert result["env"][key], key
+    assert result["config"]["model"]["num_hidden_layers"] == 2 and "peak_method" in result["config"]
+    rows = {r["name"]: r for r in result["rows"]}
+    # Every row is listed (the skipped one says why), one per effmem policy but "checkpoint".
+    assert set(rows) == set(bench.ROWS) >= CONTRACT
+    assert {f"effmem_{p}" for p in bench.POLICIES if p != "checkpoint"} <= set(rows)
+    assert [n for n, r in rows.items() if "skipped" in r] == sorted(LEFT_OUT)
+    for name, r in rows.items():
+        if name in LEFT_OUT:
+            continue
+        assert "error" not in r, (name, r["error"])
+        assert r["step_ms"] > 0 and r["peak_bytes"] > 0 and r["held_after_forward"] > 0, name
+        assert r["vs_plain"] > 0 and r["mem_vs_plain"]["peak_vs_plain"] > 0, name
+        if name not in bench.COMPILED_ROWS:  # saved-tensor hooks: eager rows only
+            assert r["saved_bytes"] > 0 and 0 < r["layer_saved_bytes"] < r["saved_bytes"], name
+    assert rows["plain"]["vs_plain"] == 1 and rows["plain"]["peak_vs_plain"] == 1
+    assert {t["name"].split(":")[0] for t in result["targets"]} >= {"effmem_fast", "effmem_min",
+                                                                      "effmem_min_compiled"}
+    assert all(isinstance(t["met"], bool) and "bound" in t for t in result["targets"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_memory_numbers_order_the_techniques(result):
+    rows = {r["name"]: r for r in result["rows"]}
+    layers = {n: r.get("layer_saved_bytes") for n, r in rows.items()}
+    # Checkpointing keeps each layer's input; selective checkpointing that and the matmul outputs; plain all.
+    assert rows["hf_checkpointing"]["saved_bytes"] < rows["plain"]["saved_bytes"]
+    assert layers["hf_checkpointing"] < layers["torch_sac"] < layers["plain"]
+    # "min" keeps the same inputs as checkpointing, in 8-bit codes instead of fp32.
+    assert layers["effmem_min"] < 0.5 * layers["hf_checkpointing"]
+    assert layers["effmem_fast"] < 0.5 * layers["plain"]
+    # the hooks' own time per save was measured (its 10 us target is for the report, not for this CPU)
+    assert rows["effmem_fast"]["hook_saves"] > 0 and 0 < rows["effmem_fast"]["hook_us_per_save"] < 1000
+    # What forward leaves alive follows what is saved; a memory budget of 0.5 makes the compiler keep less.
+    assert rows["hf_checkpointing"]["held_after_forward"] < 0.5 * rows["plain"]["held_after_forward"]
+    assert rows["compile_budget"]["held_after_forward"] < rows["plain_compiled"]["held_after_forward"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_every_row_trains_from_the_same_start_on_the_same_batches(result):
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    plain = next(r for r in rows if r["name"] == "plain")
+    assert plain["final_loss"] < plain["first_loss"] - 0.2  # it learns the progressions
+    for r in rows:
+        # Step 0 is the same forward of the same weights on the same batch (effmem's 8-bit saves change
+        # only gradients), and after 12 steps every row is still close to plain.
+        assert r["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-5), r["name"]
+        assert math.isfinite(r["final_loss"]) and abs(r["loss_vs_plain"]) < 0.05, r["name"]
