@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from effmem.activations import paths
 from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
+from effmem.activations.compiled import compiled_forward
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.plan.model import find_blocks
@@ -122,41 +123,19 @@ def _fast_layer_forward(original, comp: FastCompressor, name: str, first: bool, 
         return original(*args, **kwargs)
 
 
-_COMPILED = {}
-_aten = torch.ops.aten
-# Inside a compiled layer, what the "fast" policy keeps: matmul and attention outputs (the partitioner then
-# recomputes norms and elementwise ops from them and the layer input).
-_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
-         _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-         _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-
-def _sac_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective(forward, *args, **kwargs):
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-    return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy), **kwargs)
-
-
 @torch.compiler.disable
 def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
     """The layer compiled on its own (one graph per layer call, shared by layers of one class), called with
     the policy's hooks active: they store what the compiled forward saves for backward, and its backward
     restores one layer at a time. Traced whole, the model's compiled backward would restore every layer's
     saves at once."""
-    fn = _COMPILED.get(original.__func__)
-    if fn is None:
-        fn = _COMPILED[original.__func__] = torch.compile(functools.partial(_selective, original.__func__))
+    fn = compiled_forward(original, selective=True)
     if not torch.is_grad_enabled():
-        return fn(original.__self__, *args, **kwargs)
+        return fn(*args, **kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     others = _tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden}))
     with comp.layer(name, hidden, others, shapes, first):
-        return fn(original.__self__, *args, **kwargs)
+        return fn(*args, **kwargs)
 
 
 def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, name: str, shapes, *args, **kwargs):

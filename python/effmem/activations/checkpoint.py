@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from effmem.activations.compiled import compiled_forward
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
 from effmem.plan.trace import _tensors
@@ -92,6 +93,8 @@ def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: i
 
 def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args, **kwargs):
     """The layer's forward, checkpointed with its hidden-state input (first argument) compressed."""
+    if torch.compiler.is_compiling():
+        return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     by_name = not args
@@ -121,6 +124,13 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
 
     y = compressed_checkpoint(run, x, bits=bits, group_size=group_size)
     return (y, *tail["rest"]) if "rest" in tail else y
+
+
+@torch.compiler.disable
+def _compiled_layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args, **kwargs):
+    """Inside a compiled model: the layer checkpointed as in eager mode, its forward (and recompute) a
+    compiled graph of its own (activations.compiled)."""
+    return _layer_forward(layer, compiled_forward(original, selective=False), bits, group_size, *args, **kwargs)
 
 
 def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int = 128) -> None:

@@ -1,0 +1,43 @@
+"""Decoder layers of a torch.compile'd model under an activation policy: each layer its own compiled graph.
+
+A policy's layer wrapper, reached while dynamo traces a compiled model, leaves the model's graph there
+(torch.compiler.disable) and runs the layer through a compiled graph of its own: the policy's hooks, or
+its checkpointing, then act around one layer at a time, as in eager mode. (Traced into the model's one
+graph, the hooks would see every layer's saves together: the compiled backward restores them all at
+once, and the peak rises.) One graph serves every layer of a class; a graph break inside the layer
+itself stays the compiler's affair.
+
+selective=True wraps the layer in torch's selective checkpointing with a policy that keeps matmul and
+attention outputs and recomputes the rest: the partitioner then rebuilds norms and elementwise ops in
+backward, as the "fast" policy's fused functions do in eager mode.
+"""
+import functools
+from typing import Callable, Dict, Tuple
+
+import torch
+
+_aten = torch.ops.aten
+_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+         _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+         _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default}
+_GRAPHS: Dict[Tuple[Callable, bool], Callable] = {}
+
+
+def _policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(forward, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy), **kwargs)
+
+
+def compiled_forward(original, selective: bool) -> Callable:
+    """original (a layer's bound forward) as a compiled function of the same arguments."""
+    func = original.__func__
+    fn = _GRAPHS.get((func, selective))
+    if fn is None:
+        fn = _GRAPHS[func, selective] = torch.compile(functools.partial(_selective, func) if selective else func)
+    return functools.partial(fn, original.__self__)
