@@ -1,4 +1,5 @@
-"""effmem.apply_activation_policy: "checkpoint" and "min" (checkpointed layers, inputs kept in 8 bits).
+"""effmem.apply_activation_policy: "checkpoint" and "min" (checkpointed layers, inputs kept in 8 bits), and
+training and torch.compile under "min" and "fast" (the rest of "fast": test_activations_fast.py).
 
 Checked on Hugging Face Llama and GPT-2 (random init, no download) and the demo GPT: the forward is
 unchanged, gradients carry only the 8-bit rounding of each layer's input (and the dropout masks replay:
@@ -17,6 +18,7 @@ from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import model_spec
 from effmem.plan.trace import trace_spec
 from effmem.plan.verify import bytes_in_use
+from activation_helpers import held_after_forward, loss_of, pattern, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,29 +64,9 @@ def test_min_policy_changes_gradients_only_by_the_rounding_of_layer_inputs(make)
         assert (c - a).norm() <= 0.05 * a.norm() + 1e-6
 
 
-def pattern(batch, seq, seed):
-    """Sequences a model can learn: arithmetic progressions mod 256, random start and stride."""
-    g = torch.Generator().manual_seed(seed)
-    start, stride = torch.randint(0, 256, (batch, 1), generator=g), torch.randint(1, 8, (batch, 1), generator=g)
-    return (start + stride * torch.arange(seq)) % 256
-
-
-def loss_of(model, x):
-    return model(input_ids=x, labels=x).loss if hasattr(model, "config") else model(x, x)[1]
-
-
-def train(model, steps=150, lr=1e-3):
-    opt = effmem.FusedAdam(model.parameters(), lr=lr)
-    for step in range(steps):
-        loss_of(model, pattern(4, 64, seed=step)).backward()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():  # held-out batches: less noisy than the last training losses
-        return sum(loss_of(model, pattern(8, 64, seed=1000 + i)).item() for i in range(4)) / 4
-
-
+@pytest.mark.parametrize("policy", ["min", "fast"])
 @pytest.mark.parametrize("which", ["llama", "demo_gpt"])
-def test_min_policy_trains_like_plain(which):
+def test_policy_trains_like_plain(which, policy):
     """Final held-out loss within 1% of plain training (issue 10). At a higher learning rate (2e-3) both
     runs are still in a fast, chaotic descent at the end and differ by a few percent either way from run
     to run, with or without the policy: 1e-3 over 150 steps ends where they have settled."""
@@ -93,21 +75,10 @@ def test_min_policy_trains_like_plain(which):
     torch.manual_seed(0)
     plain = make()
     first = loss_of(plain, pattern(8, 64, seed=1000)).item()
-    small = apply_activation_policy(copy.deepcopy(plain), "min")
+    small = apply_activation_policy(copy.deepcopy(plain), policy)
     a, b = train(plain), train(small)
     assert a < 0.5 * first  # it learned the sequences
     assert abs(b - a) <= 0.01 * a, (a, b)
-
-
-def held_after_forward(model, x):
-    for _ in range(3):  # the last of three: lazy allocations have settled
-        model.zero_grad(set_to_none=True)
-        before = bytes_in_use(torch.device("cpu"))
-        out = model(input_ids=x, labels=x)
-        held = bytes_in_use(torch.device("cpu")) - before
-        out.loss.backward()
-        del out
-    return held
 
 
 def test_min_policy_holds_what_plan_predicts_and_less_than_checkpointing():
@@ -156,18 +127,21 @@ def test_plan_offers_and_applies_the_min_policy():
     assert all(layer._effmem_policy == "checkpoint8" for layer in m.model.layers)
 
 
-def test_min_policy_under_torch_compile():
+@pytest.mark.parametrize("policy", ["min", "fast"])
+def test_policy_under_torch_compile(policy):
     """torch.compile of a model with the policy: the same gradients (up to the rounding) and no more
-    memory held after forward than the policy in eager mode (issue 10, item 3; CPU)."""
+    memory held after forward than the policy in eager mode (issue 10, item 3; CPU). Each layer runs as
+    a compiled graph of its own (activations/compiled.py): "fast" with selective checkpointing that keeps
+    matmul and attention outputs, inside the policy's hooks; "min" inside its checkpoint."""
     if bytes_in_use(torch.device("cpu")) is None:
         pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
     x = ids()
     _, g0 = grads_after_one_step(llama(), x)
-    compiled = torch.compile(apply_activation_policy(llama(), "min"))
+    compiled = torch.compile(apply_activation_policy(llama(), policy))
     _, g1 = grads_after_one_step(compiled, x)
     for a, b in zip(g0, g1):
-        assert (b - a).norm() <= 0.05 * a.norm() + 1e-6
+        assert (b - a).norm() <= 0.06 * a.norm() + 1e-6
     x = ids(4, 256)
-    eager_held = held_after_forward(apply_activation_policy(llama(), "min"), x)
+    eager_held = held_after_forward(apply_activation_policy(llama(), policy), x)
     compiled_held = held_after_forward(compiled, x)
     assert compiled_held <= eager_held, (compiled_held, eager_held)

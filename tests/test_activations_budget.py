@@ -14,6 +14,7 @@ import torch
 from effmem.activations import apply_activation_policy, budget_choice, remove_activation_policy
 from effmem.activations.budget import COST, choose
 from effmem.plan.verify import bytes_in_use
+from activation_helpers import held_after_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,17 +48,6 @@ def test_choice_is_the_cheapest_that_fits():
         assert sum(COST[x] for x in got) == pytest.approx(best)
 
 
-def held_after_forward(model):
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        before = bytes_in_use(torch.device("cpu"))
-        loss = loss_of(model)
-        held = bytes_in_use(torch.device("cpu")) - before
-        loss.backward()
-        del loss
-    return held
-
-
 def test_budgets_pick_mixes_that_hold_what_they_predict():
     if bytes_in_use(torch.device("cpu")) is None:
         pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
@@ -65,7 +55,7 @@ def test_budgets_pick_mixes_that_hold_what_they_predict():
     held, choices = {}, {}
     for budget in (1.0, 0.5, 0.25, 0.1):
         m = apply_activation_policy(copy.deepcopy(base), memory_budget=budget)
-        held[budget] = held_after_forward(m)
+        held[budget] = held_after_forward(m, X)
         choices[budget] = c = budget_choice(m)
         assert c["predicted_bytes"] <= c["budget_bytes"]
     assert choices[1.0]["modes"] == ["plain"] * 6

@@ -1,0 +1,48 @@
+"""What the activation-policy tests share: learnable sequences, a short training run, memory after forward."""
+import torch
+
+import effmem
+from effmem.plan.verify import bytes_in_use
+
+
+def pattern(batch, seq, seed):
+    """Sequences a model can learn: arithmetic progressions mod 256, random start and stride."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, 256, (batch, 1), generator=g), torch.randint(1, 8, (batch, 1), generator=g)
+    return (start + stride * torch.arange(seq)) % 256
+
+
+def outputs_of(model, x):
+    """A training forward of a transformers causal LM or of the demo GPT: (everything it returned, loss)."""
+    if hasattr(model, "config"):
+        out = model(input_ids=x, labels=x)
+        return out, out.loss
+    out = model(x, x)
+    return out, out[1]
+
+
+def loss_of(model, x):
+    return outputs_of(model, x)[1]
+
+
+def train(model, steps=150, lr=1e-3):
+    """Held-out loss after `steps` steps of FusedAdam on progressions (the same batches for every model)."""
+    opt = effmem.FusedAdam(model.parameters(), lr=lr)
+    for step in range(steps):
+        loss_of(model, pattern(4, 64, seed=step)).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # held-out batches: less noisy than the last training losses
+        return sum(loss_of(model, pattern(8, 64, seed=1000 + i)).item() for i in range(4)) / 4
+
+
+def held_after_forward(model, x):
+    """Allocator bytes a training forward leaves alive (glibc mallinfo2), the last of three steps."""
+    for _ in range(3):  # the last of three: lazy allocations have settled
+        model.zero_grad(set_to_none=True)
+        before = bytes_in_use(torch.device("cpu"))
+        out, loss = outputs_of(model, x)  # all of the output alive, as a training loop holds it (the logits)
+        held = bytes_in_use(torch.device("cpu")) - before
+        loss.backward()
+        del out, loss
+    return held
