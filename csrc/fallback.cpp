@@ -33,6 +33,20 @@ void adam_step_fallback(at::TensorList params, at::TensorList grads, at::TensorL
   no_kernel("adam_step_", params[0]);
 }
 
+void adam8_step_fallback(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,
+                         at::TensorList exp_avg_sq_scales, at::TensorList masters, at::TensorList steps,
+                         at::IntArrayRef salts, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, bool, bool, const std::optional<at::Tensor>& lr_tensor,
+                         const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
+                         const std::optional<at::Tensor>& status) {
+  const Adam8State eight{exp_avg_scales, exp_avg_sq_scales, salts};
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
+                  lr_tensor, inv_scale, found_inf, status, &eight);
+  if (params.empty()) return;
+  no_kernel("adam8_step_", params[0]);
+}
+
 at::Tensor l2norm_fallback(at::TensorList tensors) {
   check_norm_args(tensors);
   if (tensors.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat));
@@ -67,6 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_fallback(
 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step_fallback);
+  m.impl("adam8_step_", &adam8_step_fallback);
   m.impl("l2norm", &l2norm_fallback);
   m.impl("quantize", &quantize_fallback);
   m.impl("dequantize", &dequantize_fallback);

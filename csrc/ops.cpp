@@ -21,6 +21,17 @@ TORCH_LIBRARY(effmem, m) {
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor[] steps, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool decoupled, bool bias_correction, "
       "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, Tensor(e!)? status=None) -> ()");
+  // The same step with 8-bit moments (common/adam8_math.h): exp_avgs and
+  // exp_avg_sqs are uint8 codes laid out as the params, with float32 block
+  // scales [ceil(numel / 256)] in exp_avg_scales / exp_avg_sq_scales, decoded,
+  // updated and encoded again in one pass; salts[i] (the tensor's place in its
+  // optimizer) and the step count seed the stochastic rounding of its codes.
+  m.def(
+      "adam8_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] masters, Tensor[] steps, "
+      "int[] salts, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
+      "bool bias_correction, Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
+      "Tensor(g!)? status=None) -> ()");
   // Global L2 norm of a list of floating tensors on one device, as a float32
   // scalar on that device (sums of squares accumulated in float per block and
   // in double across blocks).

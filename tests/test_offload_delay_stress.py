@@ -3,7 +3,8 @@
 Random parameter sizes and dtypes, two param groups, buckets, threads and copy
 delays; 1-3 micro-batches per step, marked with accumulating() or not, random
 parameters left out of each micro-batch; zero_grad() without step(), clipping,
-lr changes, flush() between micro-batches and state_dict() round trips. The
+lr changes, flush() between micro-batches, state_dict() round trips, and
+float32 or 8-bit moments (state_bits). The
 reference is FusedAdam fed exactly the gradients the engine was fed (each
 computed from the weights that forward saw). Checked: every weight a forward
 sees is one of the reference's versions of that parameter (never torn, never a
@@ -43,9 +44,9 @@ def test_delay_random_schedules_match_fused_adam(seed):
     hp = dict(betas=(0.9, 0.95), eps=1e-8)
     cfg = dict(bucket_size=rng.choice([1, 64, 500, 5000, 1 << 20]), num_threads=rng.randint(1, 3),
                _host_delay_us=rng.choice([0.0, 30.0, 300.0]), stream_grads=rng.random() < 0.8,
-               delay_warmup=rng.choice([0, 0, 2, 5]))
+               delay_warmup=rng.choice([0, 0, 2, 5]), state_bits=rng.choice([32, 32, 8]))
     off = OffloadAdam(_groups(params, split), delay=True, **hp, **cfg)
-    fused = FusedAdam(_groups(ref, split), **hp)
+    fused = FusedAdam(_groups(ref, split), state_bits=cfg["state_bits"], **hp)
     versions = [[r.detach().clone()] for r in ref]
     for k in range(14):
         acc = [None] * len(params)

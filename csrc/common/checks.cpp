@@ -1,5 +1,6 @@
 #include "common/checks.h"
 
+#include "common/adam8_math.h"
 #include "common/adam_math.h"
 
 #include <c10/util/Exception.h>
@@ -60,7 +61,8 @@ struct Span {
 };
 
 void check_no_aliases(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps) {
+                      at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                      at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales) {
   std::vector<Span> spans;
   auto add = [&](at::TensorList list, const char* name, bool written) {
     for (size_t i = 0; i < list.size(); ++i) {
@@ -75,6 +77,8 @@ void check_no_aliases(at::TensorList params, at::TensorList grads, at::TensorLis
   add(exp_avg_sqs, "exp_avg_sqs", true);
   add(masters, "masters", true);
   add(steps, "steps", true);
+  add(exp_avg_scales, "exp_avg_scales", true);
+  add(exp_avg_sq_scales, "exp_avg_sq_scales", true);
   add(grads, "grads", false);
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
   const Span* reach_written = nullptr;  // of the spans so far, the written one reaching furthest
@@ -133,8 +137,15 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
                      const std::optional<at::Tensor>& lr_tensor,
                      const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& status) {
+                     const std::optional<at::Tensor>& status, const Adam8State* eight) {
   const size_t n = params.size();
+  if (eight != nullptr) {
+    TORCH_CHECK_VALUE(eight->exp_avg_scales.size() == n && eight->exp_avg_sq_scales.size() == n &&
+                          eight->salts.size() == n,
+                      "exp_avg_scales, exp_avg_sq_scales and salts must have one entry per param, got ",
+                      eight->exp_avg_scales.size(), ", ", eight->exp_avg_sq_scales.size(), " and ",
+                      eight->salts.size(), " for ", n, " params");
+  }
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
                     "params, grads, exp_avgs, exp_avg_sqs and steps must have the same length, got ", n, ", ",
                     grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ", steps.size());
@@ -176,10 +187,24 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
     check_same_layout(grads[i], p, "grads", i, device);
     check_same_layout(exp_avgs[i], p, "exp_avgs", i, device);
     check_same_layout(exp_avg_sqs[i], p, "exp_avg_sqs", i, device);
-    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == at::kFloat, "exp_avgs[", i, "] must be float32, got ",
+    const at::ScalarType state = eight != nullptr ? at::kByte : at::kFloat;
+    const char* state_name = eight != nullptr ? "uint8 (8-bit codes)" : "float32";
+    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == state, "exp_avgs[", i, "] must be ", state_name, ", got ",
                      exp_avgs[i].scalar_type());
-    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kFloat, "exp_avg_sqs[", i, "] must be float32, got ",
-                     exp_avg_sqs[i].scalar_type());
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == state, "exp_avg_sqs[", i, "] must be ", state_name,
+                     ", got ", exp_avg_sqs[i].scalar_type());
+    if (eight != nullptr) {
+      const int64_t blocks = (p.numel() + kAdam8Block - 1) / kAdam8Block;
+      for (const auto& [list, name] : {std::pair{eight->exp_avg_scales, "exp_avg_scales"},
+                                       std::pair{eight->exp_avg_sq_scales, "exp_avg_sq_scales"}}) {
+        const at::Tensor& s = list[i];
+        TORCH_CHECK_VALUE(s.layout() == at::kStrided && s.scalar_type() == at::kFloat && s.dim() == 1 &&
+                              s.numel() == blocks && s.is_contiguous() && s.device() == device,
+                          name, "[", i, "] must be a contiguous 1-D float32 tensor of ", blocks,
+                          " block scales (one per ", kAdam8Block, " elements of params[", i, "]) on ", device,
+                          ", got ", describe(s));
+      }
+    }
     if (low_precision) {
       check_same_layout(masters[i], p, "masters", i, device);
       TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kFloat, "masters[", i, "] must be float32, got ",
@@ -190,7 +215,9 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
                       "steps[", i, "] must be a one-element float32 tensor on ", device, ", got ",
                       describe(steps[i]));
   }
-  check_no_aliases(params, grads, exp_avgs, exp_avg_sqs, masters, steps);
+  check_no_aliases(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
+                   eight != nullptr ? eight->exp_avg_scales : at::TensorList{},
+                   eight != nullptr ? eight->exp_avg_sq_scales : at::TensorList{});
 }
 
 void check_norm_args(at::TensorList tensors) {

@@ -13,15 +13,22 @@ namespace effmem {
 // Storage format index used by the kernels (see cpu/dispatch.h DType).
 int dtype_index(at::ScalarType t, const char* arg);
 
-// Validates the tensor lists of adam_step_ and the hyper-parameters; the
-// device of every tensor must be `device`.
+// The 8-bit moments' extra arguments (adam8_step_): block scales and salts.
+struct Adam8State {
+  at::TensorList exp_avg_scales, exp_avg_sq_scales;
+  c10::ArrayRef<int64_t> salts;
+};
+
+// Validates the tensor lists of adam_step_ (eight == nullptr: float32 moments)
+// or adam8_step_ (uint8 codes and their scales) and the hyper-parameters; all
+// tensors of one call share params[0]'s device.
 void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                      double lr, double beta1, double beta2, double eps, double weight_decay,
                      const std::optional<at::Tensor>& lr_tensor,
                      const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& status);
+                     const std::optional<at::Tensor>& status, const Adam8State* eight = nullptr);
 
 // "a float64 tensor of shape [3] on cpu", for messages.
 std::string describe(const at::Tensor& t);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/adam8_math.h"
 #include "common/adam_math.h"
 #include "common/quant_math.h"
 
@@ -26,6 +27,24 @@ struct AdamSpan {
 };
 
 using AdamFn = void (*)(const AdamSpan& span, int64_t n, const AdamCoeffs& c);
+
+// One span of an Adam update with 8-bit moments (common/adam8_math.h): codes and
+// block scales instead of float moments. `first` is the flat index of the span's
+// first element in its tensor, a multiple of kAdam8Block (the rounding bytes
+// are hashed from it); seeds from adam8_seed.
+struct Adam8Span {
+  void* param;
+  const void* grad;
+  float* master;
+  uint8_t* m_codes;
+  uint8_t* v_codes;
+  float* m_scale;
+  float* v_scale;
+  uint64_t first;
+  uint64_t seed_m, seed_v;
+};
+
+using Adam8Fn = void (*)(const Adam8Span& span, int64_t n, const AdamCoeffs& c);
 using SumSqFn = double (*)(const void* x, int64_t n);
 // dst[i] = dst[i] + src[i], rounded once to dst's format: what torch's
 // `grad += new_grad` computes for bf16/fp16 grads (used by the offload
@@ -59,6 +78,7 @@ using DequantFn = void (*)(const DequantJob& job, int64_t group_begin, int64_t g
 struct KernelTable {
   const char* name;
   AdamFn adam[kNumDTypes][kNumDTypes];  // [param dtype][grad dtype]
+  Adam8Fn adam8[kNumDTypes][kNumDTypes];
   SumSqFn sumsq[kNumDTypes];
   AddFn add[kNumDTypes];
   QuantFn quantize[kNumDTypes][2];      // [dtype][0: 4 bits, 1: 8 bits]

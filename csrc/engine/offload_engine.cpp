@@ -49,6 +49,8 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
   TORCH_CHECK_VALUE(options_.landing_chunk_numel >= 1 && options_.landing_chunks >= 1,
                     "landing_chunk_numel and landing_chunks must be >= 1");
   TORCH_CHECK_VALUE(!(options_.overlap && options_.delay), "overlap and delay: choose one of the two modes");
+  TORCH_CHECK_VALUE(options_.state_bits == 32 || options_.state_bits == 8,
+                    "state_bits must be 32 or 8, got ", options_.state_bits);
   if (options_.backend == "host") {
     transfer_ = make_host_transfer(options_.host_delay_us, options_.seed);
   } else if (options_.backend == "cuda") {
@@ -80,6 +82,8 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     TORCH_CHECK_VALUE(b.dtype == p.dtype, "OffloadEngine: bucket ", p.bucket, " mixes dtypes");
     p.offset = b.numel;
     b.numel += (p.numel + kAlignElems - 1) / kAlignElems * kAlignElems;
+    p.block_offset = b.blocks;
+    b.blocks += (p.numel + kAdam8Block - 1) / kAdam8Block;
     b.params.push_back(static_cast<int64_t>(i));
     b.expected += p.expects_grad ? 1 : 0;
     params_.push_back(std::move(p));
@@ -91,8 +95,13 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     // fp32 parameters are uploaded straight from their master: it must be
     // page-locked for the copy to be asynchronous DMA.
     bucket.master = transfer_->allocate(floats, options_.pin_state || bucket.dtype == cpu::kF32);
-    bucket.exp_avg = transfer_->allocate(floats, options_.pin_state);
-    bucket.exp_avg_sq = transfer_->allocate(floats, options_.pin_state);
+    const bool eight = options_.state_bits == 8;
+    bucket.exp_avg = transfer_->allocate(eight ? bucket.numel : floats, options_.pin_state);
+    bucket.exp_avg_sq = transfer_->allocate(eight ? bucket.numel : floats, options_.pin_state);
+    if (eight) {
+      bucket.exp_avg_scale = transfer_->allocate(bucket.blocks * 4, options_.pin_state);
+      bucket.exp_avg_sq_scale = transfer_->allocate(bucket.blocks * 4, options_.pin_state);
+    }
     for (int side = 0; side < (options_.delay ? 2 : 1); ++side) {
       bucket.staging[side] = transfer_->allocate(bucket.numel * element_size(bucket.dtype), true);
     }
@@ -134,6 +143,7 @@ void OffloadEngine::close() {
   // Views handed to Python keep their blocks alive; the engine lets go of them.
   for (Bucket& b : buckets_) {
     b.master = b.exp_avg = b.exp_avg_sq = b.staging[0] = b.staging[1] = nullptr;
+    b.exp_avg_scale = b.exp_avg_sq_scale = nullptr;
     b.last_upload = nullptr;
   }
   chunks_.clear();
@@ -409,11 +419,21 @@ std::vector<at::Tensor> OffloadEngine::state(int64_t i) const {
   const Param& p = params_[static_cast<size_t>(i)];
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
   std::vector<at::Tensor> out;
+  const bool eight = options_.state_bits == 8;
   for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq}) {
-    float* data = static_cast<float*>(block->data()) + p.offset;
+    const bool codes = eight && block != b.master;
+    char* data = static_cast<char*>(block->data()) + p.offset * (codes ? 1 : 4);
     std::shared_ptr<HostBlock> keep = block;
     out.push_back(at::from_blob(data, p.tensor.sizes(), p.tensor.strides(), [keep](void*) {},
-                                at::TensorOptions().dtype(at::kFloat)));
+                                at::TensorOptions().dtype(codes ? at::kByte : at::kFloat)));
+  }
+  if (eight) {
+    const int64_t blocks = (p.numel + kAdam8Block - 1) / kAdam8Block;
+    for (const auto& block : {b.exp_avg_scale, b.exp_avg_sq_scale}) {
+      std::shared_ptr<HostBlock> keep = block;
+      out.push_back(at::from_blob(static_cast<float*>(block->data()) + p.block_offset, {blocks},
+                                  [keep](void*) {}, at::TensorOptions().dtype(at::kFloat)));
+    }
   }
   return out;
 }
@@ -430,7 +450,10 @@ std::map<std::string, int64_t> OffloadEngine::counters() const {
     if (block) (block->pinned() ? pinned : pageable) += block->bytes();
   };
   for (const Bucket& b : buckets_) {
-    for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.staging[0], b.staging[1]}) count(block);
+    for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.exp_avg_scale, b.exp_avg_sq_scale,
+                              b.staging[0], b.staging[1]}) {
+      count(block);
+    }
   }
   for (const auto& c : chunks_) count(c);
   return {{"bytes_down", bytes_down_.load()},

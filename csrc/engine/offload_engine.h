@@ -2,7 +2,10 @@
 //
 // Host memory, allocated once when the engine is built (never per step):
 //   per bucket (a run of parameters of one dtype, in backward order):
-//     master, exp_avg, exp_avg_sq  float32, one flat buffer each
+//     master, exp_avg, exp_avg_sq  float32, one flat buffer each (state_bits
+//                                  8: exp_avg, exp_avg_sq uint8 codes, and a
+//                                  float32 scale per 256 elements of each
+//                                  parameter, common/adam8_math.h)
 //     staging                      param dtype: gradients land here, and
 //                                  the kernel writes the new low-precision
 //                                  weights over them in place, so one
@@ -78,6 +81,7 @@ struct EngineOptions {
   int64_t landing_chunks = 4;
   double host_delay_us = 0.0;       // host backend: random delay before each copy (tests)
   uint64_t seed = 0;
+  int state_bits = 32;              // 32: float32 moments; 8: 8-bit moments
 };
 
 struct GroupHparams {
@@ -120,8 +124,10 @@ class OffloadEngine {
   void close();
   bool closed() const { return closed_.load(); }
 
-  // Views of the host state of param i: master, exp_avg, exp_avg_sq (float32,
-  // the param's shape and strides). They keep the memory alive.
+  // Views of the host state of param i: master, exp_avg, exp_avg_sq (the
+  // param's shape and strides; float32, or uint8 codes for state_bits 8, then
+  // followed by exp_avg_scale and exp_avg_sq_scale, float32 [blocks]). They
+  // keep the memory alive.
   std::vector<at::Tensor> state(int64_t i) const;
   // float32 [num_params]: step count of each parameter, updated in place.
   at::Tensor steps() const;
@@ -135,6 +141,7 @@ class OffloadEngine {
   struct Param {
     at::Tensor tensor;
     int64_t numel, bucket, group, offset;  // offset: elements into the bucket's buffers
+    int64_t block_offset = 0;              // state_bits 8: blocks into the bucket's scale buffers
     int dtype;
     bool expects_grad;
     bool has_grad = false;       // staging holds a gradient not yet used by an update
@@ -151,9 +158,10 @@ class OffloadEngine {
   };
   struct Bucket {
     int dtype;
-    int64_t numel = 0, expected = 0, landed = 0;
+    int64_t numel = 0, expected = 0, landed = 0, blocks = 0;
     std::vector<int64_t> params;
     std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq;
+    std::shared_ptr<HostBlock> exp_avg_scale, exp_avg_sq_scale;  // state_bits 8
     std::shared_ptr<HostBlock> staging[2];  // [1] in delay mode only
     TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };

@@ -77,9 +77,12 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
   const bool low_precision = b.dtype != cpu::kF32;
   const int64_t esize = element_size(b.dtype);
   const cpu::AdamFn fn = cpu::kernels().adam[b.dtype][b.dtype];
+  const cpu::Adam8Fn fn8 = cpu::kernels().adam8[b.dtype][b.dtype];
+  const bool eight = options_.state_bits == 8;
   float* steps = static_cast<float*>(steps_->data());
   struct Work {
     cpu::AdamSpan span;
+    cpu::Adam8Span span8;
     int64_t n;
     size_t coeff;
   };
@@ -95,19 +98,38 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
                                    h.bias_correction, steps[j], grad_scale));
       char* stage = staging_of(p, side);
       float* master = static_cast<float*>(b.master->data()) + p.offset;
-      float* m = static_cast<float*>(b.exp_avg->data()) + p.offset;
-      float* v = static_cast<float*>(b.exp_avg_sq->data()) + p.offset;
       for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
         // The new low-precision weights overwrite the gradient in place:
         // each element's gradient is read before its weight is written.
         char* g = stage + off * esize;
-        work.push_back({{g, g, master + off, m + off, v + off}, std::min(cpu::kAdamSpan, p.numel - off),
-                        coeffs.size() - 1});
+        Work w{};
+        w.n = std::min(cpu::kAdamSpan, p.numel - off);
+        w.coeff = coeffs.size() - 1;
+        if (eight) {
+          // Spans start on 8-bit blocks (kAdamSpan is a multiple of kAdam8Block); the salt is the
+          // parameter's index, as FusedAdam's is its place in the optimizer.
+          const int64_t blk = p.block_offset + off / kAdam8Block;
+          w.span8 = {g, g, master + off,
+                     static_cast<uint8_t*>(b.exp_avg->data()) + p.offset + off,
+                     static_cast<uint8_t*>(b.exp_avg_sq->data()) + p.offset + off,
+                     static_cast<float*>(b.exp_avg_scale->data()) + blk,
+                     static_cast<float*>(b.exp_avg_sq_scale->data()) + blk, static_cast<uint64_t>(off),
+                     adam8_seed(steps[j], j, false), adam8_seed(steps[j], j, true)};
+        } else {
+          w.span = {g, g, master + off, static_cast<float*>(b.exp_avg->data()) + p.offset + off,
+                    static_cast<float*>(b.exp_avg_sq->data()) + p.offset + off};
+        }
+        work.push_back(w);
       }
     }
   }
-  pool_->run(static_cast<int64_t>(work.size()),
-             [&](int64_t k) { fn(work[k].span, work[k].n, coeffs[work[k].coeff]); });
+  pool_->run(static_cast<int64_t>(work.size()), [&](int64_t k) {
+    if (eight) {
+      fn8(work[k].span8, work[k].n, coeffs[work[k].coeff]);
+    } else {
+      fn(work[k].span, work[k].n, coeffs[work[k].coeff]);
+    }
+  });
   updates_ += static_cast<int64_t>(ids.size());
   if (options_.delay) return;  // uploaded by install(), during the next backward
   TicketPtr last;

@@ -45,7 +45,7 @@ void bind_engine(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> bucket_of, std::vector<int64_t> group_of,
                        std::vector<bool> expects_grad, int64_t num_groups, std::string backend, int device,
                        int num_threads, bool pin_state, bool overlap, bool delay, int64_t landing_chunk_numel,
-                       int64_t landing_chunks, double host_delay_us, uint64_t seed) {
+                       int64_t landing_chunks, double host_delay_us, uint64_t seed, int state_bits) {
              EngineOptions o;
              o.backend = std::move(backend);
              o.device = device;
@@ -57,6 +57,7 @@ void bind_engine(py::module_& m) {
              o.landing_chunks = landing_chunks;
              o.host_delay_us = host_delay_us;
              o.seed = seed;
+             o.state_bits = state_bits;
              return std::unique_ptr<E, DeleteWithoutGil>(new E(std::move(params), std::move(bucket_of),
                                                                std::move(group_of), std::move(expects_grad),
                                                                num_groups, std::move(o)));
@@ -65,7 +66,7 @@ void bind_engine(py::module_& m) {
            py::arg("num_groups"), py::kw_only(), py::arg("backend"), py::arg("device") = -1,
            py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false, py::arg("delay") = false,
            py::arg("landing_chunk_numel") = int64_t(1) << 22, py::arg("landing_chunks") = 4,
-           py::arg("host_delay_us") = 0.0, py::arg("seed") = 0)
+           py::arg("host_delay_us") = 0.0, py::arg("seed") = 0, py::arg("state_bits") = 32)
       .def(
           "set_group",
           [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -88,7 +89,9 @@ void bind_engine(py::module_& m) {
       .def("close", &E::close, release())
       .def_property_readonly("closed", &E::closed)
       .def_property_readonly("backend", &E::backend)
-      .def("state", &E::state, py::arg("index"), "(master, exp_avg, exp_avg_sq) views of param `index`'s host state")
+      .def("state", &E::state, py::arg("index"),
+           "(master, exp_avg, exp_avg_sq) views of param `index`'s host state; with state_bits=8 the moments "
+           "are uint8 codes followed by (exp_avg_scale, exp_avg_sq_scale)")
       .def("steps", &E::steps, "float32 step count per parameter (a view, updated in place)")
       .def("counters", &E::counters)
       .def("fail_next_update", &E::fail_next_update, py::arg("message") = "",

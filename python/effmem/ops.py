@@ -30,6 +30,9 @@ def adam_step_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     status: Optional[Tensor] = None,
+    exp_avg_scales: Optional[Sequence[Tensor]] = None,
+    exp_avg_sq_scales: Optional[Sequence[Tensor]] = None,
+    salts: Optional[Sequence[int]] = None,
 ) -> None:
     """One fused Adam/AdamW step over same-dtype tensors on one device.
 
@@ -45,7 +48,22 @@ def adam_step_(
     are left unchanged and ``status`` (int32, one element, when given) gets
     1 (lr) or 2 (step count) ORed in. Every tensor written must have memory
     of its own.
+
+    8-bit moments (``torch.ops.effmem.adam8_step_``, csrc/common/adam8_math.h):
+    give ``exp_avg_scales``, ``exp_avg_sq_scales`` (float32 [ceil(numel/256)]
+    each) and ``salts`` (one int per tensor, its place in the optimizer);
+    exp_avgs and exp_avg_sqs are then uint8 codes laid out as the params.
     """
+    if exp_avg_scales is not None or exp_avg_sq_scales is not None or salts is not None:
+        if exp_avg_scales is None or exp_avg_sq_scales is None or salts is None:
+            raise ValueError("exp_avg_scales, exp_avg_sq_scales and salts: 8-bit moments need all three")
+        _lib.adam8_step_(
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(exp_avg_scales),
+            list(exp_avg_sq_scales), list(masters), list(steps), [int(s) for s in salts], float(lr), float(beta1),
+            float(beta2), float(eps), float(weight_decay), bool(decoupled), bool(bias_correction), lr_tensor,
+            inv_scale, found_inf, status,
+        )
+        return
     _lib.adam_step_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
@@ -77,6 +95,18 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
     lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
              ("masters", masters), ("steps", steps))
     _one_device("adam_step_", [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
+                [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
+    return None
+
+
+@torch.library.register_fake("effmem::adam8_step_")
+def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, masters, steps,
+                     salts, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, lr_tensor=None,
+                     inv_scale=None, found_inf=None, status=None) -> None:
+    lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+             ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales), ("masters", masters),
+             ("steps", steps))
+    _one_device("adam8_step_", [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
                 [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
     return None
 

@@ -178,3 +178,71 @@ def dequantize(codes: Tensor, stats: Tensor, group_size: int, shape, dtype, bits
     x = torch.where(x < -_FLT_MAX, -_FLT_MAX, x)
     x = torch.where(is_outlier & (codes == 0), stat0, x)
     return x.to(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# Adam with 8-bit moments (effmem::adam8_step_), following
+# csrc/common/adam8_math.h and adam_math.h operation by operation in float32
+# (the 8-bit format's own formulas: effmem.optim._adam8), so the CPU kernel
+# must agree bit for bit.
+
+
+def _pow_step(base: float, step: float) -> float:
+    """adam_math.h's pow_step: beta^t by repeated squaring in double."""
+    n, result = int(step + 0.5), 1.0
+    while n > 0:
+        if n & 1:
+            result *= base
+        base *= base
+        n >>= 1
+    return result
+
+
+def adam_coeffs(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale=1.0):
+    """adam_math.h's adam_coeffs: the per-tensor constants, each rounded to float32 where the kernel does."""
+    import math
+    import numpy as np
+    f = np.float32
+    lr = float(f(lr))
+    bc1 = 1.0 - _pow_step(beta1, step) if bias_correction else 1.0
+    bc2 = 1.0 - _pow_step(beta2, step) if bias_correction else 1.0
+    return dict(beta1=f(beta1), beta2=f(beta2), omb1=f(1.0 - beta1), omb2=f(1.0 - beta2), eps=f(eps),
+                l2=not decoupled and weight_decay != 0.0, weight_decay=f(weight_decay),
+                decay=f(1.0 - lr * weight_decay if decoupled else 1.0), step_size=f(lr / bc1),
+                inv_bc2_sqrt=f(1.0 / math.sqrt(bc2)), grad_scale=f(grad_scale))
+
+
+def adam_update_f32(p: Tensor, m: Tensor, v: Tensor, g: Tensor, c: dict):
+    """adam_math.h's adam_update on float32 tensors, one IEEE operation at a time; returns (p, m, v)."""
+    def s(x):
+        return torch.tensor(float(x), dtype=torch.float32)
+    g = g * s(c["grad_scale"])
+    if c["l2"]:
+        g = g + p * s(c["weight_decay"])
+    else:
+        p = p * s(c["decay"])
+    m = s(c["beta1"]) * m + s(c["omb1"]) * g
+    v = s(c["beta2"]) * v + s(c["omb2"]) * g * g
+    denom = sqrt32(v) * s(c["inv_bc2_sqrt"]) + s(c["eps"])
+    return p - s(c["step_size"]) * (m / denom), m, v
+
+
+def sqrt32(x: Tensor) -> Tensor:
+    """The correctly rounded float32 square root (as the kernels' sqrtps and CUDA's sqrtf): through
+    float64, whose rounding to float32 again is exact for a square root. torch's own float32 sqrt on the
+    CPU is not correctly rounded for every input (seen: 0x1.01a242p-27 gives one ulp too much)."""
+    return x.double().sqrt().float()
+
+
+def adam8_step(master: Tensor, grad: Tensor, m_codes: Tensor, v_codes: Tensor, m_scales: Tensor,
+               v_scales: Tensor, step: float, salt: int, **hyper):
+    """One step with 8-bit moments on flat float32 `master` and float `grad`; returns the new
+    (master, m_codes, v_codes, m_scales, v_scales)."""
+    from effmem.optim import _adam8
+    c = adam_coeffs(step=step, **hyper)
+    m = _adam8.decode(m_codes, m_scales, False)
+    v = _adam8.decode(v_codes, v_scales, True)
+    p, m, v = adam_update_f32(master.float(), m, v, grad.float(), c)
+    mc, ms = _adam8.encode(m, _adam8.seed(step, salt, False), False)
+    vc, vs = _adam8.encode(sqrt32(v), _adam8.seed(step, salt, True), True)
+    return p, mc, vc, ms, vs

@@ -4,7 +4,7 @@ from typing import Any, Dict
 
 import torch
 
-from effmem.optim import _validate
+from effmem.optim import _adam8, _validate
 
 _local = _validate.local_tensor
 
@@ -42,17 +42,24 @@ class OffloadCheckpoint:
         _validate.complete_groups(self)
         for p, saved, step in plan:
             i = self._index[p]
-            master, exp_avg, exp_avg_sq = self._views[i]
+            master, *moments = self._views[i]  # exp_avg, exp_avg_sq (and their block scales: 8-bit)
             if saved is None:
-                exp_avg.zero_()
-                exp_avg_sq.zero_()
+                for t in moments:
+                    t.zero_()
                 self._steps[i] = 0.0
                 master.copy_(self._local[i])
             else:
-                exp_avg.copy_(_local(saved["exp_avg"]))
-                exp_avg_sq.copy_(_local(saved["exp_avg_sq"]))
+                saved = {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+                if _adam8.is_8bit(saved) and self.state_bits == 32:
+                    saved = _adam8.to_float(saved, moments[0])
+                elif self.state_bits == 8 and not _adam8.is_8bit(saved):
+                    saved = _adam8.to_8bit(saved, moments[0], step, i)
+                keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if self.state_bits == 8
+                                                    else ())
+                for t, key in zip(moments, keys):
+                    t.copy_(saved[key])
                 self._steps[i] = step
-                master.copy_(_local(saved["master"]) if "master" in saved else self._local[i])
+                master.copy_(saved["master"] if "master" in saved else self._local[i])
             self.state[p] = self._state_of(i)
         self._masters_ready = True
         self._step_count = int(max((step for _, _, step in plan), default=0))

@@ -30,7 +30,7 @@ LANDING_CHUNKS = 8
 
 
 def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
-                 host_delay_us: float):
+                 host_delay_us: float, state_bits: int = 32):
     from effmem import _C
 
     if not opt._params:
@@ -72,7 +72,8 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
     return _C.OffloadEngine(opt._local, bucket_of, group_of, expects, len(opt.param_groups), backend=backend,
                             device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
                             pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
-                            landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0)
+                            landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0,
+                            state_bits=state_bits)
 
 
 def keep_on_device(opt, budget: int) -> set:

@@ -137,19 +137,37 @@ def step_value(step: Any, where: str) -> float:
     return value
 
 
-def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, view) -> None:
+def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, view,
+                  codes: bool = False) -> None:
     if key not in saved:
         if required:
             raise ValueError(f"{where}: missing {key!r} (an Adam checkpoint holds 'step', 'exp_avg' and "
                              "'exp_avg_sq' for every parameter it has state for)")
         return
     t = saved[key]
-    if not isinstance(t, Tensor) or not t.is_floating_point():
+    if not isinstance(t, Tensor) or not (t.dtype == torch.uint8 if codes else t.is_floating_point()):
         got = f"a {t.dtype} tensor" if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"{where}[{key!r}]: expected a floating-point tensor, got {got}")
+        want = "a uint8 tensor of 8-bit codes (the checkpoint has block scales)" if codes else \
+            "a floating-point tensor"
+        raise TypeError(f"{where}[{key!r}]: expected {want}, got {got}")
     if tuple(view(t).shape) != tuple(shape):
         raise ValueError(f"{where}[{key!r}]: expected shape {tuple(shape)} (the parameter's), got "
                          f"{tuple(view(t).shape)}")
+
+
+def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
+    t = saved.get(key)
+    blocks = -(-numel // 256)
+    if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
+        got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{where}[{key!r}]: expected {blocks} float block scales (one per 256 elements of the "
+                         f"parameter), got {got}")
+
+
+def state_bits(bits) -> int:
+    if isinstance(bits, bool) or bits not in (32, 8):
+        raise ValueError(f"state_bits: expected 32 (float32 moments) or 8 (8-bit moments), got {bits!r}")
+    return bits
 
 
 def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, local: bool = False):
@@ -189,8 +207,11 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
                 if not isinstance(saved, dict):
                     raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
                 shape = view(p).shape
+                eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _state_tensor(saved, key, where, shape, True, view)
+                    _state_tensor(saved, key, where, shape, True, view, codes=eight)
+                    if eight:
+                        _scales(saved, key + "_scale", where, view(p).numel())
                 if p.dtype != torch.float32:
                     _state_tensor(saved, "master", where, shape, False, view)
                 step = step_value(saved.get("step", 0), f"{where}['step']")

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from effmem import ops
-from effmem.optim import _validate
+from effmem.optim import _adam8, _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._refusals import RefusalMonitor
 from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
@@ -30,7 +30,8 @@ class FusedAdam(AdamBase):
     copy (``state["master"]``); each step reads grad, master, exp_avg and
     exp_avg_sq once and writes master, exp_avg, exp_avg_sq and the parameter
     (master rounded to nearest even), so a bf16 parameter always equals
-    ``master.to(torch.bfloat16)``. Adam's moments are always float32.
+    ``master.to(torch.bfloat16)``. Adam's moments are float32, or with
+    ``state_bits=8`` bytes (see below).
 
     Args:
         params: parameters or param groups, as for any torch optimizer.
@@ -42,6 +43,14 @@ class FusedAdam(AdamBase):
         decoupled_weight_decay: True for AdamW (``p *= 1 - lr * wd``), False for
             Adam's L2 penalty (``grad += wd * p``).
         bias_correction: divide the moments by ``1 - beta^t``.
+        state_bits: 32 (float32 moments) or 8: each moment one byte per
+            element plus a float32 scale per block of 256 elements
+            (csrc/common/adam8_math.h: square-law codes, stochastic rounding
+            seeded per tensor and step), 2.03 bytes per parameter instead of
+            8. The fp32 master stays. Checkpoints hold the codes and scales and
+            restore bit for bit; a float32-moment checkpoint loads into an
+            8-bit optimizer (encoded) and an 8-bit one into a float32 optimizer
+            (decoded).
 
     The step count is kept per parameter as a float32 tensor on the parameter's
     device, and the step runs without any host synchronisation. Gradient
@@ -69,7 +78,9 @@ class FusedAdam(AdamBase):
         *,
         decoupled_weight_decay: bool = True,
         bias_correction: bool = True,
+        state_bits: int = 32,
     ):
+        self.state_bits = _validate.state_bits(state_bits)
         self._pending_grad_scale: Dict[torch.device, Tensor] = {}
         self._pending_outside_capture = False
         self._refusals = RefusalMonitor("FusedAdam")
@@ -81,8 +92,13 @@ class FusedAdam(AdamBase):
         if not state:
             # zeros_like keeps p's strides, so all tensors of a param share a layout.
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            moment = torch.float32 if self.state_bits == 32 else torch.uint8
+            state["exp_avg"] = torch.zeros_like(p, dtype=moment)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment)
+            if self.state_bits == 8:
+                n = _adam8.blocks(_local(p).numel())
+                state["exp_avg_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+                state["exp_avg_sq_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
             if p.dtype != torch.float32:
                 state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
         return state
@@ -160,12 +176,14 @@ class FusedAdam(AdamBase):
                     # The tensor-list overload: the one-tensor-scalar overload of _foreach_add_
                     # reads the scalar on the host (a sync per step, seen on an H100).
                     torch._foreach_add_(b["steps"], [advance] * len(b["steps"]))
+                eight = {} if self.state_bits == 32 else dict(
+                    exp_avg_scales=b["exp_avg_scales"], exp_avg_sq_scales=b["exp_avg_sq_scales"], salts=b["salts"])
                 ops.adam_step_(
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
                     lr=0.0 if lr_tensor is not None else step_lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                     bias_correction=group["bias_correction"], lr_tensor=lr_tensor, inv_scale=scale,
-                    found_inf=inf, status=self._refusals.status(device),
+                    found_inf=inf, status=self._refusals.status(device), **eight,
                 )
         for device in per_device:
             self._refusals.launched(device)
@@ -174,6 +192,7 @@ class FusedAdam(AdamBase):
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
         buckets: Dict[Tuple, Dict[str, List[Tensor]]] = defaultdict(lambda: defaultdict(list))
+        salts = self._salts() if self.state_bits == 8 else None
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -187,7 +206,16 @@ class FusedAdam(AdamBase):
             b["steps"].append(state["step"])
             if "master" in state:
                 b["masters"].append(_local(state["master"]))
+            if salts is not None:
+                b["exp_avg_scales"].append(state["exp_avg_scale"])
+                b["exp_avg_sq_scales"].append(state["exp_avg_sq_scale"])
+                b["salts"].append(salts[id(p)])
         return buckets
+
+    def _salts(self) -> Dict[int, int]:
+        """Each parameter's place in the optimizer: with the step count, the seed of its 8-bit rounding
+        (the same after a checkpoint is loaded into an optimizer built over the same parameters)."""
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict from FusedAdam (or torch.optim.Adam/AdamW).
@@ -202,21 +230,31 @@ class FusedAdam(AdamBase):
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         _validate.complete_groups(self)
         self._lr_checked = {}
+        salts = self._salts()
         for p, saved, step in plan:
             if saved is not None:
-                self.state[p] = _restore_state(saved, p, step)
+                self.state[p] = _restore_state(saved, p, step, self.state_bits, salts[id(p)])
 
 
-def _restore_state(saved: Dict[str, Any], p: Tensor, step: float) -> Dict[str, Tensor]:
+def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: int = 32,
+                   salt: int = 0) -> Dict[str, Tensor]:
+    """A checkpoint's state for p, exactly as saved, in the format of state_bits: 8-bit moments are
+    decoded for a float32 optimizer, float32 ones encoded for an 8-bit optimizer (effmem.optim._adam8)."""
     def f32(t: Tensor) -> Tensor:
         out = torch.empty_like(p, dtype=torch.float32)
         return out.copy_(t)
 
-    state = {
-        "step": torch.tensor(step, dtype=torch.float32, device=p.device),
-        "exp_avg": f32(saved["exp_avg"]),
-        "exp_avg_sq": f32(saved["exp_avg_sq"]),
-    }
+    if _adam8.is_8bit(saved) and state_bits == 32:
+        saved = _adam8.to_float(saved, p)
+    elif state_bits == 8 and not _adam8.is_8bit(saved):
+        saved = _adam8.to_8bit(saved, _local(p), step, salt)
+    state = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    if state_bits == 8:
+        for key, scale in _adam8.SCALE_KEYS.items():
+            state[key] = torch.empty_like(p, dtype=torch.uint8).copy_(saved[key])
+            state[scale] = saved[scale].to(device=p.device, dtype=torch.float32).clone()
+    else:
+        state["exp_avg"], state["exp_avg_sq"] = f32(saved["exp_avg"]), f32(saved["exp_avg_sq"])
     if p.dtype != torch.float32:
         state["master"] = f32(saved["master"] if "master" in saved else p.detach())
     return state

@@ -99,6 +99,9 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
             the first step or a loaded checkpoint's. Default 0: on a small Llama
             from scratch no warm-up short of the run closed the loss gap of
             one-step staleness (bench/bench_delay_warmup.py; figures in the README).
+        state_bits: 32 (float32 moments) or 8 (8-bit moments with a float32 scale per 256
+            elements, as FusedAdam's: about 6 bytes per parameter on the host with the fp32 master,
+            instead of 12; the same bits as FusedAdam(state_bits=8) fed the same gradients).
         device_accumulation: bytes of device memory that gradients may keep during gradient
             accumulation (default 0). Inside ``accumulating()``, whole buckets (in backward order)
             whose gradients fit in this budget leave them in ``p.grad``, where autograd sums the
@@ -155,14 +158,16 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         backend: Optional[str] = None,
         delay_warmup: int = DELAY_WARMUP,
         device_accumulation: int = 0,
+        state_bits: int = 32,
         _host_delay_us: float = 0.0,
     ):
         _validate.whole(bucket_size, "bucket_size", 1, "elements")
         num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
                                       "num_threads", 1)
         self._engine = None
+        self.state_bits = _validate.state_bits(state_bits)
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
-                            host_delay_us=_host_delay_us)
+                            host_delay_us=_host_delay_us, state_bits=self.state_bits)
         if overlap and delay:
             raise ValueError("overlap, delay: choose one (overlap updates during backward, delay during the next "
                              "forward and backward)")
@@ -233,13 +238,15 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
                 dst.copy_(src)
         self._steps[:old] = steps
         if self._masters_ready:
-            for (master, _, _), local in zip(self._views[old:], self._local[old:]):
-                master.copy_(local)
+            for views, local in zip(self._views[old:], self._local[old:]):
+                views[0].copy_(local)
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]
-        master, exp_avg, exp_avg_sq = (_dist.like_param(v, p) for v in self._views[i])
+        master, exp_avg, exp_avg_sq = (_dist.like_param(v, p) for v in self._views[i][:3])
         state = {"step": self._steps[i], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        if self.state_bits == 8:  # the block scales of this rank's shard, as the engine holds them
+            state["exp_avg_scale"], state["exp_avg_sq_scale"] = self._views[i][3:]
         if p.dtype != torch.float32:
             state["master"] = master
         return state
@@ -250,7 +257,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         weights loaded into the model after the optimizer was built are the ones trained."""
         if self._masters_ready:
             return
-        for (master, _, _), local in zip(self._views, self._local):
+        for (master, *_), local in zip(self._views, self._local):
             master.copy_(local)
         self._masters_ready = True
 

@@ -1,0 +1,90 @@
+// 8-bit Adam moments (state_bits=8), written once for host and device code.
+//
+// A tensor's moments are kept in blocks of kAdam8Block consecutive elements,
+// each block with two float32 scales,
+//   sm = max |m| over the block,   sv = max sqrt(v) over the block,
+// and one byte per element for each moment:
+//   m: bit 7 the sign, bits 0..6 k in [0, 127]:   m = +-sm * (k/127)^2
+//   v: k in [0, 255]:                              v = (sv * (k/255)^2)^2
+// so the codes are uniform in sqrt(|m|/sm) and in sqrt(sqrt(v)/sv): the
+// square law spends the codes on small values, where a linear code would
+// flush most of a block to zero (v spans many orders of magnitude, and the
+// update divides by its root).
+//
+// Each step decodes a block, runs the fp32 Adam update (adam_math.h) on it,
+// takes the new scales, and encodes it again, rounding stochastically:
+//   k = min(floor(t + u), kmax),  t = sqrt(|m| / sm) * 127  (v: sqrt(sqrt(v) / sv) * 255)
+// with u = (2b + 1) / 512 for the rounding byte b of the element
+// (quant_math.h's hash_byte, seeded per tensor and step: adam8_seed).
+// Rounding to nearest would freeze the moments: at beta2 = 0.999 a step moves
+// v by 0.1%, less than half a code, and v would never decay; stochastic
+// rounding keeps each code unbiased (to 1/512 of a code in t). A positive v
+// never takes code 0: the update would then divide m by eps alone. Blocks
+// whose scale is below FLT_MIN (moments below 1e-38) are stored as zero.
+//
+// Memory: 2 bytes per parameter and 8 bytes per block (0.03 B/param) for
+// both moments, against 8 bytes per parameter in float32.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/adam_math.h"
+#include "common/float_bits.h"
+#include "common/hd.h"
+#include "common/quant_math.h"
+
+namespace effmem {
+
+constexpr int kAdam8Block = 256;
+constexpr float kAdam8InvM = 0x1.020408p-7f;  // 1/127, rounded to float (as quant_recip)
+constexpr float kAdam8InvV = 0x1.010102p-8f;  // 1/255
+
+// The seeds of a tensor's two rounding streams at a step count (after the step) and a salt (the
+// tensor's place in its optimizer): different for every tensor, step and moment.
+EFFMEM_HD uint64_t adam8_seed(float step, int64_t salt, bool second) {
+  const uint64_t s = (static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(salt) * 0x9e3779b97f4a7c15ull;
+  return second ? s ^ 0xd1b54a32d192ed03ull : s;
+}
+
+EFFMEM_HD float adam8_decode_m(uint32_t code, float sm) {
+  const float f = static_cast<float>(code & 0x7fu) * kAdam8InvM;
+  const float m = sm * (f * f);
+  return (code & 0x80u) != 0u ? -m : m;
+}
+
+EFFMEM_HD float adam8_decode_v(uint32_t code, float sv) {
+  const float f = static_cast<float>(code) * kAdam8InvV;
+  const float r = sv * (f * f);
+  return r * r;
+}
+
+// 1 / scale for the encoders, 0 for a block stored as zero.
+EFFMEM_HD float adam8_inverse(float scale) { return scale >= 0x1p-126f ? 1.0f / scale : 0.0f; }
+
+// t = sqrt(x * inv) * kmax, the code before rounding: x = |m| (kmax 127) or x = sqrt(v) (kmax 255). F is
+// float, or a CPU kernel's SIMD vector: the same IEEE operations either way.
+template <class F>
+EFFMEM_HD F adam8_t(F x, F inv, F kmax) {
+  return sqrt_(x * inv) * kmax;
+}
+
+// The code: floor(t + u) for u = (2b + 1) / 512 of rounding byte b, at most kmax.
+EFFMEM_HD uint32_t adam8_round(float t, uint32_t b, float kmax) {
+  float k = floorf(t + static_cast<float>(2u * b + 1u) * (1.0f / 512.0f));
+  k = k < kmax ? k : kmax;
+  return static_cast<uint32_t>(static_cast<int32_t>(k));
+}
+
+// m's byte from t = adam8_t(|m|, inv, 127): the sign in bit 7.
+EFFMEM_HD uint32_t adam8_code_m(float m, float t, uint32_t b) {
+  return adam8_round(t, b, 127.0f) | (m < 0.0f ? 0x80u : 0u);
+}
+
+// v's byte from r = sqrt(v) and t = adam8_t(r, inv, 255): never 0 for a positive v in a nonzero block.
+EFFMEM_HD uint32_t adam8_code_v(float r, float inv, float t, uint32_t b) {
+  const uint32_t code = adam8_round(t, b, 255.0f);
+  return code == 0u && r > 0.0f && inv > 0.0f ? 1u : code;
+}
+
+}  // namespace effmem

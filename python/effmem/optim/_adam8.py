@@ -1,0 +1,99 @@
+"""8-bit Adam moments (state_bits=8): the state's layout, and conversions to and from float32 moments.
+
+The format is csrc/common/adam8_math.h's: per parameter, ``exp_avg`` and ``exp_avg_sq`` are uint8 codes
+laid out as the parameter, and ``exp_avg_scale`` / ``exp_avg_sq_scale`` float32 block scales, one per 256
+elements in the parameter's memory order (max |m| and max sqrt(v) of the block). The kernels update them in
+place; the functions here are the same formulas in torch ops, for checkpoints (a float32-moment checkpoint
+loads into an 8-bit optimizer and back) and for the tests' reference.
+"""
+from typing import Dict, Tuple
+
+import torch
+from torch import Tensor
+
+BLOCK = 256
+SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+_M64 = (1 << 64) - 1
+_INV_M = torch.tensor(1.0, dtype=torch.float32) / 127
+_INV_V = torch.tensor(1.0, dtype=torch.float32) / 255
+
+
+def blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def is_8bit(state: Dict) -> bool:
+    return "exp_avg_scale" in state
+
+
+def seed(step: float, salt: int, second: bool) -> int:
+    """adam8_seed: the rounding stream of a tensor (salt: its place in the optimizer) at a step count."""
+    s = ((int(step) << 32) ^ (salt * 0x9E3779B97F4A7C15)) & _M64
+    return s ^ 0xD1B54A32D192ED03 if second else s
+
+
+def memory_order(t: Tensor) -> Tensor:
+    """The elements of a dense tensor in the order they lie in memory, as a flat tensor (a view when
+    possible): the kernels' blocks run along memory."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return t.permute(order).reshape(-1)
+
+
+def from_memory_order(flat: Tensor, like: Tensor) -> Tensor:
+    """A tensor of like's shape and strides holding `flat` in memory order."""
+    out = torch.empty_like(like, dtype=flat.dtype)
+    memory_order(out).copy_(flat)  # a view of out, for a dense like
+    return out
+
+
+def decode(codes: Tensor, scales: Tensor, second: bool) -> Tensor:
+    """Flat uint8 codes and their block scales -> float32 moments (m, or v when `second`)."""
+    k = codes.long()
+    s = scales.repeat_interleave(BLOCK)[:codes.numel()]
+    if not second:
+        f = (k & 0x7F).float() * _INV_M
+        m = s * (f * f)
+        return torch.where((k & 0x80) != 0, -m, m)
+    f = k.float() * _INV_V
+    r = s * (f * f)
+    return r * r
+
+
+def encode(x: Tensor, rounding_seed: int, second: bool) -> Tuple[Tensor, Tensor]:
+    """Flat float32 moments (m, or r = sqrt(v) when `second`) -> (uint8 codes, block scales)."""
+    from effmem.reference import hash_byte
+    n = x.numel()
+    a = x if second else x.abs()
+    scales = torch.nn.functional.pad(a, (0, (-n) % BLOCK)).view(-1, BLOCK).amax(dim=1)
+    inv = torch.where(scales >= 2.0 ** -126, torch.tensor(1.0) / scales, torch.zeros_like(scales))
+    inv = inv.repeat_interleave(BLOCK)[:n]
+    kmax = 255.0 if second else 127.0
+    t = (a * inv).double().sqrt().float() * kmax  # correctly rounded (torch's float32 sqrt is not always)
+    u = (2 * hash_byte(rounding_seed, torch.arange(n, dtype=torch.int64, device=x.device)) + 1).float() / 512.0
+    k = torch.floor(t + u).clamp(max=kmax).long()
+    if second:
+        k = torch.where((k == 0) & (a > 0) & (inv > 0), 1, k)
+    else:
+        k = k | torch.where(x < 0, 0x80, 0)
+    return k.to(torch.uint8), scales
+
+
+def to_float(state: Dict[str, Tensor], like: Tensor) -> Dict[str, Tensor]:
+    """An 8-bit state as float32 moments shaped (and strided) like the parameter `like`."""
+    out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
+    for key, scale in SCALE_KEYS.items():
+        values = decode(memory_order(state[key]), state[scale].float(), key == "exp_avg_sq")
+        out[key] = from_memory_order(values, like)
+    return out
+
+
+def to_8bit(state: Dict[str, Tensor], like: Tensor, step: float, salt: int) -> Dict[str, Tensor]:
+    """Float moments as an 8-bit state (the encoding of a step, stochastically rounded as the kernels do)."""
+    out = dict(state)
+    m = memory_order(state["exp_avg"].to(like.device, torch.float32))
+    r = memory_order(state["exp_avg_sq"].to(like.device, torch.float32)).double().sqrt().float()
+    for key, x, second in (("exp_avg", m, False), ("exp_avg_sq", r, True)):
+        codes, scales = encode(x, seed(step, salt, second), second)
+        out[key] = from_memory_order(codes, like)
+        out[SCALE_KEYS[key]] = scales
+    return out

@@ -1,0 +1,287 @@
+"""8-bit Adam moments (state_bits=8, effmem::adam8_step_; issue 12, item 4).
+
+The kernel against the float32 reference of the same formulas (python/effmem/reference.py with the format
+in effmem.optim._adam8), bit for bit: decode, the fp32 Adam update, the block scales, the stochastically
+rounded codes. Then FusedAdam(state_bits=8): what it keeps, that training follows float32 moments to
+within 1% of the final loss, checkpoints that restore bit for bit and convert to and from float32 moments,
+and CPU against CUDA where a GPU is present.
+"""
+import copy
+
+import pytest
+import torch
+
+import effmem
+from effmem import ops, reference
+from effmem.optim import _adam8
+from conftest import DEVICES
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, bias_correction=True)
+
+
+def fresh_state(p):
+    n = p.numel()
+    return dict(m=torch.zeros(n, dtype=torch.uint8), v=torch.zeros(n, dtype=torch.uint8),
+                ms=torch.zeros(_adam8.blocks(n)), vs=torch.zeros(_adam8.blocks(n)))
+
+
+def kernel_step(param, grad, master, st, step, salt, **hyper):
+    steps = [torch.tensor(float(step))]
+    ops.adam_step_([param], [grad], [st["m"]], [st["v"]], [master] if master is not None else [], steps,
+                   exp_avg_scales=[st["ms"]], exp_avg_sq_scales=[st["vs"]], salts=[salt], **hyper)
+
+
+@pytest.mark.parametrize("pdtype,gdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 4097, 70000])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_kernel_matches_the_reference_bit_for_bit(pdtype, gdtype, n, decoupled):
+    torch.manual_seed(n)
+    hyper = dict(HYPER, decoupled=decoupled)
+    w = torch.randn(n) * 0.5
+    param = w.to(pdtype)
+    master = w.clone() if pdtype != torch.float32 else None
+    st = fresh_state(param)
+    ref = dict(w=w.clone(), **{k: v.clone() for k, v in fresh_state(param).items()})
+    for step in (1, 2, 3):
+        # gradients of varied size per block, so that scales and small values both matter
+        grad = (torch.randn(n) * torch.logspace(-4, 1, n) ** 0.5).to(gdtype)
+        kernel_step(param, grad, master, st, step, salt=7, **hyper)
+        ref["w"], ref["m"], ref["v"], ref["ms"], ref["vs"] = reference.adam8_step(
+            ref["w"], grad, ref["m"], ref["v"], ref["ms"], ref["vs"], float(step), 7, **hyper)
+        assert torch.equal(st["m"], ref["m"]) and torch.equal(st["v"], ref["v"]), step
+        assert torch.equal(st["ms"], ref["ms"]) and torch.equal(st["vs"], ref["vs"]), step
+        got = master if master is not None else param
+        assert torch.equal(got, ref["w"]), step
+        assert torch.equal(param, ref["w"].to(pdtype))
+
+
+def test_codes_are_close_and_unbiased_and_v_never_vanishes():
+    torch.manual_seed(0)
+    x = torch.randn(256 * 64) * torch.logspace(-6, 0, 256 * 64)
+    for second in (False, True):
+        a = x.abs() if second else x
+        draws = torch.stack([_adam8.decode(*_adam8.encode(a.sqrt() if second else a, s, second), second)
+                             for s in range(200)])
+        target = a if not second else a
+        # relative error of one draw, near the block maximum: a code step is 2/127 (m) or 4/255 (v) there
+        top = target.abs() > 0.5 * target.abs().view(-1, 256).amax(1).repeat_interleave(256)
+        one = (draws[0] - target).abs() / target.abs()
+        assert one[top].max() < 0.1
+        # unbiased: the mean of 200 draws lands within a few standard errors of the value
+        mean_err = (draws.mean(0) - target) / (draws.std(0) / 200 ** 0.5 + 1e-30)
+        assert mean_err.abs().median() < 1.5
+        if second:
+            assert (draws[:, target > 0] > 0).all(), "a positive v must never decode to 0"
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def test_state_is_2_bytes_per_parameter_plus_block_scales():
+    m = tiny_model().to(torch.bfloat16)
+    opt = effmem.FusedAdam(m.parameters(), state_bits=8)
+    m(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in m.parameters())
+    codes = sum(st["exp_avg"].nbytes + st["exp_avg_sq"].nbytes for st in opt.state.values())
+    scales = sum(st["exp_avg_scale"].nbytes + st["exp_avg_sq_scale"].nbytes for st in opt.state.values())
+    assert codes == 2 * n and all(st["exp_avg"].dtype == torch.uint8 for st in opt.state.values())
+    assert scales == sum(8 * _adam8.blocks(p.numel()) for p in m.parameters())
+    assert all(torch.equal(p, opt.state[p]["master"].to(torch.bfloat16)) for p in m.parameters())
+
+
+def run(opt_factory, model, steps, batches, save_at=None):
+    opt = opt_factory(model.parameters())
+    for i in range(steps):
+        if save_at is not None and i == save_at:
+            sd = copy.deepcopy(opt.state_dict())
+            opt = opt_factory(model.parameters())
+            opt.load_state_dict(sd)
+        x, y = batches[i]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_checkpoint_restores_bit_for_bit():
+    torch.manual_seed(1)
+    batches = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(8)]
+    make = lambda ps: effmem.FusedAdam(ps, lr=1e-2, state_bits=8)  # noqa: E731
+    a, b = tiny_model(), tiny_model()
+    run(make, a, 8, batches)
+    run(make, b, 8, batches, save_at=4)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_checkpoints_convert_between_float32_and_8bit_moments():
+    torch.manual_seed(2)
+    batches = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(4)]
+    m32 = tiny_model()
+    o32 = run(lambda ps: effmem.FusedAdam(ps, lr=1e-2), m32, 4, batches)
+    sd32 = o32.state_dict()
+    # float32 moments into an 8-bit optimizer: encoded, and they decode to within a code of the originals
+    o8 = effmem.FusedAdam(m32.parameters(), lr=1e-2, state_bits=8)
+    o8.load_state_dict(sd32)
+    for i, p in enumerate(m32.parameters()):
+        back = _adam8.to_float(o8.state[p], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            ref = sd32["state"][i][key]
+            scale = ref.abs().max()
+            assert (back[key] - ref).abs().max() <= 0.03 * scale, key
+    # and back: an 8-bit checkpoint into a float32 optimizer holds the decoded moments exactly
+    o32b = effmem.FusedAdam(m32.parameters(), lr=1e-2)
+    o32b.load_state_dict(o8.state_dict())
+    for p in m32.parameters():
+        dec = _adam8.to_float(o8.state[p], p)
+        assert torch.equal(o32b.state[p]["exp_avg"], dec["exp_avg"])
+        assert torch.equal(o32b.state[p]["exp_avg_sq"], dec["exp_avg_sq"])
+        assert o32b.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_bad_arguments_and_checkpoints_name_themselves():
+    m = tiny_model()
+    with pytest.raises(ValueError, match="state_bits: expected 32 .* or 8"):
+        effmem.FusedAdam(m.parameters(), state_bits=4)
+    opt = effmem.FusedAdam(m.parameters(), state_bits=8)
+    m(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"][:-1]
+    with pytest.raises(ValueError, match=r"\['exp_avg_scale'\]: expected 64 float block scales"):
+        effmem.FusedAdam(m.parameters(), state_bits=8).load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].float()
+    with pytest.raises(TypeError, match="expected a uint8 tensor of 8-bit codes"):
+        effmem.FusedAdam(m.parameters(), state_bits=8).load_state_dict(sd)
+    p = torch.zeros(300)
+    st = fresh_state(p)
+    with pytest.raises(ValueError, match=r"exp_avg_scales\[0\] must be a contiguous 1-D float32 tensor of 2"):
+        ops.adam_step_([p], [p.clone()], [st["m"]], [st["v"]], [], [torch.tensor(1.0)],
+                       exp_avg_scales=[torch.zeros(3)], exp_avg_sq_scales=[st["vs"]], salts=[0], **HYPER)
+    with pytest.raises(ValueError, match="8-bit moments need all three"):
+        ops.adam_step_([p], [p.clone()], [st["m"]], [st["v"]], [], [torch.tensor(1.0)],
+                       exp_avg_scales=[st["ms"]], **HYPER)
+
+
+@pytest.mark.parametrize("which", ["llama", "demo_gpt"])
+def test_training_follows_float32_moments(which):
+    """Final held-out loss within 1% of FusedAdam with float32 moments (issue 12, item 4)."""
+    from activation_helpers import loss_of, pattern
+    from effmem.demo_model import ByteGPT, GPTConfig
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        if which == "demo_gpt":
+            return ByteGPT(GPTConfig(seq_len=64, n_layer=3, d_model=64, n_head=4))
+        cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       max_position_embeddings=256, use_cache=False)
+        return transformers.LlamaForCausalLM(cfg).train()
+
+    def train(state_bits):
+        model = make()
+        opt = effmem.FusedAdam(model.parameters(), lr=1e-3, state_bits=state_bits)
+        for step in range(150):
+            loss_of(model, pattern(4, 64, seed=step)).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            return sum(loss_of(model, pattern(8, 64, seed=1000 + i)).item() for i in range(4)) / 4
+
+    first = loss_of(make(), pattern(8, 64, seed=1000)).item()
+    a, b = train(32), train(8)
+    assert a < 0.5 * first
+    assert abs(b - a) <= 0.01 * a, (a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu_bit_for_bit(pdtype):
+    torch.manual_seed(3)
+    n = 3 * 65536 + 300
+    w = torch.randn(n)
+    states = {d: (w.to(pdtype).to(d), w.clone().to(d) if pdtype != torch.float32 else None,
+                  {k: v.to(d) for k, v in fresh_state(w).items()}) for d in ("cpu", "cuda")}
+    for step in (1, 2, 3):
+        grad = torch.randn(n).to(pdtype)
+        for d, (param, master, st) in states.items():
+            steps = [torch.tensor(float(step), device=d)]
+            ops.adam_step_([param], [grad.to(d)], [st["m"]], [st["v"]], [master] if master is not None else [],
+                           steps, exp_avg_scales=[st["ms"]], exp_avg_sq_scales=[st["vs"]], salts=[5], **HYPER)
+        (pc, mc, sc), (pg, mg, sg) = states["cpu"], states["cuda"]
+        assert torch.equal(pc, pg.cpu())
+        for k in sc:
+            assert torch.equal(sc[k], sg[k].cpu()), (k, step)
+
+
+@pytest.mark.parametrize("mode", ["plain", "accumulate", "overlap", "delay"])
+def test_offload_adam_matches_fused_adam_bit_for_bit(mode):
+    """OffloadAdam(state_bits=8) (host transfer backend) against FusedAdam(state_bits=8) fed the same
+    gradients: both seed a tensor's rounding by its place in the optimizer, so the bits agree."""
+    from effmem import FusedAdam, OffloadAdam, demo_model
+    from offload_helpers import HP, assert_same_training, batches, tiny_gpt, train
+    accum = 2 if mode == "accumulate" else 1
+    data = batches(12 * accum)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), state_bits=8, **HP)
+    with OffloadAdam(demo_model.decay_groups(model, 0.1), overlap=mode == "overlap", delay=mode == "delay",
+                     delay_warmup=100, bucket_size=5000, state_bits=8, **HP) as off:
+        la = train(ref, fused, data, accum=accum)
+        lb = train(model, off, data, accum=accum)
+        assert la[-1] < la[0] and la == lb
+        assert_same_training(ref, model, fused, off)
+        assert all(st["exp_avg"].dtype == torch.uint8 for st in off.state_dict()["state"].values())
+
+
+def test_offload_host_memory_drops_by_6_bytes_per_parameter():
+    from effmem import OffloadAdam
+    from offload_helpers import tiny_gpt
+    model = tiny_gpt(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    held = {}
+    for bits in (32, 8):
+        with OffloadAdam(model.parameters(), state_bits=bits) as opt:
+            c = opt.counters()
+            held[bits] = c["engine_pinned_bytes"] + c["engine_pageable_bytes"]
+    # moments 8 -> 2 bytes per parameter, less 8 bytes of scales per 256 elements (and per parameter's tail)
+    saved = held[32] - held[8]
+    assert 6 * n - 8 * (n // 256 + len(list(model.parameters()))) <= saved <= 6 * n, (saved, n)
+
+
+def test_offload_checkpoints_interchange_with_fused_adam_and_float32_moments(tmp_path):
+    from effmem import FusedAdam, OffloadAdam, demo_model
+    from offload_helpers import HP, assert_same_training, batches, tiny_gpt, train
+    data = batches(12)
+    ref = tiny_gpt(torch.bfloat16)
+    ref_opt = FusedAdam(demo_model.decay_groups(ref, 0.1), state_bits=8, **HP)
+    train(ref, ref_opt, data)
+    for first in (FusedAdam, OffloadAdam):
+        model = tiny_gpt(torch.bfloat16)
+        opt = first(demo_model.decay_groups(model, 0.1), state_bits=8, **HP)
+        train(model, opt, data[:6])
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+        if isinstance(opt, OffloadAdam):
+            opt.close()
+        ckpt = torch.load(tmp_path / "ckpt.pt")
+        resumed = tiny_gpt(torch.bfloat16)
+        resumed.load_state_dict(ckpt["model"])
+        with OffloadAdam(demo_model.decay_groups(resumed, 0.1), state_bits=8, **HP) as opt2:
+            opt2.load_state_dict(ckpt["opt"])
+            train(resumed, opt2, data[6:])
+            assert_same_training(ref, resumed, ref_opt, opt2)
+    # a float32-moment OffloadAdam checkpoint into an 8-bit one and back trains on
+    model = tiny_gpt(torch.bfloat16)
+    with OffloadAdam(demo_model.decay_groups(model, 0.1), **HP) as o32:
+        train(model, o32, data[:4])
+        sd = o32.state_dict()
+        with OffloadAdam(demo_model.decay_groups(model, 0.1), state_bits=8, **HP) as o8:
+            o8.load_state_dict(sd)
+            assert all(st["exp_avg"].dtype == torch.uint8 for st in o8.state_dict()["state"].values())
+            o32.load_state_dict(o8.state_dict())
+            assert all(st["exp_avg"].dtype == torch.float32 for st in o32.state_dict()["state"].values())
