@@ -13,7 +13,7 @@
 //
 // Each step decodes a block, runs the fp32 Adam update (adam_math.h) on it,
 // takes the new scales, and encodes it again, rounding stochastically:
-//   k = min(floor(t + u), kmax),  t = sqrt(|m| / sm) * 127  (v: sqrt(sqrt(v) / sv) * 255)
+//   k = floor(min(t + u, kmax)),  t = sqrt(|m| / sm) * 127  (v: sqrt(sqrt(v) / sv) * 255)
 // with u = (2b + 1) / 512 for the rounding byte b of the element
 // (quant_math.h's hash_byte, seeded per tensor and step: adam8_seed).
 // Rounding to nearest would freeze the moments: at beta2 = 0.999 a step moves
@@ -69,22 +69,23 @@ EFFMEM_HD F adam8_t(F x, F inv, F kmax) {
   return sqrt_(x * inv) * kmax;
 }
 
-// The code: floor(t + u) for u = (2b + 1) / 512 of rounding byte b, at most kmax.
-EFFMEM_HD uint32_t adam8_round(float t, uint32_t b, float kmax) {
-  float k = floorf(t + static_cast<float>(2u * b + 1u) * (1.0f / 512.0f));
-  k = k < kmax ? k : kmax;
-  return static_cast<uint32_t>(static_cast<int32_t>(k));
+// The code before truncation: min(t + u, kmax) for u = (2b + 1) / 512 of rounding byte b. t + u > 0, so
+// truncating it gives floor(t + u) clamped (a NaN compares false and takes kmax).
+EFFMEM_HD float adam8_k(float t, uint32_t b, float kmax) {
+  const float k = t + static_cast<float>(2u * b + 1u) * (1.0f / 512.0f);
+  return k < kmax ? k : kmax;
 }
 
-// m's byte from t = adam8_t(|m|, inv, 127): the sign in bit 7.
-EFFMEM_HD uint32_t adam8_code_m(float m, float t, uint32_t b) {
-  return adam8_round(t, b, 127.0f) | (m < 0.0f ? 0x80u : 0u);
+// m's byte from k = adam8_k(adam8_t(|m|, inv, 127), b, 127): the sign in bit 7.
+EFFMEM_HD uint32_t adam8_code_m(float m, float k) {
+  return static_cast<uint32_t>(static_cast<int32_t>(k)) | (m < 0.0f ? 0x80u : 0u);
 }
 
-// v's byte from r = sqrt(v) and t = adam8_t(r, inv, 255): never 0 for a positive v in a nonzero block.
-EFFMEM_HD uint32_t adam8_code_v(float r, float inv, float t, uint32_t b) {
-  const uint32_t code = adam8_round(t, b, 255.0f);
-  return code == 0u && r > 0.0f && inv > 0.0f ? 1u : code;
+// v's byte from r = sqrt(v) and k = adam8_k(adam8_t(r, inv, 255), b, 255): never 0 for a positive v in
+// a nonzero block. (Bitwise, not short-circuit: no branch in a loop the compiler should vectorise.)
+EFFMEM_HD uint32_t adam8_code_v(float r, float inv, float k) {
+  const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(k));
+  return ((code == 0u) & (r > 0.0f) & (inv > 0.0f)) ? 1u : code;
 }
 
 }  // namespace effmem

@@ -120,9 +120,10 @@ __global__ void __launch_bounds__(kAdam8Threads)
       if (e < end) {
         const uint32_t shift = 8u * static_cast<uint32_t>(k % 4);
         const float a = m[k] < 0.0f ? -m[k] : m[k];
-        mc[e] = static_cast<uint8_t>(adam8_code_m(m[k], adam8_t(a, inv_m, 127.0f), (hm[k / 4] >> shift) & 0xffu));
-        vc[e] = static_cast<uint8_t>(
-            adam8_code_v(r[k], inv_v, adam8_t(r[k], inv_v, 255.0f), (hv[k / 4] >> shift) & 0xffu));
+        const float km = adam8_k(adam8_t(a, inv_m, 127.0f), (hm[k / 4] >> shift) & 0xffu, 127.0f);
+        const float kv = adam8_k(adam8_t(r[k], inv_v, 255.0f), (hv[k / 4] >> shift) & 0xffu, 255.0f);
+        mc[e] = static_cast<uint8_t>(adam8_code_m(m[k], km));
+        vc[e] = static_cast<uint8_t>(adam8_code_v(r[k], inv_v, kv));
       }
     }
   }
