@@ -62,8 +62,8 @@ def main() -> int:
             measured = {}
             for precision, act, opt in strategies:
                 cand = next(c for c in plan.candidates if (c.config.precision, c.config.activations,
-                                                            c.config.optimizer, c.config.loss)
-                            == (precision, act, opt, "standard"))
+                                                            c.config.optimizer, c.config.loss, c.config.state_bits)
+                            == (precision, act, opt, "standard", 32))
                 row = {"model": model_name, "batch": batch, "seq": seq, "candidate": cand.name,
                        "predicted_fits": cand.fits, "predicted_allocated_bytes": cand.cost.allocated_bytes,
                        "predicted_parts": {k: v for k, v in cand.cost.parts.items() if k != "activations_by_kind"},
@@ -88,6 +88,7 @@ def main() -> int:
                       f"err {row.get('peak_error', float('nan')):+.1%}  step pred {row['predicted_step_s'] * 1e3:7.0f} "
                       f"ms meas {row.get('measured_step_s', float('nan')) * 1e3:7.0f} ms", flush=True)
             names = [c.name for c in plan.candidates if c.fits and c.config.loss == "standard" and
+                     c.config.state_bits == 32 and
                      (c.config.precision, c.config.activations, c.config.optimizer) in strategies]
             pick = names[0] if names else None  # plan.candidates lists the fitting ones fastest first
             fastest = min(measured.values()) if measured else None

@@ -29,7 +29,8 @@ def states(c) -> dict:
 
 
 def pick_of(plan, **want):
-    """The first candidate whose config has these fields."""
+    """The first candidate whose config has these fields (float32 Adam moments unless asked)."""
+    want.setdefault("state_bits", 32)
     for c in plan.candidates:
         if all(getattr(c.config, k) == v for k, v in want.items()):
             return c

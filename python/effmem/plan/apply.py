@@ -89,11 +89,13 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.sharding == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(params, optimizer_class=FusedAdam, lr=lr, **optimizer_kwargs)
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=FusedAdam, lr=lr, state_bits=cfg.state_bits,
+                                      **optimizer_kwargs)
     elif cfg.optimizer == "gpu":
-        opt = FusedAdam(params, lr=lr, **optimizer_kwargs)
+        opt = FusedAdam(params, lr=lr, state_bits=cfg.state_bits, **optimizer_kwargs)
     else:
-        opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap", **optimizer_kwargs)
+        opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap", state_bits=cfg.state_bits,
+                          **optimizer_kwargs)
     if cfg.sharding in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
         # Gradients as views of DDP's buckets: no second copy of them (what the plan counted).

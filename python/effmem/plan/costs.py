@@ -39,6 +39,17 @@ FRAGMENTATION = 0.03            # the caching allocator's reserved-but-unused sh
 # it holds 2.0 B/param). The cause is not found yet; until it is, the plan counts it so that no pick
 # runs out of memory. Measured under accumulation only, so counted only there.
 OFFLOAD_PLAIN_ACCUM_EXTRA = 12
+# state_bits=8 (csrc/common/adam8_math.h): both moments in a byte per element and a float32 scale per 256
+# elements each, 2 + 1/32 B/param instead of 8. Its CPU update runs at about half the float32 kernel's rate
+# (0.87 against 1.70 G params/s, 16M bf16 params, on a 2-core AVX-512 host); a GPU step reads and writes
+# grad 2, master 8, codes 4, param 2: 16 B/param for bf16 instead of 28.
+ADAM8_CPU_RATE = 0.5
+STATE_BITS = (32, 8)
+
+
+def optimizer_state_bytes(t: int, state_bits: int) -> int:
+    """Adam's moments of t parameters: 8 B each in float32, 2 + 1/32 at 8 bits."""
+    return t * 8 if state_bits == 32 else 2 * t + -(-t // 32)
 
 
 @dataclass(frozen=True)
@@ -50,12 +61,14 @@ class Config:
     micro_batch: int = 1
     accumulation: int = 1
     loss: str = "standard"   # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits
+    state_bits: int = 32     # Adam's moments: 32 (float32) or 8 (FusedAdam/OffloadAdam(state_bits=8))
 
     @property
     def name(self) -> str:
         parts = [self.precision, self.activations if self.activations != "none" else "",
                  {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap"}[self.optimizer],
                  self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
+                 "adam8" if self.state_bits == 8 else "",
                  f"mb{self.micro_batch}x{self.accumulation}"]
         return "+".join(p for p in parts if p)
 
@@ -97,12 +110,13 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     shard_weights = world if cfg.sharding == "zero3" else 1
     weights = n * w_b // shard_weights
     grads = t * g_b // shard_grads
-    master, optimizer = t * master_b // shard_state, t * opt_b // shard_state
+    master = t * master_b // shard_state
+    optimizer = optimizer_state_bytes(t, cfg.state_bits) // shard_state
     host = 0
     temporary_step = 0
     if cfg.optimizer != "gpu":
         # OffloadAdam: master and moments on the host, gradients staged there (2 B/param for bf16).
-        host = (t * (master_b or 4) + t * opt_b + t * g_b) // shard_state
+        host = (t * (master_b or 4) + optimizer_state_bytes(t, cfg.state_bits) + t * g_b) // shard_state
         master = optimizer = 0
         grads = min(t, 2 * OFFLOAD_BUCKET) * g_b
     if cfg.optimizer == "offload" and cfg.accumulation > 1:
@@ -177,12 +191,13 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         # FusedAdam reads the gradient, reads and writes both moments and the master (or the fp32
         # weight itself), and writes a low-precision weight: 28 B/param for bf16 and for fp32.
         weight_bytes = w_b + 2 * master_b if master_b else 2 * w_b
-        out["optimizer"] = t * (g_b + weight_bytes + 2 * 2 * 4) / r.memory_bw
+        moment_bytes = 2 * 2 * 4 if cfg.state_bits == 32 else 2 * 2
+        out["optimizer"] = t * (g_b + weight_bytes + moment_bytes) / r.memory_bw
     else:
         if not r.link_bw:
             out["optimizer"] = float("inf")
         else:
-            cpu = t / r.host_adam
+            cpu = t / (r.host_adam * (1.0 if cfg.state_bits == 32 else ADAM8_CPU_RATE))
             upload = t * w_b / r.link_bw
             # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
             down = max(0.0, t * g_b / r.link_bw - bwd) * cfg.accumulation

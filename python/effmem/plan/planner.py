@@ -279,10 +279,10 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
             and (a != "fast" or all(t.has_fast for t in activity.values()))]
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
-        for act, opt, shard in itertools.product(acts, optimizers, shardings):
+        for act, opt, shard, bits in itertools.product(acts, optimizers, shardings, costs.STATE_BITS):
             if opt != "gpu" and shard in ("zero1", "zero2"):
                 continue  # OffloadAdam shards with FSDP2 (zero3) or offloads everything under DDP
-            cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss)
+            cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
             cost = costs.memory(cfg, m, world, device == "cuda")
             cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
     budget = gpu_mem * (1 - headroom)

@@ -77,6 +77,8 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
     opt = {"gpu": "effmem.FusedAdam(model.parameters(), lr=3e-4)",
            "offload": "effmem.OffloadAdam(model.parameters(), lr=3e-4)",
            "offload_overlap": "effmem.OffloadAdam(model.parameters(), lr=3e-4, overlap=True)"}[cfg.optimizer]
+    if cfg.state_bits == 8:
+        opt = opt[:-1] + ", state_bits=8)"
     if cfg.sharding == "zero1":
         opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
                "optimizer_class=effmem.FusedAdam, lr=3e-4)")
