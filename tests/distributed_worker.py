@@ -156,7 +156,8 @@ def run_plan(rank):
     plan = effmem.plan(base, batch=8, seq=16, accum=1, device="cpu", gpus=2)
     for sharding in ("ddp", "zero1", "zero2", "zero3"):
         name = next(c.name for c in plan.candidates if (c.config.sharding, c.config.precision, c.config.activations,
-                                                         c.config.optimizer) == (sharding, "fp32", "none", "gpu"))
+                                                         c.config.optimizer, c.config.state_bits)
+                    == (sharding, "fp32", "none", "gpu", 32))
         model, opt = plan.apply(copy.deepcopy(base), name, lr=LR)
         ref = copy.deepcopy(base)
         ref_opt = FusedAdam(ref.parameters(), lr=LR)

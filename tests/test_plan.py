@@ -238,3 +238,19 @@ def test_bench_plan_runs_its_loop_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["rows"] and all(r["status"] == "ok" for r in data["rows"]) and len(data["targets"]) == 4
+
+
+def test_offload_async_and_8bit_moments_are_candidates():
+    """OffloadAdam(async_step=True): the update behind the next forward, so never slower than plain
+    OffloadAdam, and a second gradient staging on the host; state_bits=8: 6 B/param less of state."""
+    p = effmem.plan("llama-7b", batch=8, seq=2048, gpu_memory="80GB", host_memory="256GB", device="cuda")
+    by = {(c.config.optimizer, c.config.state_bits, c.config.activations, c.config.loss, c.config.micro_batch):
+          c for c in p.candidates if c.config.precision == "bf16"}
+    key = ("checkpoint", "standard", 8)
+    plain, quick = by[("offload", 32) + key], by[("offload_async", 32) + key]
+    assert quick.step_time_s < plain.step_time_s
+    assert quick.cost.host_bytes - plain.cost.host_bytes == 2 * p.trainable_params  # the second bf16 staging
+    eight = by[("offload_async", 8) + key]
+    assert quick.cost.host_bytes - eight.cost.host_bytes == 6 * p.trainable_params - -(-p.trainable_params // 32)
+    from effmem.plan.report import code_for
+    assert "opt.attach(model)" in code_for(quick.config) and "state_bits=8" in code_for(eight.config)

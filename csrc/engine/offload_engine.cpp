@@ -49,6 +49,8 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
   TORCH_CHECK_VALUE(options_.landing_chunk_numel >= 1 && options_.landing_chunks >= 1,
                     "landing_chunk_numel and landing_chunks must be >= 1");
   TORCH_CHECK_VALUE(!(options_.overlap && options_.delay), "overlap and delay: choose one of the two modes");
+  TORCH_CHECK_VALUE(!options_.install_in_forward || options_.delay,
+                    "install_in_forward works on delay mode's double staging: pass delay=True too");
   TORCH_CHECK_VALUE(options_.state_bits == 32 || options_.state_bits == 8,
                     "state_bits must be 32 or 8, got ", options_.state_bits);
   if (options_.backend == "host") {
@@ -252,7 +254,17 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
                     p.tensor.device(), ", ", p.tensor.sizes(), ", ", p.tensor.strides(), "), got ", grad.device(),
                     ", ", grad.sizes(), ", ", grad.strides());
   const int64_t bytes = p.numel * element_size(p.dtype);
-  if (options_.delay) {
+  if (options_.install_in_forward) {
+    bool pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending = p.pending_upload;
+    }
+    TORCH_CHECK(!pending, "OffloadAdam(async_step=True): parameter ", i, " got a gradient, but its new weights "
+                "were never installed: the forward read it before its update, outside the forward of a module "
+                "given to attach() that owns it (a functional call, a parameter shared across modules). Use "
+                "it through such a module, or call opt.flush() before the forward");
+  } else if (options_.delay) {
     // Backward is done with this parameter, so its pending weights may go up:
     // they do in the last micro-batch (outside accumulating()), so that every
     // micro-batch of a step runs on the same weights; and they must before a

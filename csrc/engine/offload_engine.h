@@ -82,6 +82,10 @@ struct EngineOptions {
   double host_delay_us = 0.0;       // host backend: random delay before each copy (tests)
   uint64_t seed = 0;
   int state_bits = 32;              // 32: float32 moments; 8: 8-bit moments
+  // With delay: the forward, not the next backward, installs each parameter's new weights
+  // (install_for_forward), and updates run in forward order (the last bucket first): exact math,
+  // the update hidden behind the next forward as far as it runs ahead of it.
+  bool install_in_forward = false;
 };
 
 struct GroupHparams {
@@ -114,6 +118,10 @@ class OffloadEngine {
   // Waits for the worker and every copy; in delay mode first installs the
   // weights not yet uploaded, so the parameters hold the latest update.
   void synchronize();
+  // install_in_forward: before a module's forward reads params `ids`, waits for
+  // their updates, uploads their new weights and orders the caller's stream
+  // after the uploads.
+  void install_for_forward(const std::vector<int64_t>& ids);
   // The caller's stream waits for every gradient copy issued so far (see
   // Transfer::order_after_downloads).
   void order_after_downloads();

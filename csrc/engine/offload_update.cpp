@@ -163,6 +163,16 @@ void OffloadEngine::install(int64_t i) {
   if (p.pending_upload) upload_pending_locked(p);
 }
 
+void OffloadEngine::install_for_forward(const std::vector<int64_t>& ids) {
+  check_usable();
+  for (int64_t i : ids) {
+    TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), "OffloadEngine.install_for_forward: "
+                      "index ", i, " out of range");
+    install(i);
+  }
+  transfer_->fence();
+}
+
 void OffloadEngine::upload_pending_locked(Param& p) {
   const int64_t esize = element_size(p.dtype);
   if (p.numel == 0) {
@@ -199,7 +209,11 @@ void OffloadEngine::step(double grad_scale) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t b = 0; b < buckets_.size(); ++b) {
+    const size_t nb = buckets_.size();
+    for (size_t k = 0; k < nb; ++k) {
+      // Buckets follow backward order; when the next forward installs the weights, the update
+      // runs in its order instead: the first layers' buckets first.
+      const size_t b = options_.install_in_forward ? nb - 1 - k : k;
       std::vector<int64_t> ready;
       for (int64_t j : buckets_[b].params) {
         const Param& p = params_[static_cast<size_t>(j)];

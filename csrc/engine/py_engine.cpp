@@ -45,7 +45,8 @@ void bind_engine(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> bucket_of, std::vector<int64_t> group_of,
                        std::vector<bool> expects_grad, int64_t num_groups, std::string backend, int device,
                        int num_threads, bool pin_state, bool overlap, bool delay, int64_t landing_chunk_numel,
-                       int64_t landing_chunks, double host_delay_us, uint64_t seed, int state_bits) {
+                       int64_t landing_chunks, double host_delay_us, uint64_t seed, int state_bits,
+                       bool install_in_forward) {
              EngineOptions o;
              o.backend = std::move(backend);
              o.device = device;
@@ -58,6 +59,7 @@ void bind_engine(py::module_& m) {
              o.host_delay_us = host_delay_us;
              o.seed = seed;
              o.state_bits = state_bits;
+             o.install_in_forward = install_in_forward;
              return std::unique_ptr<E, DeleteWithoutGil>(new E(std::move(params), std::move(bucket_of),
                                                                std::move(group_of), std::move(expects_grad),
                                                                num_groups, std::move(o)));
@@ -66,7 +68,8 @@ void bind_engine(py::module_& m) {
            py::arg("num_groups"), py::kw_only(), py::arg("backend"), py::arg("device") = -1,
            py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false, py::arg("delay") = false,
            py::arg("landing_chunk_numel") = int64_t(1) << 22, py::arg("landing_chunks") = 4,
-           py::arg("host_delay_us") = 0.0, py::arg("seed") = 0, py::arg("state_bits") = 32)
+           py::arg("host_delay_us") = 0.0, py::arg("seed") = 0, py::arg("state_bits") = 32,
+           py::arg("install_in_forward") = false)
       .def(
           "set_group",
           [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -85,6 +88,8 @@ void bind_engine(py::module_& m) {
       .def("order_after_downloads", &E::order_after_downloads, release(),
            "Later work on the current stream waits until every gradient copy so far has read its source")
       .def("fence", &E::fence, release(), "The current stream waits for every weight upload issued so far")
+      .def("install_for_forward", &E::install_for_forward, py::arg("ids"), release(),
+           "install_in_forward: the new weights of params `ids` up before a forward reads them")
       .def("set_accumulating", &E::set_accumulating, py::arg("on"))
       .def("close", &E::close, release())
       .def_property_readonly("closed", &E::closed)

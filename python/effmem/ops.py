@@ -88,27 +88,29 @@ def _one_device(op: str, named) -> None:
         raise ValueError(f"effmem::{op}: all tensors must be on one device, got {found}")
 
 
+def _adam_fake(op: str, lists, lr_tensor, inv_scale, found_inf, status) -> None:
+    """What both Adam ops' fake kernels check: every tensor on one device. They return nothing."""
+    _one_device(op, [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
+                [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
+
+
 @torch.library.register_fake("effmem::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                     weight_decay, decoupled, bias_correction, lr_tensor=None, inv_scale=None,
                     found_inf=None, status=None) -> None:
-    lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-             ("masters", masters), ("steps", steps))
-    _one_device("adam_step_", [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
-                [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
-    return None
+    _adam_fake("adam_step_", (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                              ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps)),
+               lr_tensor, inv_scale, found_inf, status)
 
 
 @torch.library.register_fake("effmem::adam8_step_")
 def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, masters, steps,
                      salts, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, lr_tensor=None,
                      inv_scale=None, found_inf=None, status=None) -> None:
-    lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-             ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales), ("masters", masters),
-             ("steps", steps))
-    _one_device("adam8_step_", [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
-                [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
-    return None
+    _adam_fake("adam8_step_", (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                               ("exp_avg_sqs", exp_avg_sqs), ("exp_avg_scales", exp_avg_scales),
+                               ("exp_avg_sq_scales", exp_avg_sq_scales), ("masters", masters), ("steps", steps)),
+               lr_tensor, inv_scale, found_inf, status)
 
 
 @torch.library.register_fake("effmem::l2norm")

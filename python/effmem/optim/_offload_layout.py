@@ -73,7 +73,7 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
                             device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
                             pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
                             landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0,
-                            state_bits=state_bits)
+                            state_bits=state_bits, install_in_forward=opt._async)
 
 
 def keep_on_device(opt, budget: int) -> set:

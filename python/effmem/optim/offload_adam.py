@@ -94,6 +94,18 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
             (evaluation, saving the model) call ``flush()``;
             ``state_dict()``, ``load_state_dict()`` and ``close()`` flush
             too.
+        async_step: ``step()`` queues the CPU update and returns at once, and
+            the next forward waits, module by module, for the new weights of
+            the parameters it reads: exact math (no stale gradients, clipping
+            by global norm works), with the update hidden behind the next
+            forward as far as it keeps ahead of it. The engine updates the
+            buckets in forward order (the first layers first). Needs
+            ``opt.attach(model)``: forward pre-hooks on the modules owning
+            the parameters install their weights; a parameter read outside
+            its module's forward (a functional call) must not be, or
+            backward raises. Costs a second gradient staging buffer in host
+            memory, as ``delay``. Call ``flush()`` before reading the
+            parameters outside training.
         delay_warmup: with ``delay=True``, the number of exact steps taken
             first (each installs its weights before returning), counted from
             the first step or a loaded checkpoint's. Default 0: on a small Llama
@@ -151,6 +163,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         bias_correction: bool = True,
         overlap: bool = False,
         delay: bool = False,
+        async_step: bool = False,
         stream_grads: Optional[bool] = None,
         bucket_size: int = 1 << 23,
         num_threads: Optional[int] = None,
@@ -168,11 +181,15 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         self.state_bits = _validate.state_bits(state_bits)
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
                             host_delay_us=_host_delay_us, state_bits=self.state_bits)
-        if overlap and delay:
-            raise ValueError("overlap, delay: choose one (overlap updates during backward, delay during the next "
-                             "forward and backward)")
+        if sum(map(bool, (overlap, delay, async_step))) > 1:
+            raise ValueError("overlap, delay, async_step: choose one (overlap updates during backward, delay and "
+                             "async_step during the next forward; delay with stale gradients)")
         self._overlap = bool(overlap)
-        self._delay = bool(delay)
+        # async_step runs on delay mode's machinery (double staging, weights installed later), installing
+        # in the forward (attach()) instead of the next backward.
+        self._async = bool(async_step)
+        self._delay = bool(delay) or self._async
+        self._forward_hooks = []
         self._delay_warmup = _validate.whole(delay_warmup, "delay_warmup", 0, "steps")
         self._device_accumulation = _validate.whole(device_accumulation, "device_accumulation", 0, "bytes")
         self._accumulating = False
@@ -379,6 +396,9 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        if self._async and not self._forward_hooks:
+            raise RuntimeError("OffloadAdam(async_step=True): the forward installs each module's new weights; "
+                               "call opt.attach(model) once before the first step")
         self._check_consistent()
         self._check_params()
         self._init_masters()
@@ -387,7 +407,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
         scale, self._clip_scale = self._clip_scale, 1.0
         self._engine.step(scale)
         self._step_count += 1
-        if self._delay and self._step_count <= self._delay_warmup:
+        if self._delay and not self._async and self._step_count <= self._delay_warmup:
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._engine.synchronize()
         self._in_backward = False
@@ -407,6 +427,25 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
     # ------------------------------------------------------------------ checkpoints
     # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
 
+    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
+        """async_step: install each parameter's new weights before the forward of the module that owns it
+        (a forward pre-hook on every module owning one of this optimizer's parameters); returns the model."""
+        if not self._async:
+            raise ValueError("attach: only OffloadAdam(async_step=True) installs weights in the forward")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        self._check_open()
+        for h in self._forward_hooks:
+            h.remove()
+        self._forward_hooks = []
+        for module in model.modules():
+            ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
+            if ids:
+                self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
+        if not self._forward_hooks:
+            raise ValueError("model: none of its modules owns a parameter of this optimizer")
+        return model
+
     def flush(self) -> None:
         """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
         installed into the parameters: afterwards they hold every step taken so far."""
@@ -424,9 +463,9 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
 
     def close(self) -> None:
         """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
-        for h in self._hooks + self._ddp_handles:
+        for h in self._hooks + self._ddp_handles + self._forward_hooks:
             h.remove()
-        self._hooks, self._ddp_handles = [], []
+        self._hooks, self._ddp_handles, self._forward_hooks = [], [], []
         if self._engine is not None and not self._engine.closed:
             try:
                 if self._delay:
@@ -455,3 +494,17 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
     # itself cannot be pickled or deep-copied (it owns threads and host memory).
     def __getstate__(self):
         raise TypeError("OffloadAdam cannot be pickled or copied; save opt.state_dict() instead")
+
+
+class _Installer:
+    """The forward pre-hook of async_step: the module's parameters' new weights up before it runs. Holds
+    the optimizer weakly (no reference cycle through the model's hooks) and reads its engine at each call
+    (add_param_group lays out a new one)."""
+
+    def __init__(self, opt, ids):
+        self.opt, self.ids = weakref.ref(opt), ids
+
+    def __call__(self, module, args):
+        opt = self.opt()
+        if opt is not None and opt._engine is not None and not opt._engine.closed:
+            opt._engine.install_for_forward(self.ids)

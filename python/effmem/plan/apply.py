@@ -94,8 +94,10 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     elif cfg.optimizer == "gpu":
         opt = FusedAdam(params, lr=lr, state_bits=cfg.state_bits, **optimizer_kwargs)
     else:
-        opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap", state_bits=cfg.state_bits,
-                          **optimizer_kwargs)
+        opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap",
+                          async_step=cfg.optimizer == "offload_async", state_bits=cfg.state_bits, **optimizer_kwargs)
+        if cfg.optimizer == "offload_async":
+            opt.attach(model)
     if cfg.sharding in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
         # Gradients as views of DDP's buckets: no second copy of them (what the plan counted).

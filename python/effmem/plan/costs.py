@@ -29,7 +29,7 @@ PRECISIONS = {
 # checkpoint8: effmem.apply_activation_policy(model, "min"), checkpointed layers with 8-bit inputs.
 # fast: effmem.apply_activation_policy(model, "fast"), 8-bit saves with norms and activations rebuilt.
 ACTIVATIONS = ("none", "fast", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
-OPTIMIZERS = ("gpu", "offload", "offload_overlap")
+OPTIMIZERS = ("gpu", "offload", "offload_overlap", "offload_async")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
 OFFLOAD_BUCKET = 1 << 23        # OffloadAdam's default bucket (elements); two are in flight on the GPU
 CUDA_CONTEXT = 512 << 20        # the CUDA context and cuBLAS workspace: device memory outside the allocator
@@ -66,7 +66,8 @@ class Config:
     @property
     def name(self) -> str:
         parts = [self.precision, self.activations if self.activations != "none" else "",
-                 {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap"}[self.optimizer],
+                 {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap",
+                  "offload_async": "offload-adam-async"}[self.optimizer],
                  self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
                  "adam8" if self.state_bits == 8 else "",
                  f"mb{self.micro_batch}x{self.accumulation}"]
@@ -116,7 +117,9 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     temporary_step = 0
     if cfg.optimizer != "gpu":
         # OffloadAdam: master and moments on the host, gradients staged there (2 B/param for bf16).
-        host = (t * (master_b or 4) + optimizer_state_bytes(t, cfg.state_bits) + t * g_b) // shard_state
+        # async_step stages the next step's gradients beside the weights being computed: a second staging.
+        staging = (2 if cfg.optimizer == "offload_async" else 1) * t * g_b
+        host = (t * (master_b or 4) + optimizer_state_bytes(t, cfg.state_bits) + staging) // shard_state
         master = optimizer = 0
         grads = min(t, 2 * OFFLOAD_BUCKET) * g_b
     if cfg.optimizer == "offload" and cfg.accumulation > 1:
@@ -204,6 +207,11 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
             if cfg.optimizer == "offload_overlap":
                 # Updates run as buckets land during the last backward; what remains after it shows.
                 out["optimizer"] = down + max(upload, cpu + upload - bwd)
+            elif cfg.optimizer == "offload_async":
+                # Updates run in forward order while the next forward runs, each layer waiting for its
+                # own bucket: the first bucket always shows, and what the forward cannot cover.
+                first = (cpu + upload) * min(1.0, OFFLOAD_BUCKET / max(1, t))
+                out["optimizer"] = down + max(first, cpu + upload - fwd)
             else:
                 out["optimizer"] = down + cpu + upload
     if world > 1 and cfg.sharding != "none":

@@ -76,12 +76,15 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
         out.append(f"fully_shard(model, reshard_after_forward={resh})")
     opt = {"gpu": "effmem.FusedAdam(model.parameters(), lr=3e-4)",
            "offload": "effmem.OffloadAdam(model.parameters(), lr=3e-4)",
-           "offload_overlap": "effmem.OffloadAdam(model.parameters(), lr=3e-4, overlap=True)"}[cfg.optimizer]
+           "offload_overlap": "effmem.OffloadAdam(model.parameters(), lr=3e-4, overlap=True)",
+           "offload_async": "effmem.OffloadAdam(model.parameters(), lr=3e-4, async_step=True)"}[cfg.optimizer]
     if cfg.state_bits == 8:
         opt = opt[:-1] + ", state_bits=8)"
     if cfg.sharding == "zero1":
         opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
                "optimizer_class=effmem.FusedAdam, lr=3e-4)")
     out.append(f"opt = {opt}")
+    if cfg.optimizer == "offload_async":
+        out.append("opt.attach(model)   # each module's forward installs its new weights")
     out.append(f"# {cfg.accumulation} micro-batch(es) of {cfg.micro_batch} sequence(s) per optimizer step")
     return "\n".join(out)
