@@ -14,7 +14,6 @@ import torch
 import effmem
 from effmem import ops, reference
 from effmem.optim import _adam8
-from conftest import DEVICES
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, bias_correction=True)
 
@@ -215,6 +214,7 @@ def test_cuda_matches_cpu_bit_for_bit(pdtype):
                            steps, exp_avg_scales=[st["ms"]], exp_avg_sq_scales=[st["vs"]], salts=[5], **HYPER)
         (pc, mc, sc), (pg, mg, sg) = states["cpu"], states["cuda"]
         assert torch.equal(pc, pg.cpu())
+        assert mc is None or torch.equal(mc, mg.cpu())
         for k in sc:
             assert torch.equal(sc[k], sg[k].cpu()), (k, step)
 

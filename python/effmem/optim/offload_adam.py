@@ -1,5 +1,4 @@
 """OffloadAdam: Adam/AdamW whose fp32 master weights and moments live in host memory."""
-import collections
 import contextlib
 import math
 import threading
@@ -13,6 +12,8 @@ from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._offload_checkpoint import OffloadCheckpoint
+from effmem.optim._offload_forward import OffloadForward
+from effmem.optim._offload_lifetime import OffloadLifetime
 from effmem.optim._offload_guards import OffloadGuards
 from effmem.optim._offload_layout import GradHook, build_engine, keep_on_device
 from effmem.optim.clip import clip_coefficient
@@ -25,7 +26,7 @@ _local = _validate.local_tensor
 DELAY_WARMUP = 0
 
 
-class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
+class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGuards, AdamBase):
     """Adam / AdamW with the optimizer state on the CPU and the update run there by a C++ engine.
 
     The GPU keeps only the parameters (bf16, fp16 or fp32). The fp32 master
@@ -426,85 +427,6 @@ class OffloadAdam(OffloadCheckpoint, OffloadGuards, AdamBase):
 
     # ------------------------------------------------------------------ checkpoints
     # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
+    # attach() (async_step): _offload_forward.OffloadForward
 
-    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
-        """async_step: install each parameter's new weights before the forward of the module that owns it
-        (a forward pre-hook on every module owning one of this optimizer's parameters); returns the model."""
-        if not self._async:
-            raise ValueError("attach: only OffloadAdam(async_step=True) installs weights in the forward")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-        self._check_open()
-        for h in self._forward_hooks:
-            h.remove()
-        self._forward_hooks = []
-        for module in model.modules():
-            ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
-            if ids:
-                self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
-        if not self._forward_hooks:
-            raise ValueError("model: none of its modules owns a parameter of this optimizer")
-        return model
-
-    def flush(self) -> None:
-        """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
-        installed into the parameters: afterwards they hold every step taken so far."""
-        self._check_open()
-        self._engine.synchronize()
-
-    # ------------------------------------------------------------------ lifetime
-
-    def counters(self) -> Dict[str, int]:
-        """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations, and
-        the host memory held: engine_pinned_bytes, engine_pageable_bytes (this engine) and
-        process_pinned_bytes, process_pageable_bytes (every live effmem engine)."""
-        self._check_open()
-        return dict(self._engine.counters())
-
-    def close(self) -> None:
-        """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
-        for h in self._hooks + self._ddp_handles + self._forward_hooks:
-            h.remove()
-        self._hooks, self._ddp_handles, self._forward_hooks = [], [], []
-        if self._engine is not None and not self._engine.closed:
-            try:
-                if self._delay:
-                    self._engine.synchronize()  # the last step's weights into the parameters
-            finally:
-                self._engine.close()
-                # Let go of the host state, so that its memory goes now rather than with this
-                # object; tensors the caller took from state_dict() keep theirs alive.
-                self.state = collections.defaultdict(dict)
-                self._views = []
-
-    def __enter__(self) -> "OffloadAdam":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._engine is None or self._engine.closed:
-            raise RuntimeError("OffloadAdam: this optimizer was closed")
-        err = getattr(self, "_ddp_error", None)
-        if err is not None:
-            raise RuntimeError(f"OffloadAdam: handing DDP's gradients to the engine failed: {err}") from err
-
-    # Optimizer.__repr__ and __getstate__ work as for any optimizer; the engine
-    # itself cannot be pickled or deep-copied (it owns threads and host memory).
-    def __getstate__(self):
-        raise TypeError("OffloadAdam cannot be pickled or copied; save opt.state_dict() instead")
-
-
-class _Installer:
-    """The forward pre-hook of async_step: the module's parameters' new weights up before it runs. Holds
-    the optimizer weakly (no reference cycle through the model's hooks) and reads its engine at each call
-    (add_param_group lays out a new one)."""
-
-    def __init__(self, opt, ids):
-        self.opt, self.ids = weakref.ref(opt), ids
-
-    def __call__(self, module, args):
-        opt = self.opt()
-        if opt is not None and opt._engine is not None and not opt._engine.closed:
-            opt._engine.install_for_forward(self.ids)
+    # counters(), close(), the context manager: _offload_lifetime.OffloadLifetime

@@ -1,0 +1,52 @@
+"""OffloadAdam's lifetime (a mixin of OffloadAdam): flush, counters, close and the context manager."""
+import collections
+from typing import Dict
+
+
+class OffloadLifetime:
+    def flush(self) -> None:
+        """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
+        installed into the parameters: afterwards they hold every step taken so far."""
+        self._check_open()
+        self._engine.synchronize()
+
+    def counters(self) -> Dict[str, int]:
+        """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations, and
+        the host memory held: engine_pinned_bytes, engine_pageable_bytes (this engine) and
+        process_pinned_bytes, process_pageable_bytes (every live effmem engine)."""
+        self._check_open()
+        return dict(self._engine.counters())
+
+    def close(self) -> None:
+        """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
+        for h in self._hooks + self._ddp_handles + self._forward_hooks:
+            h.remove()
+        self._hooks, self._ddp_handles, self._forward_hooks = [], [], []
+        if self._engine is not None and not self._engine.closed:
+            try:
+                if self._delay:
+                    self._engine.synchronize()  # the last step's weights into the parameters
+            finally:
+                self._engine.close()
+                # Let go of the host state, so that its memory goes now rather than with this
+                # object; tensors the caller took from state_dict() keep theirs alive.
+                self.state = collections.defaultdict(dict)
+                self._views = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._engine is None or self._engine.closed:
+            raise RuntimeError("OffloadAdam: this optimizer was closed")
+        err = getattr(self, "_ddp_error", None)
+        if err is not None:
+            raise RuntimeError(f"OffloadAdam: handing DDP's gradients to the engine failed: {err}") from err
+
+    # Optimizer.__repr__ and __getstate__ work as for any optimizer; the engine
+    # itself cannot be pickled or deep-copied (it owns threads and host memory).
+    def __getstate__(self):
+        raise TypeError("OffloadAdam cannot be pickled or copied; save opt.state_dict() instead")
