@@ -1,7 +1,7 @@
 """Benchmark of OffloadAdam against FusedAdam on a Llama-shaped bf16 model.
 
     python bench/bench_offload.py [--device cpu|cuda] [--size 1.3b] [--batch B] [--seq T]
-                                  [--accum K] [--steps N] [--capacity | --capacity-only] [--json PATH]
+                                  [--accum K] [--steps N] [--json PATH]
 
 Parts, all measured in one run:
   link      pinned host <-> device copy bandwidth, each direction (torch copy_
@@ -15,21 +15,15 @@ Parts, all measured in one run:
             their ratio to the baseline, PCIe bytes per step, and the device
             memory of the model states (peak minus activations is not
             separable, so weights + what the optimizer keeps on the device).
-  capacity  (--capacity, CUDA) the largest Llama size that trains a few steps
-            with torch AdamW (fp32 weights, bf16 autocast: the usual recipe),
-            FusedAdam (bf16 + fp32 masters) and OffloadAdam, each try in a
-            fresh process; tokens/s and model FLOPs utilisation (6 x params
-            per token over the GPU's dense bf16 peak).
+The capacity question (the fastest configuration that trains each size) is bench/bench_capacity.py.
 
 On a CPU (no GPU) the same code runs with the host transfer backend and the
 tiny size: it measures the engine's own overhead, not a PCIe link.
 """
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,8 +36,6 @@ import llama
 from effmem import FusedAdam, OffloadAdam
 
 LR = 1e-4
-# Dense bf16 peak of the GPUs this is run on (NVIDIA's datasheets, SXM parts).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 TARGETS = {
     "cuda": [("OffloadAdam (async_step: exact, clipping allowed) step <= 1.10x FusedAdam at 1.3B", "offload_async",
               "vs_baseline", 1.10, "<="),
@@ -209,99 +201,6 @@ def _torchao_offload():
                                          lr=LR)
 
 
-def capacity(args, device, save):
-    """Sizes tried in order for each optimizer until one fails; each try is its own process.
-    save(results) is called after every try, so a run cut short still leaves what it found."""
-    mem_available = _host_available_bytes()
-    out = []
-    for opt_name in ("torch_adamw_amp", "fused", "offload"):
-        for size in args.capacity_sizes.split(","):
-            shape = llama.SIZES[size]
-            host_need = 16 * shape.num_params() if opt_name == "offload" else 0
-            if host_need > 0.9 * mem_available:
-                out.append({"optimizer": opt_name, "size": size, "status": "skipped: needs more host memory",
-                            "host_bytes_needed": host_need, "host_bytes_available": mem_available})
-                break
-            cmd = [sys.executable, os.path.abspath(__file__), "--device", device, "--capacity-worker", opt_name,
-                   "--size", size, "--batch", "1", "--seq", str(args.capacity_seq), "--steps", "3"]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.capacity_timeout)
-                result = _parse_worker(proc)
-            except subprocess.TimeoutExpired as e:
-                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-                result = {"status": f"timed out after {args.capacity_timeout} s", "error": err[-2000:]}
-            result.update(optimizer=opt_name, size=size, params=shape.num_params())
-            out.append(result)
-            save(out)
-            print(f"  capacity {opt_name:16s} {size:5s}: {result['status']}"
-                  + (f", {result['tokens_per_s']:.0f} tokens/s, MFU {result['mfu']:.3f}"
-                     if result["status"] == "ok" and result.get("mfu") is not None else ""), flush=True)
-            if result["status"] != "ok":
-                break
-    return out
-
-
-def capacity_worker(args, device):
-    """One try: build, train a few steps, report tokens/s and peak memory, or the failure."""
-    shape = llama.SIZES[args.size]
-    try:
-        if args.capacity_worker == "torch_adamw_amp":
-            model = llama.build(args.size, device, torch.float32)
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-            autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-        else:
-            model = llama.build(args.size, device)
-            opt = FusedAdam(model.parameters(), lr=LR) if args.capacity_worker == "fused" else OffloadAdam(
-                model.parameters(), lr=LR, pin_state=False)
-            autocast = contextlib.nullcontext()
-        data = batches(shape, 2, args.batch, args.seq, device)
-        times = []
-        for step in range(args.steps):
-            common.sync(device)
-            t0 = time.perf_counter()
-            x, y = data[step % 2]
-            with autocast:
-                loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            common.sync(device)
-            times.append(time.perf_counter() - t0)
-        tps = args.batch * args.seq / statistics.median(times[1:] or times)
-        peak = _peak_flops(device)
-        result = {"status": "ok", "tokens_per_s": tps, "step_s": times, "loss": float(loss),
-                  "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if torch.cuda.is_available() else None,
-                  "mfu": tps * shape.flops_per_token() / peak if peak else None}
-    except torch.OutOfMemoryError as e:
-        result = {"status": "out of memory", "error": str(e).splitlines()[0]}
-    except RuntimeError as e:
-        result = {"status": "failed", "error": str(e).splitlines()[0]}
-    print("EFFMEM_CAPACITY " + json.dumps(result), flush=True)
-
-
-def _parse_worker(proc):
-    for line in proc.stdout.splitlines():
-        if line.startswith("EFFMEM_CAPACITY "):
-            return json.loads(line[len("EFFMEM_CAPACITY "):])
-    # Killed (host OOM) or crashed before reporting.
-    return {"status": f"process exited with {proc.returncode}", "error": proc.stderr[-2000:]}
-
-
-def _peak_flops(device):
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-def _host_available_bytes():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -311,13 +210,6 @@ def main(argv=None):
     ap.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--capacity", action="store_true", help="also find the largest model each optimizer trains")
-    ap.add_argument("--capacity-only", action="store_true",
-                    help="only the capacity search (this process leaves the GPU untouched for the tries)")
-    ap.add_argument("--capacity-timeout", type=int, default=240, help="seconds allowed to each capacity try")
-    ap.add_argument("--capacity-sizes", default="1.3b,3b,7b,13b")
-    ap.add_argument("--capacity-seq", type=int, default=2048)
-    ap.add_argument("--capacity-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -325,12 +217,9 @@ def main(argv=None):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.capacity_worker:
-        return capacity_worker(args, args.device)
-
     env = common.environment(args.device)
     print(f"{env['device_name']} ({args.device}), torch {env['torch_version']}, commit {env['git_commit'][:12]}")
-    results = {"step": None, "transfer": None, "link": None, "capacity": None}
+    results = {"step": None, "transfer": None, "link": None}
     verdicts = []
 
     def save(partial=True):
@@ -339,17 +228,7 @@ def main(argv=None):
             common.write_json(args.json, {"benchmark": "offload", "env": env, "config": vars(args),
                                           "results": results, "targets": verdicts, "partial": partial})
 
-    if not args.capacity_only:
-        measure_steps(args, results, verdicts)
-        save()
-    if (args.capacity or args.capacity_only) and cuda:
-        torch.cuda.empty_cache()  # the tries run in other processes: leave them the whole GPU
-
-        def save_capacity(found):
-            results["capacity"] = found
-            save()
-
-        capacity(args, args.device, save_capacity)
+    measure_steps(args, results, verdicts)
     save(partial=False)
     if args.json:
         print(f"wrote {args.json}")

@@ -153,6 +153,30 @@ def _loadavg() -> Optional[List[float]]:
         return None
 
 
+# Dense bf16 peak of the GPUs this is run on (NVIDIA's datasheets, SXM parts): the denominator of MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+def peak_bf16_flops(device) -> Optional[float]:
+    """The GPU's dense bf16 peak FLOP/s, or None (a CPU, or a GPU not in PEAK_BF16_FLOPS)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def peak_rss_bytes() -> Optional[int]:
+    """This process's peak resident set (VmHWM): host memory it has touched, pinned included."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def write_json(path: str, payload: Dict[str, object]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

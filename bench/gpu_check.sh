@@ -5,13 +5,16 @@
 # commit.
 #
 #   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
-#   PART: build tests bench demo offload capacity linear_ce plan activations
+#   PART: build tests bench demo offload capacity capacity_small linear_ce plan activations
 #
 # No PART runs them all in that order. The device tool allows 10 minutes per
-# command, which all of them together exceed: run `build tests bench demo` in
-# one call, `build offload capacity` in the next and `build linear_ce` in a
-# third, `build plan` in a fourth, `build activations` in a fifth (the build is about a minute on 16
-# cores). The device gets a copy of the working tree without
+# command, which all of them together exceed; calls that fit (the build is about
+# a minute on 16 cores, seconds when the machine is still warm):
+#   build tests bench demo          the suite, FusedAdam/quantize benchmarks, the demo
+#   build offload capacity_small    OffloadAdam's modes at 1.3B; capacity at 3B and 1.3B
+#   build capacity                  capacity at 7B and 13B (issue 12's MFU and host-memory targets)
+#   build linear_ce / build plan / build activations, one call each
+# The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
 # `git rev-parse HEAD` here); it goes into every JSON.
 #
@@ -25,7 +28,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity linear_ce plan activations)
+[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity capacity_small linear_ce plan activations)
 
 limit() { timeout -k 10 "$@"; }
 
@@ -63,9 +66,12 @@ for part in "${parts[@]}"; do
       # Step time at 1.3B against FusedAdam, engine vs link bandwidth, GPU bytes/param.
       limit 200 "$PY" bench/bench_offload.py --device cuda --json "$OUT/gpu_offload.json" || status=1 ;;
     capacity)
-      # The largest Llama-shaped model each optimizer trains (each try in its own process).
-      limit 330 "$PY" bench/bench_offload.py --device cuda --capacity-only --capacity-timeout 150 \
-        --json "$OUT/gpu_offload_capacity.json" || status=1 ;;
+      # For each size the fastest configuration that trains, its tokens/s, MFU, GPU peak and host memory,
+      # against FusedAdam and torch AdamW + AMP (each run its own process): 7B and 13B, the targets.
+      limit 560 "$PY" bench/bench_capacity.py --sizes 7b,13b --json "$OUT/gpu_capacity.json" || status=1 ;;
+    capacity_small)
+      limit 330 "$PY" bench/bench_capacity.py --sizes 3b,1.3b --timeout 120 \
+        --json "$OUT/gpu_capacity_small.json" || status=1 ;;
     linear_ce)
       # Fused linear cross-entropy at 16k tokens x 128k vocabulary x 4096, bf16, against the
       # unfused path eager and compiled: time, extra peak memory, targets.
@@ -85,7 +91,7 @@ for part in "${parts[@]}"; do
       limit 130 "$PY" bench/bench_activations.py --device cuda --layers 4 --seq 1024 --steps 200 --no-compile \
         --json "$OUT/gpu_activations_loss.json" || status=1 ;;
     *)
-      echo "unknown part: $part (expected build tests bench demo offload capacity linear_ce plan activations)"; exit 2 ;;
+      echo "unknown part: $part (expected build tests bench demo offload capacity capacity_small linear_ce plan activations)"; exit 2 ;;
   esac
 done
 exit $status
