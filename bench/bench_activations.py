@@ -12,7 +12,7 @@ TinyLlama's shape in bf16 on a GPU (hidden 2048, 22 layers, 32 heads, 4 kv heads
 final losses can be compared. Rows: plain, plain_compiled (torch.compile), hf_checkpointing
 (transformers' non-reentrant checkpointing), torch_sac (selective checkpointing per decoder layer:
 matmul and attention outputs saved), compile_budget (torch.compile, activation_memory_budget = 0.5),
-effmem_<policy> and effmem_<policy>_compiled for each effmem.activations.POLICIES but "checkpoint".
+effmem_<policy> and effmem_<policy>_compiled for each effmem.activations.POLICIES but torch's own two.
 
 Per row: step_ms (median of the timed steps, forward + backward + optimizer), peak_bytes (one step),
 saved_bytes (what autograd keeps for backward after one forward, counted with saved-tensor hooks; eager
@@ -36,13 +36,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, format_table, summarize, sync, time_calls, write_json  # noqa: E402
 
 import effmem  # noqa: E402
-from effmem.activations import POLICIES, activation_stats  # noqa: E402
+from effmem.activations import POLICIES, activation_stats, selective  # noqa: E402
 # glibc mallinfo2's bytes in use (None off glibc): what effmem plan --verify measures the CPU with
 from effmem.plan.verify import _host_in_use as host_in_use, bytes_in_use as in_use  # noqa: E402
 
@@ -50,7 +50,8 @@ GPU_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_key_value_heads=4, vocab_size=32000)
 CPU_MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256)
-EFFMEM_POLICIES = [p for p in POLICIES if p != "checkpoint"]
+# "checkpoint" and "selective" are torch's own: the hf_checkpointing and torch_sac rows
+EFFMEM_POLICIES = [p for p in POLICIES if p not in ("checkpoint", "selective")]
 EAGER_ROWS = ["plain", "hf_checkpointing", "torch_sac"] + [f"effmem_{p}" for p in EFFMEM_POLICIES]
 COMPILED_ROWS = ["plain_compiled"] + [f"effmem_{p}_compiled" for p in EFFMEM_POLICIES] + ["compile_budget"]
 # Eager rows first, the budget's solver last: a run cut off by its time limit (compiling TinyLlama takes a
@@ -59,17 +60,9 @@ ROWS = EAGER_ROWS + COMPILED_ROWS
 ALPHABET = 256  # the progressions' tokens: a vocabulary of 32000 would take a small model long to cover
 WARMUP = 2
 
-_aten = torch.ops.aten
-SAC_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
-            _aten._scaled_dot_product_flash_attention.default,
-            _aten._scaled_dot_product_efficient_attention.default,
-            _aten._scaled_dot_product_cudnn_attention.default,
-            _aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-
-def sac_policy(ctx, op, *args, **kwargs):
-    # Matmuls and attention are what costs to recompute; norms, rotary and SiLU are cheap per byte kept.
-    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+# torch_sac: torch's selective checkpointing with effmem's "selective" rule (matmul and attention outputs
+# saved, norms, rotary and SiLU recomputed), wrapped here by hand so that its caches can be counted.
+sac_policy = selective.policy
 
 
 @contextlib.contextmanager

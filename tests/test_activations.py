@@ -1,4 +1,4 @@
-"""effmem.apply_activation_policy: "checkpoint" and "min" (checkpointed layers, inputs kept in 8 bits), and
+"""effmem.apply_activation_policy: "checkpoint", "selective" and "min" (checkpointed layers, inputs kept in 8 bits), and
 training and torch.compile under "min" and "fast" (the rest of "fast": test_activations_fast.py).
 
 Checked on Hugging Face Llama and GPT-2 (random init, no download) and the demo GPT: the forward is
@@ -15,7 +15,7 @@ import torch
 import effmem
 from effmem.activations import apply_activation_policy, remove_activation_policy
 from effmem.demo_model import ByteGPT, GPTConfig
-from effmem.plan.model import model_spec
+from effmem.plan.model import find_blocks, model_spec
 from effmem.plan.trace import trace_spec
 from effmem.plan.verify import bytes_in_use
 from activation_helpers import held_after_forward, loss_of, pattern, train
@@ -95,6 +95,19 @@ def test_min_policy_holds_what_plan_predicts_and_less_than_checkpointing():
     # The layer inputs themselves: 4 x 256 x 128 fp32 each, 8-bit codes plus a float32 (min, scale) per 128.
     layer_inputs = 3 * (4 * 256 * 128 * 4 - (4 * 256 * 128 + 4 * 256 * 8))
     assert pred_ckpt - pred_min == layer_inputs
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+def test_selective_policy_is_exact(make):
+    """"selective" (torch's selective checkpointing, matmul and attention outputs kept): the recompute
+    replays the rest, dropout masks included, so loss and gradients are plain autograd's, bit for bit."""
+    plain, sel = make(), apply_activation_policy(make(), "selective")
+    assert all(layer._effmem_policy == "selective" for layer in find_blocks(sel)[1])
+    x = ids()
+    l0, g0 = grads_after_one_step(plain, x)
+    l1, g1 = grads_after_one_step(sel, x)
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
 
 
 def test_remove_restores_and_bad_arguments_name_themselves():

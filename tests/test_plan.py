@@ -170,8 +170,8 @@ def real_tiny():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("act,loss", [("none", "standard"), ("checkpoint", "standard"), ("compress8", "standard"),
-                                      ("none", "fused")])
+@pytest.mark.parametrize("act,loss", [("none", "standard"), ("checkpoint", "standard"), ("selective", "standard"),
+                                      ("compress8", "standard"), ("none", "fused")])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_apply_and_verify_on_cpu(act, loss, precision):
     """The applied candidate trains, and its model states are what the plan predicted, to the byte."""
@@ -189,6 +189,8 @@ def test_apply_and_verify_on_cpu(act, loss, precision):
     assert isinstance(opt, effmem.FusedAdam)
     assert (compressor_of(m) is not None) == (act == "compress8")
     assert m.model.gradient_checkpointing == (act == "checkpoint")
+    assert all(getattr(layer, "_effmem_policy", None) == ("selective" if act == "selective" else None)
+               for layer in m.model.layers)
     ids = torch.randint(0, TINY["vocab_size"], (2, 16))
     out = m(input_ids=ids, labels=ids)
     assert (out.logits is None) == (loss == "fused") and torch.isfinite(out.loss)

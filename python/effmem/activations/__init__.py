@@ -18,6 +18,9 @@ Policies:
 * ``"min"``: the same, with each layer's input kept as 8-bit codes
   (effmem.activations.checkpoint): about half of checkpointing's memory in
   bf16, a quarter in fp32, for one quantisation per layer and its inverse.
+* ``"selective"``: torch's selective checkpointing per layer: its input
+  and the outputs of its matmuls and attention kept, the norms and
+  elementwise ops recomputed (effmem.activations.selective). Exact.
 * ``memory_budget=`` instead of a policy: each layer plain, "fast" or "min",
   the mix of least time whose layers' saved activations fit the budget
   (effmem.activations.budget), chosen at the first forward of each shape.
@@ -45,7 +48,7 @@ from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.plan.model import find_blocks
 from effmem.plan.trace import _tensors
 
-POLICIES = ("fast", "checkpoint", "min")
+POLICIES = ("fast", "checkpoint", "min", "selective")
 _FAST = "_effmem_fast"
 _BUDGET = "_effmem_budget"
 
@@ -54,7 +57,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                             group_size: int = 128) -> nn.Module:
     """Apply an activation policy to every decoder layer of `model` (in place); returns the model.
 
-    policy: "fast" (the default), "checkpoint" or "min" for every layer. memory_budget: instead of one
+    policy: "fast" (the default), "checkpoint", "min" or "selective" for every layer. memory_budget: instead of one
     policy, each layer plain, "fast" or "min", the mix of least time whose saved activations fit: a
     fraction in (0, 1] of the layers' plain saved bytes, or bytes (an int) at the shape of each forward
     (see effmem.activations.budget; the choice is made at the first forward of each input shape).
@@ -103,7 +106,8 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             layer._effmem_policy = policy
         return model
     for layer in layers:
-        checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size)
+        checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size,
+                         selective=policy == "selective")
     return model
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from effmem.activations.compiled import compiled_forward
+from effmem.activations.selective import context as selective_context
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
 from effmem.plan.trace import _tensors
@@ -133,13 +134,19 @@ def _compiled_layer_forward(layer: nn.Module, original, bits: int, group_size: i
     return _layer_forward(layer, compiled_forward(original, selective=False), bits, group_size, *args, **kwargs)
 
 
-def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int = 128) -> None:
+def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int = 128,
+                     selective: bool = False) -> None:
     """Checkpoint `layer` (in place; undo with restore_layer): its input kept in `bits`-bit codes, or
-    as it is (torch.utils.checkpoint, non-reentrant) for bits=None."""
+    as it is (torch.utils.checkpoint, non-reentrant) for bits=None; selective=True (bits=None) also keeps
+    its matmul and attention outputs (activations.selective)."""
     if "forward" in layer.__dict__:
         raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation policy "
                          "or checkpointing); remove that first")
-    if bits is None:
+    if selective:
+        layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False,
+                                          context_fn=selective_context)
+        layer._effmem_policy = "selective"
+    elif bits is None:
         layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False)
         layer._effmem_policy = "checkpoint"
     else:

@@ -7,31 +7,22 @@ graph, the hooks would see every layer's saves together: the compiled backward r
 once, and the peak rises.) One graph serves every layer of a class; a graph break inside the layer
 itself stays the compiler's affair.
 
-selective=True wraps the layer in torch's selective checkpointing with a policy that keeps matmul and
-attention outputs and recomputes the rest: the partitioner then rebuilds norms and elementwise ops in
-backward, as the "fast" policy's fused functions do in eager mode.
+selective=True wraps the layer in torch's selective checkpointing with the "selective" policy's rule
+(activations.selective: matmul and attention outputs kept, the rest recomputed): the partitioner then
+rebuilds norms and elementwise ops in backward, as the "fast" policy's fused functions do in eager mode.
 """
 import functools
 from typing import Callable, Dict, Tuple
 
 import torch
 
-_aten = torch.ops.aten
-_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
-         _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-         _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default}
 _GRAPHS: Dict[Tuple[Callable, bool], Callable] = {}
 
 
-def _policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _selective(forward, *args, **kwargs):
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-    return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy), **kwargs)
+    from torch.utils.checkpoint import checkpoint
+    from effmem.activations.selective import context
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
 def compiled_forward(original, selective: bool) -> Callable:

@@ -76,8 +76,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         _checkpoint_blocks(model)
     elif cfg.activations == "checkpoint8":
         apply_activation_policy(model, "min")
-    elif cfg.activations == "fast":
-        apply_activation_policy(model, "fast")
+    elif cfg.activations in ("fast", "selective"):
+        apply_activation_policy(model, cfg.activations)
     elif cfg.activations.startswith("compress"):
         model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
     elif cfg.activations == "save_on_cpu":

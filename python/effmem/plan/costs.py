@@ -28,7 +28,10 @@ PRECISIONS = {
 }
 # checkpoint8: effmem.apply_activation_policy(model, "min"), checkpointed layers with 8-bit inputs.
 # fast: effmem.apply_activation_policy(model, "fast"), 8-bit saves with norms and activations rebuilt.
-ACTIVATIONS = ("none", "fast", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
+# selective: apply_activation_policy(model, "selective"), torch's selective checkpointing (matmul and
+# attention outputs kept, the rest recomputed).
+ACTIVATIONS = ("none", "fast", "selective", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
+RECOMPUTED = ("selective", "checkpoint", "checkpoint8")  # layers run again in backward
 OPTIMIZERS = ("gpu", "offload", "offload_overlap", "offload_async")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
 OFFLOAD_BUCKET = 1 << 23        # OffloadAdam's default bucket (elements); two are in flight on the GPU
@@ -91,6 +94,7 @@ class Model:
     tokens: int = 1                          # tokens per micro-batch
     fused_ce_transient: int = 0              # backward buffers of effmem.linear_cross_entropy (fused loss)
     fast_compressed: int = 0                 # plain bytes the "fast" policy quantises (and restores)
+    selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
 
 
 @dataclass
@@ -135,7 +139,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     # The loss's backward: the gradient of the logits beside them (about 2x the largest logits tensor),
     # or the fused loss's chunk buffers.
     transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
-                    (m.block_bytes if cfg.activations in ("checkpoint", "checkpoint8") else 0)
+                    (m.block_bytes if cfg.activations in RECOMPUTED else 0)
                     + 2 * m.largest_block)
     accumulated = grads if cfg.accumulation > 1 else 0
     start_backward = weights + accumulated + master + optimizer + activations + logits + transient + temporary_step
@@ -171,6 +175,9 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     fwd = (m.matmul_flops + m.attention_flops) / rate  # the trace's FLOPs are per micro-batch
     bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops) / rate
     recompute = fwd if cfg.activations in ("checkpoint", "checkpoint8") else 0.0
+    if cfg.activations == "selective":
+        # No product runs again: the norms and elementwise ops do, at the device's memory bandwidth.
+        recompute = m.selective_recompute_bytes / r.memory_bw
     extra = 0.0
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)

@@ -118,6 +118,7 @@ class _Activity:
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
             fast_compressed=lin(lambda t: t.fast_compressed()),
+            selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
             tokens=micro * self.seq, fused_ce_transient=costs.fused_ce_buffers(
                 micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
 

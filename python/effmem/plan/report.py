@@ -62,6 +62,9 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
         out.append("model = effmem.apply_activation_policy(model, 'min')   # checkpointed layers, 8-bit inputs")
     elif cfg.activations == "fast":
         out.append("model = effmem.apply_activation_policy(model, 'fast')   # 8-bit saves, norms/activations rebuilt")
+    elif cfg.activations == "selective":
+        out.append("model = effmem.apply_activation_policy(model, 'selective')   # matmul/attention outputs kept, "
+                   "the rest recomputed")
     elif cfg.activations.startswith("compress"):
         out.append(f"model = effmem.compress_activations(model, bits={cfg.activations[len('compress'):]})")
     elif cfg.activations == "save_on_cpu":

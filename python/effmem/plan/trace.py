@@ -11,8 +11,10 @@ too: the training loop holds them until backward.
 
 From those records every activation strategy's bytes follow without
 another run (``Trace.activations``): all saved (none), the outside of the
-layers plus their inputs (checkpointing), the saved tensors at effmem's
-compressed sizes (compress), or nothing but the outputs (save_on_cpu).
+layers plus their inputs (checkpointing), those plus the outputs of the
+layers' matmuls and attention (selective checkpointing, whose recompute
+traffic is counted too), the saved tensors at effmem's compressed sizes
+(compress), or nothing but the outputs (save_on_cpu).
 
 Device kernels: on the meta device scaled_dot_product_attention runs as
 plain math (saving the [s, s] weights). CUDA runs a flash kernel, which
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from effmem.activations.selective import SAVED_PACKETS
 from effmem.compress._codec import packed_bytes
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.plan.model import ModelSpec, find_blocks
@@ -69,6 +72,7 @@ class Record:
     boundary: bool = False               # a decoder layer's input
     block_input: bool = False            # its hidden-state input (what the "min" policy keeps in 8 bits)
     output: bool = False                 # part of what forward returned
+    sac_output: bool = False             # a decoder layer's matmul/attention output (selective keeps it)
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
@@ -97,7 +101,13 @@ class _FlashSdpa(torch.autograd.Function):
 
 @dataclass
 class _Flops:
+    """What the trace's dispatch mode and kernel stand-ins count besides the saves."""
     attention: float = 0.0
+    # selective checkpointing: keep(t) records a decoder layer's matmul/attention output; recompute_bytes
+    # sums what the layers' other ops read and write (backward runs them again)
+    keep: Optional[Callable[[Tensor], None]] = None
+    in_block: Callable[[], bool] = lambda: False
+    recompute_bytes: float = 0.0
 
 
 class _FusedRmsNorm(torch.autograd.Function):
@@ -131,9 +141,16 @@ def _device_kernels(flops: _Flops, target: str):
         s_q, s_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
         # QK^T and PV, 2 FLOPs per multiply-add; a causal mask halves the work a flash kernel does.
         flops.attention += 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
-        return _FlashSdpa.apply(query, key, value)
+        out = _FlashSdpa.apply(query, key, value)
+        if flops.keep is not None and flops.in_block():
+            for t in (out, out.grad_fn.saved_tensors[-1] if out.grad_fn is not None else None):
+                if t is not None:
+                    flops.keep(t)  # selective checkpointing keeps the kernel's output and log-sum-exp
+        return out
 
     def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if flops.in_block():
+            flops.recompute_bytes += 2 * input.nbytes  # one fused kernel: read the input, write the output
         return _FusedRmsNorm.apply(input, weight, len(tuple(normalized_shape)))
 
     F.scaled_dot_product_attention = sdpa
@@ -154,10 +171,11 @@ class _Counter(TorchDispatchMode):
     kernels follow CUDA's dtypes; the CPU's layer norm keeps its mean and
     rstd in a bf16/fp16 input's own dtype, CUDA's in float32."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, sel: Optional[_Flops] = None):
         super().__init__()
         self.flops = 0.0
         self.target = target
+        self.sel = sel  # where selective checkpointing's keeps and recompute traffic are counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -165,6 +183,8 @@ class _Counter(TorchDispatchMode):
             return True if args[0].dtype == torch.bool else 0
         out = func(*args, **kwargs)
         packet = func._overloadpacket
+        if self.sel is not None and self.sel.in_block():
+            self._selective(packet, args, out)
         if (self.target == "cpu" and packet is torch.ops.aten.native_layer_norm
                 and args[0].dtype in (torch.bfloat16, torch.float16)):
             return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
@@ -174,6 +194,22 @@ class _Counter(TorchDispatchMode):
             # [tokens, k] x [experts, k, n]: each token row meets one expert's matrix.
             self.flops += 2.0 * out.numel() * args[0].shape[-1]
         return out
+
+    def _selective(self, packet, args, out) -> None:
+        outs = [t for t in _tensors(out)]
+        if packet in SAVED_PACKETS:
+            for t in outs:
+                self.sel.keep(t)
+            return
+        # Any other op that makes new memory runs again in the recompute: its inputs read, its output
+        # written. Views make none, and the empty tensors of the kernel stand-ins above cost nothing.
+        ins = [t for t in _tensors(args)]
+        if not ins or "empty" in packet.__name__:
+            return
+        inputs = {_storage(t)[0] for t in ins}
+        new = [t for t in outs if _storage(t)[0] not in inputs]
+        if new:
+            self.sel.recompute_bytes += sum(t.nbytes for t in new) + sum(t.nbytes for t in ins)
 
 
 def _storage(t: Tensor):
@@ -207,6 +243,7 @@ class Trace:
     fast: Optional["Trace"] = None
     fast_layer_bytes: int = 0        # bytes the layers' saves take under the policy
     fast_compressed_bytes: int = 0   # plain bytes of what it quantised (the work of its kernels)
+    selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
         """(record, counts as saved activation) pairs that stay alive until backward under a strategy."""
@@ -216,10 +253,12 @@ class Trace:
                 alive = r.saved or r.output
             elif strategy in ("checkpoint", "checkpoint8"):
                 alive = r.saved_outside or r.boundary or r.output
+            elif strategy == "selective":
+                alive = r.saved_outside or r.boundary or r.output or r.sac_output
             else:
                 raise ValueError(f"activation strategy: unknown {strategy!r}")
             if alive:
-                out.append((r, r.saved))
+                out.append((r, r.saved or (strategy == "selective" and r.sac_output)))
         return out
 
     def activations(self, strategy: str) -> Dict[str, int]:
@@ -382,9 +421,10 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-    flops = _Flops()
+    flops = _Flops(keep=lambda t: record(t, sac_output=True, first_block=st["block"]),
+                   in_block=lambda: st["block"] is not None)
     try:
-        with _Counter(target) as counter, _device_kernels(flops, target), \
+        with _Counter(target, flops) as counter, _device_kernels(flops, target), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, {**state, **buffers}, args, kwargs, tie_weights=True)
         st["after_head"] = True
@@ -395,6 +435,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
             h.remove()
     tr.matmul_flops = float(counter.flops)
     tr.attention_flops = flops.attention
+    tr.selective_recompute_bytes = flops.recompute_bytes
     return tr
 
 
@@ -458,6 +499,10 @@ class Extrapolated:
 
     def fast_compressed(self) -> int:
         return self._lin(lambda t: t.fast_compressed())
+
+    @property
+    def selective_recompute_bytes(self) -> float:
+        return self._lin(lambda t: t.selective_recompute_bytes)
 
     @property
     def has_fast(self) -> bool:
