@@ -2,7 +2,8 @@
 
     python distributed_worker.py MODE RANK WORLD_SIZE STORE_FILE
 
-MODE is "ddp", "fsdp2" or "plan" (effmem.plan's sharded picks applied). CPU tensors, gloo backend. Each rank checks its
+MODE is "ddp", "fsdp2", "fsdp2_async" (OffloadAdam(async_step=True) under FSDP2) or "plan" (effmem.plan's
+sharded picks applied). CPU tensors, gloo backend. Each rank checks its
 own results and exits non-zero (with the assertion on stderr) on a mismatch.
 """
 import copy
@@ -147,6 +148,40 @@ def run_fsdp2(rank):
     off.close()
 
 
+def run_fsdp2_async(rank):
+    """async_step under FSDP2: each unit's hook installs the shards' new weights before FSDP all-gathers
+    them (also for a unit prefetched by another), so training is plain OffloadAdam's, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    runs = {}
+    for mode in ("plain", "async"):
+        model = tiny_gpt(torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # explicit prefetch: block 1's all-gather is issued at block 0's forward, before block 1's hooks
+        model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+        off = OffloadAdam(model.parameters(), lr=LR, weight_decay=0.1, async_step=mode == "async")
+        if mode == "async":
+            off.attach(model)
+        losses = []
+        for step in range(STEPS):
+            _, loss = model(*batch(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            off.clip_grad_norm_(0.5)
+            off.step()
+            off.zero_grad()
+        off.flush()
+        runs[mode] = losses, [p.to_local().clone() for p in model.parameters()]
+        off.close()
+    assert runs["plain"][0] == runs["async"][0], runs
+    assert all(torch.equal(a, b) for a, b in zip(runs["plain"][1], runs["async"][1]))
+    assert runs["plain"][0][-1] < runs["plain"][0][0]
+
+
 def run_plan(rank):
     """effmem.plan's sharded picks applied on two ranks train like one process on both ranks' batches."""
     import effmem
@@ -187,7 +222,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        {"ddp": run_ddp, "fsdp2": run_fsdp2, "plan": run_plan}[mode](rank)
+        {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan}[mode](rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""OffloadAdam(async_step=True) on the host transfer backend: step() returns at once and each module's
-forward installs its own new weights, so the math stays FusedAdam's, bit for bit."""
+"""OffloadAdam(async_step=True): step() returns at once and each module's forward installs its own new
+weights, so the math stays FusedAdam's, bit for bit: on the host transfer backend, after add_param_group,
+and (marked cuda) on the CUDA backend. Under FSDP2: tests/test_offload_distributed.py (fsdp2_async)."""
 import copy
 
 import pytest
@@ -52,3 +53,57 @@ def test_async_step_needs_attach_and_refuses_weights_read_outside_their_module()
         h = torch.nn.functional.layer_norm(model.tok_emb(x), ln.normalized_shape, ln.weight, ln.bias)
         with pytest.raises(RuntimeError, match="never installed"):
             (h.float() ** 2).mean().backward()
+
+
+def test_add_param_group_after_attach_installs_the_new_parameters_too():
+    """Parameters added after attach() get installers of their own (attach runs again): training goes
+    on as FusedAdam's with the same groups, instead of refusing a weight that was never installed."""
+    data = batches(8)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    split = lambda m: ([p for n, p in m.named_parameters() if n.startswith("blocks.")],  # noqa: E731
+                       [p for n, p in m.named_parameters() if not n.startswith("blocks.")])
+    fused = FusedAdam(split(ref)[0], **HP)
+    with OffloadAdam(split(model)[0], async_step=True, **HP) as off:
+        off.attach(model)
+        assert train(ref, fused, data[:4]) == train(model, off, data[:4])
+        hooks = len(off._forward_hooks)
+        fused.add_param_group({"params": split(ref)[1]})
+        off.add_param_group({"params": split(model)[1]})
+        assert len(off._forward_hooks) > hooks
+        assert train(ref, fused, data[4:]) == train(model, off, data[4:])
+        off.flush()
+        assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("accum", [1, 2])
+def test_cuda_async_step_matches_fused_adam(accum):
+    """The CUDA transfer backend: uploads ordered after the last step's readers only (not after the
+    forward's own kernels), the compute stream after each module's upload: FusedAdam's bits."""
+    data = [(x.cuda(), y.cuda()) for x, y in batches(8 * accum)]
+    ref = tiny_gpt(torch.bfloat16).cuda()
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    with OffloadAdam(demo_model.decay_groups(model, 0.1), async_step=True, bucket_size=5000, **HP) as off:
+        assert off._engine.backend == "cuda"
+        off.attach(model)
+        assert train(ref, fused, data, accum=accum) == train(model, off, data, accum=accum)
+        off.flush()
+        assert_same_training(ref, model, fused, off)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_of_an_attached_forward_is_refused_clearly():
+    model = tiny_gpt(torch.bfloat16).cuda()
+    x, y = (t.cuda() for t in batches(1)[0])
+    with OffloadAdam(model.parameters(), async_step=True) as off:
+        off.attach(model)
+        model(x, y)[1].backward()
+        off.step()
+        off.zero_grad()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                model(x, y)

@@ -2,7 +2,8 @@
 
 Each rank offloads what it owns (DDP: every parameter; FSDP2: the local
 shard of each DTensor) and must match FusedAdam run on the same gradients;
-the checks run inside the ranks (tests/distributed_worker.py). "plan": effmem.plan's
+the checks run inside the ranks (tests/distributed_worker.py). "fsdp2_async": async_step under FSDP2
+trains exactly as plain OffloadAdam (its weights installed before FSDP all-gathers them). "plan": effmem.plan's
 DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2) picks, applied by plan.apply on each rank, train as one
 process does on both ranks' batches.
 """
@@ -18,7 +19,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "plan"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2_async", "plan"])
 def test_two_ranks(mode, tmp_path):
     store = tmp_path / "store"
     # gloo connects the ranks over the loopback interface: on a machine without a network the

@@ -182,8 +182,12 @@ void OffloadEngine::upload_pending_locked(Param& p) {
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
   const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p, p.pending_side))
                                          : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
-  // After the kernels queued so far: they include the parameter's last readers.
-  p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize, /*after_current_stream=*/true);
+  // After the parameter's last readers. Installed during backward (delay), those are the kernels queued
+  // so far. Installed in the forward (async_step), they are the last step's, all queued before step()
+  // recorded them (record_readers): waiting for the forward's own kernels up to this module would keep
+  // every upload from overlapping the compute before it.
+  p.uploaded[p.pending_side] = transfer_->upload(src, p.tensor, p.numel * esize,
+                                                 /*after_current_stream=*/!options_.install_in_forward);
   p.pending_upload = false;  // only once the copy is issued: a failed one stays pending
   bytes_up_ += p.numel * esize;
 }

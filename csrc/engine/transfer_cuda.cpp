@@ -57,7 +57,12 @@ class Event : public Ticket {
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
-  void wait() override { EFFMEM_CUDA_OK(cudaEventSynchronize(event_)); }
+  void wait() override {
+    // The engine's workers call this: a thread with no device set would make the runtime open a
+    // context on GPU 0 (hundreds of MB there) for a rank training on another GPU.
+    DeviceGuard guard(index_of(device_));
+    EFFMEM_CUDA_OK(cudaEventSynchronize(event_));
+  }
   cudaEvent_t get() const { return event_; }
 
  private:

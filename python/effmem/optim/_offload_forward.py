@@ -1,29 +1,95 @@
 """OffloadAdam(async_step=True)'s forward side (a mixin of OffloadAdam): the hooks that install each
-module's new weights before its forward reads them."""
+module's new weights before its forward reads them.
+
+A plain module gets a forward pre-hook for the parameters it owns. Under FSDP2 (``fully_shard``) the
+forward reads no parameter of its own: the unit's pre-forward hook all-gathers the local shards into full
+weights first. So each FSDP unit gets one hook, placed before FSDP's own, for every parameter the unit
+manages (its subtree, less nested units) and for those of the units it prefetches
+(``set_modules_to_forward_prefetch``): the shards hold the new weights before any all-gather reads them.
+"""
 import weakref
+from typing import Dict, List
 
 import torch
+from torch import nn
+
+from effmem.optim._validate import is_dtensor
 
 
 class OffloadForward:
-    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
-        """async_step: install each parameter's new weights before the forward of the module that owns it
-        (a forward pre-hook on every module owning one of this optimizer's parameters); returns the model."""
+    def attach(self, model: nn.Module) -> nn.Module:
+        """async_step: install each parameter's new weights before the forward that reads it (a forward
+        pre-hook on every module owning one of this optimizer's parameters, or on every FSDP2 unit: call
+        it after ``fully_shard``); returns the model. Called again after ``add_param_group``."""
         if not self._async:
             raise ValueError("attach: only OffloadAdam(async_step=True) installs weights in the forward")
-        if not isinstance(model, torch.nn.Module):
+        if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         self._check_open()
         for h in self._forward_hooks:
             h.remove()
         self._forward_hooks = []
+        units = _fsdp_units(model)
+        if not units and any(is_dtensor(p) for p in self._index):
+            raise ValueError("model: this optimizer's parameters are DTensors but no module of the model is an "
+                             "FSDP2 unit; call attach(model) after fully_shard, on the model that was sharded")
+        if units:
+            ids_of = self._unit_ids(units)
+            for unit in units.values():
+                if ids_of[id(unit)]:
+                    # prepend: before FSDP's pre-forward, which all-gathers what the hook installs
+                    self._forward_hooks.append(
+                        unit.register_forward_pre_hook(_Installer(self, ids_of[id(unit)]), prepend=True))
+        inside = {id(m) for u in units.values() for m in _managed_modules(u, units)}
         for module in model.modules():
+            if id(module) in inside:
+                continue
             ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
             if ids:
                 self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
         if not self._forward_hooks:
             raise ValueError("model: none of its modules owns a parameter of this optimizer")
+        self._attached = weakref.ref(model)
         return model
+
+    def _unit_ids(self, units: Dict[int, nn.Module]) -> Dict[int, List[int]]:
+        """Per FSDP unit: its managed parameters' indices and those of the units it prefetches."""
+        own = {uid: [self._index[p] for m in _managed_modules(u, units) for p in m.parameters(recurse=False)
+                     if p in self._index] for uid, u in units.items()}
+        out = {}
+        for uid, unit in units.items():
+            ids = list(own[uid])
+            state = unit._get_fsdp_state()
+            for other in getattr(state, "_states_to_forward_prefetch", ()):
+                for m in getattr(other, "_modules", ()):
+                    ids += own.get(id(m), [])
+            out[uid] = ids
+        return out
+
+    def _reattach(self) -> None:
+        """After add_param_group: the new parameters need hooks too."""
+        model = self._attached() if getattr(self, "_attached", None) is not None else None
+        if model is not None:
+            self.attach(model)
+
+
+def _fsdp_units(model: nn.Module) -> Dict[int, nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return {}
+    return {id(m): m for m in model.modules() if isinstance(m, FSDPModule)}
+
+
+def _managed_modules(unit: nn.Module, units: Dict[int, nn.Module]) -> List[nn.Module]:
+    """The unit and its submodules, less nested units and theirs: whose parameters FSDP2 shards with it."""
+    out, stack = [], [unit]
+    while stack:
+        m = stack.pop()
+        out.append(m)
+        stack.extend(c for c in m.children() if id(c) not in units)
+    return out
+
 
 class _Installer:
     """The forward pre-hook of async_step: the module's parameters' new weights up before it runs. Holds
@@ -33,7 +99,14 @@ class _Installer:
     def __init__(self, opt, ids):
         self.opt, self.ids = weakref.ref(opt), ids
 
+    @torch.compiler.disable  # a call into the engine: torch.compile runs it between graphs
     def __call__(self, module, args):
         opt = self.opt()
-        if opt is not None and opt._engine is not None and not opt._engine.closed:
-            opt._engine.install_for_forward(self.ids)
+        if opt is None or opt._engine is None or opt._engine.closed:
+            return
+        if opt._local[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("OffloadAdam(async_step=True): a module's forward ran inside CUDA graph capture, "
+                               "where its weights cannot be installed (the upload is ordered by events the "
+                               "capture cannot see); call opt.flush() and capture the forward without "
+                               "opt.attach(model)'s hooks, or use OffloadAdam without async_step")
+        opt._engine.install_for_forward(self.ids)

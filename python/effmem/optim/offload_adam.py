@@ -191,6 +191,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         self._async = bool(async_step)
         self._delay = bool(delay) or self._async
         self._forward_hooks = []
+        self._attached = None  # the model given to attach() (weakly), re-attached by add_param_group
         self._delay_warmup = _validate.whole(delay_warmup, "delay_warmup", 0, "steps")
         self._device_accumulation = _validate.whole(device_accumulation, "device_accumulation", 0, "bytes")
         self._accumulating = False
@@ -258,6 +259,8 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         if self._masters_ready:
             for views, local in zip(self._views[old:], self._local[old:]):
                 views[0].copy_(local)
+        if self._forward_hooks:
+            self._reattach()  # async_step: the new parameters' modules need installers too
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]
