@@ -162,6 +162,22 @@ def test_command_writes_json_chart_and_code(tmp_path, capsys):
     assert "gpu_memory: expected a size" in capsys.readouterr().err
 
 
+def test_png_chart_draws_the_progression_and_the_pick(tmp_path):
+    """--chart x.png (matplotlib): a real PNG; the progression's bars keep the standard loss and float32
+    moments, each differing from plain bf16 by what its name says; the pick is drawn too."""
+    from effmem.plan.chart import chart_rows, write_chart
+    p = effmem.plan("llama-7b", batch=8, seq=4096, gpu_memory="80GB", host_memory="128GB")
+    names = [n for n, _ in chart_rows(p)]
+    assert names[0].startswith("fp32+mb") and names[1].startswith("bf16+mb") and names[-1].endswith("(pick)")
+    assert not any("fused-ce" in n or "adam8" in n for n in names[:-1])
+    png = tmp_path / "plan.png"
+    assert write_chart(p, str(png)) == str(png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="expected a path ending in .svg or .png"):
+        write_chart(p, str(tmp_path / "plan.pdf"))
+
+
 def real_tiny():
     import transformers
     c = dict(TINY)

@@ -2,8 +2,9 @@
 # Fresh machine -> .venv with torch, the build tools and effmem built against
 # that torch (editable). Safe to run again: it reuses .venv and rebuilds.
 #
-# transformers is a test dependency: the tests build Hugging Face models from
-# configs, with random weights (no downloads).
+# transformers and matplotlib are test dependencies: the tests build Hugging Face
+# models from configs, with random weights (no downloads), and draw effmem plan's
+# PNG chart.
 #
 # Settings (environment): PYTHON (default python3), EFFMEM_TORCH (the torch
 # requirement, default torch==2.14.1), CUDA_HOME (the CUDA toolkit's folder;
@@ -17,7 +18,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark hypothesis transformers \
+python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark hypothesis transformers matplotlib \
   "scikit-build-core>=0.10" "cmake>=3.25" ninja
 
 # CUDA_HOME must name the toolkit's own folder: an nvcc on PATH may be a

@@ -17,12 +17,14 @@ CHART_ROWS = (("fp32", "none", "gpu"), ("bf16", "none", "gpu"), ("bf16", "fast",
 
 
 def chart_rows(plan) -> List[Tuple[str, List[float]]]:
-    """The bars: the classic progression (fp32, bf16, + checkpointing, + offload...) and the pick, in GB."""
+    """The bars: the classic progression (fp32, bf16, + checkpointing, + offload...) and the pick, in GB.
+    The progression keeps the standard loss and float32 moments, so each bar differs from the one above
+    by what its name says; the pick is drawn as it is."""
     micro = plan.pick.config.micro_batch if plan.pick else None
     chosen = []
     for prec, act, opt in CHART_ROWS:
-        rows = [c for c in plan.candidates if (c.config.precision, c.config.activations, c.config.optimizer)
-                == (prec, act, opt)]
+        rows = [c for c in plan.candidates if (c.config.precision, c.config.activations, c.config.optimizer,
+                                               c.config.loss, c.config.state_bits) == (prec, act, opt, "standard", 32)]
         same = [c for c in rows if c.config.micro_batch == micro] or rows
         if same:
             chosen.append(min(same, key=lambda c: c.cost.peak_bytes))
