@@ -8,6 +8,7 @@ import torch
 import effmem
 from effmem.cli import main
 from effmem.compress.api import compressor_of
+from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import preset_names
 from effmem.plan.planner import parse_bytes
 from effmem.plan.verify import verify
@@ -272,3 +273,32 @@ def test_offload_async_and_8bit_moments_are_candidates():
     assert quick.cost.host_bytes - eight.cost.host_bytes == 6 * p.trainable_params - -(-p.trainable_params // 32)
     from effmem.plan.report import code_for
     assert "opt.attach(model)" in code_for(quick.config) and "state_bits=8" in code_for(eight.config)
+
+
+@pytest.mark.parametrize("model", ["llama-7b", "gpt2"])
+def test_formula_stands_in_where_the_trace_fails(model, monkeypatch):
+    """A model the trace cannot run (here: made to fail) is planned from the closed form, and the plan says
+    so; for what both describe (bf16, standard loss, kept / checkpointed / saved on the CPU), the formula's
+    peaks are the trace's (within 1e-4: they count the same tensors), step times within 2% (the formula
+    counts 2 FLOPs per matmul weight per token, the trace torch's own formulas). A model the formula
+    does not know still fails, with the trace's own error."""
+    from effmem.plan import planner
+    args = dict(batch=8, seq=1024, gpu_memory="80GB", host_memory="128GB")
+    traced = effmem.plan(model, **args)
+
+    def fail(*a, **k):
+        raise RuntimeError("no meta kernel for mylib::op")
+    monkeypatch.setattr(planner, "trace_spec", fail)
+    fb = effmem.plan(model, **args)
+    assert fb.method.startswith("closed form") and "no meta kernel for mylib::op" in fb.method
+    assert any("could not be traced" in n for n in fb.notes)
+    assert {c.config.activations for c in fb.candidates} == {"none", "checkpoint", "checkpoint8", "save_on_cpu"}
+    assert {(c.config.precision, c.config.loss) for c in fb.candidates} == {("bf16", "standard")}
+    for c in fb.candidates:
+        t = traced.candidate(c.name)
+        assert abs(c.cost.peak_bytes / t.cost.peak_bytes - 1) < 1e-4, c.name
+        assert abs(c.step_time_s / t.step_time_s - 1) < 0.02, c.name  # FLOPs: 2 per weight per token
+    assert fb.best is not None
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="no meta kernel for mylib::op"):
+        effmem.plan(ByteGPT(GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=2)), batch=2, seq=32, device="cpu")

@@ -17,14 +17,26 @@ rotary models also the cos and sin tables, per position not per token.
 A model this does not describe returns None; a difference from the trace
 means one of the two is wrong about the model (the trace is what plan uses).
 """
+from dataclasses import dataclass
 from typing import Optional
 
 
-def saved_bytes(cfg: dict, batch: int, seq: int) -> Optional[int]:
-    """Bytes a bf16 training forward leaves alive (saved for backward plus the returned logits), or None."""
+@dataclass(frozen=True)
+class Counts:
+    """Bytes per token (or per position) of a bf16 training forward, by where they are kept."""
+    layers: int
+    layer: int          # saved inside one decoder layer, per token
+    boundary: int       # one decoder layer's hidden-state input, per token (what checkpointing keeps)
+    logits: int         # the loss's float32 logits and the returned bf16 ones, per token
+    outside: int        # the rest outside the layers, per token
+    per_position: int   # rotary tables or position ids, per position of the sequence
+    intermediate: int   # the MLP's width (its largest transient per token is 2 bytes of it)
+
+
+def counts(cfg: dict) -> Optional[Counts]:
+    """The closed-form counts for a config this module describes, else None."""
     kind = cfg.get("model_type")
     v = cfg.get("vocab_size")
-    tokens, per_position = batch * seq, 0
     if kind in ("llama", "mistral", "qwen2"):
         h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         heads = cfg["num_attention_heads"]
@@ -32,16 +44,25 @@ def saved_bytes(cfg: dict, batch: int, seq: int) -> Optional[int]:
         kv_dim = kv * cfg.get("head_dim", h // heads)
         norm = 4 * h + 4 + 2 * h
         layer = 2 * norm + (2 * h + 2 * h + 4 * kv_dim + 2 * h + 4 * heads) + (2 * h + 8 * i)
-        outside = 8 + norm + 2 * h + 4 * v + 2 * v + 8
+        outside = 8 + norm + 2 * h + 8
         per_position = 2 * 2 * cfg.get("head_dim", h // heads)  # bf16 cos and sin
     elif kind == "gpt2":
         h, layers, heads = cfg["n_embd"], cfg["n_layer"], cfg["n_head"]
         if cfg.get("n_inner") not in (None, 4 * h) or cfg.get("activation_function", "gelu_new") != "gelu_new":
             return None
+        i = 4 * h
         layer = 2 * (2 * h + 8) + (2 * h + 6 * h + 2 * h + 2 * h + 4 * heads) + (2 * h + 5 * 8 * h + 2 * h)
-        outside = 8 + 2 * h + (2 * h + 8) + 2 * h + 4 * v + 2 * v + 8
+        outside = 8 + 2 * h + (2 * h + 8) + 2 * h + 8
         per_position = 8  # the position ids, [1, seq]
     else:
         return None
+    return Counts(layers, layer, 2 * h, 4 * v + 2 * v, outside, per_position, i)
+
+
+def saved_bytes(cfg: dict, batch: int, seq: int) -> Optional[int]:
+    """Bytes a bf16 training forward leaves alive (saved for backward plus the returned logits), or None."""
+    c = counts(cfg)
+    if c is None:
+        return None
     # The loss (a float32 scalar, saved and returned) is the only per-batch constant.
-    return tokens * (layers * layer + outside) + seq * per_position + 8
+    return batch * seq * (c.layers * c.layer + c.outside + c.logits) + seq * c.per_position + 8

@@ -101,6 +101,7 @@ class _Activity:
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
         self.has_fast = self.one.has_fast and self.two.has_fast
+        self.strategies = tuple(a for a in costs.ACTIVATIONS if a != "fast" or self.has_fast)
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
         def lin(f):
@@ -121,6 +122,43 @@ class _Activity:
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
             tokens=micro * self.seq, fused_ce_transient=costs.fused_ce_buffers(
                 micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
+
+
+class _FormulaActivity:
+    """A model the trace could not run, counted by the closed form (plan/formula.py) instead: bf16 with the
+    standard loss, and only what it describes: activations kept, checkpointed (plain or with 8-bit layer
+    inputs) or saved on the CPU. FLOPs: 2 per matmul weight per token, attention at a flash kernel's
+    causal count."""
+    has_fast = False
+    fused_loss = False
+    strategies = ("none", "checkpoint", "checkpoint8", "save_on_cpu")
+
+    def __init__(self, counts, spec: ModelSpec, seq: int, why: str):
+        self.c, self.seq = counts, seq
+        cfg = _hf_config(spec)
+        self.vocab, self.hidden = _vocab_hidden(spec)
+        tied = cfg.get("tie_word_embeddings", cfg.get("model_type") == "gpt2")
+        self.matmul_params = spec.num_params - (0 if tied else self.vocab * self.hidden)
+        self.method = f"closed form (plan/formula.py; the trace failed: {why})"
+
+    def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
+        from effmem.compress._codec import packed_bytes
+        from effmem.plan.trace import KINDS
+        c, tokens, h = self.c, micro * self.seq, self.hidden
+        none = dict.fromkeys(KINDS, 0)
+        none.update(block=tokens * c.layers * c.layer, other=tokens * c.outside + self.seq * c.per_position,
+                    logits=tokens * c.logits + 8)
+        kept = tokens * c.layers * c.layer + tokens * c.outside + tokens * c.logits
+        returned = tokens * 2 * self.vocab + 8  # forward's bf16 logits and the loss stay on the device
+        acts = {"none": none, "checkpoint": dict(none, block=tokens * c.layers * c.boundary),
+                "checkpoint8": dict(none, block=c.layers * packed_bytes(tokens, h, 8, 128)),
+                "save_on_cpu": dict(dict.fromkeys(KINDS, 0), logits=returned)}
+        return costs.Model(
+            params=spec.num_params, trainable=spec.num_trainable, activations=acts, offloaded=kept - returned,
+            block_bytes=tokens * c.layer, largest_logits=tokens * 4 * self.vocab,
+            largest_block=tokens * max(4 * h, 2 * c.intermediate),
+            matmul_flops=2.0 * tokens * self.matmul_params, attention_flops=2.0 * micro * self.seq ** 2 * h * c.layers,
+            trainable_matmul_share=trainable_share, layers=max(1, c.layers), tokens=tokens)
 
 
 @dataclass
@@ -261,11 +299,25 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
             activity[precision, loss] = _Activity(
                 spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss == "fused")
         except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
-            if precision == "bf16" or not activity:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            if (precision, loss) == ("bf16", "standard"):
+                from effmem.plan.formula import counts
+                found = counts(_hf_config(spec))
+                if found is None:
+                    raise
+                activity[precision, loss] = _FormulaActivity(found, spec, seq, why)
+                notes.append(f"the model could not be traced ({why}): activations from the closed form "
+                             "(plan/formula.py), bf16 with the standard loss, kept, checkpointed or saved on the "
+                             "CPU; no other candidates")
+            elif isinstance(activity.get(("bf16", "standard")), _FormulaActivity):
+                continue  # every trace fails alike; the formula speaks for bf16 only
+            elif precision == "bf16":
                 raise
-            notes.append(f"{precision} ({loss} loss): the model could not be traced in this dtype "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); no such candidates")
-    cross_check = _cross_check(spec, activity["bf16", "standard"], seq)
+            else:
+                notes.append(f"{precision} ({loss} loss): the model could not be traced in this dtype "
+                             f"({why}); no such candidates")
+    base = activity["bf16", "standard"]
+    cross_check = None if isinstance(base, _FormulaActivity) else _cross_check(spec, base, seq)
     if cross_check is not None:
         notes.append(f"cross-check: the closed-form count (plan/formula.py) of one sequence's saved activations "
                      f"is {cross_check['formula'] / 1e6:.2f} MB, the trace {cross_check['traced'] / 1e6:.2f} MB "
@@ -280,7 +332,9 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
             and (a != "fast" or all(t.has_fast for t in activity.values()))]
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
-        for act, opt, shard, bits in itertools.product(acts, optimizers, shardings, costs.STATE_BITS):
+        known = activity[precision, loss].strategies
+        for act, opt, shard, bits in itertools.product([a for a in acts if a in known], optimizers, shardings,
+                                                        costs.STATE_BITS):
             if opt != "gpu" and shard in ("zero1", "zero2"):
                 continue  # OffloadAdam shards with FSDP2 (zero3) or offloads everything under DDP
             cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
@@ -310,5 +364,5 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         best.why = "the pick: fastest that fits"
     cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.cost.peak_bytes))
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
-                rates, cands, best.name if best else None, activity["bf16", "standard"].method,
+                rates, cands, best.name if best else None, base.method,
                 time.perf_counter() - t0, spec, notes, cross_check)
