@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -166,12 +167,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
         const at::Tensor wg = w.scalar_type() == dz_dtype ? w : w.to(dz_dtype);
         for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
           const int64_t rows = std::min(kRowBlock, n - r0);
-          grad_h32.narrow(0, r0, rows).add_(mm_float(dz.narrow(0, r0, rows), wg));
+          at::Tensor acc = grad_h32.narrow(0, r0, rows);
+          if (dz_dtype == at::kFloat && wg.scalar_type() == at::kFloat) {
+            acc.addmm_(dz.narrow(0, r0, rows), wg);  // summed in place: no [rows, H] temporary per chunk
+          } else {
+            acc.add_(mm_float(dz.narrow(0, r0, rows), wg));
+          }
         }
       }
       if (want_w) {
-        at::Tensor gw = at::mm(dz.t(), h);  // [len, H], one product over all tokens
-        grad_w.narrow(0, v0, len).copy_(gw);
+        // [len, H], one product over all tokens, written into its rows (contiguous) where the dtypes allow
+        at::Tensor rows_w = grad_w.narrow(0, v0, len);
+        if (dz.scalar_type() == grad_w.scalar_type() && h.scalar_type() == grad_w.scalar_type()) {
+          at::mm_out(rows_w, dz.t(), h);
+        } else {
+          rows_w.copy_(at::mm(dz.t(), h));
+        }
       }
       if (want_b) grad_b.narrow(0, v0, len).copy_(dz.to(at::kFloat).sum(0));
     }
