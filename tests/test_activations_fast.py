@@ -218,6 +218,36 @@ def test_fused_functions_match_autograd_of_the_modules_they_replace():
 
 
 @pytest.mark.cuda
+def test_layer_norm_under_cuda_autocast_matches_the_module():
+    """CUDA's autocast runs layer norm in float32 over copies of its bf16 inputs: the fused function does
+    the same (its backward once met the bf16 input beside a float32 gradient), with the module's output
+    dtype and each gradient in its input's dtype."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(64).cuda().bfloat16()
+    x = torch.randn(4, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = ln(x)
+        out = fused.layer_norm(x, (64,), ln.weight, ln.bias, ln.eps)
+    assert out.dtype == ref.dtype == torch.float32 and torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (x, ln.weight, ln.bias), g)
+    got = torch.autograd.grad(out, (x, ln.weight, ln.bias), g)
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+def test_gpt2_fast_policy_trains_under_cuda_autocast():
+    m = apply_activation_policy(gpt2(torch.bfloat16).cuda(), "fast")
+    x = ids().cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_of(m, x)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+@pytest.mark.cuda
 def test_no_host_synchronisation_on_cuda():
     m = apply_activation_policy(llama(torch.bfloat16).cuda(), "fast")
     x = ids().cuda()

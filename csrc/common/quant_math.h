@@ -180,6 +180,10 @@ EFFMEM_HD QuantSide quant_side(float lo, float hi, bool has_nan, int qmax) {
 
 // a: max |x| over the group's values other than the side's extreme (unused when side is 0).
 EFFMEM_HD QuantGroup quant_group(float lo, float hi, const QuantSide& side, float a, int qmax) {
+  // One zero: a group holding both +0 and -0 may get either as its min or max (the CPU keeps the first
+  // it meets, CUDA's min/max instructions another), and the stats must not differ in the sign bit.
+  lo += 0.0f;
+  hi += 0.0f;
   QuantGroup g;
   g.off256 = 0.0f;
   g.tlow = 0.0f;

@@ -90,8 +90,9 @@ def _quant_group(part: Tensor, qmax: int):
     """quant_math.h's quant_group() for each row of `part` (float32 [rows, n]): the stats and the
     per-row constants of quantize_value(), each [rows, 1]."""
     nan_at = part.isnan()
-    lo = torch.where(nan_at, float("inf"), part).amin(dim=1, keepdim=True)
-    hi = torch.where(nan_at, float("-inf"), part).amax(dim=1, keepdim=True)
+    # + 0.0: quant_group()'s one zero (-0 and +0 give the stats the same bits)
+    lo = torch.where(nan_at, float("inf"), part).amin(dim=1, keepdim=True) + 0.0
+    hi = torch.where(nan_at, float("-inf"), part).amax(dim=1, keepdim=True) + 0.0
     has_nan = nan_at.any(dim=1, keepdim=True)
     mag = torch.where(nan_at, 0.0, part.abs())
     a_lo = torch.where(part != lo, mag, 0.0).amax(dim=1, keepdim=True)

@@ -71,8 +71,10 @@ class _CompressedCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
-            amp = (torch.autocast(ctx.device.type, dtype=ctx.autocast) if ctx.autocast is not None
-                   else nullcontext())
+            # the forward's autocast state, off included: a backward run inside an autocast region must not
+            # recompute the layer under it
+            amp = (torch.autocast(ctx.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
+                   if ctx.device.type in ("cuda", "cpu") else nullcontext())
             with torch.enable_grad(), amp:
                 out = ctx.run(x)
         torch.autograd.backward(out, grad_out)

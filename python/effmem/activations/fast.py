@@ -57,8 +57,8 @@ def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs) -> None:
 
 class _Recipe:
     """How to rebuild one output: fn applied to its packed inputs; shared by every save of that output."""
-    __slots__ = ("fn", "inputs", "owner", "shape", "stride", "counter", "version", "saves", "unpacked", "held",
-                 "__weakref__")
+    __slots__ = ("fn", "inputs", "owner", "shape", "stride", "dtype", "device", "counter", "version", "saves",
+                 "unpacked", "held", "__weakref__")
 
 
 class _RecipeHandle:
@@ -150,7 +150,7 @@ class FastCompressor(ActivationCompressor):
         key = storage_key(out)
         # Forget the recipe when its output dies: its memory may then hold another tensor.
         r.owner = weakref.ref(out, functools.partial(_drop_recipe, weakref.ref(self), key, weakref.ref(r)))
-        r.shape, r.stride = tuple(out.shape), out.stride()
+        r.shape, r.stride, r.dtype, r.device = tuple(out.shape), out.stride(), out.dtype, out.device
         r.counter, r.version = _version_handle(out), out._version
         r.saves, r.unpacked, r.held = 0, 0, None
         self._recipes[key] = r
@@ -204,7 +204,7 @@ def _drop_recipe(comp_ref, key, recipe_ref, _dead) -> None:
 def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
     r = h.recipe
     if r.counter is not None:
-        _check_version(r.counter, r.version, r.counter.dtype, h.shape, r.counter.device)
+        _check_version(r.counter, r.version, r.dtype, h.shape, r.device)
     out = r.held
     if out is None:
         out = r.fn(*[comp._unpack(i) if isinstance(i, _PACKED) else i for i in r.inputs])

@@ -66,10 +66,21 @@ def _layer_norm_out(x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tens
     return y.to(x.dtype)
 
 
+def _autocast_to_float(x: Tensor) -> bool:
+    """Whether autocast runs layer norm in float32 here: CUDA's autocast casts its inputs (the CPU's
+    leaves them as they are)."""
+    return x.device.type == "cuda" and torch.is_autocast_enabled("cuda")
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps):
-        # what F.layer_norm runs, keeping the statistics for backward
+        # what F.layer_norm runs, keeping the statistics for backward. Under CUDA autocast that is layer
+        # norm over float32 copies of its inputs: made here, so that backward gets the tensors it ran on
+        # (the op would cast them itself, and leave backward the low-precision ones).
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, weight, bias)]
+        if _autocast_to_float(x):
+            x, weight, bias = (t.float() if t is not None else None for t in (x, weight, bias))
         y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.shape = shape
         ctx.save_for_backward(x, mean, rstd, weight, bias)
@@ -81,7 +92,10 @@ class _LayerNorm(torch.autograd.Function):
         x, mean, rstd, weight, bias = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[2]]
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, x, ctx.shape, mean, rstd, weight, bias, mask)
+        grads = torch.ops.aten.native_layer_norm_backward(grad.to(x.dtype), x, ctx.shape, mean, rstd, weight, bias,
+                                                          mask)
+        # each gradient in its input's own dtype (float32 ones where autocast made the copies)
+        gx, gw, gb = (g.to(d) if g is not None and d is not None else g for g, d in zip(grads, ctx.dtypes))
         return gx, gw, gb, None, None
 
 
