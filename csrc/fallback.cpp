@@ -77,6 +77,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_fallback(
   no_kernel("linear_ce_backward", hidden);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_backward_fallback(
+    const at::Tensor& hidden, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+    const at::Tensor&, int64_t, double, double, int64_t, std::array<bool, 3>) {
+  no_kernel("linear_ce_forward_backward", hidden);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
@@ -87,6 +93,7 @@ TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("dequantize", &dequantize_fallback);
   m.impl("linear_ce_forward", &linear_ce_forward_fallback);
   m.impl("linear_ce_backward", &linear_ce_backward_fallback);
+  m.impl("linear_ce_forward_backward", &linear_ce_forward_backward_fallback);
 }
 
 }  // namespace effmem

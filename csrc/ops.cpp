@@ -58,6 +58,15 @@ TORCH_LIBRARY(effmem, m) {
       "linear_ce_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, float softcap, int vocab_chunk, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // Loss and gradients at once, for incoming gradients grad_scale [N] (float32) known before backward (a
+  // mean or sum): the logits are made one chunk of token_chunk tokens' whole rows at a time (0: 1/16 of
+  // the tokens, at least 64, at most 128 MB of float32 logits), three matrix products instead of the
+  // four of forward plus backward. Returns (loss [N], grad hidden, grad weight, grad bias), empty where
+  // output_mask is false; a weight gradient needs a float32 weight (it is summed in its own memory).
+  m.def(
+      "linear_ce_forward_backward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor grad_scale, "
+      "int ignore_index, float label_smoothing, float softcap, int token_chunk, bool[3] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // The inverse: a contiguous [rows, last_dim] tensor of dtype.
   m.def(
       "dequantize(Tensor codes, Tensor stats, int bits, int group_size, int last_dim, ScalarType dtype) "

@@ -1,4 +1,5 @@
-"""The fused linear cross-entropy (effmem.linear_cross_entropy, ops effmem::linear_ce_*).
+"""The fused linear cross-entropy (effmem.linear_cross_entropy, ops effmem::linear_ce_*), both ways: the
+logits recomputed in backward, and the gradients made in forward (grad_in_forward).
 
 Tolerances: in float32 the fused and unfused computations differ only in summation order (the
 logits and the softmax are float32 in both): loss within 1e-6 relative, gradients within 1e-5.
@@ -7,6 +8,7 @@ twice the unfused bf16 error (plus a floor of a few float32 ulps, where both are
 """
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -138,6 +140,85 @@ def test_opcheck(device):
     loss, lse = OPS.linear_ce_forward(*args)
     torch.library.opcheck(OPS.linear_ce_backward.default,
                           (torch.ones_like(loss), *args[:4], lse, -100, 0.1, 2.0, 128, [True, True, True]))
+    scale = torch.full_like(loss, 1 / 40)
+    for mask in ([True, True, True], [True, False, False]):
+        torch.library.opcheck(OPS.linear_ce_forward_backward.default, (*args[:4], scale, -100, 0.1, 2.0, 16, mask))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [
+    dict(), dict(reduction="sum"), dict(label_smoothing=0.1), dict(logit_softcap=5.0),
+    dict(label_smoothing=0.2, logit_softcap=3.0, reduction="sum"), dict(ignore_index=3), dict(bias=False),
+])
+@pytest.mark.parametrize("chunk", [0, 7, 64, 1000])
+def test_gradients_made_in_forward_match_the_unfused_computation(device, options, chunk):
+    """grad_in_forward (linear_ce_forward_backward: whole rows for chunks of tokens, three products): the
+    loss and gradients of the unfused computation, in fp32 within the same bounds as the recompute path,
+    for any chunk of tokens (7 does not divide 300)."""
+    options = dict(options)
+    hidden, weight, target, bias = problem(device=device, bias=options.pop("bias", True))
+    if options.get("ignore_index") == 3:
+        target[target == -100] = 3
+        target[::5] = 3
+    ref_loss, ref_grads = grads(unfused, hidden, weight, bias, target=target, **options)
+    loss, got = grads(lambda *a, **k: linear_cross_entropy(*a, **k, grad_in_forward=True),
+                      hidden, weight, bias, target=target, vocab_chunk=chunk, **options)
+    assert rel(loss, ref_loss) <= 1e-6
+    for a, b in zip(got, ref_grads):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert rel(a, b) <= 1e-5
+
+
+def test_the_default_makes_gradients_in_forward_where_that_costs_no_memory(monkeypatch):
+    """None chooses linear_ce_forward_backward for a float32 weight (its gradient is summed in its own
+    memory) and the recompute path for a trained bf16 weight, for reduction "none" and without grad."""
+    calls = []
+    real = OPS.linear_ce_forward_backward
+    monkeypatch.setattr(effmem.linear_ce, "_lib", types.SimpleNamespace(
+        linear_ce_forward_backward=lambda *a: calls.append("fb") or real(*a),
+        linear_ce_forward=lambda *a: calls.append("f") or OPS.linear_ce_forward(*a),
+        linear_ce_backward=OPS.linear_ce_backward))
+    hidden, weight, target, bias = problem()
+    linear_cross_entropy(hidden, weight, target, bias).backward()
+    linear_cross_entropy(hidden, weight, target, bias, reduction="none").sum().backward()
+    with torch.no_grad():
+        linear_cross_entropy(hidden, weight, target, bias)
+    low = [t.detach().bfloat16().requires_grad_(True) for t in (hidden, weight, bias)]
+    linear_cross_entropy(low[0], low[1], target, low[2]).backward()
+    assert calls == ["fb", "f", "f", "f"]
+    with pytest.raises(ValueError, match="needs a float32 weight"):
+        linear_cross_entropy(low[0], low[1], target, low[2], grad_in_forward=True)
+    with pytest.raises(ValueError, match="needs reduction 'mean' or 'sum'"):
+        linear_cross_entropy(hidden, weight, target, reduction="none", grad_in_forward=True)
+
+
+def test_gradients_made_in_forward_frozen_weight_accumulation_and_second_backward():
+    hidden, weight, target, bias = problem()
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    ref = torch.autograd.grad(unfused(hidden, weight, target, bias) * 3.0, hidden)[0]
+    got = torch.autograd.grad(linear_cross_entropy(hidden, weight, target, bias, grad_in_forward=True) * 3.0,
+                              hidden)[0]
+    assert rel(got, ref) <= 1e-5   # the incoming gradient (3) scales what forward made
+    weight.requires_grad_(True)
+    for _ in range(2):   # gradient accumulation into .grad, as autograd does
+        linear_cross_entropy(hidden, weight, target, bias, grad_in_forward=True).backward()
+    ref_w = torch.autograd.grad(unfused(hidden, weight, target, bias), weight)[0]
+    assert rel(weight.grad, 2 * ref_w) <= 1e-5
+    loss = linear_cross_entropy(hidden, weight, target, bias, grad_in_forward=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="grad_in_forward=False"):
+        loss.backward()
+
+
+def test_gradients_made_in_forward_are_not_compressed_as_activations():
+    """They are not saved tensors: compress_activations' hooks never see (and never quantise) them."""
+    hidden, weight, target, bias = problem()
+    ref = grads(linear_cross_entropy, hidden, weight, bias, target=target)[1]
+    with effmem.compress_activations(bits=4, min_numel=1) as ctx:
+        loss = linear_cross_entropy(hidden, weight, target, bias)
+    got = torch.autograd.grad(loss, (hidden, weight, bias))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_bad_arguments_name_the_argument():

@@ -13,7 +13,7 @@ import effmem
 from effmem.compress import compress_activations
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import model_spec
-from effmem.plan.trace import trace_spec
+from effmem.plan.trace import held_for_backward, trace_spec
 from effmem.plan.verify import bytes_in_use
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def counted_saved_bytes(m, run) -> int:
         out = run()
     outs = [out.loss, out.logits] if hasattr(out, "loss") else [t for t in out if torch.is_tensor(t)]
     outs = [t for t in outs if t is not None]  # a fused loss returns no logits
-    for t in outs:
+    for t in outs + held_for_backward(outs):  # held: linear_cross_entropy's gradients made in forward
         seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
     return sum(seen.values())
 

@@ -1,5 +1,9 @@
 // The device-generic part of the fused linear cross-entropy (common/linear_ce.h).
 //
+// linear_ce_forward_backward instead makes whole rows of logits for a chunk of tokens at a time
+// ([tb, V] float32, see token_chunk_size) and turns them into the loss and every gradient at once:
+// three products, no recompute, for a weight gradient summed in float32 over the chunks.
+//
 // Memory: the logits exist one vocabulary chunk at a time, [N, vc] in float32
 // (see chunk_size), never [N, V]. The forward
 // keeps per token only its log-sum-exp; the backward recomputes each chunk's
@@ -97,6 +101,30 @@ at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, cons
   return z;
 }
 
+// Tokens per chunk of whole rows (linear_ce_forward_backward): 1/16 of them (the chunk's float32 logits
+// then take about 2% of what the unfused path's logits and their gradients hold), in multiples of 8, at
+// least 64 (thinner products run poorly), at most kChunkBytes of float32 logits.
+int64_t token_chunk_size(int64_t tokens, int64_t vocab, int64_t requested) {
+  if (requested > 0) return std::min(requested, std::max<int64_t>(tokens, 1));
+  const int64_t fit = std::max<int64_t>(8, kChunkBytes / (4 * vocab) / 8 * 8);
+  const int64_t share = std::max<int64_t>(64, tokens / 16 / 8 * 8);
+  return std::max<int64_t>(1, std::min({tokens, share, fit}));
+}
+
+// loss = (1 - eps)(lse - c_t) + eps (lse - mean c), 0 for ignored tokens
+at::Tensor token_loss(const CeState& st, const at::Tensor& lse, const at::Tensor& target, int64_t ignore_index,
+                      double label_smoothing, int64_t vocab) {
+  at::Tensor loss = lse - st.c_target;
+  if (label_smoothing > 0.0) {
+    loss = loss * (1.0 - label_smoothing) + (lse - st.c_sum / static_cast<double>(vocab)) * label_smoothing;
+  }
+  return loss.masked_fill(target == ignore_index, 0.0);
+}
+
+CeState empty_state(int64_t n, const at::TensorOptions& opts) {
+  return CeState{at::full({n}, -INFINITY, opts), at::zeros({n}, opts), at::full({n}, NAN, opts), at::zeros({n}, opts)};
+}
+
 // On the CPU a bf16/fp16 hidden is converted to float once, not once per chunk.
 at::Tensor gemm_input(const at::Tensor& t) {
   return t.is_cuda() || t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
@@ -113,9 +141,7 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   check_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
-  const auto opts = hidden.options().dtype(at::kFloat);
-  CeState st{at::full({n}, -INFINITY, opts), at::zeros({n}, opts), at::full({n}, NAN, opts),
-             at::zeros({n}, opts)};
+  CeState st = empty_state(n, hidden.options().dtype(at::kFloat));
   const bool need_sum = label_smoothing > 0.0;
   const at::Tensor h = gemm_input(hidden);
   const int64_t vc = chunk_size(n, vocab, vocab_chunk);
@@ -125,14 +151,57 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
       k.forward(chunk_logits(h, weight, bias, v0, len), v0, target, softcap, need_sum, st);
     }
   }
-  // lse = m + log s; loss = (1 - eps)(lse - c_t) + eps (lse - mean c), 0 for ignored tokens
   const at::Tensor lse = st.m + st.s.log();
-  at::Tensor loss = lse - st.c_target;
-  if (need_sum) {
-    loss = loss * (1.0 - label_smoothing) + (lse - st.c_sum / static_cast<double>(vocab)) * label_smoothing;
+  return {token_loss(st, lse, target, ignore_index, label_smoothing, vocab), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_backward_impl(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const at::Tensor& g, int64_t ignore_index, double label_smoothing, double softcap,
+    int64_t token_chunk, std::array<bool, 3> output_mask, const CeChunkKernels& k) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  check_args(hidden, weight, bias, target, label_smoothing, softcap);
+  const int64_t n = hidden.size(0), vocab = weight.size(0);
+  TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == n && g.scalar_type() == at::kFloat && g.device() == hidden.device(),
+                    "grad_scale must be float32 [", n, "] on ", hidden.device(), " (each token's incoming "
+                    "gradient), got ", describe(g));
+  TORCH_CHECK_VALUE(token_chunk >= 0, "token_chunk must be >= 0 (0: automatic), got ", token_chunk);
+  const bool want_h = output_mask[0], want_w = output_mask[1], want_b = output_mask[2] && bias.has_value();
+  TORCH_CHECK_TYPE(!want_w || weight.scalar_type() == at::kFloat, "linear_ce_forward_backward sums the weight "
+                   "gradient over chunks of tokens in its own memory, so it needs a float32 weight, got ",
+                   weight.scalar_type(), " (use linear_ce_forward and linear_ce_backward)");
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  at::Tensor loss = at::empty({n}, f32);
+  at::Tensor grad_h = want_h ? at::empty_like(hidden, at::MemoryFormat::Contiguous) : at::empty({0}, hidden.options());
+  at::Tensor grad_w = want_w ? at::zeros_like(weight, at::MemoryFormat::Contiguous) : at::empty({0}, weight.options());
+  at::Tensor grad_b32 = want_b ? at::zeros({vocab}, f32) : at::Tensor();
+  const at::Tensor h = gemm_input(hidden);
+  const at::ScalarType dz_dtype = h.scalar_type();
+  // The hidden gradient's product reads the weight in dz's dtype: converted once (a bf16 weight on the CPU).
+  const at::Tensor wg = !want_h || weight.scalar_type() == dz_dtype ? weight : weight.to(dz_dtype);
+  const bool need_sum = label_smoothing > 0.0;
+  const int64_t tb = token_chunk_size(n, vocab, token_chunk);
+  for (int64_t a = 0; a < n; a += tb) {
+    const int64_t len = std::min(tb, n - a);
+    const at::Tensor hb = h.narrow(0, a, len), tgt = target.narrow(0, a, len);
+    CeState st = empty_state(len, f32);
+    const at::Tensor dz = k.rows(chunk_logits(hb, weight, bias, 0, vocab), tgt, g.narrow(0, a, len),
+                                 label_smoothing, softcap, need_sum, st, dz_dtype);
+    loss.narrow(0, a, len).copy_(token_loss(st, st.m + st.s.log(), tgt, ignore_index, label_smoothing, vocab));
+    // These tokens' hidden gradient is whole after one product: rounded once to hidden's dtype.
+    if (want_h) {
+      at::Tensor rows_h = grad_h.narrow(0, a, len);
+      if (rows_h.scalar_type() == at::kFloat && dz.scalar_type() == at::kFloat && wg.scalar_type() == at::kFloat) {
+        at::mm_out(rows_h, dz, wg);
+      } else {
+        rows_h.copy_(mm_float(dz, wg));
+      }
+    }
+    if (want_w) grad_w.addmm_(dz.t(), hb);  // float32, summed over the chunks of tokens
+    if (want_b) grad_b32.add_(dz.to(at::kFloat).sum(0));
   }
-  loss = loss.masked_fill(target == ignore_index, 0.0);
-  return {loss, lse};
+  at::Tensor grad_b = want_b ? grad_b32.to(bias->scalar_type()) : at::empty({0}, weight.options());
+  return {loss, grad_h, grad_w, grad_b};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(

@@ -1,5 +1,5 @@
 // The fused linear cross-entropy op family (effmem::linear_ce_forward /
-// effmem::linear_ce_backward), device-generic part: argument checks, the
+// effmem::linear_ce_backward / effmem::linear_ce_forward_backward), device-generic part: argument checks, the
 // loop over vocabulary chunks and the matrix products (ATen's, float
 // accumulation). Each device supplies the per-chunk element work (formulas in
 // common/linear_ce_math.h): CPU in cpu/linear_ce.cpp, CUDA in cuda/linear_ce.cu.
@@ -29,6 +29,11 @@ struct CeChunkKernels {
   // (0 for ignored tokens), lse [N] float32 from the forward pass.
   at::Tensor (*grad)(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
                      const at::Tensor& g, double eps, int64_t vocab, double cap, at::ScalarType dtype);
+  // z: float32 [N, V], every logit of each token (whole rows, the kernels' own buffer): the forward's
+  // state of these tokens into st (which starts empty), and d loss / d z for incoming gradients g, in
+  // dtype (in z's memory where that is float32).
+  at::Tensor (*rows)(const at::Tensor& z, const at::Tensor& target, const at::Tensor& g, double eps, double cap,
+                     bool need_sum, CeState& st, at::ScalarType dtype);
 };
 
 std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidden, const at::Tensor& weight,
@@ -36,6 +41,15 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
                                                           const at::Tensor& target, int64_t ignore_index,
                                                           double label_smoothing, double softcap,
                                                           int64_t vocab_chunk, const CeChunkKernels& k);
+
+// Loss and gradients in one pass over chunks of tokens (whole rows of logits: three matrix products, not
+// four), for incoming per-token gradients g known before backward (a mean or sum of the loss). Returns
+// (loss [N], grad hidden, grad weight, grad bias); the weight gradient is summed over the chunks in its
+// own float32 memory, so it needs a float32 weight (or none asked for).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_backward_impl(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const at::Tensor& g, int64_t ignore_index, double label_smoothing, double softcap,
+    int64_t token_chunk, std::array<bool, 3> output_mask, const CeChunkKernels& k);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
     const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,

@@ -58,6 +58,26 @@ at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target,
   return dz.to(dtype);
 }
 
+at::Tensor rows_chunk(const at::Tensor& z, const at::Tensor& target, const at::Tensor& g, double eps, double cap,
+                      bool need_sum, CeState& st, at::ScalarType dtype) {
+  const int64_t vocab = z.size(1);
+  cap_in_place(z, cap);
+  const at::Tensor factor = cap > 0.0 ? (z / cap).square_().neg_().add_(1.0) : at::Tensor();
+  auto [inside, idx] = targets_in_chunk(target, 0, vocab);
+  st.c_target = at::where(inside, z.gather(1, idx.unsqueeze(1)).squeeze(1), st.c_target);
+  if (need_sum) st.c_sum = z.sum(1);
+  // Whole rows: m is the row's max, s = sum exp(c - m), and the softmax is exp(c - m) / s.
+  st.m = z.amax(1);
+  st.s = z.sub_(st.m.unsqueeze(1)).exp_().sum(1);
+  // g * (p - (1 - eps) [j = t] - eps / V) * (1 - (c / cap)^2)
+  const at::Tensor& dz = z.mul_(st.s.reciprocal().unsqueeze(1));
+  if (eps > 0.0) dz.sub_(eps / static_cast<double>(vocab));
+  dz.scatter_add_(1, idx.unsqueeze(1), (inside.to(at::kFloat) * -(1.0 - eps)).unsqueeze(1));
+  dz.mul_(g.unsqueeze(1));
+  if (factor.defined()) dz.mul_(factor);
+  return dz.to(dtype);
+}
+
 void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
   const at::Tensor bad = (target != ignore_index) & ((target < 0) | (target >= vocab));
   if (bad.any().item<bool>()) {
@@ -67,7 +87,7 @@ void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index
   }
 }
 
-const CeChunkKernels kCpuKernels{&forward_chunk, &grad_chunk};
+const CeChunkKernels kCpuKernels{&forward_chunk, &grad_chunk, &rows_chunk};
 
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias, const at::Tensor& target,
@@ -86,11 +106,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
                                  softcap, vocab_chunk, output_mask, kCpuKernels);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const at::Tensor& g, int64_t ignore_index, double label_smoothing, double softcap,
+    int64_t token_chunk, std::array<bool, 3> output_mask) {
+  if (target.scalar_type() == at::kLong && weight.dim() == 2) check_targets(target, weight.size(0), ignore_index);
+  return linear_ce_forward_backward_impl(hidden, weight, bias, target, g, ignore_index, label_smoothing, softcap,
+                                         token_chunk, output_mask, kCpuKernels);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CPU, m) {
   m.impl("linear_ce_forward", &forward_cpu);
   m.impl("linear_ce_backward", &backward_cpu);
+  m.impl("linear_ce_forward_backward", &forward_backward_cpu);
 }
 
 }  // namespace effmem::cpu

@@ -6,6 +6,7 @@
 // d loss / d logit in one pass. Nothing is read back to the host: a target
 // outside [0, V) that is not ignore_index leaves the token's target logit
 // NaN, so its loss is NaN rather than a device assert.
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -73,11 +74,13 @@ __global__ void __launch_bounds__(kCeThreads)
   }
 }
 
+// z and dz may be one buffer (float32 gradients written over the logits): each thread reads its logit
+// before it writes that element's gradient, so neither is __restrict__.
 template <class T>
 __global__ void __launch_bounds__(kCeThreads)
-    ce_grad_kernel(const float* __restrict__ z, int64_t len, int64_t v0, const int64_t* __restrict__ target,
+    ce_grad_kernel(const float* z, int64_t len, int64_t v0, const int64_t* __restrict__ target,
                    const float* __restrict__ lse, const float* __restrict__ g, float eps, float vocab, float cap,
-                   T* __restrict__ dz) {
+                   T* dz) {
   const int64_t row = blockIdx.x;
   const float lse_r = lse[row], g_r = g[row];
   const int64_t t = target[row] - v0;
@@ -99,14 +102,14 @@ void forward_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, do
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
-                      const at::Tensor& g, double eps, int64_t vocab, double cap, at::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(z.is_contiguous() && z.scalar_type() == at::kFloat);
+// dz: [rows, len] of the gradient's dtype; z itself where that is float32.
+void launch_grad(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
+                 const at::Tensor& g, double eps, int64_t vocab, double cap, const at::Tensor& dz) {
+  TORCH_INTERNAL_ASSERT(z.is_contiguous() && z.scalar_type() == at::kFloat && dz.is_contiguous());
   const int64_t rows = z.size(0), len = z.size(1);
-  at::Tensor dz = at::empty({rows, len}, z.options().dtype(dtype));
-  if (rows == 0) return dz;
+  if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(z.device());
-  dispatch_float_dtype(dtype, "hidden", [&](auto tag) {
+  dispatch_float_dtype(dz.scalar_type(), "hidden", [&](auto tag) {
     using T = typename decltype(tag)::type;
     ce_grad_kernel<T><<<rows, kCeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         z.data_ptr<float>(), len, v0, target.data_ptr<int64_t>(), lse.data_ptr<float>(), g.data_ptr<float>(),
@@ -114,10 +117,25 @@ at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target,
         static_cast<T*>(dz.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
+                      const at::Tensor& g, double eps, int64_t vocab, double cap, at::ScalarType dtype) {
+  at::Tensor dz = at::empty(z.sizes(), z.options().dtype(dtype));
+  launch_grad(z, v0, target, lse, g, eps, vocab, cap, dz);
   return dz;
 }
 
-const CeChunkKernels kCudaKernels{&forward_chunk, &grad_chunk};
+// Whole rows: the forward kernel (which leaves z as it is), then the gradient from the rows' log-sum-exp.
+at::Tensor rows_chunk(const at::Tensor& z, const at::Tensor& target, const at::Tensor& g, double eps, double cap,
+                      bool need_sum, CeState& st, at::ScalarType dtype) {
+  forward_chunk(z, 0, target, cap, need_sum, st);
+  const at::Tensor dz = dtype == at::kFloat ? z : at::empty(z.sizes(), z.options().dtype(dtype));
+  launch_grad(z, 0, target, st.m + st.s.log(), g, eps, z.size(1), cap, dz);
+  return dz;
+}
+
+const CeChunkKernels kCudaKernels{&forward_chunk, &grad_chunk, &rows_chunk};
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& hidden, const at::Tensor& weight,
                                                 const std::optional<at::Tensor>& bias, const at::Tensor& target,
@@ -137,11 +155,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                                  ignore_index, label_smoothing, softcap, vocab_chunk, output_mask, kCudaKernels);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const at::Tensor& g, int64_t ignore_index, double label_smoothing, double softcap,
+    int64_t token_chunk, std::array<bool, 3> output_mask) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return linear_ce_forward_backward_impl(hidden, weight, bias, target.contiguous(), g.contiguous(), ignore_index,
+                                         label_smoothing, softcap, token_chunk, output_mask, kCudaKernels);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CUDA, m) {
   m.impl("linear_ce_forward", &forward_cuda);
   m.impl("linear_ce_backward", &backward_cuda);
+  m.impl("linear_ce_forward_backward", &forward_backward_cuda);
 }
 
 }  // namespace effmem::cuda

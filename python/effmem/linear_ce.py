@@ -1,11 +1,17 @@
 """Fused linear cross-entropy: the loss of ``cross_entropy(hidden @ weight.T + bias, target)`` and
 its gradients without ever holding the ``[tokens, vocab]`` logits.
 
-The ops are ``torch.ops.effmem.linear_ce_forward`` / ``linear_ce_backward`` (C++/CUDA, formulas
-in csrc/common/linear_ce_math.h): logits are made one vocabulary chunk at a time in float32
-(1/64 of the vocabulary by default, at most 128 MB), the forward keeps only each token's log-sum-exp, and the
-backward makes each chunk again and turns it into gradients at once. The price is one more
-matrix product than the unfused computation; the saving is every byte of logits.
+Two ways, one op family (C++/CUDA, formulas in csrc/common/linear_ce_math.h):
+
+* ``linear_ce_forward`` / ``linear_ce_backward``: logits are made one vocabulary chunk at a time in
+  float32 (1/64 of the vocabulary by default, at most 128 MB), the forward keeps only each token's
+  log-sum-exp, and the backward makes each chunk again and turns it into gradients at once: one
+  more matrix product than the unfused computation, for every byte of logits saved.
+* ``linear_ce_forward_backward``: for a mean or a sum (each token's incoming gradient known before
+  backward) the forward makes whole rows of logits for a chunk of tokens at a time and turns them
+  into the loss and all gradients at once: three products (two for a frozen weight), no recompute;
+  backward only scales what it made. The weight gradient is summed over the chunks in float32 in
+  its own memory, so this is the way for a float32 weight or a frozen one, and the default there.
 """
 import math
 from typing import Optional
@@ -32,6 +38,41 @@ def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, l
     return grad_h, grad_w, grad_b
 
 
+@torch.library.register_fake("effmem::linear_ce_forward_backward")
+def _forward_backward_fake(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, softcap,
+                           token_chunk, output_mask):
+    loss = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
+    return (loss, *_backward_fake(None, hidden, weight, bias, target, None, ignore_index, label_smoothing, softcap,
+                                  token_chunk, output_mask))
+
+
+class _GradInForward(torch.autograd.Function):
+    """The reduced loss with its gradients made by the forward pass (linear_ce_forward_backward, for
+    incoming gradients `scale` per token); backward multiplies them by the loss's incoming gradient.
+
+    They are kept as an attribute (``_effmem_held``, which effmem plan's trace counts), not as saved
+    tensors: saved-tensor hooks (compress_activations) must not quantise gradients. Backward hands them
+    over and lets go (scaled in place, so autograd can take them as .grad without a copy): a second
+    backward through the same loss (retain_graph) raises."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, scale, n_valid, options):
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
+        loss, gh, gw, gb = _lib.linear_ce_forward_backward(h, weight, bias, target, scale, *options, mask)
+        ctx._effmem_held = [g if m else None for g, m in zip((gh, gw, gb), mask)]
+        total = loss.sum()
+        return total if n_valid is None else total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads, ctx._effmem_held = ctx._effmem_held, None
+        if grads is None:
+            raise RuntimeError("linear_cross_entropy: this loss's gradients were made by its forward pass and "
+                               "handed to the first backward through it; to backward twice (retain_graph=True) "
+                               "call it with grad_in_forward=False")
+        return (*[None if g is None else g.mul_(grad_out) for g in grads], None, None, None, None)
+
+
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, target, ignore_index, label_smoothing, softcap, vocab_chunk = inputs
     ctx.save_for_backward(hidden, weight, bias, target, output[1])
@@ -54,7 +95,8 @@ torch.library.register_autograd("effmem::linear_ce_forward", _backward, setup_co
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         logit_softcap: Optional[float] = None, vocab_chunk: int = 0) -> Tensor:
+                         logit_softcap: Optional[float] = None, vocab_chunk: int = 0,
+                         grad_in_forward: Optional[bool] = None) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, target, ...)`` without the logits tensor.
 
     Args:
@@ -68,6 +110,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         logit_softcap: ``cap * tanh(logits / cap)`` before the softmax (Gemma-style); None: none.
         vocab_chunk: vocabulary entries per chunk; 0 chooses 1/64 of the vocabulary (at least 256,
             at most 128 MB of float32 logits).
+        grad_in_forward: make the gradients in the forward pass (three matrix products, or two for a
+            frozen weight, instead of four; reduction "mean" or "sum"; see the module docstring).
+            None (default): when a gradient is wanted and the weight is float32, or frozen on a GPU,
+            where it costs no memory beyond the gradients themselves (a bf16 weight's float32 sum would
+            cost 2 bytes per weight element more). False: always recompute in backward.
 
     Logits and their softmax are computed in float32 from products that accumulate in float32
     (bf16/fp16 products on CUDA round once, to float32); the loss is float32. Under autocast the
@@ -84,6 +131,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
     if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 0:
         raise ValueError(f"vocab_chunk: expected an int >= 0 (0: automatic), got {vocab_chunk!r}")
+    if grad_in_forward not in (None, True, False):
+        raise ValueError(f"grad_in_forward: expected None, True or False, got {grad_in_forward!r}")
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
@@ -98,6 +147,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         bias = bias.to(dtype) if bias is not None else None
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
+    if _grad_in_forward(grad_in_forward, reduction, hidden, weight, bias):
+        valid = t != ignore_index
+        # no host sync: mean divides by the count of targets kept (NaN when there is none, as torch)
+        n_valid = valid.sum() if reduction == "mean" else None
+        scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid, 0.0)
+        return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
+            int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(vocab_chunk)))
     loss, _ = _lib.linear_ce_forward(h, weight, bias, t, int(ignore_index), float(label_smoothing),
                                      float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":
@@ -106,3 +162,31 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if reduction == "sum":
         return total
     return total / (t != ignore_index).sum()  # no host sync; NaN when every target is ignored, as torch
+
+
+def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, weight: Tensor,
+                     bias: Optional[Tensor]) -> bool:
+    """Whether to make the gradients in the forward pass (see linear_cross_entropy's grad_in_forward)."""
+    wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if choice is False or not wanted:
+        return False
+    if reduction == "none":
+        if choice:
+            raise ValueError("grad_in_forward=True: needs reduction 'mean' or 'sum' (each token's incoming "
+                             "gradient known before backward), got 'none'")
+        return False
+    trained_low = weight.requires_grad and weight.dtype != torch.float32
+    if choice:
+        if trained_low:
+            raise ValueError(f"grad_in_forward=True: the weight gradient is summed over chunks of tokens in its own "
+                             f"memory, which needs a float32 weight (or a frozen one), got {weight.dtype}")
+        return True
+    if torch.compiler.is_compiling():
+        return False  # compiled graphs keep the recompute path: their autograd saves tensors the usual way
+    # effmem plan's trace runs on meta tensors and chooses as the device it plans for would
+    device = _TRACE_TARGET[0] if hidden.device.type == "meta" else hidden.device.type
+    return not trained_low and (weight.dtype == torch.float32 or device == "cuda")
+
+
+# The device effmem plan's trace stands for while it runs a model on meta tensors (plan/trace.py).
+_TRACE_TARGET = ["cpu"]

@@ -88,7 +88,12 @@ def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
             out = original(*args, **kwargs)
         finally:
             head._effmem_pass = False
-        out.logits = None  # it held the hidden states passed through
+        # it held the hidden states passed through; a ModelOutput is a dict whose item outlives setting the
+        # attribute to None (the output kept them alive): clear the item, which clears the attribute too
+        if isinstance(out, dict):
+            out["logits"] = None
+        else:
+            out.logits = None
         return out
 
     model._effmem_fused_forward = forward

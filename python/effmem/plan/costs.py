@@ -133,6 +133,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
         temporary_step += 2 * n * w_b // max(1, m.layers)
     act = dict(m.activations[cfg.activations])
     logits = act.pop("logits", 0)
+    early = act.pop("grads", 0)  # gradients the fused loss made in its forward: alive at the start of backward
     activations = sum(act.values())
     if cfg.activations == "save_on_cpu":
         host += m.offloaded
@@ -141,7 +142,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
                     (m.block_bytes if cfg.activations in RECOMPUTED else 0)
                     + 2 * m.largest_block)
-    accumulated = grads if cfg.accumulation > 1 else 0
+    accumulated = (grads if cfg.accumulation > 1 else 0) + early
     start_backward = weights + accumulated + master + optimizer + activations + logits + transient + temporary_step
     step = weights + grads + master + optimizer + temporary_step
     if start_backward >= step:
@@ -156,7 +157,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     parts["activations_by_kind"] = act
     states = dict(weights=weights, grads=grads, master=master, optimizer=optimizer)
     # Host memory is the machine's, shared by all ranks on it (one machine: all `world` GPUs).
-    return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits)
+    return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits + early)
 
 
 def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:

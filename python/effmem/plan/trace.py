@@ -40,7 +40,9 @@ from effmem.compress._codec import packed_bytes
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.plan.model import ModelSpec, find_blocks
 
-KINDS = ("embedding", "attention", "mlp", "norm", "block", "logits", "other")
+# "grads": gradients a loss makes in its forward pass (linear_cross_entropy's grad_in_forward), alive from
+# then on: costs.py counts them with the gradients, not the activations.
+KINDS = ("embedding", "attention", "mlp", "norm", "block", "logits", "grads", "other")
 _KIND_WORDS = (("logits", ("lm_head", "head", "output")), ("embedding", ("emb", "wte", "wpe")),
                ("attention", ("attn", "attention")),
                ("mlp", ("mlp", "moe", "expert", "feed_forward", "ffn", "fc")),
@@ -76,6 +78,8 @@ class Record:
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
+        if self.kind == "grads":  # held outside saved tensors: no saved-tensor hook sees them
+            return False
         rows = max(1, self.nbytes // self.elem_size // max(self.last_dim, 1))
         probe = torch.empty((rows, self.last_dim), dtype=self.dtype, device="meta")
         return self.saved and value_reason(cfg, probe) is None
@@ -231,6 +235,21 @@ def _tensors(obj):
             return
 
 
+def held_for_backward(out) -> List[Tensor]:
+    """Tensors that autograd Functions of the graph behind `out` keep for backward outside saved tensors,
+    listed in their ``ctx._effmem_held`` (effmem.linear_cross_entropy's gradients made in forward)."""
+    held, seen = [], set()
+    todo = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        held.extend(t for t in getattr(node, "_effmem_held", None) or () if t is not None)
+        todo.extend(f for f, _ in node.next_functions)
+    return held
+
+
 @dataclass
 class Trace:
     """The records of one forward, and the FLOPs it took."""
@@ -283,7 +302,7 @@ class Trace:
             if strategy == "checkpoint8" and r.block_input and not r.saved_outside:
                 # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows.
                 n = packed_bytes(n // r.elem_size // r.last_dim, r.last_dim, 8, cfg.group_size)
-            if strategy == "save_on_cpu" and not r.output:
+            if strategy == "save_on_cpu" and not r.output and r.kind != "grads":
                 n = 0
             by_kind[r.kind] += n
         return by_kind
@@ -298,7 +317,7 @@ class Trace:
 
     def offloaded_bytes(self) -> int:
         """Bytes torch.autograd.graph.save_on_cpu moves to the host."""
-        return sum(r.nbytes for r in self.records.values() if r.saved and not r.output)
+        return sum(r.nbytes for r in self.records.values() if r.saved and not r.output and r.kind != "grads")
 
     def block_bytes(self) -> List[int]:
         """Bytes saved inside each decoder layer (what a checkpointed layer recomputes)."""
@@ -379,7 +398,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     alive: List[Tensor] = []  # keeps recorded storages from being freed and their addresses reused
 
-    def record(t: Tensor, **flags) -> None:
+    def record(t: Tensor, kind: Optional[str] = None, **flags) -> None:
         key, nbytes = _storage(t)
         if key in owned:
             return
@@ -387,8 +406,8 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         if r is None:
             alive.append(t)
             path = names.get(id(stack[-1]), "") if stack else ""
-            r = tr.records[key] = Record(nbytes, kind_of(path, st["block"] is not None, st["after_head"] and
-                                                         not stack[1:]), t.element_size(),
+            r = tr.records[key] = Record(nbytes, kind or kind_of(path, st["block"] is not None, st["after_head"] and
+                                                                 not stack[1:]), t.element_size(),
                                          t.shape[-1] if t.dim() else 1, t.dtype)
         for k, v in flags.items():
             if k == "first_block":
@@ -423,6 +442,8 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
     flops = _Flops(keep=lambda t: record(t, sac_output=True, first_block=st["block"]),
                    in_block=lambda: st["block"] is not None)
+    from effmem import linear_ce
+    previous_target, linear_ce._TRACE_TARGET[0] = linear_ce._TRACE_TARGET[0], target
     try:
         with _Counter(target, flops) as counter, _device_kernels(flops, target), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -430,7 +451,10 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         st["after_head"] = True
         for t in _tensors(out):
             record(t, output=True)
+        for t in held_for_backward(out):
+            record(t, kind="grads", saved=True, saved_outside=True)
     finally:
+        linear_ce._TRACE_TARGET[0] = previous_target
         for h in handles:
             h.remove()
     tr.matmul_flops = float(counter.flops)
