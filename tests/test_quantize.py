@@ -197,6 +197,23 @@ def test_ordinary_groups_never_use_the_outlier_encoding():
         assert not torch.signbit(stats[..., 1]).any()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_a_group_of_signed_zeros_gets_one_zero_in_its_stats(device, group_size):
+    """min/max over +0 and -0 may give either zero (the CPU keeps the first it meets, CUDA's instructions
+    another): the stats hold +0, bit for bit on every device and in the reference, and zeros come back."""
+    n = group_size
+    rows = [[-0.0] * (n // 2) + [0.0] * (n // 2), [0.0] * (n // 2) + [-0.0] * (n // 2), [-0.0] * n,
+            [-0.0] * (n // 2) + [1.0] * (n // 2), [0.0] * (n - 1) + [-2.0]]
+    x = torch.tensor(rows, dtype=torch.float32, device=device)
+    codes, stats = ops.quantize(x, bits=8, group_size=group_size, seed=3, stochastic=True)
+    _, ref_stats = reference.quantize(x.cpu(), bits=8, group_size=group_size, seed=3, stochastic=True)
+    assert torch.equal(stats.cpu().view(torch.int32), ref_stats.view(torch.int32))
+    assert torch.equal(stats[:3, :, 0].cpu().view(torch.int32), torch.zeros(3, 1, dtype=torch.int32))  # +0
+    back = ops.dequantize(codes, stats, bits=8, group_size=group_size, shape=x.shape, dtype=torch.float32)
+    assert (back[:3] == 0).all()
+
+
 def test_empty_and_scalar_tensors():
     # (5, 0): a zero-size last dimension quantised but could not be dequantised ("last_dim must be >= 1")
     for x in (torch.empty(0, 16), torch.empty(5, 0), torch.empty(2, 0, 3), torch.tensor(3.5)):
