@@ -10,9 +10,11 @@ import torch
 import effmem
 from effmem import cli, demo_model
 
-TINY = ["--steps", "6", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
+TINY = ["--steps", "8", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
 CONFIG_NAMES = ["torch AdamW (fp32)", "FusedAdam (fp32)", "FusedAdam (bf16 + fp32 master)",
-                "FusedAdam (bf16 + fp32 master), 8-bit activations", "OffloadAdam (bf16, master + moments on the host)"]
+                "FusedAdam (bf16 + fp32 master), 8-bit activations", "OffloadAdam (bf16, master + moments on the host)",
+                "OffloadAdam async_step (exact, update behind the next forward)",
+                "OffloadAdam delay (one-step-stale gradients)"]
 
 
 def test_info_text(capsys):
@@ -98,7 +100,10 @@ def test_demo_prints_table(tiny_demo):
     for name in CONFIG_NAMES:
         assert name in proc.stdout
     assert "peak RSS" in proc.stdout
-    assert proc.stderr.count("6/6") == len(CONFIG_NAMES)  # each progress bar reached the end
+    assert proc.stderr.count("8/8") == len(CONFIG_NAMES)  # each progress bar reached the end
+    # FusedAdam and OffloadAdam's three modes, their loss per eighth of the run side by side
+    curves = proc.stdout[proc.stdout.index("loss curves"):].splitlines()
+    assert all(any(line.strip().startswith(n) and len(line.split()) >= 8 for line in curves) for n in cli.CURVE_CONFIGS)
     # The compressed run's statistics follow the table.
     assert "saved activations of the last training step" in proc.stdout
     assert "dtype bfloat16" in proc.stdout
@@ -141,10 +146,15 @@ def test_demo_json(tiny_demo):
     offload = runs["OffloadAdam (bf16, master + moments on the host)"]
     assert offload["optimizer_state_bytes"] == 12 * n + steps
     assert offload["grad_bytes"] == 0
-    assert offload["offload_counters"]["bytes_down"] == offload["offload_counters"]["bytes_up"] == 6 * 2 * n
+    assert offload["offload_counters"]["bytes_down"] == offload["offload_counters"]["bytes_up"] == 8 * 2 * n
     assert (offload["first_loss"], offload["train_loss"], offload["val_loss"]) == (
         bf16["first_loss"], bf16["train_loss"], bf16["val_loss"])
     assert bf16["offload_counters"] is None
+    # async_step: exact, every step's losses those of FusedAdam; delay: one-step-stale updates, other losses
+    exact_mode = runs["OffloadAdam async_step (exact, update behind the next forward)"]
+    delayed = runs["OffloadAdam delay (one-step-stale gradients)"]
+    assert exact_mode["losses"] == bf16["losses"] and len(bf16["losses"]) == 8
+    assert delayed["losses"][0] == bf16["losses"][0] and delayed["losses"][1:] != bf16["losses"][1:]
 
     # Compressed activations change neither the parameters nor the optimizer state.
     compressed = runs["FusedAdam (bf16 + fp32 master), 8-bit activations"]
