@@ -1,12 +1,13 @@
 """What OffloadAdam(delay=True) costs in loss, with and without delay_warmup, on the CPU.
 
-    python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--torch-stale]
+    python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--torch-stale] [--schedule]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0: plain
 OffloadAdam (exact), then delay=True with each warm-up, and (--torch-stale) torch's AdamW fed
-one-step-stale gradients, the same math as delay without effmem. Prints the mean loss of the
-last 10 steps of each and its gap to the exact run.
+one-step-stale gradients, the same math as delay without effmem. --schedule: the learning rate
+of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) instead of a constant
+one. Prints the mean loss of the last 10 steps of each and its gap to the exact run.
 """
 import argparse
 import warnings
@@ -30,9 +31,15 @@ def batches(corpus, steps):
         yield torch.stack([corpus[j:j + 64] for j in i])
 
 
-def run_offload(corpus, steps, delay, warmup):
+def scheduler(opt, steps, schedule):
+    from effmem.cli import lr_lambda
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps) if schedule else (lambda step: 1.0))
+
+
+def run_offload(corpus, steps, delay, warmup, schedule=False):
     m = model()
     opt = OffloadAdam(m.parameters(), lr=3e-3, weight_decay=0.1, delay=delay, delay_warmup=warmup)
+    sched = scheduler(opt, steps, schedule)
     losses = []
     for x in batches(corpus, steps):
         loss = m(input_ids=x, labels=x).loss
@@ -40,15 +47,17 @@ def run_offload(corpus, steps, delay, warmup):
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+        sched.step()
         losses.append(loss.item())
     opt.close()
     return sum(losses[-10:]) / 10
 
 
-def run_torch_stale(corpus, steps):
+def run_torch_stale(corpus, steps, schedule=False):
     m = model()
     ps = list(m.parameters())
     opt = torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)
+    sched = scheduler(opt, steps, schedule)
     losses, previous = [], None
     for x in batches(corpus, steps):
         loss = m(input_ids=x, labels=x).loss
@@ -61,6 +70,7 @@ def run_torch_stale(corpus, steps):
             opt.step()
         previous = current
         opt.zero_grad()
+        sched.step()
         losses.append(loss.item())
     return sum(losses[-10:]) / 10
 
@@ -70,16 +80,18 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmups", type=int, nargs="*", default=[0, 50, 100, 200])
     parser.add_argument("--torch-stale", action="store_true")
+    parser.add_argument("--schedule", action="store_true", help="effmem demo's warm-up and cosine decay")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     corpus = torch.tensor(list(demo_model.stdlib_corpus(max_bytes=1 << 20)), dtype=torch.long)
-    exact = run_offload(corpus, args.steps, False, 0)
-    print(f"{args.steps} steps; final loss (mean of the last 10): exact OffloadAdam {exact:.4f}")
+    exact = run_offload(corpus, args.steps, False, 0, args.schedule)
+    print(f"{args.steps} steps, {'warm-up + cosine' if args.schedule else 'constant'} learning rate; final loss "
+          f"(mean of the last 10): exact OffloadAdam {exact:.4f}")
     for w in args.warmups:
-        loss = run_offload(corpus, args.steps, True, w)
+        loss = run_offload(corpus, args.steps, True, w, args.schedule)
         print(f"  delay, delay_warmup={w:<4d} {loss:.4f}  ({(loss - exact) / exact:+.1%})")
     if args.torch_stale:
-        loss = run_torch_stale(corpus, args.steps)
+        loss = run_torch_stale(corpus, args.steps, args.schedule)
         print(f"  torch AdamW, one-step-stale gradients {loss:.4f}  ({(loss - exact) / exact:+.1%})")
 
 
