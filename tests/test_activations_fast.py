@@ -217,6 +217,30 @@ def test_fused_functions_match_autograd_of_the_modules_they_replace():
                                rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_autocast_copies_of_rebuilt_outputs_are_rebuilt_too(which):
+    """Under autocast with float32 weights (torch AMP), a norm's float32 output is cast to bf16 by each
+    projection that reads it (q, k and v: three copies): the copies are rebuilt from the norm's recipe
+    and cast again, not stored one by one. The layers then store what a bf16 model's do (CPU autocast
+    casts matmul inputs as CUDA's does); the gradients stay within the rounding of plain AMP training."""
+    make = {"llama": llama, "gpt2": gpt2}[which]
+    x = ids()
+    low = apply_activation_policy(make(torch.bfloat16), "fast")
+    loss_of(low, x)
+    amp, plain = apply_activation_policy(make(), "fast"), make()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l0, g0 = grads(plain, x)
+        l1, g1 = grads(amp, x)
+    assert torch.equal(l0, l1)
+    st, ref = activation_stats(amp), activation_stats(low)
+    assert st.num_compressed == ref.num_compressed
+    # autocast's own bf16 weight copies (kept by reference, as without the policy) aside
+    copies = st.skipped["parameter_copy"].bytes_after if "parameter_copy" in st.skipped else 0
+    assert st.total_bytes_after - copies <= 1.3 * ref.total_bytes_after
+    for a, b in zip(g0, g1):
+        assert (b - a).norm() <= 0.06 * a.norm() + 1e-6
+
+
 @pytest.mark.cuda
 def test_layer_norm_under_cuda_autocast_matches_the_module():
     """CUDA's autocast runs layer norm in float32 over copies of its bf16 inputs: the fused function does

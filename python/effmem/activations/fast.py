@@ -22,6 +22,7 @@ tensor alone, and the layer's inputs and parameter shapes are read once per
 layer call.
 """
 import functools
+import math
 import threading
 import weakref
 from contextlib import contextmanager
@@ -46,27 +47,31 @@ def current() -> Optional["FastCompressor"]:
     return getattr(_LOCAL, "scope", None)
 
 
-def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs) -> None:
-    """Under the "fast" policy, let saves of `out` rebuild it as fn(*inputs) in backward; else nothing."""
+def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs, node=None) -> None:
+    """Under the "fast" policy, let saves of `out` rebuild it as fn(*inputs) in backward; else nothing.
+
+    node: the ctx of the autograd Function whose forward made `out` (its grad_fn once forward returns),
+    so that saves of autocast's casts of `out` rebuild it too (see FastCompressor._pack)."""
     if torch.compiler.is_compiling():  # a compiled graph decides what it saves; nothing to register
         return
     scope = getattr(_LOCAL, "scope", None)
     if scope is not None:
-        scope.add_recipe(out, fn, inputs)
+        scope.add_recipe(out, fn, inputs, node)
 
 
 class _Recipe:
     """How to rebuild one output: fn applied to its packed inputs; shared by every save of that output."""
     __slots__ = ("fn", "inputs", "owner", "shape", "stride", "dtype", "device", "counter", "version", "saves",
-                 "unpacked", "held", "__weakref__")
+                 "unpacked", "held", "node", "__weakref__")
 
 
 class _RecipeHandle:
-    """One save of a rebuildable output: the recipe and this save's view of the output."""
-    __slots__ = ("recipe", "shape", "stride", "offset")
+    """One save of a rebuildable output: the recipe and this save's view of the output (cast to `cast`, a
+    dtype, for a save of autocast's copy of it)."""
+    __slots__ = ("recipe", "shape", "stride", "offset", "cast")
 
-    def __init__(self, recipe: _Recipe, shape, stride, offset):
-        self.recipe, self.shape, self.stride, self.offset = recipe, shape, stride, offset
+    def __init__(self, recipe: _Recipe, shape, stride, offset, cast=None):
+        self.recipe, self.shape, self.stride, self.offset, self.cast = recipe, shape, stride, offset, cast
 
 
 class FastCompressor(ActivationCompressor):
@@ -78,6 +83,7 @@ class FastCompressor(ActivationCompressor):
         # (the kernels' fake implementations give the codes' shapes).
         self.allow_meta = allow_meta
         self._recipes: Dict[tuple, _Recipe] = {}
+        self._by_node: Dict[int, _Recipe] = {}   # id of the Function node that made a rebuildable output
         self._external: set = set()
         self._tokens = self._hidden = 0
         self._param_shapes: frozenset = frozenset()
@@ -85,11 +91,12 @@ class FastCompressor(ActivationCompressor):
 
     def _init_runtime(self) -> None:
         super()._init_runtime()
-        self._recipes = {}
+        self._recipes, self._by_node = {}, {}
 
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_recipes", None)
+        state.pop("_by_node", None)
         return state
 
     # ------------------------------------------------------------ one layer call
@@ -141,7 +148,7 @@ class FastCompressor(ActivationCompressor):
 
     # ------------------------------------------------------------ recipes
 
-    def add_recipe(self, out: Tensor, fn: Callable[..., Tensor], inputs: Sequence) -> None:
+    def add_recipe(self, out: Tensor, fn: Callable[..., Tensor], inputs: Sequence, node=None) -> None:
         r = _Recipe()
         r.fn = fn
         # the inputs go through the same rules (and dedup) as any save: an input the function also
@@ -153,7 +160,10 @@ class FastCompressor(ActivationCompressor):
         r.shape, r.stride, r.dtype, r.device = tuple(out.shape), out.stride(), out.dtype, out.device
         r.counter, r.version = _version_handle(out), out._version
         r.saves, r.unpacked, r.held = 0, 0, None
+        r.node = None if node is None else weakref.ref(node)
         self._recipes[key] = r
+        if node is not None:
+            self._by_node[id(node)] = r
 
     def _pack(self, t: Tensor):
         # The pack hook of every save in a layer: the common cases are decided first and cheaply.
@@ -177,10 +187,40 @@ class FastCompressor(ActivationCompressor):
                     if self.records is not None:
                         self._note(t, self._layer_name, "recomputed")
                     return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - owner.storage_offset())
+        if self._by_node:
+            cast = self._cast_of_recipe(t)
+            if cast is not None:
+                return cast
         reason = self._reason(t, False, key)
         if reason is not None:
             return self._keep(t, reason, self._layer_name)
         return self._store(t, self._layer_name)
+
+    def _cast_of_recipe(self, t: Tensor) -> Optional[_RecipeHandle]:
+        """A save of autocast's cast of a rebuildable output (a float32 norm output under autocast, cast
+        to bf16 by each projection that reads it: q, k and v make three copies): rebuilt from the same
+        recipe and cast again in backward, instead of storing each copy."""
+        src = t._base if t._base is not None else t  # F.linear saves a 2-D view of its (cast) input
+        fn = src.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+            return None
+        prev = fn.next_functions[0][0] if fn.next_functions else None
+        for _ in range(2):  # the cast may be of a view of the output (GPT-2's Conv1D: x.view(-1, n))
+            if prev is None or type(prev).__name__ not in _VIEW_NODES:
+                break
+            prev = prev.next_functions[0][0]
+        r = self._by_node.get(id(prev)) if prev is not None else None
+        if r is None or r.node() is not prev or r.owner() is None:
+            return None
+        # the copy holds the output's elements in the output's order: a cast of it, laid out as the copy
+        if tuple(src.shape) != r.shape and not (src.is_contiguous() and src.numel() == math.prod(r.shape)
+                                                and r.stride == _contiguous_strides(r.shape)):
+            return None
+        r.saves += 1
+        self.stats.deduplicated += 1
+        if self.records is not None:
+            self._note(t, self._layer_name, "recomputed")
+        return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - src.storage_offset(), src.dtype)
 
     def _unpack(self, packed):
         cls = type(packed)
@@ -196,9 +236,12 @@ class FastCompressor(ActivationCompressor):
 
 
 def _drop_recipe(comp_ref, key, recipe_ref, _dead) -> None:
-    comp = comp_ref()
-    if comp is not None and comp._recipes.get(key) is recipe_ref():
+    comp, r = comp_ref(), recipe_ref()
+    if comp is not None and comp._recipes.get(key) is r:
         del comp._recipes[key]
+    if comp is not None and r is not None:
+        for k in [k for k, v in comp._by_node.items() if v is r]:
+            del comp._by_node[k]
 
 
 def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
@@ -216,7 +259,21 @@ def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
         r.held = out
     else:
         r.held, r.unpacked = None, 0
+    if h.cast is not None:  # autocast's copy, made as forward made it (to() keeps the output's layout)
+        out = out.to(h.cast)
     return out.as_strided(h.shape, h.stride, out.storage_offset() + h.offset)
+
+
+# Autograd nodes of views that keep their input's element order (a cast of one is a cast of the output).
+_VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 # What packed inputs of a recipe can be (the rest, None or numbers, are kept as given).

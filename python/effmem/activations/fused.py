@@ -35,7 +35,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         y = weight * (xf * rstd).to(x.dtype)
         ctx.save_for_backward(x, rstd, weight)
-        recompute_output(y, _rms_norm_out, x, rstd, weight)
+        recompute_output(y, _rms_norm_out, x, rstd, weight, node=ctx)
         return y
 
     @staticmethod
@@ -84,7 +84,7 @@ class _LayerNorm(torch.autograd.Function):
         y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.shape = shape
         ctx.save_for_backward(x, mean, rstd, weight, bias)
-        recompute_output(y, _layer_norm_out, x, mean, rstd, weight, bias)
+        recompute_output(y, _layer_norm_out, x, mean, rstd, weight, bias, node=ctx)
         return y
 
     @staticmethod
@@ -113,7 +113,7 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         out = F.silu(gate) * up
         ctx.save_for_backward(gate, up)
-        recompute_output(out, _swiglu_out, gate, up)
+        recompute_output(out, _swiglu_out, gate, up, node=ctx)
         return out
 
     @staticmethod
@@ -135,7 +135,7 @@ class _GELU(torch.autograd.Function):
         y = act(x)  # the model's own GELU, so the forward keeps its bits
         ctx.approximate = approximate
         ctx.save_for_backward(x)
-        recompute_output(y, act, x)
+        recompute_output(y, act, x, node=ctx)
         return y
 
     @staticmethod
