@@ -57,6 +57,7 @@ COMPILED_ROWS = ["plain_compiled"] + [f"effmem_{p}_compiled" for p in EFFMEM_POL
 # Eager rows first, the budget's solver last: a run cut off by its time limit (compiling TinyLlama takes a
 # minute or more per row) still has the rows the targets need in its JSON, which is written after every row.
 ROWS = EAGER_ROWS + COMPILED_ROWS
+HOOK_PASSES = 5  # forward + backward passes timed for the "fast" hooks' cost per saved tensor
 ALPHABET = 256  # the progressions' tokens: a vocabulary of 32000 would take a small model long to cover
 WARMUP = 2
 
@@ -292,7 +293,12 @@ def run_row(name, base, batches, held_out, args, device):
         times = time_calls(step, device, warmup=WARMUP, repeat=args.steps - 2 - WARMUP)
     row.update(summarize(times), step_ms=statistics.median(times) * 1e3)
     if name == "effmem_fast":
-        row.update(hook_overhead(model, batches[0], device))
+        # the median of five passes: one pass is a few hundred microseconds of Python, which a neighbour on
+        # the machine or a garbage collection can double
+        passes = [hook_overhead(model, batches[0], device) for _ in range(HOOK_PASSES)]
+        row.update(hook_saves=passes[0]["hook_saves"],
+                   hook_us_per_save=statistics.median(p["hook_us_per_save"] for p in passes),
+                   hook_us_per_save_passes=[p["hook_us_per_save"] for p in passes])
     undo()
     model.eval()
     with torch.no_grad():  # the trained weights, judged on batches none of the rows trained on

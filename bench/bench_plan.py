@@ -3,15 +3,16 @@
     python bench/bench_plan.py [--json PATH] [--steps 3]
     python bench/bench_plan.py --smoke      # the same loop on the CPU with a tiny model (tests run it)
 
-For 30 configurations (three Llama-shaped models from transformers, random init, no download; two
-batch shapes; five strategies: bf16 with FusedAdam plain, with per-layer checkpointing, with
-checkpointing of 8-bit layer inputs (apply_activation_policy "min"), with 8-bit compressed
-activations, and with OffloadAdam) it asks effmem.plan for its prediction,
+For 36 configurations (three Llama-shaped models from transformers, random init, no download; two
+batch shapes; six strategies: bf16 with FusedAdam plain, with selective checkpointing (the "selective"
+policy), with per-layer checkpointing, with checkpointing of 8-bit layer inputs (apply_activation_policy
+"min"), with 8-bit compressed activations, and with OffloadAdam) it asks effmem.plan for its prediction,
 trains `steps` steps of that configuration (plan.apply, effmem.plan.verify) and records the
 predicted allocated peak against torch.cuda.max_memory_allocated, and the predicted step time
 against the measured median. Targets (issue 11): median peak error <= 5%, worst <= 10%; per
 model and batch shape, the plan's pick among the four never runs out of memory and its measured
-step is within 10% of the fastest measured one that fits. MET / NOT MET lines at the end.
+step is within 10% of the fastest measured one that fits. MET / NOT MET lines at the end. The JSON is
+written after every configuration, so a run cut off by the device's time limit keeps what it measured.
 """
 import argparse
 import gc
@@ -35,8 +36,8 @@ MODELS = {
     "tinyllama-1.1b": "tinyllama-1.1b",
 }
 SHAPES = [(4, 1024), (8, 2048)]
-STRATEGIES = [("bf16", "none", "gpu"), ("bf16", "checkpoint", "gpu"), ("bf16", "checkpoint8", "gpu"),
-              ("bf16", "compress8", "gpu"), ("bf16", "none", "offload")]
+STRATEGIES = [("bf16", "none", "gpu"), ("bf16", "selective", "gpu"), ("bf16", "checkpoint", "gpu"),
+              ("bf16", "checkpoint8", "gpu"), ("bf16", "compress8", "gpu"), ("bf16", "none", "offload")]
 SMOKE_MODELS = {"llama-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=320)}
 SMOKE_SHAPES = [(2, 64)]
@@ -56,6 +57,12 @@ def main() -> int:
     models, shapes, strategies = ((SMOKE_MODELS, SMOKE_SHAPES, SMOKE_STRATEGIES) if args.smoke
                                   else (MODELS, SHAPES, STRATEGIES))
     rows, picks = [], []
+    env = environment(device)
+
+    def save(targets=None):
+        if args.json:
+            write_json(args.json, {"benchmark": "plan", "env": env, "rows": rows, "picks": picks,
+                                   "targets": targets, "partial": targets is None})
     for model_name, model in models.items():
         for batch, seq in shapes:
             plan = effmem.plan(model, batch=batch, seq=seq, accum=1, device=device.type)
@@ -82,6 +89,7 @@ def main() -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 rows.append(row)
+                save()
                 print(f"{model_name:>15} {batch}x{seq:<5} {cand.name:<34} {row['status']:<14} "
                       f"pred {row.get('predicted_bytes', 0) / 1e9:7.3f} GB  meas "
                       f"{row.get('measured_bytes', 0) / 1e9:7.3f} GB  "
@@ -107,9 +115,7 @@ def main() -> int:
     ]
     for name, ok, value in targets:
         print(f"{'MET' if ok else 'NOT MET'}: {name}" + ("" if value is None else f" ({value:.3g})"))
-    if args.json:
-        write_json(args.json, {"benchmark": "plan", "env": environment(device), "rows": rows, "picks": picks,
-                               "targets": [{"name": n, "met": ok, "value": v} for n, ok, v in targets]})
+    save([{"name": n, "met": ok, "value": v} for n, ok, v in targets])
     return 0
 
 

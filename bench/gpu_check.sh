@@ -77,7 +77,7 @@ for part in "${parts[@]}"; do
       # unfused path eager and compiled: time, extra peak memory, targets.
       limit 300 "$PY" bench/bench_linear_ce.py --device cuda --json "$OUT/gpu_linear_ce.json" || status=1 ;;
     plan)
-      # effmem plan's predicted peak and step against measured, 30 configurations, and its pick.
+      # effmem plan's predicted peak and step against measured, 36 configurations, and its pick.
       limit 480 "$PY" bench/bench_plan.py --json "$OUT/gpu_plan.json" || status=1 ;;
     activations)
       # Activation-memory techniques on a TinyLlama-shaped Llama (issue 10, item 5), in two runs that fit

@@ -257,6 +257,7 @@ def test_bench_plan_runs_its_loop_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["rows"] and all(r["status"] == "ok" for r in data["rows"]) and len(data["targets"]) == 4
+    assert data["partial"] is False and data["env"]["torch_version"]
 
 
 def test_offload_async_and_8bit_moments_are_candidates():
