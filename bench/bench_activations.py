@@ -226,8 +226,8 @@ def hook_overhead(model, x, device) -> dict:
 
     pack, unpack, add = comp._pack, comp._unpack, comp.add_recipe
 
-    def add_recipe(out, fn, inputs):  # the rebuild's own ops are work, not hook overhead
-        return add(out, work(fn), inputs)
+    def add_recipe(out, fn, inputs, node=None):  # the rebuild's own ops are work, not hook overhead
+        return add(out, work(fn), inputs, node)
     saved = (_codec.quantize, _codec.dequantize)
     comp._pack, comp._unpack, comp.add_recipe = hook(pack, True), hook(unpack, False), add_recipe
     _codec.quantize, _codec.dequantize = work(_codec.quantize), work(_codec.dequantize)
