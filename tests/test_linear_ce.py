@@ -59,15 +59,21 @@ def rel(a, b):
     dict(), dict(reduction="sum"), dict(reduction="none"), dict(label_smoothing=0.1), dict(logit_softcap=5.0),
     dict(label_smoothing=0.2, logit_softcap=3.0, reduction="sum"), dict(ignore_index=3), dict(bias=False),
 ])
-@pytest.mark.parametrize("chunk", [0, 256, 999, 4096])
-def test_fp32_matches_the_unfused_computation(device, options, chunk):
+@pytest.mark.parametrize("way", [dict(grad_in_forward=False, vocab_chunk=c) for c in (0, 256, 999, 4096)]
+                         + [dict(grad_in_forward=True, token_chunk=c) for c in (0, 7, 64, 1000)],
+                         ids=lambda w: "-".join(f"{k}={v}" for k, v in w.items()))
+def test_fp32_matches_the_unfused_computation(device, options, way):
+    """Both ways (logits recomputed in backward, chunks of the vocabulary; gradients made in forward,
+    chunks of tokens: 7 does not divide 300) give the unfused loss and gradients."""
     options = dict(options)
+    if way["grad_in_forward"] and options.get("reduction") == "none":
+        pytest.skip("gradients are made in forward for a mean or a sum only")
     hidden, weight, target, bias = problem(device=device, bias=options.pop("bias", True))
     if options.get("ignore_index") == 3:
         target[target == -100] = 3
         target[::5] = 3
     ref_loss, ref_grads = grads(unfused, hidden, weight, bias, target=target, **options)
-    loss, got = grads(linear_cross_entropy, hidden, weight, bias, target=target, vocab_chunk=chunk, **options)
+    loss, got = grads(linear_cross_entropy, hidden, weight, bias, target=target, **way, **options)
     assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
     assert rel(loss, ref_loss) <= 1e-6
     for a, b in zip(got, ref_grads):
@@ -143,30 +149,6 @@ def test_opcheck(device):
     scale = torch.full_like(loss, 1 / 40)
     for mask in ([True, True, True], [True, False, False]):
         torch.library.opcheck(OPS.linear_ce_forward_backward.default, (*args[:4], scale, -100, 0.1, 2.0, 16, mask))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options", [
-    dict(), dict(reduction="sum"), dict(label_smoothing=0.1), dict(logit_softcap=5.0),
-    dict(label_smoothing=0.2, logit_softcap=3.0, reduction="sum"), dict(ignore_index=3), dict(bias=False),
-])
-@pytest.mark.parametrize("chunk", [0, 7, 64, 1000])
-def test_gradients_made_in_forward_match_the_unfused_computation(device, options, chunk):
-    """grad_in_forward (linear_ce_forward_backward: whole rows for chunks of tokens, three products): the
-    loss and gradients of the unfused computation, in fp32 within the same bounds as the recompute path,
-    for any chunk of tokens (7 does not divide 300)."""
-    options = dict(options)
-    hidden, weight, target, bias = problem(device=device, bias=options.pop("bias", True))
-    if options.get("ignore_index") == 3:
-        target[target == -100] = 3
-        target[::5] = 3
-    ref_loss, ref_grads = grads(unfused, hidden, weight, bias, target=target, **options)
-    loss, got = grads(lambda *a, **k: linear_cross_entropy(*a, **k, grad_in_forward=True),
-                      hidden, weight, bias, target=target, vocab_chunk=chunk, **options)
-    assert rel(loss, ref_loss) <= 1e-6
-    for a, b in zip(got, ref_grads):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert rel(a, b) <= 1e-5
 
 
 def test_the_default_makes_gradients_in_forward_where_that_costs_no_memory(monkeypatch):

@@ -106,6 +106,19 @@ def test_compressed_bytes_match_compress_stats(bits):
     assert predicted < 0.5 * sum(tr.activations("none").values())
 
 
+def held_after_forward(m, batch, seq) -> int:
+    """The allocator's bytes that a real forward leaves alive, measured at the last of three steps (lazy
+    allocations and the allocator's caches have settled by then)."""
+    for _ in range(3):
+        m.zero_grad(set_to_none=True)
+        before = bytes_in_use(torch.device("cpu"))
+        out = hf_call(m, batch, seq)
+        held = bytes_in_use(torch.device("cpu")) - before
+        out.loss.backward()
+        del out
+    return held
+
+
 def test_checkpoint_bytes_match_allocator():
     """checkpoint: what the allocator holds after a checkpointed forward: the prediction plus the Python
     objects of the graph (a few hundred kB, which the prediction leaves out: under 4% here)."""
@@ -119,13 +132,7 @@ def test_checkpoint_bytes_match_allocator():
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if bytes_in_use(torch.device("cpu")) is None:
         pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
-    for _ in range(3):  # the last of three: lazy allocations and the allocator's caches have settled
-        m.zero_grad(set_to_none=True)
-        before = bytes_in_use(torch.device("cpu"))
-        out = hf_call(m, batch, seq)
-        held = bytes_in_use(torch.device("cpu")) - before
-        out.loss.backward()
-        del out
+    held = held_after_forward(m, batch, seq)
     assert predicted <= held <= 1.04 * predicted, (held, predicted)
 
 
@@ -145,13 +152,7 @@ def test_selective_bytes_match_allocator(cfg):
     assert sum(pred.activations("checkpoint").values()) < 0.5 * predicted < 0.4 * sum(pred.activations("none").values())
     assert pred.selective_recompute_bytes > 0
     m = apply_activation_policy(real_model(cfg), "selective")
-    for _ in range(3):  # the last of three: lazy allocations and the allocator's caches have settled
-        m.zero_grad(set_to_none=True)
-        before = bytes_in_use(torch.device("cpu"))
-        out = hf_call(m, batch, seq)
-        held = bytes_in_use(torch.device("cpu")) - before
-        out.loss.backward()
-        del out
+    held = held_after_forward(m, batch, seq)
     assert predicted <= held <= 1.04 * predicted, (held, predicted)
 
 

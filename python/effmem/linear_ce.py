@@ -96,7 +96,7 @@ torch.library.register_autograd("effmem::linear_ce_forward", _backward, setup_co
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          logit_softcap: Optional[float] = None, vocab_chunk: int = 0,
-                         grad_in_forward: Optional[bool] = None) -> Tensor:
+                         grad_in_forward: Optional[bool] = None, token_chunk: int = 0) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, target, ...)`` without the logits tensor.
 
     Args:
@@ -115,6 +115,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             None (default): when a gradient is wanted and the weight is float32, or frozen on a GPU,
             where it costs no memory beyond the gradients themselves (a bf16 weight's float32 sum would
             cost 2 bytes per weight element more). False: always recompute in backward.
+        token_chunk: with gradients made in forward, tokens per chunk of whole rows of logits; 0 chooses
+            1/16 of the tokens (at least 64, at most 128 MB of float32 logits).
 
     Logits and their softmax are computed in float32 from products that accumulate in float32
     (bf16/fp16 products on CUDA round once, to float32); the loss is float32. Under autocast the
@@ -129,8 +131,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0
                                           and math.isfinite(logit_softcap)):
         raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
-    if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 0:
-        raise ValueError(f"vocab_chunk: expected an int >= 0 (0: automatic), got {vocab_chunk!r}")
+    for name, n in (("vocab_chunk", vocab_chunk), ("token_chunk", token_chunk)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name}: expected an int >= 0 (0: automatic), got {n!r}")
     if grad_in_forward not in (None, True, False):
         raise ValueError(f"grad_in_forward: expected None, True or False, got {grad_in_forward!r}")
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
@@ -153,7 +156,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         n_valid = valid.sum() if reduction == "mean" else None
         scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid, 0.0)
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
-            int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(vocab_chunk)))
+            int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)))
     loss, _ = _lib.linear_ce_forward(h, weight, bias, t, int(ignore_index), float(label_smoothing),
                                      float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":
