@@ -62,7 +62,7 @@ def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs, node=None)
 class _Recipe:
     """How to rebuild one output: fn applied to its packed inputs; shared by every save of that output."""
     __slots__ = ("fn", "inputs", "owner", "shape", "stride", "dtype", "device", "counter", "version", "saves",
-                 "unpacked", "held", "node", "__weakref__")
+                 "unpacked", "held", "node", "node_key", "__weakref__")
 
 
 class _RecipeHandle:
@@ -164,6 +164,7 @@ class FastCompressor(ActivationCompressor):
         self._recipes[key] = r
         if node is not None:
             self._by_node[id(node)] = r
+            r.node_key = id(node)
 
     def _pack(self, t: Tensor):
         # The pack hook of every save in a layer: the common cases are decided first and cheaply.
@@ -239,9 +240,8 @@ def _drop_recipe(comp_ref, key, recipe_ref, _dead) -> None:
     comp, r = comp_ref(), recipe_ref()
     if comp is not None and comp._recipes.get(key) is r:
         del comp._recipes[key]
-    if comp is not None and r is not None:
-        for k in [k for k, v in comp._by_node.items() if v is r]:
-            del comp._by_node[k]
+    if comp is not None and r is not None and r.node is not None and comp._by_node.get(r.node_key) is r:
+        del comp._by_node[r.node_key]
 
 
 def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
