@@ -62,7 +62,8 @@ TORCH_LIBRARY(effmem, m) {
   // mean or sum): the logits are made one chunk of token_chunk tokens' whole rows at a time (0: 1/16 of
   // the tokens, at least 64, at most 128 MB of float32 logits), three matrix products instead of the
   // four of forward plus backward. Returns (loss [N], grad hidden, grad weight, grad bias), empty where
-  // output_mask is false; a weight gradient needs a float32 weight (it is summed in its own memory).
+  // output_mask is false; the weight gradient is summed in float32 (in its own memory for a float32
+  // weight, in a float32 buffer rounded once for a bf16/fp16 one).
   m.def(
       "linear_ce_forward_backward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor grad_scale, "
       "int ignore_index, float label_smoothing, float softcap, int token_chunk, bool[3] output_mask) "

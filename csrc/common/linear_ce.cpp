@@ -2,7 +2,8 @@
 //
 // linear_ce_forward_backward instead makes whole rows of logits for a chunk of tokens at a time
 // ([tb, V] float32, see token_chunk_size) and turns them into the loss and every gradient at once:
-// three products, no recompute, for a weight gradient summed in float32 over the chunks.
+// three products, no recompute, for a weight gradient summed in float32 over the chunks (in its own
+// memory for a float32 weight; 4 bytes per weight element more for a bf16/fp16 one).
 //
 // Memory: the logits exist one vocabulary chunk at a time, [N, vc] in float32
 // (see chunk_size), never [N, V]. The forward
@@ -121,6 +122,20 @@ at::Tensor token_loss(const CeState& st, const at::Tensor& lse, const at::Tensor
   return loss.masked_fill(target == ignore_index, 0.0);
 }
 
+// acc += dz^T h, float32 [V, H]. Float32 operands sum in place; bf16/fp16 ones (CUDA) go through float32
+// products of a vocabulary slice at a time, so the temporary stays at kChunkBytes.
+void add_weight_grad(const at::Tensor& acc, const at::Tensor& dz, const at::Tensor& h) {
+  if (dz.scalar_type() == at::kFloat && h.scalar_type() == at::kFloat) {
+    acc.addmm_(dz.t(), h);
+    return;
+  }
+  const int64_t vocab = acc.size(0), slice = std::max<int64_t>(128, kChunkBytes / (4 * std::max<int64_t>(acc.size(1), 1)));
+  for (int64_t v0 = 0; v0 < vocab; v0 += slice) {
+    const int64_t len = std::min(slice, vocab - v0);
+    acc.narrow(0, v0, len).add_(mm_float(dz.narrow(1, v0, len).t(), h));
+  }
+}
+
 CeState empty_state(int64_t n, const at::TensorOptions& opts) {
   return CeState{at::full({n}, -INFINITY, opts), at::zeros({n}, opts), at::full({n}, NAN, opts), at::zeros({n}, opts)};
 }
@@ -167,13 +182,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
                     "gradient), got ", describe(g));
   TORCH_CHECK_VALUE(token_chunk >= 0, "token_chunk must be >= 0 (0: automatic), got ", token_chunk);
   const bool want_h = output_mask[0], want_w = output_mask[1], want_b = output_mask[2] && bias.has_value();
-  TORCH_CHECK_TYPE(!want_w || weight.scalar_type() == at::kFloat, "linear_ce_forward_backward sums the weight "
-                   "gradient over chunks of tokens in its own memory, so it needs a float32 weight, got ",
-                   weight.scalar_type(), " (use linear_ce_forward and linear_ce_backward)");
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor loss = at::empty({n}, f32);
   at::Tensor grad_h = want_h ? at::empty_like(hidden, at::MemoryFormat::Contiguous) : at::empty({0}, hidden.options());
-  at::Tensor grad_w = want_w ? at::zeros_like(weight, at::MemoryFormat::Contiguous) : at::empty({0}, weight.options());
+  // The weight gradient is summed over the chunks of tokens in float32: in its own memory for a float32
+  // weight, in a float32 buffer rounded once at the end for a bf16/fp16 one (4 more bytes per element).
+  at::Tensor grad_w = want_w ? at::zeros({vocab, hidden.size(1)}, f32) : at::empty({0}, weight.options());
   at::Tensor grad_b32 = want_b ? at::zeros({vocab}, f32) : at::Tensor();
   const at::Tensor h = gemm_input(hidden);
   const at::ScalarType dz_dtype = h.scalar_type();
@@ -197,9 +211,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
         rows_h.copy_(mm_float(dz, wg));
       }
     }
-    if (want_w) grad_w.addmm_(dz.t(), hb);  // float32, summed over the chunks of tokens
+    if (want_w) add_weight_grad(grad_w, dz, hb);
     if (want_b) grad_b32.add_(dz.to(at::kFloat).sum(0));
   }
+  if (want_w && weight.scalar_type() != at::kFloat) grad_w = grad_w.to(weight.scalar_type());
   at::Tensor grad_b = want_b ? grad_b32.to(bias->scalar_type()) : at::empty({0}, weight.options());
   return {loss, grad_h, grad_w, grad_b};
 }

@@ -44,8 +44,8 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
 
 // Loss and gradients in one pass over chunks of tokens (whole rows of logits: three matrix products, not
 // four), for incoming per-token gradients g known before backward (a mean or sum of the loss). Returns
-// (loss [N], grad hidden, grad weight, grad bias); the weight gradient is summed over the chunks in its
-// own float32 memory, so it needs a float32 weight (or none asked for).
+// (loss [N], grad hidden, grad weight, grad bias); the weight gradient is summed over the chunks in
+// float32 (its own memory for a float32 weight, a float32 buffer rounded once for a bf16/fp16 one).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_backward_impl(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, const at::Tensor& g, int64_t ignore_index, double label_smoothing, double softcap,

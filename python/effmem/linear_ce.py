@@ -10,8 +10,9 @@ Two ways, one op family (C++/CUDA, formulas in csrc/common/linear_ce_math.h):
 * ``linear_ce_forward_backward``: for a mean or a sum (each token's incoming gradient known before
   backward) the forward makes whole rows of logits for a chunk of tokens at a time and turns them
   into the loss and all gradients at once: three products (two for a frozen weight), no recompute;
-  backward only scales what it made. The weight gradient is summed over the chunks in float32 in
-  its own memory, so this is the way for a float32 weight or a frozen one, and the default there.
+  backward only scales what it made. The weight gradient is summed over the chunks in float32: in
+  its own memory for a float32 weight, so this is the default for a float32 weight or a frozen one;
+  a bf16 weight's sum costs a float32 buffer (grad_in_forward=True asks for it).
 """
 import math
 from typing import Optional
@@ -113,8 +114,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         grad_in_forward: make the gradients in the forward pass (three matrix products, or two for a
             frozen weight, instead of four; reduction "mean" or "sum"; see the module docstring).
             None (default): when a gradient is wanted and the weight is float32, or frozen on a GPU,
-            where it costs no memory beyond the gradients themselves (a bf16 weight's float32 sum would
-            cost 2 bytes per weight element more). False: always recompute in backward.
+            where it costs no memory beyond the gradients themselves. True also for a trained bf16/fp16
+            weight, whose gradient is then summed in a float32 buffer while the loss runs (4 bytes per
+            weight element, 2 more than the gradient) for one product fewer. False: always recompute.
         token_chunk: with gradients made in forward, tokens per chunk of whole rows of logits; 0 chooses
             1/16 of the tokens (at least 64, at most 128 MB of float32 logits).
 
@@ -180,9 +182,6 @@ def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, wei
         return False
     trained_low = weight.requires_grad and weight.dtype != torch.float32
     if choice:
-        if trained_low:
-            raise ValueError(f"grad_in_forward=True: the weight gradient is summed over chunks of tokens in its own "
-                             f"memory, which needs a float32 weight (or a frozen one), got {weight.dtype}")
         return True
     if torch.compiler.is_compiling():
         return False  # compiled graphs keep the recompute path: their autograd saves tensors the usual way
