@@ -128,10 +128,7 @@ def worker(args) -> None:
     try:
         t_build = time.perf_counter()
         model = model_for(plan, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-        # OffloadAdam: page-lock only what crosses the bus (the staging); pinning 100 GB of master and
-        # moments too takes long at start and gains the CPU update nothing.
-        extra = {"pin_state": False} if cfg.optimizer != "gpu" else {}
-        model, opt = plan.apply(model, args.candidate, lr=LR, weight_decay=0.1, **extra)
+        model, opt = plan.apply(model, args.candidate, lr=LR, weight_decay=0.1)
         params = [p for p in model.parameters() if p.requires_grad]
         if args.anchor == "torch_adamw":
             del opt  # FusedAdam allocates its state at the first step: nothing to free yet

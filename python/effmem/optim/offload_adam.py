@@ -130,10 +130,13 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
             memory and of overlapped work.
         num_threads: CPU threads for the update (default
             ``torch.get_num_threads()``).
-        pin_state: page-lock the master weights and moments too (only what
-            crosses the bus must be: the staging, and the master of fp32
-            parameters, whose weights go up from it). False leaves more of
-            the host's memory pageable.
+        pin_state: page-lock the master weights and moments too. Default
+            False: only what crosses the bus must be page-locked (the staging,
+            and the master of fp32 parameters, whose weights go up from it,
+            are either way); the rest is read by the CPU alone, as fast from
+            pageable memory, and locking it would take that memory from the
+            operating system (108 GB of a 128 GB host for a 7B model with
+            async_step).
         backend: "cuda" (parameters on a GPU) or "host" (CPU parameters;
             copies by a thread: the whole pipeline without a GPU). Chosen
             from the parameters' device when None.
@@ -168,7 +171,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         stream_grads: Optional[bool] = None,
         bucket_size: int = 1 << 23,
         num_threads: Optional[int] = None,
-        pin_state: bool = True,
+        pin_state: bool = False,
         backend: Optional[str] = None,
         delay_warmup: int = DELAY_WARMUP,
         device_accumulation: int = 0,
