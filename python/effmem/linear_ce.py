@@ -118,7 +118,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             weight, whose gradient is then summed in a float32 buffer while the loss runs (4 bytes per
             weight element, 2 more than the gradient) for one product fewer. False: always recompute.
         token_chunk: with gradients made in forward, tokens per chunk of whole rows of logits; 0 chooses
-            1/16 of the tokens (at least 64, at most 128 MB of float32 logits).
+            1/32 of the tokens (at least 128, at most 128 MB of float32 logits).
 
     Logits and their softmax are computed in float32 from products that accumulate in float32
     (bf16/fp16 products on CUDA round once, to float32); the loss is float32. Under autocast the
