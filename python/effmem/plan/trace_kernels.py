@@ -1,0 +1,176 @@
+"""effmem plan's trace on meta tensors made to behave like the device it plans for (plan/trace.py).
+
+Device kernels: on the meta device scaled_dot_product_attention runs as
+plain math (saving the [s, s] weights). CUDA runs a flash kernel, which
+saves q, k, v, the output and a float32 log-sum-exp per row, and so does
+the CPU without dropout (with dropout the CPU runs the math). CUDA's
+F.rms_norm is one fused kernel keeping the input and a float32 rstd; the
+CPU's is the math. The trace swaps in functions that save what the target
+device's kernels save.
+
+_Counter, a dispatch mode over the whole forward, also counts matmul FLOPs with torch's own formulas and,
+inside decoder layers, what selective checkpointing keeps (matmul and attention outputs) and the memory
+traffic of what it recomputes.
+"""
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from effmem.activations.selective import SAVED_PACKETS
+
+
+class _FlashSdpa(torch.autograd.Function):
+    """scaled_dot_product_attention as CUDA's flash kernel holds it: q, k, v, output, fp32 log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        # Flash kernels write [batch, seq, heads, dim] and return it viewed as [batch, heads, seq, dim],
+        # so the usual transpose back before the output projection costs no copy.
+        out = q.new_empty(q.shape[:-3] + (q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@dataclass
+class _Flops:
+    """What the trace's dispatch mode and kernel stand-ins count besides the saves."""
+    attention: float = 0.0
+    # selective checkpointing: keep(t) records a decoder layer's matmul/attention output; recompute_bytes
+    # sums what the layers' other ops read and write (backward runs them again)
+    keep: Optional[Callable[[Tensor], None]] = None
+    in_block: Callable[[], bool] = lambda: False
+    recompute_bytes: float = 0.0
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """F.rms_norm as CUDA runs it (aten._fused_rms_norm): it keeps the input and a float32 rstd per row.
+
+    The CPU and the meta device run the math instead (a float32 copy of the
+    input and of the normalised values are kept): that is traced as is."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims: int):
+        rstd = torch.empty(x.shape[:x.dim() - dims] + (1,) * dims, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.zeros_like(x), None if weight is None else torch.zeros_like(weight), None
+
+
+@contextlib.contextmanager
+def _device_kernels(flops: _Flops, target: str):
+    """Swap in functions that save what the target device's kernels save (attention; CUDA's rms_norm)."""
+    real_sdpa, real_rms = F.scaled_dot_product_attention, F.rms_norm
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if target == "cpu" and dropout_p > 0:
+            return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+        b_h = math.prod(query.shape[:-2])
+        s_q, s_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
+        # QK^T and PV, 2 FLOPs per multiply-add; a causal mask halves the work a flash kernel does.
+        flops.attention += 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
+        out = _FlashSdpa.apply(query, key, value)
+        if flops.keep is not None and flops.in_block():
+            for t in (out, out.grad_fn.saved_tensors[-1] if out.grad_fn is not None else None):
+                if t is not None:
+                    flops.keep(t)  # selective checkpointing keeps the kernel's output and log-sum-exp
+        return out
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if flops.in_block():
+            flops.recompute_bytes += 2 * input.nbytes  # one fused kernel: read the input, write the output
+        return _FusedRmsNorm.apply(input, weight, len(tuple(normalized_shape)))
+
+    F.scaled_dot_product_attention = sdpa
+    if target == "cuda":
+        F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.rms_norm = real_sdpa, real_rms
+
+
+class _Counter(TorchDispatchMode):
+    """Counts matmul FLOPs (torch's own formulas) and makes meta tensors behave like the target device's.
+
+    Hugging Face models test a value now and then (is this a packed batch?
+    is the mask all ones?); a meta tensor has none, so the check gets the
+    answer of an ordinary unpacked, unmasked batch: True (or 0). Meta
+    kernels follow CUDA's dtypes; the CPU's layer norm keeps its mean and
+    rstd in a bf16/fp16 input's own dtype, CUDA's in float32."""
+
+    def __init__(self, target: str, sel: Optional[_Flops] = None):
+        super().__init__()
+        self.flops = 0.0
+        self.target = target
+        self.sel = sel  # where selective checkpointing's keeps and recompute traffic are counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return True if args[0].dtype == torch.bool else 0
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if self.sel is not None and self.sel.in_block():
+            self._selective(packet, args, out)
+        if (self.target == "cpu" and packet is torch.ops.aten.native_layer_norm
+                and args[0].dtype in (torch.bfloat16, torch.float16)):
+            return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
+        if packet in flop_registry:
+            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet is torch.ops.aten._grouped_mm:
+            # [tokens, k] x [experts, k, n]: each token row meets one expert's matrix.
+            self.flops += 2.0 * out.numel() * args[0].shape[-1]
+        return out
+
+    def _selective(self, packet, args, out) -> None:
+        outs = [t for t in _tensors(out)]
+        if packet in SAVED_PACKETS:
+            for t in outs:
+                self.sel.keep(t)
+            return
+        # Any other op that makes new memory runs again in the recompute: its inputs read, its output
+        # written. Views make none, and the empty tensors of the kernel stand-ins above cost nothing.
+        ins = [t for t in _tensors(args)]
+        if not ins or "empty" in packet.__name__:
+            return
+        inputs = {_storage_id(t) for t in ins}
+        new = [t for t in outs if _storage_id(t) not in inputs]
+        if new:
+            self.sel.recompute_bytes += sum(t.nbytes for t in new) + sum(t.nbytes for t in ins)
+
+
+def _storage_id(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(obj):
+    """Every tensor in nested lists, tuples and mappings (a model's outputs, a layer's arguments)."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict) or hasattr(obj, "items"):
+        try:
+            for o in obj.values():
+                yield from _tensors(o)
+        except Exception:  # a ModelOutput-like object that is not a mapping after all
+            return
