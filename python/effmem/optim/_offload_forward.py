@@ -68,7 +68,7 @@ class OffloadForward:
 
     def _reattach(self) -> None:
         """After add_param_group: the new parameters need hooks too."""
-        model = self._attached() if getattr(self, "_attached", None) is not None else None
+        model = self._attached() if self._attached is not None else None
         if model is not None:
             self.attach(model)
 
