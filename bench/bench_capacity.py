@@ -19,6 +19,9 @@ fresh process (an out-of-memory try cannot poison the next), these roles:
                    (both anchors with torch's own means for the rest: no checkpointing or HF's
                    checkpointing, the standard loss; their fastest predicted micro-batch)
   runner_up        the fastest predicted whose activation strategy or optimizer differs from the pick's
+  grads_on_gpu     the fastest predicted with OffloadAdam's device_accumulation: gradients summed on the GPU
+                   over the micro-batches and sent once per step (compare its PCIe bytes per param per
+                   step with the others')
 
 (one run may fill several roles; at most --per-size runs per size, in that order). Each run trains
 with clipping by global norm (1.0), the usual recipe: warm-up steps, then `steps` timed steps.
@@ -62,7 +65,7 @@ SIZES = {
 }
 SMOKE_SIZES = {"tiny": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=320)}
-ROLES = ("pick", "exact", "adam8", "fused_adam", "torch_adamw_amp", "runner_up")
+ROLES = ("pick", "exact", "adam8", "fused_adam", "torch_adamw_amp", "runner_up", "grads_on_gpu")
 MFU_TARGET = 0.35
 
 
@@ -92,6 +95,7 @@ def choose(plan, per_size: int):
         "fused_adam": first(lambda k: alone(k, "bf16")),
         "torch_adamw_amp": first(lambda k: alone(k, "fp32")),
         "runner_up": first(lambda k: (k.activations, k.optimizer) != (pick.activations, pick.optimizer)),
+        "grads_on_gpu": first(lambda k: k.device_accumulation > 0),
     }
     out = []
     for role in ROLES:
@@ -117,6 +121,7 @@ def worker(args) -> None:
     """One run in this process: plan, build the model in its dtype where it trains, apply the candidate,
     train, print one EFFMEM_CAPACITY line of JSON."""
     from effmem import OffloadAdam
+    from effmem.plan.apply import micro_batch
     from effmem.plan.verify import model_for
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -145,9 +150,10 @@ def worker(args) -> None:
             total = 0.0
             for j in range(cfg.accumulation):
                 x = data[(step * cfg.accumulation + j) % 2]
-                with autocast:
-                    loss = model(input_ids=x, labels=x).loss
-                (loss / cfg.accumulation).backward()
+                with micro_batch(opt, j, cfg.accumulation):
+                    with autocast:
+                        loss = model(input_ids=x, labels=x).loss
+                    (loss / cfg.accumulation).backward()
                 total += loss.detach()
             if hasattr(opt, "clip_grad_norm_"):
                 opt.clip_grad_norm_(CLIP)

@@ -413,21 +413,30 @@ print("dropped")
     assert proc.returncode == 0 and "dropped" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("budget", ["all", "some"])
-def test_device_accumulation_sends_once_and_changes_nothing(budget):
+@pytest.mark.parametrize("budget,mode,clip", [("all", "plain", None), ("some", "plain", None),
+                                               ("some", "plain", 0.5), ("some", "overlap", None),
+                                               ("some", "async_step", 0.5), ("some", "delay", 0.5)])
+def test_device_accumulation_sends_once_and_changes_nothing(budget, mode, clip):
     """device_accumulation: gradients summed in p.grad over the micro-batches inside accumulating()
-    and sent once; the same bits as summing them on the host, fewer bytes down (issue 12, item 3)."""
+    and sent once; the same bits as summing them on the host, fewer bytes down (issue 12, item 3), in
+    every mode and with clipping by global norm."""
     accum, steps = 4, 3
     data = batches(accum * steps)
     ref_model, model = tiny_gpt(torch.bfloat16), tiny_gpt(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
-    ref = OffloadAdam(ref_model.parameters(), **HP, bucket_size=n // 4)
+    kw = {} if mode == "plain" else {mode: True}
+    ref = OffloadAdam(ref_model.parameters(), **HP, bucket_size=n // 4, **kw)
     size = 2 * n if budget == "all" else n  # bytes: every bucket, or about half of them
-    off = OffloadAdam(model.parameters(), **HP, bucket_size=n // 4, device_accumulation=size)
+    off = OffloadAdam(model.parameters(), **HP, bucket_size=n // 4, device_accumulation=size, **kw)
+    if mode == "async_step":
+        ref.attach(ref_model)
+        off.attach(model)
     kept = sum(off._local[i].numel() for i in off._keep_on_device)
     assert kept == n if budget == "all" else 0 < kept < n
-    train(ref_model, ref, data, accum=accum)
-    train(model, off, data, accum=accum)
+    train(ref_model, ref, data, accum=accum, clip=clip)
+    train(model, off, data, accum=accum, clip=clip)
+    ref.flush()
+    off.flush()
     for a, b in zip(ref_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
     down_ref, down = ref.counters()["bytes_down"], off.counters()["bytes_down"]

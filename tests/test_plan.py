@@ -1,4 +1,5 @@
 """effmem plan: the classic worked examples, the JSON contract, the command, apply() and verify() on the CPU."""
+import dataclasses
 import json
 import time
 
@@ -9,8 +10,10 @@ import effmem
 from effmem.cli import main
 from effmem.compress.api import compressor_of
 from effmem.demo_model import ByteGPT, GPTConfig
+from effmem.plan import costs
 from effmem.plan.model import preset_names
 from effmem.plan.planner import parse_bytes
+from effmem.plan.report import code_for
 from effmem.plan.verify import verify
 
 pytest.importorskip("transformers")
@@ -32,6 +35,7 @@ def states(c) -> dict:
 def pick_of(plan, **want):
     """The first candidate whose config has these fields (float32 Adam moments unless asked)."""
     want.setdefault("state_bits", 32)
+    want.setdefault("device_accumulation", 0)
     for c in plan.candidates:
         if all(getattr(c.config, k) == v for k, v in want.items()):
             return c
@@ -272,8 +276,62 @@ def test_offload_async_and_8bit_moments_are_candidates():
     assert quick.cost.host_bytes - plain.cost.host_bytes == 2 * p.trainable_params  # the second bf16 staging
     eight = by[("offload_async", 8) + key]
     assert quick.cost.host_bytes - eight.cost.host_bytes == 6 * p.trainable_params - -(-p.trainable_params // 32)
-    from effmem.plan.report import code_for
     assert "opt.attach(model)" in code_for(quick.config) and "state_bits=8" in code_for(eight.config)
+
+
+def test_device_accumulation_is_a_candidate_where_the_link_is_the_bottleneck():
+    """OffloadAdam under accumulation may keep gradients on the GPU and send them once per step (issue 12,
+    item 3): the plan offers it with as many bytes as the room under the budget holds, counts them at the
+    start of backward, and counts the link once instead of once per micro-batch; where backward hides the
+    link anyway it is no faster and the plan keeps the candidate that holds less."""
+    p = effmem.plan("llama-1b", batch=16, seq=512, accum=8, gpu_memory="80GB", host_memory="256GB",
+                    device="cuda")
+    base = pick_of(p, precision="bf16", activations="none", optimizer="offload", loss="standard")
+    kept = next(c for c in p.candidates if c.config == dataclasses.replace(
+        base.config, device_accumulation=c.config.device_accumulation) and c.config.device_accumulation)
+    t = p.trainable_params
+    assert kept.config.device_accumulation == 2 * t  # all of them: the room is there
+    assert kept.cost.parts["grads"] - base.cost.parts["grads"] == 2 * t
+    assert "grads-on-gpu" in kept.name and kept.fits
+    # Seven micro-batches' sends fewer, less what their backward hid.
+    saved = base.time_parts["optimizer"] - kept.time_parts["optimizer"]
+    assert 0 < saved <= 7 * 2 * t / p.rates.link_bw
+    assert f"device_accumulation={2 * t}" in code_for(kept.config) and "opt.accumulating()" in code_for(kept.config)
+    assert p.as_dict()["candidates"][p.candidates.index(kept)]["device_accumulation"] == 2 * t
+    # A tight GPU: only as many whole buckets as fit, or none.
+    tight = effmem.plan("llama-1b", batch=16, seq=512, accum=8, gpu_memory=base.cost.peak_bytes / 0.95 + 40e6,
+                        host_memory="256GB", device="cuda")
+    part = next(c for c in tight.candidates if c.config == dataclasses.replace(
+        base.config, device_accumulation=c.config.device_accumulation) and c.config.device_accumulation)
+    bucket = 2 * costs.OFFLOAD_BUCKET
+    assert part.fits and part.config.device_accumulation == 2 * bucket  # 40 MB of room: two 16.8 MB buckets
+    # One micro-batch: nothing to accumulate, no such candidate.
+    one = effmem.plan("llama-1b", batch=2, seq=512, accum=1, gpu_memory="80GB", device="cuda")
+    assert not any(c.config.device_accumulation for c in one.candidates)
+
+
+def test_apply_gives_offload_adam_its_device_accumulation_and_the_loop_sends_once():
+    """plan.apply passes device_accumulation to OffloadAdam, and micro_batch() wraps all but the last
+    micro-batch in accumulating(): 2 B/param cross per step instead of 2 per micro-batch. Planned for a
+    GPU and applied on the CPU (OffloadAdam's host backend), as the tests have no GPU."""
+    from effmem.plan.apply import micro_batch
+    accum = 4
+    p = effmem.plan(TINY, batch=8, seq=32, accum=accum, gpu_memory="80GB", host_memory="8GB", device="cuda")
+    c = next(c for c in p.candidates if c.config.device_accumulation and c.config.optimizer == "offload"
+             and c.config.precision == "bf16")
+    p.device = "cpu"
+    m, opt = p.apply(real_tiny(), c.name)
+    assert isinstance(opt, effmem.OffloadAdam) and opt._device_accumulation == c.config.device_accumulation
+    n = sum(q.numel() for q in m.parameters())
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32))
+    for step in range(2):
+        for j in range(accum):
+            with micro_batch(opt, j, accum):
+                m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.counters()["bytes_down"] == 2 * 2 * n
+    opt.close()
 
 
 @pytest.mark.parametrize("model", ["llama-7b", "gpt2"])

@@ -1,4 +1,5 @@
 """plan.apply(model): the chosen configuration, ready for a training loop."""
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -49,7 +50,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     plan's ``trainable`` leaves frozen, checkpoints, compresses or offloads activations, computes the
     loss with effmem.linear_cross_entropy (a "fused-ce" pick), and builds
     FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
-    ``micro_batch`` sequences per optimizer step (``plan.pick.config``).
+    ``micro_batch`` sequences per optimizer step (``plan.pick.config``), each inside
+    ``micro_batch(opt, j, accumulation)``.
     """
     c = plan.pick if candidate is None else plan.candidate(candidate)
     if c is None:
@@ -95,7 +97,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         opt = FusedAdam(params, lr=lr, state_bits=cfg.state_bits, **optimizer_kwargs)
     else:
         opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap",
-                          async_step=cfg.optimizer == "offload_async", state_bits=cfg.state_bits, **optimizer_kwargs)
+                          async_step=cfg.optimizer == "offload_async", state_bits=cfg.state_bits,
+                          device_accumulation=cfg.device_accumulation, **optimizer_kwargs)
         if cfg.optimizer == "offload_async":
             opt.attach(model)
     if cfg.sharding in ("ddp", "zero1"):
@@ -103,6 +106,15 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         # Gradients as views of DDP's buckets: no second copy of them (what the plan counted).
         model = DistributedDataParallel(model, gradient_as_bucket_view=True)
     return model, opt
+
+
+def micro_batch(opt, index: int, accumulation: int):
+    """The context for micro-batch `index` (from 0) of `accumulation`: OffloadAdam's ``accumulating()``
+    for all but the last, which its overlap mode needs and under which device_accumulation keeps gradients
+    on the GPU; nothing otherwise."""
+    if isinstance(opt, OffloadAdam) and index < accumulation - 1:
+        return opt.accumulating()
+    return contextlib.nullcontext()
 
 
 def _check_distributed(plan, name: str) -> None:

@@ -65,6 +65,9 @@ class Config:
     accumulation: int = 1
     loss: str = "standard"   # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits
     state_bits: int = 32     # Adam's moments: 32 (float32) or 8 (FusedAdam/OffloadAdam(state_bits=8))
+    # OffloadAdam(device_accumulation=BYTES): gradients of whole buckets, up to these bytes, summed on the GPU
+    # over the micro-batches and sent once per step (only with accumulation; 0: every micro-batch sends all).
+    device_accumulation: int = 0
 
     @property
     def name(self) -> str:
@@ -72,9 +75,14 @@ class Config:
                  {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap",
                   "offload_async": "offload-adam-async"}[self.optimizer],
                  self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
-                 "adam8" if self.state_bits == 8 else "",
+                 "adam8" if self.state_bits == 8 else "", self._device_accumulation_name(),
                  f"mb{self.micro_batch}x{self.accumulation}"]
         return "+".join(p for p in parts if p)
+
+    def _device_accumulation_name(self) -> str:
+        if not self.device_accumulation:
+            return ""
+        return f"grads-on-gpu{self.device_accumulation / 1e9:.1f}GB"
 
 
 @dataclass
@@ -126,6 +134,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
         host = (t * (master_b or 4) + optimizer_state_bytes(t, cfg.state_bits) + staging) // shard_state
         master = optimizer = 0
         grads = min(t, 2 * OFFLOAD_BUCKET) * g_b
+    kept = kept_on_device(cfg, t // shard_state, g_b)
     if cfg.optimizer == "offload" and cfg.accumulation > 1:
         temporary_step += OFFLOAD_PLAIN_ACCUM_EXTRA * t // shard_state
     if cfg.sharding == "zero3":
@@ -142,7 +151,9 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
                     (m.block_bytes if cfg.activations in RECOMPUTED else 0)
                     + 2 * m.largest_block)
-    accumulated = (grads if cfg.accumulation > 1 else 0) + early
+    # Under accumulation, the start of the last backward holds what earlier micro-batches left: the
+    # gradients (FusedAdam), the buckets in flight (OffloadAdam), and those kept on the GPU to be sent once.
+    accumulated = (grads + kept if cfg.accumulation > 1 else 0) + early
     start_backward = weights + accumulated + master + optimizer + activations + logits + transient + temporary_step
     step = weights + grads + master + optimizer + temporary_step
     if start_backward >= step:
@@ -158,6 +169,17 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     states = dict(weights=weights, grads=grads, master=master, optimizer=optimizer)
     # Host memory is the machine's, shared by all ranks on it (one machine: all `world` GPUs).
     return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits + early)
+
+
+def kept_on_device(cfg: Config, t: int, g_b: int) -> int:
+    """Gradient bytes OffloadAdam(device_accumulation=...) keeps on the GPU between micro-batches: whole
+    buckets while they fit (effmem.optim._offload_layout.keep_on_device), at most all of them."""
+    if cfg.optimizer == "gpu" or cfg.accumulation < 2 or not cfg.device_accumulation:
+        return 0
+    if cfg.device_accumulation >= t * g_b:
+        return t * g_b
+    bucket = OFFLOAD_BUCKET * g_b
+    return cfg.device_accumulation // bucket * bucket
 
 
 def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
@@ -211,7 +233,10 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
             cpu = t / (r.host_adam * (1.0 if cfg.state_bits == 32 else ADAM8_CPU_RATE))
             upload = t * w_b / r.link_bw
             # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
-            down = max(0.0, t * g_b / r.link_bw - bwd) * cfg.accumulation
+            # Those kept on the GPU (device_accumulation) go in the last backward only, summed.
+            kept = kept_on_device(cfg, t, g_b)
+            down = (max(0.0, t * g_b / r.link_bw - bwd)
+                    + max(0.0, (t * g_b - kept) / r.link_bw - bwd) * (cfg.accumulation - 1))
             if cfg.optimizer == "offload_overlap":
                 # Updates run as buckets land during the last backward; what remains after it shows.
                 out["optimizer"] = down + max(upload, cpu + upload - bwd)

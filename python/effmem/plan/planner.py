@@ -1,4 +1,5 @@
 """effmem.plan(): every candidate configuration's predicted peak and step time, and the pick."""
+import dataclasses
 import itertools
 import os
 import re
@@ -78,8 +79,22 @@ class Candidate:
                 "activations_by_kind": self.cost.parts["activations_by_kind"], "time_parts": self.time_parts,
                 "precision": c.precision, "activations": c.activations, "optimizer": c.optimizer,
                 "sharding": c.sharding, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
-                "loss": c.loss,
+                "loss": c.loss, "state_bits": c.state_bits, "device_accumulation": c.device_accumulation,
                 "why": self.why}
+
+
+def _device_accumulation(cfg: costs.Config, cost: costs.Cost, budget: float, trainable: int) -> int:
+    """OffloadAdam under accumulation: the gradient bytes to keep on the GPU between micro-batches (sent
+    once per step instead of once per micro-batch), as many whole buckets as the room left under the budget
+    holds, at most all; 0 where that is none, or where nothing would cross the link less."""
+    if cfg.optimizer == "gpu" or cfg.accumulation < 2:
+        return 0
+    g_b = costs.PRECISIONS[cfg.precision][1]
+    room = int((budget - cost.peak_bytes) / (1 + costs.FRAGMENTATION))  # the reserve grows with what is kept
+    if room <= 0:
+        return 0
+    return costs.kept_on_device(dataclasses.replace(cfg, device_accumulation=int(min(room, trainable * g_b))),
+                                trainable, g_b)
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -325,6 +340,7 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     if any(p.trainable and p.trainable < p.numel for p in spec.params):
         notes.append("trainable: part of a parameter trains (#a:b): counted as such; apply() cannot do that")
 
+    budget = gpu_mem * (1 - headroom)
     cands: List[Candidate] = []
     shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
@@ -340,7 +356,11 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
             cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
             cost = costs.memory(cfg, m, world, device == "cuda")
             cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
-    budget = gpu_mem * (1 - headroom)
+            kept = _device_accumulation(cfg, cost, budget, m.trainable // (world if shard == "zero3" else 1))
+            if kept:
+                cfg = dataclasses.replace(cfg, device_accumulation=kept)
+                cands.append(Candidate(cfg, costs.memory(cfg, m, world, device == "cuda"),
+                                       costs.step_time(cfg, m, rates, world)))
     for c in cands:
         over = c.cost.peak_bytes - budget
         host_over = c.cost.host_bytes - host_mem * 0.9

@@ -83,6 +83,8 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
            "offload_async": "effmem.OffloadAdam(model.parameters(), lr=3e-4, async_step=True)"}[cfg.optimizer]
     if cfg.state_bits == 8:
         opt = opt[:-1] + ", state_bits=8)"
+    if cfg.device_accumulation:
+        opt = opt[:-1] + f", device_accumulation={cfg.device_accumulation})"
     if cfg.sharding == "zero1":
         opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
                "optimizer_class=effmem.FusedAdam, lr=3e-4)")
@@ -90,4 +92,7 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
     if cfg.optimizer == "offload_async":
         out.append("opt.attach(model)   # each module's forward installs its new weights")
     out.append(f"# {cfg.accumulation} micro-batch(es) of {cfg.micro_batch} sequence(s) per optimizer step")
+    if cfg.optimizer != "gpu" and cfg.accumulation > 1:
+        out.append("# all but the last inside `with opt.accumulating():`"
+                   + (" (gradients summed on the GPU, sent once)" if cfg.device_accumulation else ""))
     return "\n".join(out)

@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
+from effmem.plan.apply import micro_batch
 from effmem.plan.trace import default_inputs
 
 
@@ -97,14 +98,15 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
         for step in range(steps):
             t0 = time.perf_counter()
             for micro in range(cfg.accumulation):
-                before = bytes_in_use(device)
-                with autocast:
-                    out = m(*args, **kwargs)
-                after = bytes_in_use(device)
-                if step == steps - 1 and micro == cfg.accumulation - 1 and before is not None:
-                    measured_act = after - before
-                _loss_of(out).backward()
-                del out
+                with micro_batch(opt, micro, cfg.accumulation):
+                    before = bytes_in_use(device)
+                    with autocast:
+                        out = m(*args, **kwargs)
+                    after = bytes_in_use(device)
+                    if step == steps - 1 and micro == cfg.accumulation - 1 and before is not None:
+                        measured_act = after - before
+                    _loss_of(out).backward()
+                    del out
             measured_states = _state_bytes(m, opt, device)
             opt.step()
             opt.zero_grad(set_to_none=True)
