@@ -12,7 +12,9 @@ TinyLlama's shape in bf16 on a GPU (hidden 2048, 22 layers, 32 heads, 4 kv heads
 final losses can be compared. Rows: plain, plain_compiled (torch.compile), hf_checkpointing
 (transformers' non-reentrant checkpointing), torch_sac (selective checkpointing per decoder layer:
 matmul and attention outputs saved), compile_budget (torch.compile, activation_memory_budget = 0.5),
-effmem_<policy> and effmem_<policy>_compiled for each effmem.activations.POLICIES but torch's own two.
+effmem_<policy> and effmem_<policy>_compiled for each effmem.activations.POLICIES but torch's own two, and
+effmem_budget (memory_budget=0.15 of plain's saved bytes: the solver's mix of plain, "fast", "min" and, on a
+GPU, layers whose 8-bit codes go to host memory; its row has the choice and the offload counters).
 
 Per row: step_ms (median of the timed steps, forward + backward + optimizer), peak_bytes (one step),
 saved_bytes (what autograd keeps for backward after one forward, counted with saved-tensor hooks; eager
@@ -51,7 +53,10 @@ CPU_MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, nu
                  num_key_value_heads=2, vocab_size=256)
 # "checkpoint" and "selective" are torch's own: the hf_checkpointing and torch_sac rows
 EFFMEM_POLICIES = [p for p in POLICIES if p not in ("checkpoint", "selective")]
-EAGER_ROWS = ["plain", "hf_checkpointing", "torch_sac"] + [f"effmem_{p}" for p in EFFMEM_POLICIES]
+EAGER_ROWS = ["plain", "hf_checkpointing", "torch_sac"] + [f"effmem_{p}" for p in EFFMEM_POLICIES] + ["effmem_budget"]
+# effmem_budget: apply_activation_policy(model, memory_budget=BUDGET): half of what "fast" holds, so that
+# the solver must mix in "min" layers or, on a GPU, offload the codes of the layers the link hides.
+BUDGET = 0.15
 COMPILED_ROWS = ["plain_compiled"] + [f"effmem_{p}_compiled" for p in EFFMEM_POLICIES] + ["compile_budget"]
 # Eager rows first, the budget's solver last: a run cut off by its time limit (compiling TinyLlama takes a
 # minute or more per row) still has the rows the targets need in its JSON, which is written after every row.
@@ -81,6 +86,9 @@ def setup(name, model, args, sac: SacCaches):
     elif name == "torch_sac":
         wrap_sac(model, sac)
         undo = functools.partial(unwrap_sac, model)
+    elif name == "effmem_budget":
+        effmem.apply_activation_policy(model, memory_budget=BUDGET)
+        undo = functools.partial(effmem.remove_activation_policy, model)
     elif name.startswith("effmem_"):
         effmem.apply_activation_policy(model, name[len("effmem_"):].removesuffix("_compiled"))
         undo = functools.partial(effmem.remove_activation_policy, model)
@@ -145,6 +153,10 @@ def run_row(name, base, batches, held_out, args, device):
         row.update(hook_saves=passes[0]["hook_saves"],
                    hook_us_per_save=statistics.median(p["hook_us_per_save"] for p in passes),
                    hook_us_per_save_passes=[p["hook_us_per_save"] for p in passes])
+    if name == "effmem_budget":
+        choice = effmem.activations.budget_choice(model)
+        row["budget"] = {k: choice[k] for k in ("modes", "bytes", "budget_bytes", "predicted_bytes", "max_offload",
+                                                "layer_forward_s", "link_bytes_per_s", "offload_counters")}
     undo()
     model.eval()
     with torch.no_grad():  # the trained weights, judged on batches none of the rows trained on

@@ -1,5 +1,5 @@
-"""apply_activation_policy(model, memory_budget=...): each decoder layer plain, "fast" or "min", the mix of least
-time whose saved activations fit (effmem.activations.budget; issue 10, item 1).
+"""apply_activation_policy(model, memory_budget=...): each decoder layer plain, "fast", "offload" or "min", the
+mix of least time whose saved activations fit (effmem.activations.budget; issue 10, item 1).
 
 The bytes of each mode are measured on the first layer at the first forward of a shape; these tests check
 the choice against a brute force, the measured bytes against what the layers then hold, the error for a
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from effmem.activations import apply_activation_policy, budget_choice, remove_activation_policy
-from effmem.activations.budget import COST, choose
+from effmem.activations import budget as budget_mod
+from effmem.activations.budget import COST, choose, hidden_layers
 from effmem.plan.verify import bytes_in_use
 from activation_helpers import held_after_forward
 
@@ -35,17 +36,67 @@ def loss_of(m):
 
 
 def test_choice_is_the_cheapest_that_fits():
-    nbytes = {"plain": 100, "fast": 30, "min": 4}
-    for layers, budget in itertools.product((1, 3, 5), (0, 12, 20, 60, 90, 150, 300, 500)):
-        got = choose(layers, nbytes, budget)
-        fits = [m for m in itertools.product(("plain", "fast", "min"), repeat=layers)
-                if sum(nbytes[x] for x in m) <= budget]
+    nbytes = {"plain": 100, "fast": 30, "offload": 2, "min": 4}
+    for layers, budget, max_off in itertools.product((1, 3, 5), (0, 8, 12, 20, 60, 90, 150, 300, 500), (0, 2)):
+        got = choose(layers, nbytes, budget, max_off)
+        fits = [m for m in itertools.product(("plain", "fast", "offload", "min"), repeat=layers)
+                if sum(nbytes[x] for x in m) <= budget and m.count("offload") <= max_off]
         if not fits:
             assert got is None
             continue
         best = min(sum(COST[x] for x in m) for m in fits)
-        assert sum(nbytes[x] for x in got) <= budget
+        assert sum(nbytes[x] for x in got) <= budget and got.count("offload") <= max_off
         assert sum(COST[x] for x in got) == pytest.approx(best)
+        n_off = got.count("offload")
+        assert got[:n_off] == ["offload"] * n_off  # the earliest layers: their copies have the most to hide behind
+
+
+def test_offload_only_as_far_as_the_link_hides_it():
+    # 10 layers of 1 ms forward; codes of 1 MB per layer.
+    assert hidden_layers(10, 1e-3, 1e6, 10e9) == 9        # 0.1 ms a copy: all but the last
+    assert hidden_layers(10, 1e-3, 1e6, 0.5e9) == 4       # 2 ms a copy: 9 ms of forward hides 4
+    assert hidden_layers(10, 1e-3, 1e6, 0.4e9) == 0       # 2.5 ms: not even behind one layer's backward
+    assert hidden_layers(10, 1e-3, 1e6, 0.0) == 0         # no link (a CPU device)
+    assert hidden_layers(1, 1e-3, 1e6, 10e9) == 0         # a single layer is needed first in backward
+
+
+def test_offloaded_layers_send_their_codes_and_bring_them_back_in_order(monkeypatch):
+    """With a link (made up here: the CPU has none), a tight budget offloads the earliest layers: their
+    8-bit codes leave the entries at the end of each layer's forward and come back in backward, the last
+    offloaded layer on demand and each one before it prefetched when the one after it comes back; the
+    gradients are those of the "fast" policy, bit for bit (offload moves codes, it changes none)."""
+    monkeypatch.setattr(budget_mod, "_link_rate", lambda device: 1e15)
+    base = llama(4)
+    fast = apply_activation_policy(copy.deepcopy(base), "fast")
+    off = apply_activation_policy(copy.deepcopy(base), memory_budget=0.1)
+    a, b = loss_of(fast), loss_of(off)
+    choice = budget_choice(off)
+    assert choice["max_offload"] == 3 and choice["modes"] == ["offload"] * 3 + ["fast"], choice
+    comp = off._effmem_fast
+    away = [e for e in comp._table.values() if e.offload is not None]
+    assert away and all(e.codes is None and e.stats is None for e in away)
+    counters = budget_choice(off)["offload_counters"]
+    assert counters["layers_sent"] == 3 and counters["layers_back"] == 0
+    sent = counters["bytes_sent"]
+    assert sent == 3 * (choice["bytes"]["fast"] - choice["bytes"]["offload"])
+    assert torch.equal(a, b)
+    a.backward()
+    b.backward()
+    counters = budget_choice(off)["offload_counters"]
+    assert counters == dict(layers_sent=3, bytes_sent=sent, layers_back=3, prefetched=2, fetched_late=1)
+    for p, q in zip(fast.parameters(), off.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    # A second step sends and brings back again.
+    off.zero_grad()
+    loss_of(off).backward()
+    assert budget_choice(off)["offload_counters"]["layers_back"] == 6
+
+
+def test_without_a_link_nothing_is_offloaded():
+    m = apply_activation_policy(llama(3), memory_budget=0.05)
+    loss_of(m).backward()
+    c = budget_choice(m)
+    assert c["max_offload"] == 0 and "offload" not in c["modes"] and c["link_bytes_per_s"] == 0
 
 
 def test_budgets_pick_mixes_that_hold_what_they_predict():
@@ -92,3 +143,43 @@ def test_a_budget_nothing_fits_and_bad_arguments_name_themselves():
         apply_activation_policy(llama(2), memory_budget="1GB")
     with pytest.raises(ValueError, match="policy: memory_budget chooses the policy of each layer"):
         apply_activation_policy(llama(2), "fast", memory_budget=0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_offload_frees_the_codes_without_host_syncs():
+    """On a GPU: after forward the offloaded layers' codes are off the device (allocated bytes below the
+    "fast" policy's by what was sent), forward and backward make no host synchronisation, and the
+    gradients are "fast"'s bit for bit."""
+    base = llama(6).cuda()
+    x = X.cuda()
+    fast = apply_activation_policy(copy.deepcopy(base), "fast")
+    off = apply_activation_policy(copy.deepcopy(base), memory_budget=0.1)
+    for m in (fast, off):  # the same forwards on both (stochastic rounding's seeds follow them)
+        m(input_ids=x[:1], labels=x[:1]).loss.backward()  # off: calibrates this shape (it synchronises)
+        m(input_ids=x, labels=x).loss.backward()          # and this one; warm-up for both
+        m.zero_grad()
+    torch.cuda.synchronize()
+
+    def held(m):
+        before = torch.cuda.memory_allocated()
+        loss = m(input_ids=x, labels=x).loss
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # lets the allocator free blocks whose side-stream copies are done
+        return loss, torch.cuda.memory_allocated() - before
+
+    a, held_fast = held(fast)
+    a.backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        off(input_ids=x, labels=x).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    choice = budget_choice(off)
+    assert "offload" in choice["modes"], choice
+    for p, q in zip(fast.parameters(), off.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    b, held_off = held(off)
+    sent = choice["modes"].count("offload") * (choice["bytes"]["fast"] - choice["bytes"]["offload"])
+    assert held_fast - held_off == pytest.approx(sent, rel=0.1), (held_fast, held_off, sent)
+    b.backward()
+    assert choice["offload_counters"]["fetched_late"] * 2 <= choice["offload_counters"]["layers_back"]

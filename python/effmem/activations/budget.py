@@ -1,18 +1,31 @@
-"""apply_activation_policy(model, memory_budget=...): per decoder layer, plain, "fast" or "min", whichever
-mix holds the decoder layers' saved activations within a budget at the least time.
+"""apply_activation_policy(model, memory_budget=...): per decoder layer, plain, "fast", "offload" or
+"min", whichever mix holds the decoder layers' saved activations within a budget at the least time.
 
 The bytes of each choice are measured, not modelled: at the first forward with gradients for a given input
 shape, the first layer's forward runs twice more on the real inputs (random state forked, outputs dropped)
 with its saves counted, once as it is and once under the "fast" hooks; "min" keeps the layer input's 8-bit
-codes, known exactly. The time of each choice is a fixed fraction of a plain layer's forward + backward
-(COST below: "fast" quantises and rebuilds elementwise outputs, "min" recomputes the whole forward, about a
-third of a layer's work); bench/bench_activations.py measures the real figures. Among all counts of "min",
-"fast" and plain layers that fit, the cheapest wins (layers are alike, so counts are all that matter); a
-budget below every layer in "min" raises, naming the least that fits.
+codes, known exactly; "offload" is "fast" with the 8-bit codes moved to page-locked host memory on a side
+stream and brought back (prefetched one layer ahead) in backward (effmem.activations.offload), so the
+device keeps only what "fast" keeps uncompressed (statistics, small tensors). The time of each choice is
+a fixed fraction of a plain layer's forward + backward (COST below: "fast" quantises and rebuilds
+elementwise outputs, "min" recomputes the whole forward, about a third of a layer's work);
+bench/bench_activations.py measures the real figures.
+
+Offload is offered only as far as the link hides it, never to buy memory with time: the probe's forward
+is timed, and with c = a layer's codes / the host link's bandwidth (effmem.plan's rates for this GPU), t =
+one layer's forward, the earliest k layers may be offloaded where k * c <= (layers - 1) * t (their copies
+out run behind the later layers' forward; the last layer is never offloaded, backward needs it first) and
+c <= 2 t (each copy back runs behind one layer's backward, about two forwards). On a CPU device there is
+no link: no layer is offloaded.
+
+Among all counts of "offload", "min", "fast" and plain layers that fit, the cheapest wins (layers are
+alike, so counts are all that matter; offloaded layers come first); a budget below every layer in
+"min" (and all that may be offloaded) raises, naming the least that fits.
 
 The budget is a fraction of the layers' plain saved bytes (a float in (0, 1], as torch's
 activation_memory_budget) or a number of bytes (an int) for the decoder layers at the current shape.
 """
+import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -20,12 +33,15 @@ from torch import Tensor
 
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward
 from effmem.activations.fast import FastCompressor, param_shapes
+from effmem.activations.offload import Offloader
 from effmem.compress import _codec
 from effmem.compress.tracker import storage_key
 
-MODES = ("plain", "fast", "min")
-# Extra time per layer, as a fraction of one plain layer's forward + backward.
-COST = {"plain": 0.0, "fast": 0.05, "min": 0.36}
+MODES = ("plain", "fast", "offload", "min")
+# Extra time per layer, as a fraction of one plain layer's forward + backward. "offload": "fast" and the
+# launches and bookkeeping of its copies (a small margin, so that "fast" wins where both fit); the copies
+# themselves are hidden, or the layer is not offered offload.
+COST = {"plain": 0.0, "fast": 0.05, "offload": 0.06, "min": 0.36}
 
 
 def check_budget(budget) -> Union[float, int]:
@@ -39,22 +55,46 @@ def check_budget(budget) -> Union[float, int]:
     return budget
 
 
-def choose(layers: int, nbytes: Dict[str, int], budget: int) -> Optional[List[str]]:
-    """The per-layer modes of least COST whose bytes fit `budget` (None if none does): min first, then fast."""
-    best: Optional[Tuple[float, int, int]] = None
-    for n_min in range(layers + 1):
-        for n_fast in range(layers - n_min + 1):
-            n_plain = layers - n_min - n_fast
-            total = n_min * nbytes["min"] + n_fast * nbytes["fast"] + n_plain * nbytes["plain"]
-            if total > budget:
-                continue
-            cost = n_min * COST["min"] + n_fast * COST["fast"]
-            if best is None or cost < best[0]:
-                best = (cost, n_min, n_fast)
+def choose(layers: int, nbytes: Dict[str, int], budget: int, max_offload: int = 0) -> Optional[List[str]]:
+    """The per-layer modes of least COST whose bytes fit `budget` (None if none does): the offloaded layers
+    first (at most max_offload), then min, then fast."""
+    best: Optional[Tuple[float, int, int, int]] = None
+    for n_off in range(min(max_offload, layers) + 1):
+        for n_min in range(layers - n_off + 1):
+            for n_fast in range(layers - n_off - n_min + 1):
+                n_plain = layers - n_off - n_min - n_fast
+                total = (n_off * nbytes["offload"] + n_min * nbytes["min"] + n_fast * nbytes["fast"]
+                         + n_plain * nbytes["plain"])
+                if total > budget:
+                    continue
+                cost = n_off * COST["offload"] + n_min * COST["min"] + n_fast * COST["fast"]
+                if best is None or cost < best[0]:
+                    best = (cost, n_off, n_min, n_fast)
     if best is None:
         return None
-    _, n_min, n_fast = best
-    return ["min"] * n_min + ["fast"] * n_fast + ["plain"] * (layers - n_min - n_fast)
+    _, n_off, n_min, n_fast = best
+    return (["offload"] * n_off + ["min"] * n_min + ["fast"] * n_fast
+            + ["plain"] * (layers - n_off - n_min - n_fast))
+
+
+def hidden_layers(layers: int, layer_s: float, nbytes: int, link: float) -> int:
+    """How many of the earliest layers may offload `nbytes` each over a link of `link` B/s with the
+    copies hidden behind compute (one layer's forward: layer_s; see the module's docstring)."""
+    if layers < 2 or link <= 0 or nbytes <= 0:
+        return 0
+    c = nbytes / link
+    if c > 2 * layer_s:
+        return 0
+    return min(layers - 1, int((layers - 1) * layer_s / c))
+
+
+def _link_rate(device: torch.device) -> float:
+    """Host <-> device bytes per second in one direction: effmem plan's rates for this GPU (its
+    calibration, else the committed H100 figure); 0 for a CPU."""
+    if device.type != "cuda":
+        return 0.0
+    from effmem.plan.rates import rates_for
+    return rates_for(torch.cuda.get_device_name(device)).link_bw
 
 
 def _count_plain(run, inputs: Sequence[Tensor]) -> int:
@@ -80,32 +120,50 @@ class BudgetPolicy:
         self.budget, self.layers, self.comp = check_budget(budget), layers, comp
         self.bits, self.group_size = bits, group_size
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
+        self.offloader = Offloader()
 
     def latest(self) -> Optional[dict]:
-        return next(reversed(self.choices.values()), None)
+        choice = next(reversed(self.choices.values()), None)
+        return None if choice is None else dict(choice, offload_counters=dict(self.offloader.counters))
 
     def _calibrate(self, layer, original, hidden: Tensor, others: List[Tensor], args, kwargs) -> dict:
         devices = [hidden.device] if hidden.device.type == "cuda" else []
+        sync = (lambda: torch.cuda.synchronize(hidden.device)) if devices else (lambda: None)
         with torch.random.fork_rng(devices=devices):
             # the hidden state counts: a plain layer's saves are what keeps it alive
             plain = _count_plain(lambda: original(*args, **kwargs), others)
         probe = FastCompressor(bits=self.bits, group_size=self.group_size)
+        sync()
+        t0 = time.perf_counter()
         with torch.random.fork_rng(devices=devices), probe.layer("probe", hidden, others, param_shapes(layer), True):
-            original(*args, **kwargs)
+            with probe.collecting() as entries:
+                original(*args, **kwargs)
+        sync()
+        layer_s = time.perf_counter() - t0
+        codes = sum(p.numel() * p.element_size() for e in entries for p in (e.codes, e.stats) if p is not None)
         n = hidden.numel()
         g = self.group_size
         rows, cols = (n // g, g) if n % g == 0 else (1, n)
         nbytes = {"plain": plain, "fast": probe.stats.total_bytes_after,
+                  "offload": probe.stats.total_bytes_after - codes,
                   "min": _codec.packed_bytes(rows, cols, self.bits, g)}
+        link = _link_rate(hidden.device)
+        max_offload = hidden_layers(self.layers, layer_s, codes, link)
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)
-        modes = choose(self.layers, nbytes, budget)
+        modes = choose(self.layers, nbytes, budget, max_offload)
         if modes is None:
+            n_off = max_offload if nbytes["offload"] < nbytes["min"] else 0
+            least = n_off * nbytes["offload"] + (self.layers - n_off) * nbytes["min"]
+            how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
+                   "'min'" if n_off else "every layer under 'min'")
             raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
-                             f"{tuple(hidden.shape)} is below the least any choice holds: "
-                             f"{self.layers * nbytes['min']} bytes with every layer under 'min'")
+                             f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
+                             f"with {how}")
         predicted = sum(nbytes[m] for m in modes)
+        first = next((i for i, m in enumerate(modes) if m in ("fast", "offload")), -1)
         return {"modes": modes, "bytes": nbytes, "budget_bytes": budget, "predicted_bytes": predicted,
-                "shape": tuple(hidden.shape)}
+                "shape": tuple(hidden.shape), "max_offload": max_offload, "layer_forward_s": layer_s,
+                "link_bytes_per_s": link, "first_compressed": first}
 
     def forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
                 args, kwargs):
@@ -115,9 +173,16 @@ class BudgetPolicy:
             choice = self.choices[key] = self._calibrate(layer, original, hidden, others, args, kwargs)
         mode = choice["modes"][index]
         if mode == "fast":
-            with self.comp.layer(name, hidden, others, shapes, index == choice["modes"].index("fast")):
+            with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
                 return original(*args, **kwargs)
+        if mode == "offload":
+            if index == 0:
+                self.offloader.begin()
+            with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
+                with self.comp.collecting() as entries:
+                    out = original(*args, **kwargs)
+            self.offloader.send(entries, hidden.device)
+            return out
         if mode == "min":
             return compressed_layer_forward(layer, original, self.bits, self.group_size, *args, **kwargs)
         return original(*args, **kwargs)
-

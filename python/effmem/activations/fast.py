@@ -88,6 +88,7 @@ class FastCompressor(ActivationCompressor):
         self._tokens = self._hidden = 0
         self._param_shapes: frozenset = frozenset()
         self._layer_name = ""
+        self._collect: Optional[list] = None  # under collecting(): the entries stored since
 
     def _init_runtime(self) -> None:
         super()._init_runtime()
@@ -119,6 +120,22 @@ class FastCompressor(ActivationCompressor):
             self._end()
             _LOCAL.scope = outer
             self._external, self._tokens, self._hidden, self._param_shapes, self._layer_name = prev
+
+    @contextmanager
+    def collecting(self):
+        """Yield a list that receives every compressed entry stored inside (a layer whose codes
+        activations.offload then moves to host memory)."""
+        prev, self._collect = self._collect, []
+        try:
+            yield self._collect
+        finally:
+            self._collect = prev
+
+    def _store(self, t: Tensor, module: str):
+        h = super()._store(t, module)
+        if self._collect is not None and type(h) is _Handle and h.entry.saves == 1:
+            self._collect.append(h.entry)  # new here (a deduplicated save's entry was collected already)
+        return h
 
     # ------------------------------------------------------------ rules
 

@@ -51,7 +51,7 @@ class _Entry:
     checks saved tensors for in-place changes only when no saved_tensors_hooks
     are active, so the unpack hook makes that check itself."""
     __slots__ = ("codes", "stats", "rows", "cols", "n", "dtype", "bits", "group_size", "origin", "restored",
-                 "saves", "unpacked", "held",
+                 "saves", "unpacked", "held", "offload",
                  "counter", "version", "__weakref__")
 
 
@@ -86,6 +86,8 @@ class _Handle:
 
 def _restore(h: _Handle) -> Tensor:
     e = h.entry
+    if e.offload is not None:  # its codes in host memory (activations.offload): back on the device
+        e.offload.bring_back()
     if e.counter is not None:
         _check_version(e.counter, e.version, e.dtype, h.shape, e.codes.device)
     flat = e.restored() if e.restored is not None else None
@@ -341,7 +343,7 @@ class ActivationCompressor:
         # F.linear makes of its input), gone before the next op saves the same memory (k and v's
         # projections after q's), while the owner lives as long as the memory does.
         entry.origin = weakref.ref(src._base if src._base is not None else src)
-        entry.restored, entry.saves, entry.unpacked, entry.held = None, 1, 0, None
+        entry.restored, entry.saves, entry.unpacked, entry.held, entry.offload = None, 1, 0, None, None
         entry.counter, entry.version = _version_handle(src), src._version
         if t.dtype == torch.bool:
             entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n
