@@ -314,7 +314,6 @@ def test_apply_gives_offload_adam_its_device_accumulation_and_the_loop_sends_onc
     """plan.apply passes device_accumulation to OffloadAdam, and micro_batch() wraps all but the last
     micro-batch in accumulating(): 2 B/param cross per step instead of 2 per micro-batch. Planned for a
     GPU and applied on the CPU (OffloadAdam's host backend), as the tests have no GPU."""
-    from effmem.plan.apply import micro_batch
     accum = 4
     p = effmem.plan(TINY, batch=8, seq=32, accum=accum, gpu_memory="80GB", host_memory="8GB", device="cuda")
     c = next(c for c in p.candidates if c.config.device_accumulation and c.config.optimizer == "offload"
@@ -326,7 +325,7 @@ def test_apply_gives_offload_adam_its_device_accumulation_and_the_loop_sends_onc
     ids = torch.randint(0, TINY["vocab_size"], (2, 32))
     for step in range(2):
         for j in range(accum):
-            with micro_batch(opt, j, accum):
+            with p.micro_batch(opt, j, accum):
                 m(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()

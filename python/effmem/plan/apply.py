@@ -51,7 +51,7 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     loss with effmem.linear_cross_entropy (a "fused-ce" pick), and builds
     FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
     ``micro_batch`` sequences per optimizer step (``plan.pick.config``), each inside
-    ``micro_batch(opt, j, accumulation)``.
+    ``plan.micro_batch(opt, j, accumulation)``.
     """
     c = plan.pick if candidate is None else plan.candidate(candidate)
     if c is None:

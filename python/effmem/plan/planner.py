@@ -220,6 +220,13 @@ class Plan:
         from effmem.plan.apply import apply
         return apply(self, model, candidate, **optimizer_kwargs)
 
+    @staticmethod
+    def micro_batch(opt, index: int, accumulation: int):
+        """The context to run micro-batch `index` (from 0) of `accumulation` in: OffloadAdam's
+        accumulating() for all but the last (device_accumulation keeps gradients on the GPU under it)."""
+        from effmem.plan.apply import micro_batch
+        return micro_batch(opt, index, accumulation)
+
     def __str__(self) -> str:
         from effmem.plan.report import format_plan
         return format_plan(self)
