@@ -62,9 +62,10 @@ def test_offload_only_as_far_as_the_link_hides_it():
 
 def test_offloaded_layers_send_their_codes_and_bring_them_back_in_order(monkeypatch):
     """With a link (made up here: the CPU has none), a tight budget offloads the earliest layers: their
-    8-bit codes leave the entries at the end of each layer's forward and come back in backward, the last
-    offloaded layer on demand and each one before it prefetched when the one after it comes back; the
-    gradients are those of the "fast" policy, bit for bit (offload moves codes, it changes none)."""
+    8-bit codes leave the entries at the end of each layer's forward and come back in backward, each
+    prefetched before it is needed: the last offloaded layer when backward enters the layer after it, each
+    one before when the one after it comes back; the gradients are those of the "fast" policy, bit for
+    bit (offload moves codes, it changes none). A deep copy of the model carries no layer in flight."""
     monkeypatch.setattr(budget_mod, "_link_rate", lambda device: 1e15)
     base = llama(4)
     fast = apply_activation_policy(copy.deepcopy(base), "fast")
@@ -83,13 +84,34 @@ def test_offloaded_layers_send_their_codes_and_bring_them_back_in_order(monkeypa
     a.backward()
     b.backward()
     counters = budget_choice(off)["offload_counters"]
-    assert counters == dict(layers_sent=3, bytes_sent=sent, layers_back=3, prefetched=2, fetched_late=1)
+    assert counters == dict(layers_sent=3, bytes_sent=sent, layers_back=3, prefetched=3, fetched_late=0)
     for p, q in zip(fast.parameters(), off.parameters()):
         assert torch.equal(p.grad, q.grad)
-    # A second step sends and brings back again.
+    # A second step sends and brings back again; a copy taken between forward and backward trains alike.
     off.zero_grad()
-    loss_of(off).backward()
+    loss = loss_of(off)
+    twin = copy.deepcopy(off)
+    loss.backward()
     assert budget_choice(off)["offload_counters"]["layers_back"] == 6
+    loss_of(twin).backward()
+    assert budget_choice(twin)["offload_counters"]["prefetched"] == 3 + 3  # its counters came along
+
+
+def test_a_layer_not_prefetched_is_fetched_when_needed(monkeypatch):
+    """Without the hook that prefetches the last offloaded layer, its first restore copies it back on the
+    spot (and prefetches the one before): the same gradients."""
+    from effmem.activations.offload import Offloader
+    monkeypatch.setattr(budget_mod, "_link_rate", lambda device: 1e15)
+    monkeypatch.setattr(Offloader, "prefetch_on_backward", lambda self, output: None)
+    base = llama(4)
+    fast = apply_activation_policy(copy.deepcopy(base), "fast")
+    off = apply_activation_policy(copy.deepcopy(base), memory_budget=0.1)
+    loss_of(fast).backward()
+    loss_of(off).backward()
+    counters = budget_choice(off)["offload_counters"]
+    assert (counters["layers_back"], counters["prefetched"], counters["fetched_late"]) == (3, 2, 1)
+    for p, q in zip(fast.parameters(), off.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_without_a_link_nothing_is_offloaded():
@@ -145,7 +167,7 @@ def test_a_budget_nothing_fits_and_bad_arguments_name_themselves():
         apply_activation_policy(llama(2), "fast", memory_budget=0.5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_cuda_offload_frees_the_codes_without_host_syncs():
     """On a GPU: after forward the offloaded layers' codes are off the device (allocated bytes below the
     "fast" policy's by what was sent), forward and backward make no host synchronisation, and the
@@ -160,12 +182,17 @@ def test_cuda_offload_frees_the_codes_without_host_syncs():
         m.zero_grad()
     torch.cuda.synchronize()
 
+    def active():
+        return torch.cuda.memory_stats()["active_bytes.all.current"]
+
     def held(m):
-        before = torch.cuda.memory_allocated()
+        before = active()
         loss = m(input_ids=x, labels=x).loss
         torch.cuda.synchronize()
-        torch.empty(1, device="cuda")  # lets the allocator free blocks whose side-stream copies are done
-        return loss, torch.cuda.memory_allocated() - before
+        # A block freed while a side-stream copy still read it stays active until the allocator sees the
+        # copy done, which it checks at its next allocation.
+        torch.empty(1, device="cuda")
+        return loss, active() - before
 
     a, held_fast = held(fast)
     a.backward()

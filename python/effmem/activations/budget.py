@@ -174,8 +174,8 @@ class BudgetPolicy:
         mode = choice["modes"][index]
         if mode == "fast":
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
-                return original(*args, **kwargs)
-        if mode == "offload":
+                out = original(*args, **kwargs)
+        elif mode == "offload":
             if index == 0:
                 self.offloader.begin()
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
@@ -183,6 +183,10 @@ class BudgetPolicy:
                     out = original(*args, **kwargs)
             self.offloader.send(entries, hidden.device)
             return out
-        if mode == "min":
-            return compressed_layer_forward(layer, original, self.bits, self.group_size, *args, **kwargs)
-        return original(*args, **kwargs)
+        elif mode == "min":
+            out = compressed_layer_forward(layer, original, self.bits, self.group_size, *args, **kwargs)
+        else:
+            out = original(*args, **kwargs)
+        if index and choice["modes"][index - 1] == "offload":
+            self.offloader.prefetch_on_backward(out)  # the first layer after the offloaded ones
+        return out

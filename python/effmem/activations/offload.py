@@ -10,7 +10,12 @@ the layer's prefetch (a stream wait, not a host one) or, without one, copies now
 It then starts the prefetch of the offloaded layer sent before it, the next one backward needs, on the
 side stream, so that copy runs behind this layer's backward. Only the earliest layers are offloaded
 (effmem.activations.budget): their copies out have the rest of the forward to hide behind, and their
-copies back the backward of the layers after them.
+copies back the backward of the layers after them. The last offloaded layer is prefetched when backward
+reaches the layer after it (a hook on that layer's output, prefetch_on_backward), not at the start of
+backward, where the codes would add to the peak.
+
+Host buffers come from torch's pinned-memory cache. Where it cannot give them (the host is out of
+page-locked memory), the layer keeps its codes on the device and counts a failure: the step goes on.
 
 On a CPU device the same steps run with clones in place of transfers and no streams: the bookkeeping
 (what is sent, what comes back, prefetched or not) is what the CPU tests check; memory moves only on a
@@ -32,6 +37,14 @@ class Offloader:
         self._last: Optional["_Layer"] = None
         self.counters = dict(layers_sent=0, bytes_sent=0, layers_back=0, prefetched=0, fetched_late=0)
 
+    # Deep copies and pickles of a model (an EMA copy, torch.save) carry no streams, events or layers in flight.
+    def __getstate__(self):
+        return {"counters": dict(self.counters)}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.counters.update(state["counters"])
+
     def stream(self, device: torch.device):
         s = self._streams.get(device)
         if s is None:
@@ -47,10 +60,29 @@ class Offloader:
         entries = [e for e in entries if e.codes is not None and e.offload is None]
         if not entries:
             return
-        layer = _Layer(self, entries, device, self._last)
+        try:
+            host = [[torch.empty(p.shape, dtype=p.dtype, pin_memory=True) if device.type == "cuda" else None
+                     for p in _parts(e)] for e in entries]
+        except RuntimeError:  # no page-locked memory left: this layer's codes stay where they are
+            self.counters["host_alloc_failed"] = self.counters.get("host_alloc_failed", 0) + 1
+            return
+        layer = _Layer(self, entries, host, device, self._last)
         self._last = layer
         self.counters["layers_sent"] += 1
         self.counters["bytes_sent"] += layer.nbytes
+
+    def prefetch_on_backward(self, output) -> None:
+        """Prefetch the latest offloaded layer when the gradient of `output` (the first tensor in it that
+        requires grad: the output of the layer after it) is computed, as backward enters that layer."""
+        last = self._last
+        t = output if isinstance(output, Tensor) else next(
+            (o for o in (output if isinstance(output, (tuple, list)) else ()) if isinstance(o, Tensor)), None)
+        if last is None or t is None or not t.requires_grad:
+            return
+
+        def hook(grad):
+            last.prefetch()
+        t.register_hook(hook)
 
 
 def _parts(e) -> List[Tensor]:
@@ -60,7 +92,8 @@ def _parts(e) -> List[Tensor]:
 class _Layer:
     """One layer's offloaded entries: their host copies until they come back."""
 
-    def __init__(self, owner: Offloader, entries: List, device: torch.device, prev: Optional["_Layer"]):
+    def __init__(self, owner: Offloader, entries: List, host_buffers: List, device: torch.device,
+                 prev: Optional["_Layer"]):
         self.owner, self.device, self.prev = owner, device, prev
         self.back: Optional[list] = None     # device copies made by the prefetch
         self.ready = None                    # the prefetch's event (CUDA)
@@ -71,10 +104,9 @@ class _Layer:
         if cuda:
             side = owner.stream(device)
             side.wait_stream(torch.cuda.current_stream(device))  # the codes are written on the current stream
-        for e in entries:
+        for e, host in zip(entries, host_buffers):
             parts = _parts(e)
             if cuda:
-                host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
                 with torch.cuda.stream(side):
                     for h, p in zip(host, parts):
                         h.copy_(p, non_blocking=True)
