@@ -209,4 +209,4 @@ def test_cuda_offload_frees_the_codes_without_host_syncs():
     sent = choice["modes"].count("offload") * (choice["bytes"]["fast"] - choice["bytes"]["offload"])
     assert held_fast - held_off == pytest.approx(sent, rel=0.1), (held_fast, held_off, sent)
     b.backward()
-    assert choice["offload_counters"]["fetched_late"] * 2 <= choice["offload_counters"]["layers_back"]
+    assert choice["offload_counters"]["fetched_late"] == 0 < choice["offload_counters"]["prefetched"]
