@@ -310,6 +310,44 @@ def test_device_accumulation_is_a_candidate_where_the_link_is_the_bottleneck():
     assert not any(c.config.device_accumulation for c in one.candidates)
 
 
+def test_fast_offload_moves_the_hidden_layers_codes_to_the_host():
+    """fast_offload (a GPU candidate): the "fast" policy with the 8-bit codes of the first layers in host
+    memory, as many layers as the link hides behind their forward (activations.budget.hidden_layers on
+    the plan's rates): their codes leave the GPU's activations for the host's, at the same step time."""
+    from effmem.activations.budget import hidden_layers
+    p = effmem.plan("llama-7b", batch=8, seq=2048, accum=8, gpu_memory="80GB", host_memory="256GB", device="cuda")
+    fast = pick_of(p, precision="bf16", activations="fast", optimizer="offload", loss="standard")
+    off = pick_of(p, precision="bf16", activations="fast_offload", optimizer="offload", loss="standard")
+    moved = off.cost.host_bytes - fast.cost.host_bytes
+    act = off.cost.parts["activations_by_kind"]
+    assert fast.cost.parts["activations_by_kind"]["block"] - act["block"] == moved > 0
+    assert off.step_time_s == fast.step_time_s
+    # 31 of 32 layers: the last one's backward comes first, there is nothing to hide its copies behind
+    assert hidden_layers(32, 1.0, 1, 1e9) == 31
+    assert 0 < off.cost.activation_budget < 0.1
+    assert f"memory_budget={off.cost.activation_budget:.4f}" in code_for(off.config, "cuda",
+                                                                        off.cost.activation_budget)
+    assert not any(c.config.activations == "fast_offload" for c in effmem.plan(
+        TINY, batch=2, seq=64, device="cpu", host_memory="8GB").candidates)  # no link on a CPU
+
+
+def test_fast_offload_applied_where_no_layer_can_be_offloaded_still_fits():
+    """Its memory_budget is at least what every layer under "min" holds: where the runtime finds that the
+    link hides fewer layers than the plan predicted (here, the CPU: none), the solver puts the rest under
+    "min" instead of raising. (Planned with a link fast enough to hide a tiny model's copies.)"""
+    from effmem.plan.rates import rates_for
+    fast_link = dataclasses.replace(rates_for("NVIDIA H100 80GB HBM3"), link_bw=1e15)
+    p = effmem.plan(TINY, batch=2, seq=64, gpu_memory="80GB", host_memory="8GB", device="cuda", rates=fast_link)
+    c = next(c for c in p.candidates if c.config.activations == "fast_offload" and c.config.optimizer == "gpu")
+    p.device = "cpu"
+    m, opt = p.apply(real_tiny(), c.name)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64))
+    m(input_ids=ids, labels=ids).loss.backward()
+    choice = effmem.activations.budget_choice(m)
+    assert choice["max_offload"] == 0 and choice["predicted_bytes"] <= choice["budget_bytes"]
+    opt.step()
+
+
 def test_apply_gives_offload_adam_its_device_accumulation_and_the_loop_sends_once():
     """plan.apply passes device_accumulation to OffloadAdam, and micro_batch() wraps all but the last
     micro-batch in accumulating(): 2 B/param cross per step instead of 2 per micro-batch. Planned for a

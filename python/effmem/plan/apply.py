@@ -80,6 +80,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         apply_activation_policy(model, "min")
     elif cfg.activations in ("fast", "selective"):
         apply_activation_policy(model, cfg.activations)
+    elif cfg.activations == "fast_offload":
+        apply_activation_policy(model, memory_budget=c.cost.activation_budget)
     elif cfg.activations.startswith("compress"):
         model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
     elif cfg.activations == "save_on_cpu":
@@ -120,9 +122,10 @@ def micro_batch(opt, index: int, accumulation: int):
 def _check_distributed(plan, name: str) -> None:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
+        c = plan.candidate(name)
         raise ValueError(f"candidate {name}: a sharded configuration is applied on every rank after "
                          f"torch.distributed.init_process_group (torchrun); it is not initialised here. The "
-                         f"lines each rank runs:\n{code_for(plan.candidate(name).config, plan.device)}")
+                         f"lines each rank runs:\n{code_for(c.config, plan.device, c.cost.activation_budget)}")
     if dist.get_world_size() != plan.gpus:
         raise ValueError(f"candidate {name}: planned for {plan.gpus} ranks, torch.distributed has "
                          f"{dist.get_world_size()}")

@@ -60,7 +60,7 @@ def cmd_plan(args) -> int:
     data = plan.as_dict()
     if plan.pick is not None:
         from effmem.plan.report import code_for
-        data["code"] = code_for(plan.pick.config, plan.device)
+        data["code"] = code_for(plan.pick.config, plan.device, plan.pick.cost.activation_budget)
     if args.verify:
         names = [c.name for c in plan.candidates if c.fits] if args.verify == "all" else None
         data["verify"] = verify(plan, candidates=names, steps=args.steps)

@@ -30,7 +30,15 @@ PRECISIONS = {
 # fast: effmem.apply_activation_policy(model, "fast"), 8-bit saves with norms and activations rebuilt.
 # selective: apply_activation_policy(model, "selective"), torch's selective checkpointing (matmul and
 # attention outputs kept, the rest recomputed).
-ACTIVATIONS = ("none", "fast", "selective", "checkpoint", "checkpoint8", "compress8", "compress4", "save_on_cpu")
+# fast_offload: apply_activation_policy(model, memory_budget=...) where the solver moves the 8-bit codes of as
+# many of the first layers to host memory as the link hides (activations/offload.py; GPU only).
+ACTIVATIONS = ("none", "fast", "fast_offload", "selective", "checkpoint", "checkpoint8", "compress8", "compress4",
+               "save_on_cpu")
+TRACED = tuple(a for a in ACTIVATIONS if a != "fast_offload")  # fast_offload is "fast" less what goes to the host
+# apply(): the memory_budget fraction given to the runtime solver is the plan's, this much larger (its own
+# measurement of a layer's bytes may differ a little; where it is tighter it would put a layer under "min").
+OFFLOAD_BUDGET_SLACK = 1.05
+LAYER_KINDS = ("attention", "mlp", "norm", "block")  # trace kinds that decoder layers' saves fall under
 RECOMPUTED = ("selective", "checkpoint", "checkpoint8")  # layers run again in backward
 OPTIMIZERS = ("gpu", "offload", "offload_overlap", "offload_async")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
@@ -102,6 +110,8 @@ class Model:
     tokens: int = 1                          # tokens per micro-batch
     fused_ce_transient: int = 0              # backward buffers of effmem.linear_cross_entropy (fused loss)
     fast_compressed: int = 0                 # plain bytes the "fast" policy quantises (and restores)
+    fast_codes: int = 0                      # what they take as 8-bit codes and statistics, all layers
+    fast_offloaded: int = 0                  # of those, the codes fast_offload moves to the host (offloaded_codes)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
 
 
@@ -113,6 +123,7 @@ class Cost:
     host_bytes: int
     states: Dict[str, int] = field(default_factory=dict)  # model states at the optimizer step
     forward_alive: int = 0   # bytes a micro-batch's forward leaves alive: activations, logits and loss
+    activation_budget: float = 0.0  # fast_offload: the memory_budget fraction apply() gives the runtime solver
 
 
 def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
@@ -140,7 +151,23 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     if cfg.sharding == "zero3":
         # FSDP2 gathers a layer's weights ahead of use: about two layers' full weights at a time.
         temporary_step += 2 * n * w_b // max(1, m.layers)
-    act = dict(m.activations[cfg.activations])
+    act = dict(m.activations["fast" if cfg.activations == "fast_offload" else cfg.activations])
+    activation_budget = 0.0
+    if cfg.activations == "fast_offload":
+        # The codes of the offloaded layers wait in page-locked host memory (one copy per micro-batch: each
+        # backward brings its own back before the next forward).
+        # The runtime's budget is a fraction of the decoder layers' plain saves. Under "fast" the trace puts
+        # the layers' saves under "block"; what stays under the other kinds is saved outside them.
+        outside = sum(act[k] for k in LAYER_KINDS if k != "block")
+        plain_layers = sum(m.activations["none"][k] for k in LAYER_KINDS) - outside
+        every_min = sum(m.activations["checkpoint8"][k] for k in LAYER_KINDS) - outside
+        act["block"] -= m.fast_offloaded
+        host += m.fast_offloaded
+        # At least what every layer under "min" holds: where the runtime finds the link hides fewer layers
+        # than predicted, its solver falls back on "min" layers (slower, a little more memory) instead of
+        # raising.
+        want = max(OFFLOAD_BUDGET_SLACK * act["block"], every_min)
+        activation_budget = min(1.0, want / plain_layers) if plain_layers > 0 else 1.0
     logits = act.pop("logits", 0)
     early = act.pop("grads", 0)  # gradients the fused loss made in its forward: alive at the start of backward
     activations = sum(act.values())
@@ -168,7 +195,22 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     parts["activations_by_kind"] = act
     states = dict(weights=weights, grads=grads, master=master, optimizer=optimizer)
     # Host memory is the machine's, shared by all ranks on it (one machine: all `world` GPUs).
-    return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits + early)
+    return Cost(parts, allocated + reserve, allocated, host * world, states, activations + logits + early,
+                activation_budget)
+
+
+def offloaded_codes(m: Model, r: Rates, precision: str) -> int:
+    """The codes fast_offload moves to the host: those of the first layers whose copies the link hides
+    behind one layer's forward (effmem.activations.budget.hidden_layers, with the forward's time from
+    its FLOPs at this device's rate). 0 without a link."""
+    from effmem.activations.budget import hidden_layers
+    if not r.link_bw or not m.fast_codes or m.layers < 2:
+        return 0
+    rate = (r.matmul_flops if precision == "bf16" else r.matmul_flops_fp32) * m.tokens / (
+        m.tokens + r.half_rate_tokens)
+    layer_s = (m.matmul_flops + m.attention_flops) / rate / m.layers
+    per_layer = m.fast_codes // m.layers
+    return hidden_layers(m.layers, layer_s, per_layer, r.link_bw) * per_layer
 
 
 def kept_on_device(cfg: Config, t: int, g_b: int) -> int:
@@ -205,9 +247,9 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
         extra = saved / r.compress_bw
-    elif cfg.activations == "fast":
+    elif cfg.activations in ("fast", "fast_offload"):
         # Its saves quantised and restored; the rebuilt norm and activation outputs are elementwise and
-        # left out.
+        # left out. fast_offload's copies are hidden (offloaded_codes offloads no more than that).
         extra = m.fast_compressed / r.compress_bw
     elif cfg.activations == "checkpoint8":
         # One quantisation and one dequantisation of each layer's input.

@@ -116,7 +116,7 @@ class _Activity:
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
         self.has_fast = self.one.has_fast and self.two.has_fast
-        self.strategies = tuple(a for a in costs.ACTIVATIONS if a != "fast" or self.has_fast)
+        self.strategies = tuple(a for a in costs.ACTIVATIONS if not a.startswith("fast") or self.has_fast)
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
         def lin(f):
@@ -127,13 +127,13 @@ class _Activity:
         return costs.Model(
             params=spec.num_params, trainable=spec.num_trainable,
             activations={s: lin(lambda t, s=s: t.activations(s)) for s in costs.ACTIVATIONS
-                         if s != "fast" or self.has_fast},
+                         if s in costs.TRACED and (s != "fast" or self.has_fast)},
             offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
-            fast_compressed=lin(lambda t: t.fast_compressed()),
+            fast_compressed=lin(lambda t: t.fast_compressed()), fast_codes=lin(lambda t: t.fast_codes()),
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
             tokens=micro * self.seq, fused_ce_transient=costs.fused_ce_buffers(
                 micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
@@ -351,11 +351,12 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     cands: List[Candidate] = []
     shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
-    acts = [a for a in costs.ACTIVATIONS if (device == "cuda" or a != "save_on_cpu")
-            and (a != "fast" or all(t.has_fast for t in activity.values()))]
+    acts = [a for a in costs.ACTIVATIONS if (device == "cuda" or a not in ("save_on_cpu", "fast_offload"))
+            and (not a.startswith("fast") or all(t.has_fast for t in activity.values()))]
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
-        known = activity[precision, loss].strategies
+        m.fast_offloaded = costs.offloaded_codes(m, rates, precision)
+        known = [a for a in activity[precision, loss].strategies if a != "fast_offload" or m.fast_offloaded]
         for act, opt, shard, bits in itertools.product([a for a in acts if a in known], optimizers, shardings,
                                                         costs.STATE_BITS):
             if opt != "gpu" and shard in ("zero1", "zero2"):

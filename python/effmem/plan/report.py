@@ -28,7 +28,7 @@ def format_plan(plan, max_rows: int = 14) -> str:
         lines.append(f"\npick: {pick.name}  (peak {_gb(pick.cost.peak_bytes)} GB, "
                      f"host {_gb(pick.cost.host_bytes)} GB, step {pick.step_time_s * 1e3:.0f} ms)")
         lines.append("  " + "  ".join(f"{k} {_gb(pick.cost.parts[k])}" for k in PARTS))
-        lines.append("\n" + code_for(pick.config, plan.device))
+        lines.append("\n" + code_for(pick.config, plan.device, pick.cost.activation_budget))
     lines.append("\ncandidates (best micro-batch of each combination; --json has all of them):")
     header = f"  {'name':<44} {'fits':<5} {'peak GB':>8} {'host GB':>8} {'step ms':>9}  why"
     lines.append(header)
@@ -48,8 +48,9 @@ def format_plan(plan, max_rows: int = 14) -> str:
     return "\n".join(lines)
 
 
-def code_for(cfg: Config, device: str = "cuda") -> str:
-    """The pick as the lines of a training script."""
+def code_for(cfg: Config, device: str = "cuda", activation_budget: float = 0.0) -> str:
+    """The pick as the lines of a training script (activation_budget: a fast_offload candidate's
+    Cost.activation_budget)."""
     out = ["# the pick as code (or: model, opt = plan.apply(model)):"]
     if cfg.precision == "bf16":
         out.append(f"model = model.to('{device}', torch.bfloat16)")
@@ -60,6 +61,9 @@ def code_for(cfg: Config, device: str = "cuda") -> str:
         out.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
     elif cfg.activations == "checkpoint8":
         out.append("model = effmem.apply_activation_policy(model, 'min')   # checkpointed layers, 8-bit inputs")
+    elif cfg.activations == "fast_offload":
+        out.append(f"model = effmem.apply_activation_policy(model, memory_budget={activation_budget:.4f})   # 'fast', "
+                   "the first layers' 8-bit codes in host memory")
     elif cfg.activations == "fast":
         out.append("model = effmem.apply_activation_policy(model, 'fast')   # 8-bit saves, norms/activations rebuilt")
     elif cfg.activations == "selective":

@@ -108,6 +108,7 @@ class Trace:
     fast: Optional["Trace"] = None
     fast_layer_bytes: int = 0        # bytes the layers' saves take under the policy
     fast_compressed_bytes: int = 0   # plain bytes of what it quantised (the work of its kernels)
+    fast_codes_bytes: int = 0        # what that became: codes and statistics (what "offload" moves to the host)
     selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
@@ -155,6 +156,9 @@ class Trace:
 
     def fast_compressed(self) -> int:
         return 0 if self.fast is None else self.fast.fast_compressed_bytes
+
+    def fast_codes(self) -> int:
+        return 0 if self.fast is None else self.fast.fast_codes_bytes
 
     def saved_bytes(self, strategy: str) -> int:
         """Bytes saved for backward under a strategy: activations() less what forward returned."""
@@ -222,6 +226,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         tr.fast_layer_bytes = st.total_bytes_after
         kept = sum(t.bytes_before for reason, t in st.skipped.items() if reason not in ("parameter", "layer_input"))
         tr.fast_compressed_bytes = st.total_bytes_before - kept
+        tr.fast_codes_bytes = st.total_bytes_after - kept
         return tr
     meta = torch.device("meta")
     state = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() else v.dtype)
@@ -369,6 +374,9 @@ class Extrapolated:
 
     def fast_compressed(self) -> int:
         return self._lin(lambda t: t.fast_compressed())
+
+    def fast_codes(self) -> int:
+        return self._lin(lambda t: t.fast_codes())
 
     @property
     def selective_recompute_bytes(self) -> float:
