@@ -33,7 +33,7 @@ from torch import Tensor
 
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward
 from effmem.activations.fast import FastCompressor, param_shapes
-from effmem.activations.offload import Offloader
+from effmem.activations.offload import Offloader, _parts, aligned_bytes
 from effmem.compress import _codec
 from effmem.compress.tracker import storage_key
 
@@ -140,7 +140,8 @@ class BudgetPolicy:
                 original(*args, **kwargs)
         sync()
         layer_s = time.perf_counter() - t0
-        codes = sum(p.numel() * p.element_size() for e in entries for p in (e.codes, e.stats) if p is not None)
+        codes = sum(p.numel() * p.element_size() for e in entries for p in _parts(e))
+        host_per_layer = sum(aligned_bytes(_parts(e)) for e in entries)
         n = hidden.numel()
         g = self.group_size
         rows, cols = (n // g, g) if n % g == 0 else (1, n)
@@ -160,6 +161,8 @@ class BudgetPolicy:
                              f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
                              f"with {how}")
         predicted = sum(nbytes[m] for m in modes)
+        if "offload" in modes:
+            self.offloader.reserve(modes.count("offload") * host_per_layer, hidden.device)
         first = next((i for i, m in enumerate(modes) if m in ("fast", "offload")), -1)
         return {"modes": modes, "bytes": nbytes, "budget_bytes": budget, "predicted_bytes": predicted,
                 "shape": tuple(hidden.shape), "max_offload": max_offload, "layer_forward_s": layer_s,
@@ -177,7 +180,7 @@ class BudgetPolicy:
                 out = original(*args, **kwargs)
         elif mode == "offload":
             if index == 0:
-                self.offloader.begin()
+                self.offloader.begin(hidden.device)
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
                 with self.comp.collecting() as entries:
                     out = original(*args, **kwargs)

@@ -14,18 +14,30 @@ copies back the backward of the layers after them. The last offloaded layer is p
 reaches the layer after it (a hook on that layer's output, prefetch_on_backward), not at the start of
 backward, where the codes would add to the peak.
 
-Host buffers come from torch's pinned-memory cache. Where it cannot give them (the host is out of
-page-locked memory), the layer keeps its codes on the device and counts a failure: the step goes on.
+Host memory: one page-locked buffer per model, reserved at calibration for the layers chosen (their codes
+at 512-byte alignment) and reused by every forward: no allocation in the steps, and exactly that much
+host memory (torch's pinned-memory cache rounds each allocation up to a power of two, up to twice the
+bytes, and caches it for good). A forward that starts while an earlier one's layers are still in host
+memory (two forwards before a backward) gets a new buffer; copies beyond the reserve get their own
+pinned tensors. Where the host has no page-locked memory left, the layer keeps its codes on the device
+and counts a failure: the step goes on.
 
-On a CPU device the same steps run with clones in place of transfers and no streams: the bookkeeping
-(what is sent, what comes back, prefetched or not) is what the CPU tests check; memory moves only on a
-GPU.
+On a CPU device the same steps run with copies into an ordinary buffer and clones back, no streams: the
+bookkeeping (what is sent, what comes back, prefetched or not) is what the CPU tests check; memory moves
+only on a GPU.
 """
 import weakref
 from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
+
+ALIGN = 512  # bytes: where each host copy starts in the buffer (a multiple of every element size)
+
+
+def aligned_bytes(parts: List[Tensor]) -> int:
+    """Host buffer bytes that the copies of `parts` take."""
+    return sum(-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in parts)
 
 
 class Offloader:
@@ -35,15 +47,21 @@ class Offloader:
     def __init__(self):
         self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}
         self._last: Optional["_Layer"] = None
-        self.counters = dict(layers_sent=0, bytes_sent=0, layers_back=0, prefetched=0, fetched_late=0)
+        self._pool: Optional[Tensor] = None    # the host buffer (uint8) this forward's copies are cut from
+        self._reserved = 0                     # its size, as reserve() asked
+        self._offset = 0
+        self._layers: List[weakref.ref] = []   # this forward's layers
+        self.counters = dict(layers_sent=0, bytes_sent=0, layers_back=0, prefetched=0, fetched_late=0,
+                             host_reserved=0, outside_reserve=0)
 
     # Deep copies and pickles of a model (an EMA copy, torch.save) carry no streams, events or layers in flight.
     def __getstate__(self):
-        return {"counters": dict(self.counters)}
+        return {"counters": dict(self.counters), "reserved": self._reserved}
 
     def __setstate__(self, state):
         self.__init__()
         self.counters.update(state["counters"])
+        self._reserved = state["reserved"]  # the copy's own buffer is allocated at its first forward
 
     def stream(self, device: torch.device):
         s = self._streams.get(device)
@@ -51,9 +69,36 @@ class Offloader:
             s = self._streams[device] = torch.cuda.Stream(device)
         return s
 
-    def begin(self) -> None:
-        """A new forward: its first offloaded layer has no layer before it to prefetch."""
+    def reserve(self, nbytes: int, device: torch.device) -> None:
+        """Host memory for one forward's copies (at least nbytes), allocated once."""
+        if nbytes > self._reserved or self._pool is None:
+            self._reserved = max(nbytes, self._reserved)
+            self._pool = None  # an older buffer lives on in the views of copies still out, if any
+            self._pool = torch.empty(self._reserved, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            self.counters["host_reserved"] = self._reserved
+
+    def begin(self, device: torch.device) -> None:
+        """A new forward: its first offloaded layer has no layer before it to prefetch, and its copies
+        start at the buffer's beginning, unless a layer of the last forward is still out."""
         self._last = None
+        if any(r() is not None and not r().done for r in self._layers):
+            self._pool = None  # still read: those layers' views keep it alive; this forward gets another
+            self.reserve(self._reserved, device)
+        self._layers, self._offset = [], 0
+
+    def _host(self, parts: List[Tensor], device: torch.device) -> List[Tensor]:
+        """Host tensors to copy `parts` into: views of the buffer while it lasts, else their own."""
+        n = aligned_bytes(parts)
+        if self._pool is None or self._offset + n > self._pool.numel():
+            self.counters["outside_reserve"] += 1
+            return [torch.empty(p.shape, dtype=p.dtype, pin_memory=device.type == "cuda") for p in parts]
+        out, at = [], self._offset
+        for p in parts:
+            size = p.numel() * p.element_size()
+            out.append(self._pool[at:at + size].view(p.dtype).view(p.shape))
+            at += aligned_bytes([p])
+        self._offset += n
+        return out
 
     def send(self, entries: List, device: torch.device) -> None:
         """Move the codes of `entries` (compress.hooks._Entry, just made by one layer) to host memory."""
@@ -61,13 +106,13 @@ class Offloader:
         if not entries:
             return
         try:
-            host = [[torch.empty(p.shape, dtype=p.dtype, pin_memory=True) if device.type == "cuda" else None
-                     for p in _parts(e)] for e in entries]
+            host = [self._host(_parts(e), device) for e in entries]
         except RuntimeError:  # no page-locked memory left: this layer's codes stay where they are
             self.counters["host_alloc_failed"] = self.counters.get("host_alloc_failed", 0) + 1
             return
         layer = _Layer(self, entries, host, device, self._last)
         self._last = layer
+        self._layers.append(weakref.ref(layer))
         self.counters["layers_sent"] += 1
         self.counters["bytes_sent"] += layer.nbytes
 
@@ -113,7 +158,8 @@ class _Layer:
                 for p in parts:
                     p.record_stream(side)  # its memory is reused only after the copy out
             else:
-                host = [p.clone() for p in parts]
+                for h, p in zip(host, parts):
+                    h.copy_(p)
             self.nbytes += sum(p.numel() * p.element_size() for p in parts)
             e.codes = e.stats = None
             e.offload = self
