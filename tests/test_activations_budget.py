@@ -97,7 +97,9 @@ def test_offloaded_layers_send_their_codes_and_bring_them_back_in_order(monkeypa
     loss.backward()
     assert budget_choice(off)["offload_counters"]["layers_back"] == 6
     loss_of(twin).backward()
-    assert budget_choice(twin)["offload_counters"]["prefetched"] == 3 + 3  # its counters came along
+    twin_counters = budget_choice(twin)["offload_counters"]
+    assert twin_counters["prefetched"] == 3 + 3  # its counters came along
+    assert twin_counters["outside_reserve"] == 0  # and it has a buffer of its own
 
 
 def test_two_forwards_before_a_backward_keep_both_copies(monkeypatch):

@@ -183,9 +183,9 @@ def test_png_chart_draws_the_progression_and_the_pick(tmp_path):
         write_chart(p, str(tmp_path / "plan.pdf"))
 
 
-def real_tiny():
+def real_tiny(cfg=None):
     import transformers
-    c = dict(TINY)
+    c = dict(cfg or TINY)
     config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
@@ -303,8 +303,10 @@ def test_device_accumulation_is_a_candidate_where_the_link_is_the_bottleneck():
                         host_memory="256GB", device="cuda")
     part = next(c for c in tight.candidates if c.config == dataclasses.replace(
         base.config, device_accumulation=c.config.device_accumulation) and c.config.device_accumulation)
-    bucket = 2 * costs.OFFLOAD_BUCKET
-    assert part.fits and part.config.device_accumulation == 2 * bucket  # 40 MB of room: two 16.8 MB buckets
+    # 40 MB of room: the engine's first buckets (backward order) while they fit
+    sizes = costs.offload_buckets(q.numel for q in tight.spec.params if q.trainable)
+    prefix = [2 * sum(sizes[:j]) for j in range(1, len(sizes) + 1)]
+    assert part.fits and part.config.device_accumulation == max(b for b in prefix if b <= 38e6)
     # One micro-batch: nothing to accumulate, no such candidate.
     one = effmem.plan("llama-1b", batch=2, seq=512, accum=1, gpu_memory="80GB", device="cuda")
     assert not any(c.config.device_accumulation for c in one.candidates)
@@ -320,13 +322,14 @@ def test_fast_offload_moves_the_hidden_layers_codes_to_the_host():
     off = pick_of(p, precision="bf16", activations="fast_offload", optimizer="offload", loss="standard")
     moved = off.cost.host_bytes - fast.cost.host_bytes
     act = off.cost.parts["activations_by_kind"]
-    assert fast.cost.parts["activations_by_kind"]["block"] - act["block"] == moved > 0
+    assert moved >= fast.cost.parts["activations_by_kind"]["block"] - act["block"] > 0
     assert off.step_time_s == fast.step_time_s
     # 31 of 32 layers: the last one's backward comes first, there is nothing to hide its copies behind
     assert hidden_layers(32, 1.0, 1, 1e9) == 31
-    assert 0 < off.cost.activation_budget < 0.1
-    assert f"memory_budget={off.cost.activation_budget:.4f}" in code_for(off.config, "cuda",
-                                                                        off.cost.activation_budget)
+    assert act["block"] == off.cost.activation_budget  # the solver may fill its budget: that is counted
+    assert off.cost.activation_budget < 0.1 * fast.cost.parts["activations_by_kind"]["block"]
+    assert f"memory_budget={off.cost.activation_budget})" in code_for(off.config, "cuda",
+                                                                     off.cost.activation_budget)
     assert not any(c.config.activations == "fast_offload" for c in effmem.plan(
         TINY, batch=2, seq=64, device="cpu", host_memory="8GB").candidates)  # no link on a CPU
 
@@ -334,13 +337,16 @@ def test_fast_offload_moves_the_hidden_layers_codes_to_the_host():
 def test_fast_offload_applied_where_no_layer_can_be_offloaded_still_fits():
     """Its memory_budget is at least what every layer under "min" holds: where the runtime finds that the
     link hides fewer layers than the plan predicted (here, the CPU: none), the solver puts the rest under
-    "min" instead of raising. (Planned with a link fast enough to hide a tiny model's copies.)"""
+    "min" instead of raising. (Planned with a link fast enough to hide a tiny model's copies; 16 layers,
+    so that what every layer under "min" holds is more than the planned mix.)"""
     from effmem.plan.rates import rates_for
+    deep = dict(TINY, num_hidden_layers=16)
     fast_link = dataclasses.replace(rates_for("NVIDIA H100 80GB HBM3"), link_bw=1e15)
-    p = effmem.plan(TINY, batch=2, seq=64, gpu_memory="80GB", host_memory="8GB", device="cuda", rates=fast_link)
+    p = effmem.plan(deep, batch=2, seq=64, accum=1, gpu_memory="80GB", host_memory="8GB", device="cuda",
+                    rates=fast_link)
     c = next(c for c in p.candidates if c.config.activations == "fast_offload" and c.config.optimizer == "gpu")
     p.device = "cpu"
-    m, opt = p.apply(real_tiny(), c.name)
+    m, opt = p.apply(real_tiny(deep), c.name)
     ids = torch.randint(0, TINY["vocab_size"], (2, 64))
     m(input_ids=ids, labels=ids).loss.backward()
     choice = effmem.activations.budget_choice(m)
@@ -359,6 +365,13 @@ def test_apply_gives_offload_adam_its_device_accumulation_and_the_loop_sends_onc
     p.device = "cpu"
     m, opt = p.apply(real_tiny(), c.name)
     assert isinstance(opt, effmem.OffloadAdam) and opt._device_accumulation == c.config.device_accumulation
+    # The plan's bucket layout is the engine's (here with small buckets, so that there are several).
+    small = effmem.OffloadAdam(list(m.parameters()), bucket_size=5000)
+    engine = [0] * (max(small._bucket_of) + 1)
+    for q, b in zip(small._local, small._bucket_of):
+        engine[b] += q.numel()
+    assert costs.offload_buckets([q.numel() for q in m.parameters()], 5000) == tuple(engine) and len(engine) > 3
+    small.close()
     n = sum(q.numel() for q in m.parameters())
     ids = torch.randint(0, TINY["vocab_size"], (2, 32))
     for step in range(2):

@@ -15,12 +15,12 @@ reaches the layer after it (a hook on that layer's output, prefetch_on_backward)
 backward, where the codes would add to the peak.
 
 Host memory: one page-locked buffer per model, reserved at calibration for the layers chosen (their codes
-at 512-byte alignment) and reused by every forward: no allocation in the steps, and exactly that much
-host memory (torch's pinned-memory cache rounds each allocation up to a power of two, up to twice the
-bytes, and caches it for good). A forward that starts while an earlier one's layers are still in host
-memory (two forwards before a backward) gets a new buffer; copies beyond the reserve get their own
-pinned tensors. Where the host has no page-locked memory left, the layer keeps its codes on the device
-and counts a failure: the step goes on.
+at 512-byte alignment) and reused by every forward: no allocation in the steps. (torch's pinned-memory
+cache, which it comes from, rounds it up to a power of two and keeps it cached; effmem plan counts the
+rounded size. Per-tensor allocations would be rounded each.) A forward that starts while an earlier
+one's layers are still in host memory (two forwards before a backward) gets a new buffer; copies beyond
+the reserve get their own pinned tensors. Where the host has no page-locked memory left, the layer keeps
+its codes on the device and counts a failure: the step goes on.
 
 On a CPU device the same steps run with copies into an ordinary buffer and clones back, no streams: the
 bookkeeping (what is sent, what comes back, prefetched or not) is what the CPU tests check; memory moves
@@ -61,7 +61,7 @@ class Offloader:
     def __setstate__(self, state):
         self.__init__()
         self.counters.update(state["counters"])
-        self._reserved = state["reserved"]  # the copy's own buffer is allocated at its first forward
+        self._reserved = state.get("reserved", 0)  # the copy's own buffer is allocated at its first forward
 
     def stream(self, device: torch.device):
         s = self._streams.get(device)
@@ -74,7 +74,11 @@ class Offloader:
         if nbytes > self._reserved or self._pool is None:
             self._reserved = max(nbytes, self._reserved)
             self._pool = None  # an older buffer lives on in the views of copies still out, if any
-            self._pool = torch.empty(self._reserved, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            try:
+                self._pool = torch.empty(self._reserved, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            except RuntimeError:  # no page-locked memory left: copies take their own, or stay on the device
+                self.counters["host_alloc_failed"] = self.counters.get("host_alloc_failed", 0) + 1
+                return
             self.counters["host_reserved"] = self._reserved
 
     def begin(self, device: torch.device) -> None:
@@ -83,6 +87,7 @@ class Offloader:
         self._last = None
         if any(r() is not None and not r().done for r in self._layers):
             self._pool = None  # still read: those layers' views keep it alive; this forward gets another
+        if self._pool is None and self._reserved:  # (or a deep copy's first forward)
             self.reserve(self._reserved, device)
         self._layers, self._offset = [], 0
 
@@ -213,8 +218,8 @@ class _Layer:
                 e.stats = dev[1] if len(dev) > 1 else None
                 e.offload = None
         counters["layers_back"] += 1
-        # The host copies go back to torch's pinned-memory cache, which keeps them until the copies
-        # reading them are done.
+        # The host copies are views of the buffer (or tensors of torch's pinned cache): the next forward
+        # writes over them only after these copies, in stream order (see begin()).
         self.items, self.back, self.done = [], None, True
         prev, self.prev = self.prev, None
         if prev is not None:

@@ -35,7 +35,7 @@ PRECISIONS = {
 ACTIVATIONS = ("none", "fast", "fast_offload", "selective", "checkpoint", "checkpoint8", "compress8", "compress4",
                "save_on_cpu")
 TRACED = tuple(a for a in ACTIVATIONS if a != "fast_offload")  # fast_offload is "fast" less what goes to the host
-# apply(): the memory_budget fraction given to the runtime solver is the plan's, this much larger (its own
+# apply(): the memory_budget (bytes) given to the runtime solver is the plan's, this much larger (its own
 # measurement of a layer's bytes may differ a little; where it is tighter it would put a layer under "min").
 OFFLOAD_BUDGET_SLACK = 1.05
 LAYER_KINDS = ("attention", "mlp", "norm", "block")  # trace kinds that decoder layers' saves fall under
@@ -88,9 +88,10 @@ class Config:
         return "+".join(p for p in parts if p)
 
     def _device_accumulation_name(self) -> str:
-        if not self.device_accumulation:
+        n = self.device_accumulation
+        if not n:
             return ""
-        return f"grads-on-gpu{self.device_accumulation / 1e9:.1f}GB"
+        return f"grads-on-gpu{n / 1e9:.1f}GB" if n >= 1e9 else f"grads-on-gpu{n / 1e6:.0f}MB"
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Model:
     fast_compressed: int = 0                 # plain bytes the "fast" policy quantises (and restores)
     fast_codes: int = 0                      # what they take as 8-bit codes and statistics, all layers
     fast_offloaded: int = 0                  # of those, the codes fast_offload moves to the host (offloaded_codes)
+    offload_buckets: tuple = ()              # elements per OffloadAdam bucket, in the engine's order (offload_buckets)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
 
 
@@ -123,7 +125,7 @@ class Cost:
     host_bytes: int
     states: Dict[str, int] = field(default_factory=dict)  # model states at the optimizer step
     forward_alive: int = 0   # bytes a micro-batch's forward leaves alive: activations, logits and loss
-    activation_budget: float = 0.0  # fast_offload: the memory_budget fraction apply() gives the runtime solver
+    activation_budget: int = 0      # fast_offload: the memory_budget (bytes) apply() gives the runtime solver
 
 
 def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
@@ -145,29 +147,30 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
         host = (t * (master_b or 4) + optimizer_state_bytes(t, cfg.state_bits) + staging) // shard_state
         master = optimizer = 0
         grads = min(t, 2 * OFFLOAD_BUCKET) * g_b
-    kept = kept_on_device(cfg, t // shard_state, g_b)
+    kept = kept_on_device(cfg, m, g_b)
     if cfg.optimizer == "offload" and cfg.accumulation > 1:
         temporary_step += OFFLOAD_PLAIN_ACCUM_EXTRA * t // shard_state
     if cfg.sharding == "zero3":
         # FSDP2 gathers a layer's weights ahead of use: about two layers' full weights at a time.
         temporary_step += 2 * n * w_b // max(1, m.layers)
     act = dict(m.activations["fast" if cfg.activations == "fast_offload" else cfg.activations])
-    activation_budget = 0.0
+    activation_budget = 0
     if cfg.activations == "fast_offload":
-        # The codes of the offloaded layers wait in page-locked host memory (one copy per micro-batch: each
-        # backward brings its own back before the next forward).
-        # The runtime's budget is a fraction of the decoder layers' plain saves. Under "fast" the trace puts
-        # the layers' saves under "block"; what stays under the other kinds is saved outside them.
+        # The runtime's budget: bytes of the decoder layers' saves at this micro-batch, where the runtime
+        # counts "fast", "offload" and "min" layers as the trace does (its plain count differs: it runs the
+        # policy's fused paths, so a fraction of it would not do). Under "fast" the trace puts the layers'
+        # saves under "block"; what stays under the other kinds is saved outside them.
         outside = sum(act[k] for k in LAYER_KINDS if k != "block")
-        plain_layers = sum(m.activations["none"][k] for k in LAYER_KINDS) - outside
         every_min = sum(m.activations["checkpoint8"][k] for k in LAYER_KINDS) - outside
-        act["block"] -= m.fast_offloaded
-        host += m.fast_offloaded
         # At least what every layer under "min" holds: where the runtime finds the link hides fewer layers
-        # than predicted, its solver falls back on "min" layers (slower, a little more memory) instead of
-        # raising.
-        want = max(OFFLOAD_BUDGET_SLACK * act["block"], every_min)
-        activation_budget = min(1.0, want / plain_layers) if plain_layers > 0 else 1.0
+        # than predicted, its solver falls back on "min" layers (slower) instead of raising. It may fill
+        # the budget, so the budget is what is counted.
+        activation_budget = int(OFFLOAD_BUDGET_SLACK * max(act["block"] - m.fast_offloaded, every_min))
+        act["block"] = activation_budget
+        # The codes wait in one page-locked buffer (activations/offload.py), which torch's pinned-memory
+        # cache rounds up to a power of two; one copy per micro-batch (each backward brings its own back
+        # before the next forward).
+        host += (1 << (m.fast_offloaded - 1).bit_length()) if m.fast_offloaded else 0
     logits = act.pop("logits", 0)
     early = act.pop("grads", 0)  # gradients the fused loss made in its forward: alive at the start of backward
     activations = sum(act.values())
@@ -213,15 +216,32 @@ def offloaded_codes(m: Model, r: Rates, precision: str) -> int:
     return hidden_layers(m.layers, layer_s, per_layer, r.link_bw) * per_layer
 
 
-def kept_on_device(cfg: Config, t: int, g_b: int) -> int:
+def offload_buckets(numels, bucket: int = OFFLOAD_BUCKET) -> tuple:
+    """Elements per OffloadAdam bucket for trained parameters of these sizes (registration order), in the
+    engine's order: filled in reverse registration order, a new bucket where the next one would overflow
+    (effmem.optim._offload_layout.build_engine)."""
+    out, filled = [], 0
+    for n in reversed(list(numels)):
+        if not out or (filled > 0 and filled + n > bucket):
+            out.append(0)
+            filled = 0
+        out[-1] += n
+        filled += n
+    return tuple(out)
+
+
+def kept_on_device(cfg: Config, m: "Model", g_b: int) -> int:
     """Gradient bytes OffloadAdam(device_accumulation=...) keeps on the GPU between micro-batches: whole
-    buckets while they fit (effmem.optim._offload_layout.keep_on_device), at most all of them."""
+    buckets in the engine's order until one does not fit (effmem.optim._offload_layout.keep_on_device)."""
     if cfg.optimizer == "gpu" or cfg.accumulation < 2 or not cfg.device_accumulation:
         return 0
-    if cfg.device_accumulation >= t * g_b:
-        return t * g_b
-    bucket = OFFLOAD_BUCKET * g_b
-    return cfg.device_accumulation // bucket * bucket
+    buckets = m.offload_buckets or offload_buckets([m.trainable])  # no layout known: even buckets
+    kept = 0
+    for n in buckets:
+        if kept + n * g_b > cfg.device_accumulation:
+            break
+        kept += n * g_b
+    return kept
 
 
 def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
@@ -276,7 +296,7 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
             upload = t * w_b / r.link_bw
             # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
             # Those kept on the GPU (device_accumulation) go in the last backward only, summed.
-            kept = kept_on_device(cfg, t, g_b)
+            kept = kept_on_device(cfg, m, g_b)
             down = (max(0.0, t * g_b / r.link_bw - bwd)
                     + max(0.0, (t * g_b - kept) / r.link_bw - bwd) * (cfg.accumulation - 1))
             if cfg.optimizer == "offload_overlap":

@@ -80,21 +80,22 @@ class Candidate:
                 "precision": c.precision, "activations": c.activations, "optimizer": c.optimizer,
                 "sharding": c.sharding, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
                 "loss": c.loss, "state_bits": c.state_bits, "device_accumulation": c.device_accumulation,
+                "activation_budget": self.cost.activation_budget,
                 "why": self.why}
 
 
-def _device_accumulation(cfg: costs.Config, cost: costs.Cost, budget: float, trainable: int) -> int:
+def _device_accumulation(cfg: costs.Config, cost: costs.Cost, budget: float, m: costs.Model) -> int:
     """OffloadAdam under accumulation: the gradient bytes to keep on the GPU between micro-batches (sent
     once per step instead of once per micro-batch), as many whole buckets as the room left under the budget
-    holds, at most all; 0 where that is none, or where nothing would cross the link less."""
-    if cfg.optimizer == "gpu" or cfg.accumulation < 2:
+    holds; 0 where that is none. Not under torch.distributed: there OffloadAdam takes gradients at step()
+    (DDP reads p.grad after backward hooks), where nothing crosses the link during accumulation anyway."""
+    if cfg.optimizer == "gpu" or cfg.accumulation < 2 or cfg.sharding != "none":
         return 0
     g_b = costs.PRECISIONS[cfg.precision][1]
     room = int((budget - cost.peak_bytes) / (1 + costs.FRAGMENTATION))  # the reserve grows with what is kept
     if room <= 0:
         return 0
-    return costs.kept_on_device(dataclasses.replace(cfg, device_accumulation=int(min(room, trainable * g_b))),
-                                trainable, g_b)
+    return costs.kept_on_device(dataclasses.replace(cfg, device_accumulation=room), m, g_b)
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -348,6 +349,7 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         notes.append("trainable: part of a parameter trains (#a:b): counted as such; apply() cannot do that")
 
     budget = gpu_mem * (1 - headroom)
+    buckets = costs.offload_buckets(p.numel for p in spec.params if p.trainable)  # apply() trains whole tensors
     cands: List[Candidate] = []
     shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
@@ -356,6 +358,7 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
         m.fast_offloaded = costs.offloaded_codes(m, rates, precision)
+        m.offload_buckets = buckets
         known = [a for a in activity[precision, loss].strategies if a != "fast_offload" or m.fast_offloaded]
         for act, opt, shard, bits in itertools.product([a for a in acts if a in known], optimizers, shardings,
                                                         costs.STATE_BITS):
@@ -364,7 +367,7 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
             cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
             cost = costs.memory(cfg, m, world, device == "cuda")
             cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
-            kept = _device_accumulation(cfg, cost, budget, m.trainable // (world if shard == "zero3" else 1))
+            kept = _device_accumulation(cfg, cost, budget, m)
             if kept:
                 cfg = dataclasses.replace(cfg, device_accumulation=kept)
                 cands.append(Candidate(cfg, costs.memory(cfg, m, world, device == "cuda"),

@@ -48,7 +48,7 @@ def format_plan(plan, max_rows: int = 14) -> str:
     return "\n".join(lines)
 
 
-def code_for(cfg: Config, device: str = "cuda", activation_budget: float = 0.0) -> str:
+def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> str:
     """The pick as the lines of a training script (activation_budget: a fast_offload candidate's
     Cost.activation_budget)."""
     out = ["# the pick as code (or: model, opt = plan.apply(model)):"]
@@ -62,8 +62,9 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: float = 0.0) 
     elif cfg.activations == "checkpoint8":
         out.append("model = effmem.apply_activation_policy(model, 'min')   # checkpointed layers, 8-bit inputs")
     elif cfg.activations == "fast_offload":
-        out.append(f"model = effmem.apply_activation_policy(model, memory_budget={activation_budget:.4f})   # 'fast', "
-                   "the first layers' 8-bit codes in host memory")
+        budget = int(activation_budget) if activation_budget else "plan.pick.cost.activation_budget"
+        out.append(f"model = effmem.apply_activation_policy(model, memory_budget={budget})   # 'fast', the first "
+                   "layers' 8-bit codes in host memory (bytes at this micro-batch)")
     elif cfg.activations == "fast":
         out.append("model = effmem.apply_activation_policy(model, 'fast')   # 8-bit saves, norms/activations rebuilt")
     elif cfg.activations == "selective":
