@@ -235,7 +235,8 @@ def kept_on_device(cfg: Config, m: "Model", g_b: int) -> int:
     buckets in the engine's order until one does not fit (effmem.optim._offload_layout.keep_on_device)."""
     if cfg.optimizer == "gpu" or cfg.accumulation < 2 or not cfg.device_accumulation:
         return 0
-    buckets = m.offload_buckets or offload_buckets([m.trainable])  # no layout known: even buckets
+    full, rest = divmod(m.trainable, OFFLOAD_BUCKET)
+    buckets = m.offload_buckets or (OFFLOAD_BUCKET,) * full + (rest,)  # no layout known: full buckets, the rest
     kept = 0
     for n in buckets:
         if kept + n * g_b > cfg.device_accumulation:
