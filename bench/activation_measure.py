@@ -12,7 +12,7 @@ import time
 import warnings
 
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from common import sync
 from effmem.activations import activation_stats, selective
@@ -21,7 +21,6 @@ from effmem.plan.verify import _host_in_use as host_in_use, bytes_in_use as in_u
 
 # torch_sac: torch's selective checkpointing with effmem's "selective" rule (matmul and attention outputs
 # saved, norms, rotary and SiLU recomputed), wrapped here by hand so that its caches can be counted.
-sac_policy = selective.policy
 
 
 @contextlib.contextmanager
@@ -54,7 +53,7 @@ class SacCaches:
 def wrap_sac(model, caches: SacCaches):
     """torch_sac: each decoder layer's forward checkpointed with the selective policy; undone by unwrap."""
     def context_fn():
-        fwd, recompute = create_selective_checkpoint_contexts(sac_policy)
+        fwd, recompute = selective.context()
         if caches.active:
             caches.contexts.append(fwd)
         return fwd, recompute

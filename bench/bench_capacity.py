@@ -1,7 +1,7 @@
 """Capacity: for each model size, the fastest configuration that trains on this GPU, and the anchors.
 
     python bench/bench_capacity.py [--sizes 7b,13b,3b,1.3b] [--batch 32] [--seq 2048] [--steps 3]
-                                   [--per-size 4] [--timeout 170] [--json PATH]
+                                   [--per-size 4] [--timeout 240] [--json PATH]
     python bench/bench_capacity.py --smoke     # a tiny model on the CPU: the loop, no targets (tests run it)
 
 Issue 12, item 5. For each size (Llama-shaped transformers LlamaForCausalLM, random init, no download)
@@ -63,8 +63,7 @@ SIZES = {
     "7b": "llama-7b",
     "13b": "llama-13b",
 }
-SMOKE_SIZES = {"tiny": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=320)}
+SMOKE_SIZES = {"tiny": common.TINY_LLAMA}
 ROLES = ("pick", "exact", "adam8", "fused_adam", "torch_adamw_amp", "runner_up", "grads_on_gpu")
 MFU_TARGET = 0.35
 
@@ -121,6 +120,7 @@ def worker(args) -> None:
     """One run in this process: plan, build the model in its dtype where it trains, apply the candidate,
     train, print one EFFMEM_CAPACITY line of JSON."""
     from effmem import OffloadAdam
+    from effmem.demo_measure import rss_now_and_peak
     from effmem.plan.apply import micro_batch
     from effmem.plan.verify import model_for
     device = torch.device(args.device)
@@ -172,6 +172,7 @@ def worker(args) -> None:
                       tokens_per_s=tps, mfu=tps * 6 * plan.params / peak if peak else None, losses=losses,
                       gpu_peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None)
         if isinstance(opt, OffloadAdam):
+            opt.flush()  # async and delay modes: the last step's uploads, counted below
             c = opt.counters()
             result.update(engine_pinned_bytes=c["engine_pinned_bytes"], engine_pageable_bytes=c["engine_pageable_bytes"],
                           pcie_bytes_per_param_per_step=(c["bytes_down"] + c["bytes_up"]) / (
@@ -181,7 +182,7 @@ def worker(args) -> None:
         result.update(status="out of memory", error=str(e).splitlines()[0])
     except RuntimeError as e:
         result.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    result["host_peak_rss_bytes"] = common.peak_rss_bytes()
+    result["host_peak_rss_bytes"] = rss_now_and_peak()[1]  # VmHWM: host memory touched, pinned included
     print("EFFMEM_CAPACITY " + json.dumps(result), flush=True)
 
 

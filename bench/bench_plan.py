@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
+from common import TINY_LLAMA, environment, write_json  # noqa: E402
 
 import effmem  # noqa: E402
 from effmem.plan.verify import verify  # noqa: E402
@@ -38,8 +38,7 @@ MODELS = {
 SHAPES = [(4, 1024), (8, 2048)]
 STRATEGIES = [("bf16", "none", "gpu"), ("bf16", "selective", "gpu"), ("bf16", "checkpoint", "gpu"),
               ("bf16", "checkpoint8", "gpu"), ("bf16", "compress8", "gpu"), ("bf16", "none", "offload")]
-SMOKE_MODELS = {"llama-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=320)}
+SMOKE_MODELS = {"llama-tiny": TINY_LLAMA}
 SMOKE_SHAPES = [(2, 64)]
 SMOKE_STRATEGIES = [("fp32", "none", "gpu"), ("fp32", "checkpoint8", "gpu")]
 

@@ -165,16 +165,9 @@ def peak_bf16_flops(device) -> Optional[float]:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def peak_rss_bytes() -> Optional[int]:
-    """This process's peak resident set (VmHWM): host memory it has touched, pinned included."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+# The smoke runs' model (bench_capacity --smoke, bench_plan --smoke): a two-layer Llama config.
+TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320)
 
 
 def write_json(path: str, payload: Dict[str, object]) -> None:

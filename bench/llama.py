@@ -26,10 +26,6 @@ class LlamaShape:
         per_layer = 4 * h * h + 3 * h * i + 2 * h
         return self.layers * per_layer + 2 * self.vocab * h + h
 
-    def flops_per_token(self) -> int:
-        """Model FLOPs of a training step per token: 6 x parameters (attention scores not counted)."""
-        return 6 * self.num_params()
-
 
 SIZES = {
     "tiny": LlamaShape(hidden=256, layers=2, intermediate=688, heads=4, vocab=1024),

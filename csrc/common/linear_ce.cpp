@@ -21,6 +21,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -192,15 +193,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   at::Tensor grad_b32 = want_b ? at::zeros({vocab}, f32) : at::Tensor();
   const at::Tensor h = gemm_input(hidden);
   const at::ScalarType dz_dtype = h.scalar_type();
-  // The hidden gradient's product reads the weight in dz's dtype: converted once (a bf16 weight on the CPU).
-  const at::Tensor wg = !want_h || weight.scalar_type() == dz_dtype ? weight : weight.to(dz_dtype);
+  // Every chunk reads the whole weight: a bf16/fp16 one on the CPU is converted to float once, here (the
+  // logits' and the hidden gradient's products both read it in float there; CUDA reads it as it is).
+  const at::Tensor w = gemm_input(weight);
+  const at::Tensor wg = !want_h || w.scalar_type() == dz_dtype ? w : w.to(dz_dtype);
   const bool need_sum = label_smoothing > 0.0;
   const int64_t tb = token_chunk_size(n, vocab, token_chunk);
   for (int64_t a = 0; a < n; a += tb) {
     const int64_t len = std::min(tb, n - a);
     const at::Tensor hb = h.narrow(0, a, len), tgt = target.narrow(0, a, len);
     CeState st = empty_state(len, f32);
-    const at::Tensor dz = k.rows(chunk_logits(hb, weight, bias, 0, vocab), tgt, g.narrow(0, a, len),
+    const at::Tensor dz = k.rows(chunk_logits(hb, w, bias, 0, vocab), tgt, g.narrow(0, a, len),
                                  label_smoothing, softcap, need_sum, st, dz_dtype);
     loss.narrow(0, a, len).copy_(token_loss(st, st.m + st.s.log(), tgt, ignore_index, label_smoothing, vocab));
     // These tokens' hidden gradient is whole after one product: rounded once to hidden's dtype.
@@ -213,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
       }
     }
     if (want_w) add_weight_grad(grad_w, dz, hb);
-    if (want_b) grad_b32.add_(dz.to(at::kFloat).sum(0));
+    if (want_b) grad_b32.add_(at::sum(dz, {0}, false, at::kFloat));  // summed in float, no float copy of dz
   }
   if (want_w && weight.scalar_type() != at::kFloat) grad_w = grad_w.to(weight.scalar_type());
   at::Tensor grad_b = want_b ? grad_b32.to(bias->scalar_type()) : at::empty({0}, weight.options());
@@ -269,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
           rows_w.copy_(at::mm(dz.t(), h));
         }
       }
-      if (want_b) grad_b.narrow(0, v0, len).copy_(dz.to(at::kFloat).sum(0));
+      if (want_b) grad_b.narrow(0, v0, len).copy_(at::sum(dz, {0}, false, at::kFloat));
     }
   } else {
     if (want_w) grad_w.zero_();

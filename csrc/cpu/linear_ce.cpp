@@ -44,38 +44,43 @@ void forward_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, do
   st.m = m_new;
 }
 
-at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
-                      const at::Tensor& g, double eps, int64_t vocab, double cap, at::ScalarType dtype) {
-  cap_in_place(z, cap);
-  // g * (exp(c - lse) - (1 - eps) [j = t] - eps / V) * (1 - (c / cap)^2)
-  const at::Tensor factor = cap > 0.0 ? (z / cap).square_().neg_().add_(1.0) : at::Tensor();
-  const at::Tensor& dz = z.sub_(lse.unsqueeze(1)).exp_();
+// The softcap's derivative 1 - (c / cap)^2 at the capped logits (undefined without a cap).
+at::Tensor cap_factor(const at::Tensor& z, double cap) {
+  return cap > 0.0 ? (z / cap).square_().neg_().add_(1.0) : at::Tensor();
+}
+
+// dz holds the softmax p: g * (p - (1 - eps) [j = t] - eps / V) * factor, in place, then in `dtype`.
+at::Tensor finish_grad(const at::Tensor& dz, const at::Tensor& inside, const at::Tensor& idx, const at::Tensor& g,
+                       double eps, int64_t vocab, const at::Tensor& factor, at::ScalarType dtype) {
   if (eps > 0.0) dz.sub_(eps / static_cast<double>(vocab));
-  auto [inside, idx] = targets_in_chunk(target, v0, dz.size(1));
   dz.scatter_add_(1, idx.unsqueeze(1), (inside.to(at::kFloat) * -(1.0 - eps)).unsqueeze(1));
   dz.mul_(g.unsqueeze(1));
   if (factor.defined()) dz.mul_(factor);
   return dz.to(dtype);
 }
 
+at::Tensor grad_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& lse,
+                      const at::Tensor& g, double eps, int64_t vocab, double cap, at::ScalarType dtype) {
+  cap_in_place(z, cap);
+  const at::Tensor factor = cap_factor(z, cap);
+  const at::Tensor& p = z.sub_(lse.unsqueeze(1)).exp_();  // exp(c - lse)
+  auto [inside, idx] = targets_in_chunk(target, v0, p.size(1));
+  return finish_grad(p, inside, idx, g, eps, vocab, factor, dtype);
+}
+
 at::Tensor rows_chunk(const at::Tensor& z, const at::Tensor& target, const at::Tensor& g, double eps, double cap,
                       bool need_sum, CeState& st, at::ScalarType dtype) {
   const int64_t vocab = z.size(1);
   cap_in_place(z, cap);
-  const at::Tensor factor = cap > 0.0 ? (z / cap).square_().neg_().add_(1.0) : at::Tensor();
+  const at::Tensor factor = cap_factor(z, cap);
   auto [inside, idx] = targets_in_chunk(target, 0, vocab);
   st.c_target = at::where(inside, z.gather(1, idx.unsqueeze(1)).squeeze(1), st.c_target);
   if (need_sum) st.c_sum = z.sum(1);
   // Whole rows: m is the row's max, s = sum exp(c - m), and the softmax is exp(c - m) / s.
   st.m = z.amax(1);
   st.s = z.sub_(st.m.unsqueeze(1)).exp_().sum(1);
-  // g * (p - (1 - eps) [j = t] - eps / V) * (1 - (c / cap)^2)
-  const at::Tensor& dz = z.mul_(st.s.reciprocal().unsqueeze(1));
-  if (eps > 0.0) dz.sub_(eps / static_cast<double>(vocab));
-  dz.scatter_add_(1, idx.unsqueeze(1), (inside.to(at::kFloat) * -(1.0 - eps)).unsqueeze(1));
-  dz.mul_(g.unsqueeze(1));
-  if (factor.defined()) dz.mul_(factor);
-  return dz.to(dtype);
+  const at::Tensor& p = z.mul_(st.s.reciprocal().unsqueeze(1));
+  return finish_grad(p, inside, idx, g, eps, vocab, factor, dtype);
 }
 
 void check_targets(const at::Tensor& target, int64_t vocab, int64_t ignore_index) {

@@ -6,6 +6,7 @@ every configuration's peak memory is its own and not the high-water mark
 of the ones before it.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -64,16 +65,12 @@ def _fused_adam(groups, hp):
     return effmem.FusedAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
 
 
-def _offload_adam(groups, hp):
-    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
+def _offload_adam(groups, hp, **mode):
+    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], **mode)
 
 
-def _offload_adam_async(groups, hp):
-    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], async_step=True)
-
-
-def _offload_adam_delay(groups, hp):
-    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], delay=True)
+_offload_adam_async = functools.partial(_offload_adam, async_step=True)
+_offload_adam_delay = functools.partial(_offload_adam, delay=True)
 
 
 def _torch_clip(opt, params, max_norm):

@@ -205,13 +205,13 @@ class FastCompressor(ActivationCompressor):
                     if self.records is not None:
                         self._note(t, self._layer_name, "recomputed")
                     return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - owner.storage_offset())
-        if self._by_node:
-            cast = self._cast_of_recipe(t)
-            if cast is not None:
-                return cast
         reason = self._reason(t, False, key)
         if reason is not None:
             return self._keep(t, reason, self._layer_name)
+        if self._by_node:  # only for what would be stored: kept saves cost nothing to keep
+            cast = self._cast_of_recipe(t)
+            if cast is not None:
+                return cast
         return self._store(t, self._layer_name)
 
     def _cast_of_recipe(self, t: Tensor) -> Optional[_RecipeHandle]:

@@ -26,6 +26,7 @@ On a CPU device the same steps run with copies into an ordinary buffer and clone
 bookkeeping (what is sent, what comes back, prefetched or not) is what the CPU tests check; memory moves
 only on a GPU.
 """
+import contextlib
 import weakref
 from typing import Dict, List, Optional
 
@@ -154,21 +155,17 @@ class _Layer:
         if cuda:
             side = owner.stream(device)
             side.wait_stream(torch.cuda.current_stream(device))  # the codes are written on the current stream
-        for e, host in zip(entries, host_buffers):
-            parts = _parts(e)
-            if cuda:
-                with torch.cuda.stream(side):
-                    for h, p in zip(host, parts):
-                        h.copy_(p, non_blocking=True)
-                for p in parts:
-                    p.record_stream(side)  # its memory is reused only after the copy out
-            else:
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            for e, host in zip(entries, host_buffers):
+                parts = _parts(e)
                 for h, p in zip(host, parts):
-                    h.copy_(p)
-            self.nbytes += sum(p.numel() * p.element_size() for p in parts)
-            e.codes = e.stats = None
-            e.offload = self
-            self.items.append((weakref.ref(e), host))
+                    h.copy_(p, non_blocking=cuda)
+                    if cuda:
+                        p.record_stream(side)  # its memory is reused only after the copy out
+                self.nbytes += sum(p.numel() * p.element_size() for p in parts)
+                e.codes = e.stats = None
+                e.offload = self
+                self.items.append((weakref.ref(e), host))
 
     def _copy_back(self, prefetch: bool) -> list:
         """Device copies of the host tensors: on the side stream when prefetching (recording `ready`), on

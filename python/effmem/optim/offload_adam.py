@@ -262,8 +262,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         if self._masters_ready:
             for views, local in zip(self._views[old:], self._local[old:]):
                 views[0].copy_(local)
-        if self._forward_hooks:
-            self._reattach()  # async_step: the new parameters' modules need installers too
+        self._reattach()  # async_step after attach(): the new parameters' modules need installers too
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]

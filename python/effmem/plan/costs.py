@@ -113,7 +113,8 @@ class Model:
     fast_compressed: int = 0                 # plain bytes the "fast" policy quantises (and restores)
     fast_codes: int = 0                      # what they take as 8-bit codes and statistics, all layers
     fast_offloaded: int = 0                  # of those, the codes fast_offload moves to the host (offloaded_codes)
-    offload_buckets: tuple = ()              # elements per OffloadAdam bucket, in the engine's order (offload_buckets)
+    offload_buckets: tuple = ()              # elements per OffloadAdam bucket, in the engine's order (the planner
+                                             # sets it; none: device_accumulation keeps nothing)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
 
 
@@ -209,9 +210,7 @@ def offloaded_codes(m: Model, r: Rates, precision: str) -> int:
     from effmem.activations.budget import hidden_layers
     if not r.link_bw or not m.fast_codes or m.layers < 2:
         return 0
-    rate = (r.matmul_flops if precision == "bf16" else r.matmul_flops_fp32) * m.tokens / (
-        m.tokens + r.half_rate_tokens)
-    layer_s = (m.matmul_flops + m.attention_flops) / rate / m.layers
+    layer_s = forward_s(m, r, precision) / m.layers
     per_layer = m.fast_codes // m.layers
     return hidden_layers(m.layers, layer_s, per_layer, r.link_bw) * per_layer
 
@@ -235,10 +234,8 @@ def kept_on_device(cfg: Config, m: "Model", g_b: int) -> int:
     buckets in the engine's order until one does not fit (effmem.optim._offload_layout.keep_on_device)."""
     if cfg.optimizer == "gpu" or cfg.accumulation < 2 or not cfg.device_accumulation:
         return 0
-    full, rest = divmod(m.trainable, OFFLOAD_BUCKET)
-    buckets = m.offload_buckets or (OFFLOAD_BUCKET,) * full + (rest,)  # no layout known: full buckets, the rest
     kept = 0
-    for n in buckets:
+    for n in m.offload_buckets:
         if kept + n * g_b > cfg.device_accumulation:
             break
         kept += n * g_b
@@ -254,11 +251,21 @@ def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
     return 2 * 4 * tokens * chunk + 4 * tokens * hidden
 
 
+def matmul_rate(m: Model, r: Rates, precision: str) -> float:
+    """FLOP/s of this micro-batch's products: the device's rate, lower for few tokens."""
+    rate = r.matmul_flops if precision == "bf16" else r.matmul_flops_fp32
+    return rate * m.tokens / (m.tokens + r.half_rate_tokens)
+
+
+def forward_s(m: Model, r: Rates, precision: str) -> float:
+    """Seconds of one micro-batch's forward (the trace's FLOPs are per micro-batch)."""
+    return (m.matmul_flops + m.attention_flops) / matmul_rate(m, r, precision)
+
+
 def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     """Seconds per optimizer step, by part."""
-    rate = r.matmul_flops if cfg.precision == "bf16" else r.matmul_flops_fp32
-    rate *= m.tokens / (m.tokens + r.half_rate_tokens)
-    fwd = (m.matmul_flops + m.attention_flops) / rate  # the trace's FLOPs are per micro-batch
+    rate = matmul_rate(m, r, cfg.precision)
+    fwd = forward_s(m, r, cfg.precision)
     bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops) / rate
     recompute = fwd if cfg.activations in ("checkpoint", "checkpoint8") else 0.0
     if cfg.activations == "selective":

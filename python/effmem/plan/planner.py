@@ -127,8 +127,7 @@ class _Activity:
             return a + (micro - 1) * (b - a)
         return costs.Model(
             params=spec.num_params, trainable=spec.num_trainable,
-            activations={s: lin(lambda t, s=s: t.activations(s)) for s in costs.ACTIVATIONS
-                         if s in costs.TRACED and (s != "fast" or self.has_fast)},
+            activations={s: lin(lambda t, s=s: t.activations(s)) for s in self.strategies if s in costs.TRACED},
             offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
