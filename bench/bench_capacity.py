@@ -51,15 +51,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for common.py
 import torch
 
 import common
+import llama
 
 LR = 1e-4
 CLIP = 1.0
 SIZES = {
     # The shapes of bench/llama.py (1.3b, 3b) and the Llama 2 presets (7b, 13b), as transformers configs.
-    "1.3b": dict(model_type="llama", hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
-                 num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
-    "3b": dict(model_type="llama", hidden_size=3200, intermediate_size=8640, num_hidden_layers=26,
-               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "1.3b": llama.SIZES["1.3b"].hf_config(),
+    "3b": llama.SIZES["3b"].hf_config(),
     "7b": "llama-7b",
     "13b": "llama-13b",
 }

@@ -26,6 +26,12 @@ class LlamaShape:
         per_layer = 4 * h * h + 3 * h * i + 2 * h
         return self.layers * per_layer + 2 * self.vocab * h + h
 
+    def hf_config(self) -> dict:
+        """The same shape as a transformers LlamaConfig's arguments (full multi-head attention)."""
+        return dict(model_type="llama", hidden_size=self.hidden, intermediate_size=self.intermediate,
+                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                    num_key_value_heads=self.heads, vocab_size=self.vocab)
+
 
 SIZES = {
     "tiny": LlamaShape(hidden=256, layers=2, intermediate=688, heads=4, vocab=1024),
