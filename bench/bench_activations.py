@@ -13,8 +13,9 @@ final losses can be compared. Rows: plain, plain_compiled (torch.compile), hf_ch
 (transformers' non-reentrant checkpointing), torch_sac (selective checkpointing per decoder layer:
 matmul and attention outputs saved), compile_budget (torch.compile, activation_memory_budget = 0.5),
 effmem_<policy> and effmem_<policy>_compiled for each effmem.activations.POLICIES but torch's own two, and
-effmem_budget (memory_budget=0.15 of plain's saved bytes: the solver's mix of plain, "fast", "min" and, on a
-GPU, layers whose 8-bit codes go to host memory; its row has the choice and the offload counters).
+effmem_budget and effmem_budget_compiled (memory_budget=0.15 of plain's saved bytes: the solver's mix of
+plain, "fast", "min" and, on a GPU, layers whose 8-bit codes go to host memory; its row has the choice and
+the offload counters).
 
 Per row: step_ms (median of the timed steps, forward + backward + optimizer), peak_bytes (one step),
 saved_bytes (what autograd keeps for backward after one forward, counted with saved-tensor hooks; eager
@@ -57,7 +58,8 @@ EAGER_ROWS = ["plain", "hf_checkpointing", "torch_sac"] + [f"effmem_{p}" for p i
 # effmem_budget: apply_activation_policy(model, memory_budget=BUDGET): half of what "fast" holds, so that
 # the solver must mix in "min" layers or, on a GPU, offload the codes of the layers the link hides.
 BUDGET = 0.15
-COMPILED_ROWS = ["plain_compiled"] + [f"effmem_{p}_compiled" for p in EFFMEM_POLICIES] + ["compile_budget"]
+COMPILED_ROWS = (["plain_compiled"] + [f"effmem_{p}_compiled" for p in EFFMEM_POLICIES]
+                 + ["effmem_budget_compiled", "compile_budget"])
 # Eager rows first, the budget's solver last: a run cut off by its time limit (compiling TinyLlama takes a
 # minute or more per row) still has the rows the targets need in its JSON, which is written after every row.
 ROWS = EAGER_ROWS + COMPILED_ROWS
@@ -86,7 +88,7 @@ def setup(name, model, args, sac: SacCaches):
     elif name == "torch_sac":
         wrap_sac(model, sac)
         undo = functools.partial(unwrap_sac, model)
-    elif name == "effmem_budget":
+    elif name.startswith("effmem_budget"):
         effmem.apply_activation_policy(model, memory_budget=BUDGET)
         undo = functools.partial(effmem.remove_activation_policy, model)
     elif name.startswith("effmem_"):
@@ -153,7 +155,7 @@ def run_row(name, base, batches, held_out, args, device):
         row.update(hook_saves=passes[0]["hook_saves"],
                    hook_us_per_save=statistics.median(p["hook_us_per_save"] for p in passes),
                    hook_us_per_save_passes=[p["hook_us_per_save"] for p in passes])
-    if name == "effmem_budget":
+    if name.startswith("effmem_budget"):
         choice = effmem.activations.budget_choice(model)
         row["budget"] = {k: choice[k] for k in ("modes", "bytes", "budget_bytes", "predicted_bytes", "max_offload",
                                                 "layer_forward_s", "link_bytes_per_s", "offload_counters")}
@@ -205,7 +207,7 @@ def targets(by, loss_tol):
         check("effmem_min: peak <= hf_checkpointing's (MiB)", get("effmem_min", "peak_mib"),
               get("hf_checkpointing", "peak_mib"))
         check("effmem_min: step <= 1.15x plain's", get("effmem_min", "vs_plain"), 1.15)
-    for pol in EFFMEM_POLICIES:
+    for pol in EFFMEM_POLICIES + ["budget"]:
         eager, comp = f"effmem_{pol}", f"effmem_{pol}_compiled"
         for name in (eager, comp):
             d = get(name, "loss_vs_plain")

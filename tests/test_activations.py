@@ -140,21 +140,32 @@ def test_plan_offers_and_applies_the_min_policy():
     assert all(layer._effmem_policy == "checkpoint8" for layer in m.model.layers)
 
 
-@pytest.mark.parametrize("policy", ["min", "fast"])
+def _with_policy(model, policy):
+    return (apply_activation_policy(model, memory_budget=0.2) if policy == "budget"
+            else apply_activation_policy(model, policy))
+
+
+@pytest.mark.parametrize("policy", ["min", "fast", "budget"])
 def test_policy_under_torch_compile(policy):
     """torch.compile of a model with the policy: the same gradients (up to the rounding) and no more
     memory held after forward than the policy in eager mode (issue 10, item 3; CPU). Each layer runs as
     a compiled graph of its own (activations/compiled.py): "fast" with selective checkpointing that keeps
-    matmul and attention outputs, inside the policy's hooks; "min" inside its checkpoint."""
+    matmul and attention outputs, inside the policy's hooks; "min" inside its checkpoint; under
+    memory_budget, the layer's choice (made out of the model's graph) runs so."""
     if bytes_in_use(torch.device("cpu")) is None:
         pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
     x = ids()
     _, g0 = grads_after_one_step(llama(), x)
-    compiled = torch.compile(apply_activation_policy(llama(), policy))
+    compiled = torch.compile(_with_policy(llama(), policy))
     _, g1 = grads_after_one_step(compiled, x)
     for a, b in zip(g0, g1):
         assert (b - a).norm() <= 0.06 * a.norm() + 1e-6
     x = ids(4, 256)
-    eager_held = held_after_forward(apply_activation_policy(llama(), policy), x)
+    eager = _with_policy(llama(), policy)
+    eager_held = held_after_forward(eager, x)
     compiled_held = held_after_forward(compiled, x)
     assert compiled_held <= eager_held, (compiled_held, eager_held)
+    if policy == "budget":  # the compiled model chose (not all plain) and kept within its budget
+        choice = effmem.activations.budget_choice(compiled._orig_mod)
+        assert choice["shape"] == (4, 256, 128) and set(choice["modes"]) != {"plain"}, choice
+        assert choice["predicted_bytes"] <= choice["budget_bytes"]

@@ -143,12 +143,27 @@ def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
 
 
 def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, name: str, shapes, *args, **kwargs):
-    """A layer under memory_budget: plain, "fast" or "min", as chosen for the current input shape."""
+    """A layer under memory_budget: plain, "fast", "offload" or "min", as chosen for the current input shape."""
+    if torch.compiler.is_compiling():
+        return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)
+    return _run_budget_layer(False, layer, original, budget, index, name, shapes, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _compiled_budget_layer(*args, **kwargs):
+    """Inside a compiled model: out of the model's graph, the layer's choice made and run as in eager mode,
+    each mode a compiled graph of the layer alone (see _compiled_layer). Traced into the model's graph,
+    the budget's probes could not run and every layer would be plain."""
+    return _run_budget_layer(True, *args, **kwargs)
+
+
+def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, index: int, name: str, shapes,
+                      *args, **kwargs):
     hidden = args[0] if args else kwargs.get("hidden_states")
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(hidden, Tensor):
-        return original(*args, **kwargs)
+    if not torch.is_grad_enabled() or not isinstance(hidden, Tensor):
+        return (compiled_forward(original, selective=False) if compiled else original)(*args, **kwargs)
     others = list(_tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden})))
-    return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs)
+    return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled=compiled)
 
 
 def budget_choice(model: nn.Module) -> Optional[dict]:

@@ -3,7 +3,8 @@
 
 The bytes of each choice are measured, not modelled: at the first forward with gradients for a given input
 shape, the first layer's forward runs twice more on the real inputs (random state forked, outputs dropped)
-with its saves counted, once as it is and once under the "fast" hooks; "min" keeps the layer input's 8-bit
+with its saves counted, once as it is and once under the "fast" hooks (that one twice on a GPU or under
+torch.compile, timed on its second run); "min" keeps the layer input's 8-bit
 codes, known exactly; "offload" is "fast" with the 8-bit codes moved to page-locked host memory on a side
 stream and brought back (prefetched one layer ahead) in backward (effmem.activations.offload), so the
 device keeps only what "fast" keeps uncompressed (statistics, small tensors). The time of each choice is
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward
+from effmem.activations.compiled import compiled_forward
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.activations.offload import Offloader, _parts, aligned_bytes
 from effmem.compress import _codec
@@ -126,18 +128,26 @@ class BudgetPolicy:
         choice = next(reversed(self.choices.values()), None)
         return None if choice is None else dict(choice, offload_counters=dict(self.offloader.counters))
 
-    def _calibrate(self, layer, original, hidden: Tensor, others: List[Tensor], args, kwargs) -> dict:
+    def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
+                   warm: bool) -> dict:
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         sync = (lambda: torch.cuda.synchronize(hidden.device)) if devices else (lambda: None)
         with torch.random.fork_rng(devices=devices):
             # the hidden state counts: a plain layer's saves are what keeps it alive
-            plain = _count_plain(lambda: original(*args, **kwargs), others)
-        probe = FastCompressor(bits=self.bits, group_size=self.group_size)
+            plain = _count_plain(lambda: plain_fn(*args, **kwargs), others)
+
+        def probe_run():
+            probe = FastCompressor(bits=self.bits, group_size=self.group_size)
+            with torch.random.fork_rng(devices=devices), probe.layer("probe", hidden, others, param_shapes(layer),
+                                                                     True):
+                with probe.collecting() as entries:
+                    fast_fn(*args, **kwargs)
+            return probe, entries
+        if warm:  # the timed run is not the first: no compilation or first kernel loads in layer_s
+            probe_run()
         sync()
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=devices), probe.layer("probe", hidden, others, param_shapes(layer), True):
-            with probe.collecting() as entries:
-                original(*args, **kwargs)
+        probe, entries = probe_run()
         sync()
         layer_s = time.perf_counter() - t0
         codes = sum(p.numel() * p.element_size() for e in entries for p in _parts(e))
@@ -169,27 +179,34 @@ class BudgetPolicy:
                 "link_bytes_per_s": link, "first_compressed": first}
 
     def forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
-                args, kwargs):
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+                args, kwargs, compiled: bool = False):
+        """The layer's forward under this shape's choice. compiled (inside a torch.compile'd model): each
+        mode runs the layer as a compiled graph of its own (activations.compiled), "fast" and "offload"
+        with the selective checkpointing that makes the partitioner rebuild elementwise outputs."""
+        plain_fn = fast_fn = original
+        if compiled:
+            plain_fn, fast_fn = compiled_forward(original, selective=False), compiled_forward(original, selective=True)
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled)
         choice = self.choices.get(key)
         if choice is None:
-            choice = self.choices[key] = self._calibrate(layer, original, hidden, others, args, kwargs)
+            choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args, kwargs,
+                                                         warm=compiled or hidden.device.type == "cuda")
         mode = choice["modes"][index]
         if mode == "fast":
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
-                out = original(*args, **kwargs)
+                out = fast_fn(*args, **kwargs)
         elif mode == "offload":
             if index == 0:
                 self.offloader.begin(hidden.device)
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
                 with self.comp.collecting() as entries:
-                    out = original(*args, **kwargs)
+                    out = fast_fn(*args, **kwargs)
             self.offloader.send(entries, hidden.device)
             return out
         elif mode == "min":
-            out = compressed_layer_forward(layer, original, self.bits, self.group_size, *args, **kwargs)
+            out = compressed_layer_forward(layer, plain_fn, self.bits, self.group_size, *args, **kwargs)
         else:
-            out = original(*args, **kwargs)
+            out = plain_fn(*args, **kwargs)
         if index and choice["modes"][index - 1] == "offload":
             self.offloader.prefetch_on_backward(out)  # the first layer after the offloaded ones
         return out
