@@ -179,16 +179,38 @@ def test_gradients_made_in_forward_for_a_low_precision_weight(device, dtype):
     float32 and rounded once, so its error is at most twice the unfused computation's (as the recompute
     path's); the token chunk (64 of 512) makes several sums."""
     hidden, weight, target, bias = problem(n=512, h=64, v=3000, dtype=dtype, device=device)
+    # float16 on CUDA: a sum (a mean is refused, see the test below)
+    reduction = "sum" if device == "cuda" and dtype == torch.float16 else "mean"
     exact64 = [t.detach().double().requires_grad_(True) for t in (hidden, weight, bias)]
-    ref_loss, ref_grads = grads(unfused, *exact64, target=target)
-    base_loss, base_grads = grads(unfused, hidden, weight, bias, target=target)
+    ref_loss, ref_grads = grads(unfused, *exact64, target=target, reduction=reduction)
+    base_loss, base_grads = grads(unfused, hidden, weight, bias, target=target, reduction=reduction)
     loss, got = grads(linear_cross_entropy, hidden, weight, bias, target=target, grad_in_forward=True,
-                      token_chunk=64)
+                      token_chunk=64, reduction=reduction)
     floor = 4 * torch.finfo(torch.float32).eps
     assert rel(loss, ref_loss) <= 2 * rel(base_loss, ref_loss) + floor
     for g, b, r in zip(got, base_grads, ref_grads):
         assert g.dtype == dtype
         assert rel(g, r) <= 2 * rel(b, r) + floor
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gradients_are_not_made_in_forward_in_float16_on_cuda_under_a_mean(monkeypatch, dtype):
+    """On CUDA the logits' gradient is made in hidden's dtype, divided by the token count before backward
+    brings GradScaler's loss scale: in float16 most of it would flush to zero. So a frozen float16 weight
+    on CUDA keeps the recompute path under a mean, and grad_in_forward=True is refused there; a sum and
+    bfloat16 (float32's range) are unaffected. Checked on meta tensors standing for CUDA ones, as effmem
+    plan's trace does."""
+    from effmem import linear_ce
+    monkeypatch.setattr(linear_ce, "_TRACE_TARGET", ["cuda"])
+    hidden = torch.empty(8, 4, device="meta", dtype=dtype, requires_grad=True)
+    weight = torch.empty(16, 4, device="meta", dtype=dtype)   # frozen
+    assert linear_ce._grad_in_forward(None, "mean", hidden, weight, None) is (dtype == torch.bfloat16)
+    assert linear_ce._grad_in_forward(None, "sum", hidden, weight, None) is True
+    if dtype == torch.float16:
+        with pytest.raises(ValueError, match="grad_in_forward=True: not with float16 on CUDA"):
+            linear_ce._grad_in_forward(True, "mean", hidden, weight, None)
+    monkeypatch.setattr(linear_ce, "_TRACE_TARGET", ["cpu"])   # the CPU makes it in float32
+    assert linear_ce._grad_in_forward(True, "mean", hidden, weight, None) is True
 
 
 def test_gradients_made_in_forward_frozen_weight_accumulation_and_second_backward():

@@ -114,7 +114,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         grad_in_forward: make the gradients in the forward pass (three matrix products, or two for a
             frozen weight, instead of four; reduction "mean" or "sum"; see the module docstring).
             None (default): when a gradient is wanted and the weight is float32, or frozen on a GPU,
-            where it costs no memory beyond the gradients themselves. True also for a trained bf16/fp16
+            where it costs no memory beyond the gradients themselves (not for float16 on a GPU under a
+            mean: made before backward brings the loss scale, its logits' gradient would flush to zero;
+            True raises there). True also for a trained bf16/fp16
             weight, whose gradient is then summed in a float32 buffer while the loss runs (4 bytes per
             weight element, 2 more than the gradient) for one product fewer. False: always recompute.
         token_chunk: with gradients made in forward, tokens per chunk of whole rows of logits; 0 chooses
@@ -181,13 +183,21 @@ def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, wei
                              "gradient known before backward), got 'none'")
         return False
     trained_low = weight.requires_grad and weight.dtype != torch.float32
+    # effmem plan's trace runs on meta tensors and chooses as the device it plans for would
+    device = _TRACE_TARGET[0] if hidden.device.type == "meta" else hidden.device.type
+    # On CUDA the logits' gradient is made in hidden's dtype. Under a mean it is divided by the token count
+    # before backward brings GradScaler's loss scale: in float16 most of it would fall below the smallest
+    # subnormal (p / 4096 tokens is about 1e-8) and flush to zero. bfloat16 has float32's range.
+    flushes = device == "cuda" and hidden.dtype == torch.float16 and reduction == "mean"
     if choice:
+        if flushes:
+            raise ValueError("grad_in_forward=True: not with float16 on CUDA and reduction 'mean' (the logits' "
+                             "gradient, divided by the token count before the loss scale arrives, would flush "
+                             "to zero in float16); use bfloat16, reduction 'sum', or grad_in_forward=None")
         return True
     if torch.compiler.is_compiling():
         return False  # compiled graphs keep the recompute path: their autograd saves tensors the usual way
-    # effmem plan's trace runs on meta tensors and chooses as the device it plans for would
-    device = _TRACE_TARGET[0] if hidden.device.type == "meta" else hidden.device.type
-    return not trained_low and (weight.dtype == torch.float32 or device == "cuda")
+    return not trained_low and not flushes and (weight.dtype == torch.float32 or device == "cuda")
 
 
 # The device effmem plan's trace stands for while it runs a model on meta tensors (plan/trace.py).
