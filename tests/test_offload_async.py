@@ -107,3 +107,35 @@ def test_cuda_graph_capture_of_an_attached_forward_is_refused_clearly():
         with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
             with torch.cuda.graph(graph):
                 model(x, y)
+
+
+def test_fsdp_units_all_gather_streams_wait_for_the_installed_weights():
+    """Under FSDP2 on CUDA the shards are copied for the all-gather on FSDP's own streams, ordered after the
+    current stream only in the root's pre-forward; the install hook makes both wait for the current stream
+    (on which the uploads were ordered). Multi-GPU only, so checked here with stand-in streams, and against
+    the names the installed torch uses."""
+    import inspect
+    import types
+    from effmem.optim._offload_forward import order_all_gathers
+
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_stream(self, other):
+            self.waited.append(other)
+
+    ctx = types.SimpleNamespace(all_gather_copy_in_stream=Stream(), all_gather_stream=Stream(),
+                                reduce_scatter_stream=Stream())
+    unit = types.SimpleNamespace(_get_fsdp_state=lambda: types.SimpleNamespace(_comm_ctx=ctx))
+    order_all_gathers(unit, "current")
+    assert ctx.all_gather_copy_in_stream.waited == ["current"] == ctx.all_gather_stream.waited
+    assert ctx.reduce_scatter_stream.waited == []
+    # before the root's first forward FSDP has made no streams: nothing to order, no error
+    order_all_gathers(types.SimpleNamespace(_get_fsdp_state=lambda: types.SimpleNamespace(
+        _comm_ctx=types.SimpleNamespace())), "current")
+    fsdp = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+    source = inspect.getsource(fsdp.FSDPCommContext)
+    assert "self.all_gather_copy_in_stream" in source and "self.all_gather_stream" in source
+    state = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_state")
+    assert "self._comm_ctx" in inspect.getsource(state.FSDPState)

@@ -39,7 +39,7 @@ class OffloadForward:
                 if ids_of[id(unit)]:
                     # prepend: before FSDP's pre-forward, which all-gathers what the hook installs
                     self._forward_hooks.append(
-                        unit.register_forward_pre_hook(_Installer(self, ids_of[id(unit)]), prepend=True))
+                        unit.register_forward_pre_hook(_Installer(self, ids_of[id(unit)], fsdp=True), prepend=True))
         inside = {id(m) for u in units.values() for m in _managed_modules(u, units)}
         for module in model.modules():
             if id(module) in inside:
@@ -96,8 +96,8 @@ class _Installer:
     the optimizer weakly (no reference cycle through the model's hooks) and reads its engine at each call
     (add_param_group lays out a new one)."""
 
-    def __init__(self, opt, ids):
-        self.opt, self.ids = weakref.ref(opt), ids
+    def __init__(self, opt, ids, fsdp: bool = False):
+        self.opt, self.ids, self.fsdp = weakref.ref(opt), ids, fsdp
 
     @torch.compiler.disable  # a call into the engine: torch.compile runs it between graphs
     def __call__(self, module, args):
@@ -110,3 +110,18 @@ class _Installer:
                                "capture cannot see); call opt.flush() and capture the forward without "
                                "opt.attach(model)'s hooks, or use OffloadAdam without async_step")
         opt._engine.install_for_forward(self.ids)
+        if self.fsdp and opt._local[0].is_cuda:
+            order_all_gathers(module, torch.cuda.current_stream())
+
+
+def order_all_gathers(unit: nn.Module, current) -> None:
+    """Make an FSDP2 unit's all-gather streams wait for `current`, on which install_for_forward ordered the
+    new weights. FSDP2 copies the shards for an all-gather on streams of its own, ordered after the current
+    stream only in the root's pre-forward: from the second unit on, they would read shards the upload is
+    still writing. (Private FSDP2 state, read defensively: before the root's first forward it has no
+    streams yet, and that forward orders them itself.)"""
+    ctx = getattr(unit._get_fsdp_state(), "_comm_ctx", None)
+    for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+        stream = getattr(ctx, name, None)
+        if stream is not None:
+            stream.wait_stream(current)
