@@ -20,6 +20,10 @@ def param(*shape, dtype=torch.float32, device="cpu"):
     (dict(betas=(0.9,)), "betas"),
     (dict(weight_decay=-0.1), "weight_decay"),
     (dict(lr=torch.ones(2)), "lr"),
+    (dict(eps=float("inf")), "eps"),
+    (dict(weight_decay=float("inf")), "weight_decay"),
+    (dict(decoupled_weight_decay="no"), "decoupled_weight_decay: expected True or False"),
+    (dict(bias_correction=None), "bias_correction: expected True or False"),
 ])
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -30,6 +34,40 @@ def test_bad_hyperparameters_in_a_later_group():
     opt = effmem.FusedAdam([param(3)])
     with pytest.raises(ValueError, match="eps"):
         opt.add_param_group({"params": [param(3)], "eps": 0.0})
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+@pytest.mark.parametrize("make", [effmem.FusedAdam, effmem.OffloadAdam], ids=["fused", "offload"])
+def test_torch_adam_options_in_a_group_are_refused(make, flag):
+    """Refused as keywords (no such argument), so refused in a group's dict too: ignoring them would step
+    with plain Adam's math."""
+    with pytest.raises(ValueError, match=f"{flag}=True is not implemented"):
+        make([{"params": [param(3)], flag: True}])
+    opt = make([param(3)])
+    with pytest.raises(ValueError, match=flag):
+        opt.add_param_group({"params": [param(3)], flag: True})
+    assert len(opt.param_groups) == 1
+    make([{"params": [param(3)], flag: False}])   # what torch's own groups hold
+
+
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(eps=0.0), dict(betas=(1.5, 0.9)), dict(weight_decay=-1.0),
+                                 dict(lr=torch.tensor(float("nan")))], ids=lambda d: next(iter(d)))
+def test_a_refused_step_changes_nothing(bad):
+    """A group made bad after construction: the step is refused before any group is updated or any step
+    count advanced, so fixing the setting and going on trains as if the refused step never happened."""
+    torch.manual_seed(0)
+    ps = [param(4), param(4)]
+    opt = effmem.FusedAdam([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.1)
+    for p in ps:
+        p.grad = torch.ones(4)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    good = dict(opt.param_groups[1])
+    opt.param_groups[1].update(bad)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert [opt.state[p]["step"].item() for p in ps] == [1.0, 1.0]
 
 
 def test_params_on_two_devices_in_one_group():
@@ -184,9 +222,11 @@ def test_fused_adam_refuses_an_lr_tensor_changed_in_place_to_a_bad_value():
     opt = effmem.FusedAdam([p], lr=lr)
     p.grad = torch.randn(3)
     opt.step()
-    lr.fill_(-1.0)                                   # the same tensor, changed: the CPU op reads it
-    with pytest.raises(ValueError, match="lr_tensor must hold a finite number >= 0, got -1"):
+    lr.fill_(-1.0)                                   # the same tensor, changed: a CPU tensor is read each step
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\]: expected a finite number >= 0, got a "
+                                         "tensor holding -1"):
         opt.step()
+    assert opt.state[p]["step"].item() == 1.0
 
 
 @pytest.mark.parametrize("alias", ["same_param_twice", "exp_avg_is_param", "overlapping_views", "grad_is_master"])

@@ -139,3 +139,31 @@ def test_fsdp_units_all_gather_streams_wait_for_the_installed_weights():
     assert "self.all_gather_copy_in_stream" in source and "self.all_gather_stream" in source
     state = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_state")
     assert "self._comm_ctx" in inspect.getsource(state.FSDPState)
+
+
+@pytest.mark.parametrize("mode", [dict(async_step=True), dict(delay=True)])
+def test_a_dropped_optimizer_leaves_the_last_step_in_the_parameters(mode):
+    """async_step and delay hold the last update on the host until a forward or flush installs it: an
+    optimizer dropped without close() installs it too (as a torch optimizer leaves its last step)."""
+    import gc
+
+    def run(drop):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 8)
+        opt = OffloadAdam(m.parameters(), lr=1e-2, **mode)
+        if mode.get("async_step"):
+            opt.attach(m)
+        for _ in range(2):
+            m(torch.ones(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if drop:
+            del opt
+            gc.collect()
+        else:
+            opt.close()
+        return m.weight.detach().clone()
+    closed = run(drop=False)
+    assert torch.equal(run(drop=True), closed)
+    torch.manual_seed(0)
+    assert not torch.equal(torch.nn.Linear(8, 8).weight.detach(), closed)

@@ -33,6 +33,15 @@ class OffloadLifetime:
                 self.state = collections.defaultdict(dict)
                 self._views = []
 
+    def __del__(self):
+        # Dropped without close(): the parameters must still hold every step taken, as after a torch
+        # optimizer's last step. async_step and delay keep the last update on the host until a forward
+        # or a flush installs it; close() does. (A failure here, e.g. at interpreter exit, can only be
+        # printed by Python: nothing raised from __del__ reaches the caller.)
+        engine = getattr(self, "_engine", None)
+        if engine is not None and not engine.closed:
+            self.close()
+
     def __enter__(self):
         return self
 

@@ -45,20 +45,32 @@ def lr_value(lr: Any, where: str = "lr") -> None:
         raise ValueError(f"{where}: expected a finite number >= 0, got {lr!r}")
 
 
-def hyperparameters(group: Dict[str, Any]) -> None:
-    lr_value(group["lr"])
+def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
+    """A param group's Adam settings, or a ValueError naming the one that is wrong. check_lr=False leaves
+    the lr to the caller (a CUDA tensor's value costs a host sync to read)."""
+    if check_lr:
+        lr_value(group["lr"])
     eps = group["eps"]
-    if not isinstance(eps, numbers.Real) or not eps > 0.0:
-        raise ValueError(f"eps: expected a number > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps > 0.0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
     for name, beta in zip(("betas[0]", "betas[1]"), betas):
-        if not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
             raise ValueError(f"{name}: expected a number in [0, 1), got {beta!r}")
     wd = group["weight_decay"]
-    if not isinstance(wd, numbers.Real) or not wd >= 0.0:
-        raise ValueError(f"weight_decay: expected a number >= 0, got {wd!r}")
+    if isinstance(wd, bool) or not isinstance(wd, numbers.Real) or not (wd >= 0.0 and math.isfinite(wd)):
+        raise ValueError(f"weight_decay: expected a finite number >= 0, got {wd!r}")
+    for flag in ("decoupled_weight_decay", "bias_correction"):
+        if not isinstance(group[flag], bool):
+            raise ValueError(f"{flag}: expected True or False, got {group[flag]!r}")
+    # torch.optim.Adam's options that change the update: a group (or a loaded state_dict) asking for one
+    # must not be stepped with plain Adam's math instead
+    for flag in ("amsgrad", "maximize"):
+        if group.get(flag, False):
+            raise ValueError(f"{flag}: {flag}=True is not implemented by effmem's Adam; stepping this group "
+                             "would silently change the math")
 
 
 def max_norm(value: Any) -> None:
@@ -186,10 +198,6 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
         if len(group["params"]) != len(mine["params"]):
             raise ValueError(f"state_dict: param_groups[{gi}] has {len(group['params'])} parameters but this "
                              f"{name}'s group {gi} has {len(mine['params'])}")
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag, False):
-                raise ValueError(f"state_dict: param_groups[{gi}] uses {flag}=True, which {name} "
-                                 "does not implement; loading it would silently change the math")
         merged = dict(optimizer.defaults)
         merged.update({k: v for k, v in group.items() if k != "params"})
         try:

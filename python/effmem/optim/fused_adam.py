@@ -150,14 +150,10 @@ class FusedAdam(AdamBase):
                                "region, before step().")
 
         self._refusals.check()
+        self._check_groups()
         per_device: Dict[torch.device, Tuple] = {}  # (scale, found_inf) of each device, once per step
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
-            if isinstance(lr, Tensor) and self._lr_checked.get(gi) is not lr and not _capturing():
-                # A tensor given or assigned since the last step: its value is checked once
-                # (one host sync for a CUDA tensor); later changes on the device are the kernel's.
-                _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
-                self._lr_checked[gi] = lr
             per_group: Dict[torch.device, Tuple] = {}  # (lr, lr_tensor, advance) of each device
             beta1, beta2 = group["betas"]
             for (device, _, _), b in self._buckets(group).items():
@@ -188,6 +184,23 @@ class FusedAdam(AdamBase):
         for device in per_device:
             self._refusals.launched(device)
         return loss
+
+    def _check_groups(self) -> None:
+        """Every group's settings, before any is stepped: a refused step changes nothing (no step counts
+        advanced, no group updated). An lr held in a CPU tensor is read each step (no sync); one in a
+        CUDA tensor when it is given or assigned (one host sync), later changes on the device are the
+        kernel's to refuse."""
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            try:
+                _validate.hyperparameters(group, check_lr=False)
+            except ValueError as err:
+                raise ValueError(f"param_groups[{gi}]: {err}") from None
+            if not (isinstance(lr, Tensor) and lr.is_cuda):
+                _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
+            elif self._lr_checked.get(gi) is not lr and not _capturing():
+                _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
+                self._lr_checked[gi] = lr
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
