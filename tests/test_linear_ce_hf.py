@@ -73,6 +73,35 @@ def test_num_items_in_batch_and_inference_untouched():
     effmem.unfuse_linear_cross_entropy(fused)
     assert fused(input_ids=x, labels=y).logits.shape == (2, 16, 512)
     assert type(fused.lm_head) is torch.nn.Linear and "forward" not in fused.__dict__
+    assert "forward" not in fused.lm_head.__dict__
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_copies_and_pickles_run_themselves(family):
+    """A deep copy of a fused model (or one loaded from torch.save) computes with its own weights, and
+    its gradients go to its own parameters; return_dict=False gives the model's tuple, logits None."""
+    import io
+
+    torch.manual_seed(0)
+    fused = effmem.fuse_linear_cross_entropy(FAMILIES[family]())
+    x, y = batch()
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(fused), torch.load(buf, weights_only=False)):
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        loss = other(input_ids=x, labels=y).loss   # zero weights: uniform logits, loss log(vocab)
+        assert abs(loss.item() - torch.log(torch.tensor(512.0)).item()) < 1e-5
+        loss.backward()
+        assert all(p.grad is None for p in fused.parameters())
+        assert any(p.grad is not None for p in other.parameters())
+        effmem.unfuse_linear_cross_entropy(other)
+        assert other(input_ids=x, labels=y).logits.shape == (2, 16, 512)
+    out = fused(input_ids=x, labels=y, return_dict=False)
+    assert isinstance(out, tuple) and out[1] is None
+    assert torch.equal(out[0], fused(input_ids=x, labels=y).loss)
 
 
 def test_unknown_model_is_a_clear_error():

@@ -9,6 +9,7 @@ that, when it is given labels, its ``lm_head`` passes the hidden states through 
 making logits and its ``loss_function`` computes the fused loss from them. The output then has
 ``logits=None``. Without labels (inference, generation) nothing changes.
 """
+import functools
 import inspect
 from typing import Optional
 
@@ -24,13 +25,11 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qw
              "Qwen3ForCausalLM", "GPT2LMHeadModel")
 
 
-class _PassHead:
-    """Mixed into the lm_head's class: while ``_effmem_pass`` is set, forward returns its input."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if getattr(self, "_effmem_pass", False):
-            return x
-        return self._effmem_base_forward(x)
+def _head_forward(head: nn.Module, x: Tensor) -> Tensor:
+    """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set."""
+    if head.__dict__.get("_effmem_pass", False):
+        return x
+    return type(head).forward(head, x)
 
 
 class _FusedLoss:
@@ -72,33 +71,34 @@ def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}; use "
                         "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss instead")
-    base_cls = type(head)
-    head.__class__ = type(f"EffmemPass{base_cls.__name__}", (_PassHead, base_cls),
-                          {"_effmem_base_forward": base_cls.forward})
-    model._effmem_head_class = base_cls
+    # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
+    # of the model then runs itself (not the original), and the model pickles.
+    head.forward = functools.partial(_head_forward, head)
     model._effmem_loss_before = model.__dict__.get("_loss_function")
     model.loss_function = _FusedLoss(head, model.loss_function)
-    original = model.forward
-
-    def forward(*args, **kwargs):
-        if kwargs.get("labels") is None:
-            return original(*args, **kwargs)
-        head._effmem_pass = True
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            head._effmem_pass = False
-        # it held the hidden states passed through; a ModelOutput is a dict whose item outlives setting the
-        # attribute to None (the output kept them alive): clear the item, which clears the attribute too
-        if isinstance(out, dict):
-            out["logits"] = None
-        else:
-            out.logits = None
-        return out
-
-    model._effmem_fused_forward = forward
-    model.forward = forward
+    model.forward = model._effmem_fused_forward = functools.partial(_fused_forward, model.forward, head)
     return model
+
+
+def _fused_forward(original, head: nn.Module, *args, **kwargs):
+    """The model's forward while fused: with labels, lm_head passes the hidden states to the fused loss."""
+    if kwargs.get("labels") is None:
+        return original(*args, **kwargs)
+    head._effmem_pass = True
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        head._effmem_pass = False
+    # The logits slot held the hidden states passed through. A ModelOutput is a dict whose item outlives
+    # setting the attribute to None (the output kept them alive): clear the item, which clears the
+    # attribute too. With return_dict=False the output is the tuple (loss, logits, ...).
+    if isinstance(out, dict):
+        out["logits"] = None
+    elif isinstance(out, tuple):
+        out = (out[0], None, *out[2:])
+    else:
+        out.logits = None
+    return out
 
 
 def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
@@ -106,13 +106,13 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     if getattr(model, "_effmem_fused_forward", None) is None:
         return model
     head = model.get_output_embeddings()
-    head.__class__ = model._effmem_head_class
-    head.__dict__.pop("_effmem_pass", None)
+    for attr in ("forward", "_effmem_pass"):
+        head.__dict__.pop(attr, None)
     del model.forward
     if model._effmem_loss_before is None:
         model.__dict__.pop("_loss_function", None)
     else:
         model.loss_function = model._effmem_loss_before
-    for attr in ("_effmem_fused_forward", "_effmem_head_class", "_effmem_loss_before"):
+    for attr in ("_effmem_fused_forward", "_effmem_loss_before"):
         model.__dict__.pop(attr, None)
     return model
