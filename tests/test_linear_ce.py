@@ -260,6 +260,33 @@ def test_bad_arguments_name_the_argument():
     bad[11] = 1000
     with pytest.raises(IndexError, match=r"target\[11\] = 1000 is not a class index in \[0, 1000\)"):
         linear_cross_entropy(hidden, weight, bad)
+    for value in (None, 1.5, "-100", True):   # torch takes an int; 1.5 was truncated, None crashed
+        with pytest.raises(TypeError, match="ignore_index: expected an int"):
+            linear_cross_entropy(hidden, weight, target, ignore_index=value)
+    with pytest.raises(ValueError, match="logit_softcap: expected None or a finite number > 0, got True"):
+        linear_cross_entropy(hidden, weight, target, logit_softcap=True)
+    # another device: the meta device gave garbage before
+    for name, args in (("weight", (hidden, weight.to("meta"), target)), ("target", (hidden, weight, target.to("meta"))),
+                       ("bias", (hidden, weight, target, bias.to("meta")))):
+        with pytest.raises(ValueError, match=f"{name}: expected a tensor on cpu \\(hidden's device\\), got one on meta"):
+            linear_cross_entropy(*args)
+    with pytest.raises(TypeError, match="bias: expected a tensor or None"):
+        linear_cross_entropy(hidden, weight, target, 0.5)
+    with pytest.raises(ValueError, match="hidden: expected .*at least one dimension"):
+        linear_cross_entropy(torch.randn(()), weight, torch.tensor(1))
+
+
+@pytest.mark.parametrize("grad_in_forward", [None, False])
+def test_gradients_made_with_create_graph_refuse_a_second_derivative(grad_in_forward):
+    """create_graph=True gives the right first-order gradients; differentiating them raises instead of
+    treating them as constants (which would drop this loss's part of a gradient penalty silently)."""
+    hidden, weight, target, bias = problem(n=40, v=100)
+    ref = torch.autograd.grad(unfused(hidden, weight, target, bias), hidden)[0]
+    g = torch.autograd.grad(linear_cross_entropy(hidden, weight, target, bias, grad_in_forward=grad_in_forward),
+                            hidden, create_graph=True)[0]
+    assert rel(g, ref) <= 1e-5 and g.requires_grad
+    with pytest.raises(RuntimeError, match="create_graph=True and cannot be differentiated again"):
+        (g ** 2).sum().backward()
 
 
 def test_extra_peak_memory_is_a_few_percent_of_the_unfused_path():

@@ -71,7 +71,32 @@ class _GradInForward(torch.autograd.Function):
             raise RuntimeError("linear_cross_entropy: this loss's gradients were made by its forward pass and "
                                "handed to the first backward through it; to backward twice (retain_graph=True) "
                                "call it with grad_in_forward=False")
-        return (*[None if g is None else g.mul_(grad_out) for g in grads], None, None, None, None)
+        return (*_first_order([None if g is None else g.mul_(grad_out) for g in grads]), None, None, None, None)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients, as they are, for a backward with create_graph=True; differentiating them raises.
+    Without it they would come out as constants, and a second derivative through them (a gradient
+    penalty) would silently lack this loss's part."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.detach() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("linear_cross_entropy: its gradients were made with create_graph=True and cannot be "
+                           "differentiated again (a second derivative needs the logits it never keeps); compute "
+                           "this loss unfused for higher-order gradients")
+
+
+def _first_order(grads):
+    """grads unchanged, or under create_graph=True (grad mode on in backward) marked by _NoSecondDerivative."""
+    if not torch.is_grad_enabled():
+        return grads
+    given = [g.detach().requires_grad_(True) for g in grads if g is not None]
+    marked = iter(_NoSecondDerivative.apply(*given))
+    return [None if g is None else next(marked) for g in grads]
 
 
 def _setup_context(ctx, inputs, output):
@@ -85,9 +110,10 @@ def _backward(ctx, grad_loss, grad_lse):
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     if grad_loss is None or not any(mask):
         return None, None, None, None, None, None, None, None
-    grad_h, grad_w, grad_b = _lib.linear_ce_backward(grad_loss.contiguous(), hidden, weight, bias, target, lse,
-                                                     *ctx.options, mask)
-    return (grad_h if mask[0] else None, grad_w if mask[1] else None, grad_b if mask[2] else None,
+    with torch.no_grad():  # under create_graph=True too: the op is not differentiable (see _first_order)
+        grad_h, grad_w, grad_b = _lib.linear_ce_backward(grad_loss.contiguous(), hidden, weight, bias, target, lse,
+                                                         *ctx.options, mask)
+    return (*_first_order([grad_h if mask[0] else None, grad_w if mask[1] else None, grad_b if mask[2] else None]),
             None, None, None, None, None)
 
 
@@ -140,10 +166,19 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             raise ValueError(f"{name}: expected an int >= 0 (0: automatic), got {n!r}")
     if grad_in_forward not in (None, True, False):
         raise ValueError(f"grad_in_forward: expected None, True or False, got {grad_in_forward!r}")
-    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if hidden.dim() < 1 or tuple(target.shape) != tuple(hidden.shape[:-1]):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if isinstance(logit_softcap, bool):
+        raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)):
+        if not isinstance(t, Tensor) and not (name == "bias" and t is None):
+            raise TypeError(f"{name}: expected a tensor{' or None' if name == 'bias' else ''}, got "
+                            f"{type(t).__name__}")
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name}: expected a tensor on {hidden.device} (hidden's device), got one on {t.device}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected [..., H], at least one dimension, got a 0-dimensional tensor")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden's without its last "
                          f"dimension), got {tuple(target.shape)}")
     device_type = hidden.device.type
