@@ -129,6 +129,63 @@ def test_remove_restores_and_bad_arguments_name_themselves():
         assert torch.equal(m(input_ids=x, labels=x).loss, before)
 
 
+def test_a_refused_apply_changes_nothing_and_remove_turns_the_cache_back_on():
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).train()   # use_cache=True
+    m.model.layers[1].forward = m.model.layers[1].forward       # another library's wrapper, say
+    for policy in ("fast", "min", "checkpoint"):
+        with pytest.raises(ValueError, match=r"\(model.layers.1\): its forward is already replaced"):
+            apply_activation_policy(m, policy)
+        assert m.config.use_cache and not hasattr(m, "_effmem_fast")
+        assert all(getattr(layer, "_effmem_policy", None) is None for layer in m.model.layers)
+        assert "forward" not in m.model.layers[0].__dict__
+    del m.model.layers[1].forward
+    apply_activation_policy(m, "fast")
+    assert m.config.use_cache is False   # training recomputes nothing into a cache
+    remove_activation_policy(m)
+    assert m.config.use_cache is True
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "selective", "min"])
+def test_a_cache_in_training_is_refused(policy):
+    """A checkpointed layer given a key/value cache would add its keys and values twice (recompute)."""
+    m = apply_activation_policy(llama(), policy)
+    x = ids()
+    with pytest.raises(TypeError, match="got a key/value cache"):
+        m(input_ids=x, labels=x, use_cache=True)
+
+
+def mixtral():
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=True, use_cache=False)
+    return transformers.MixtralForCausalLM(cfg).train()
+
+
+def test_a_budget_leaves_the_outputs_alone_and_min_refuses_router_losses():
+    """memory_budget's probes run layer 0 again at each new shape: the router logits transformers records
+    (and the auxiliary loss made from them) are those of the model's own forward. "min" cannot backpropagate
+    a loss on router logits: refused by name, and never chosen by a budget."""
+    x = ids()
+    ref = mixtral()(input_ids=x, labels=x)
+    m = apply_activation_policy(mixtral(), memory_budget=0.5)
+    got = m(input_ids=x, labels=x)
+    assert len(got.router_logits) == len(ref.router_logits) == 2
+    assert torch.equal(got.aux_loss, ref.aux_loss) and torch.equal(got.loss, ref.loss)
+    got.loss.backward()
+    assert "min" not in effmem.activations.budget_choice(m)["modes"]
+    with pytest.raises(ValueError, match="'min' is left out"):
+        apply_activation_policy(mixtral(), memory_budget=1)(input_ids=x, labels=x)
+    with pytest.raises(ValueError, match=r"policy: 'min' .*config.output_router_logits=True"):
+        apply_activation_policy(mixtral(), "min")
+    torch.manual_seed(0)
+    att = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, use_cache=False,
+                                                                 attn_implementation="eager")).train()
+    att = apply_activation_policy(att, memory_budget=0.5)
+    assert len(att(input_ids=x, labels=x, output_attentions=True).attentions) == 3
+
+
 def test_plan_offers_and_applies_the_min_policy():
     p = effmem.plan(dict(model_type="llama", **LLAMA), batch=2, seq=64, device="cpu", host_memory="8GB")
     c = next(c for c in p.candidates if c.config.activations == "checkpoint8" and c.config.loss == "standard")

@@ -80,22 +80,32 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                          "modules of one type) to apply a policy to")
     if any(getattr(layer, "_effmem_policy", None) is not None for layer in layers):
         raise ValueError("model: an activation policy is already applied; remove_activation_policy(model) first")
+    # Every check before the first change: a refused call leaves the model as it was.
+    for i, layer in enumerate(layers):
+        if "forward" in layer.__dict__:
+            raise ValueError(f"{type(layer).__name__} ({name}.{i}): its forward is already replaced (by "
+                             "checkpointing or another library's wrapper); remove that first")
     config = getattr(model, "config", None)
+    side = [f for f in ("output_router_logits", "output_attentions") if getattr(config, f, False) is True]
+    if policy == "min":
+        if side:
+            raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, so a loss "
+                             f"on tensors a layer makes besides its output (config.{side[0]}=True: e.g. an MoE "
+                             "router's auxiliary loss) cannot backpropagate; use 'fast', 'checkpoint' or "
+                             f"memory_budget=, or set config.{side[0]}=False")
     if getattr(config, "use_cache", False):
         # A recomputed layer would append its keys and values to the cache again (as transformers'
-        # own gradient checkpointing, training turns the cache off).
+        # own gradient checkpointing, training turns the cache off); remove_activation_policy turns it on.
         config.use_cache = False
+        model._effmem_use_cache = True
     if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
         setattr(model, _FAST, comp)
         budget = None
         if policy == "budget":
-            budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size)
+            budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
         for i, layer in enumerate(layers):
-            if "forward" in layer.__dict__:
-                raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation "
-                                 "policy or checkpointing); remove that first")
             layer._effmem_patched = paths.patch(layer)
             if budget is None:
                 layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, f"{name}.{i}", i == 0,
@@ -186,6 +196,8 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
         restore_layer(layer)
     model.__dict__.pop(_FAST, None)
     model.__dict__.pop(_BUDGET, None)
+    if model.__dict__.pop("_effmem_use_cache", False):
+        model.config.use_cache = True
     return model
 
 

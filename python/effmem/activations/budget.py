@@ -26,6 +26,8 @@ alike, so counts are all that matter; offloaded layers come first); a budget bel
 The budget is a fraction of the layers' plain saved bytes (a float in (0, 1], as torch's
 activation_memory_budget) or a number of bytes (an int) for the decoder layers at the current shape.
 """
+import contextlib
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -57,12 +59,13 @@ def check_budget(budget) -> Union[float, int]:
     return budget
 
 
-def choose(layers: int, nbytes: Dict[str, int], budget: int, max_offload: int = 0) -> Optional[List[str]]:
+def choose(layers: int, nbytes: Dict[str, int], budget: int, max_offload: int = 0,
+           allow_min: bool = True) -> Optional[List[str]]:
     """The per-layer modes of least COST whose bytes fit `budget` (None if none does): the offloaded layers
-    first (at most max_offload), then min, then fast."""
+    first (at most max_offload), then min (if allowed), then fast."""
     best: Optional[Tuple[float, int, int, int]] = None
     for n_off in range(min(max_offload, layers) + 1):
-        for n_min in range(layers - n_off + 1):
+        for n_min in range(layers - n_off + 1 if allow_min else 1):
             for n_fast in range(layers - n_off - n_min + 1):
                 n_plain = layers - n_off - n_min - n_fast
                 total = (n_off * nbytes["offload"] + n_min * nbytes["min"] + n_fast * nbytes["fast"]
@@ -99,6 +102,22 @@ def _link_rate(device: torch.device) -> float:
     return rates_for(torch.cuda.get_device_name(device)).link_bw
 
 
+@contextlib.contextmanager
+def _unrecorded():
+    """The probes' extra runs of a layer leave no trace in the model's outputs: transformers (5 and later)
+    records some modules' outputs (router logits, attentions, hidden states) with forward hooks into one
+    collector per model forward, which the probes would add to (a Mixtral's auxiliary loss would count
+    layer 0's router three times). What they add is cut off again."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(getattr(capturing, "_active_collector", None), "get", lambda: None)()
+    lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if isinstance(collector, dict) else {}
+    try:
+        yield
+    finally:
+        for key, n in lengths.items():
+            del collector[key][n:]
+
+
 def _count_plain(run, inputs: Sequence[Tensor]) -> int:
     """Bytes of the distinct storages a forward saves, leaving out parameters and the given inputs."""
     skip = {storage_key(t) for t in inputs}
@@ -118,8 +137,11 @@ def _count_plain(run, inputs: Sequence[Tensor]) -> int:
 class BudgetPolicy:
     """The per-shape choices of one model under memory_budget; layers call through forward()."""
 
-    def __init__(self, budget, layers: int, comp: FastCompressor, bits: int, group_size: int):
-        self.budget, self.layers, self.comp = check_budget(budget), layers, comp
+    def __init__(self, budget, layers: int, comp: FastCompressor, bits: int, group_size: int,
+                 allow_min: bool = True):
+        # allow_min=False: a model whose loss uses tensors a layer makes besides its output (MoE router
+        # logits), which "min" cannot backpropagate
+        self.budget, self.layers, self.comp, self.allow_min = check_budget(budget), layers, comp, allow_min
         self.bits, self.group_size = bits, group_size
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
         self.offloader = Offloader()
@@ -130,6 +152,11 @@ class BudgetPolicy:
 
     def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
                    warm: bool) -> dict:
+        with _unrecorded():
+            return self._probe(layer, plain_fn, fast_fn, hidden, others, args, kwargs, warm)
+
+    def _probe(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
+               warm: bool) -> dict:
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         sync = (lambda: torch.cuda.synchronize(hidden.device)) if devices else (lambda: None)
         with torch.random.fork_rng(devices=devices):
@@ -161,12 +188,15 @@ class BudgetPolicy:
         link = _link_rate(hidden.device)
         max_offload = hidden_layers(self.layers, layer_s, codes, link)
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)
-        modes = choose(self.layers, nbytes, budget, max_offload)
+        modes = choose(self.layers, nbytes, budget, max_offload, self.allow_min)
         if modes is None:
-            n_off = max_offload if nbytes["offload"] < nbytes["min"] else 0
-            least = n_off * nbytes["offload"] + (self.layers - n_off) * nbytes["min"]
+            least_mode = "min" if self.allow_min else "fast"
+            n_off = max_offload if nbytes["offload"] < nbytes[least_mode] else 0
+            least = n_off * nbytes["offload"] + (self.layers - n_off) * nbytes[least_mode]
             how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
-                   "'min'" if n_off else "every layer under 'min'")
+                   f"'{least_mode}'" if n_off else f"every layer under '{least_mode}'")
+            if not self.allow_min:
+                how += " ('min' is left out: the model's loss uses tensors a layer makes besides its output)"
             raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
                              f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
                              f"with {how}")

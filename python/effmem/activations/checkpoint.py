@@ -33,7 +33,10 @@ def _drop(t: Tensor) -> None:
 
 
 def _never_unpacked(_) -> Tensor:
-    raise RuntimeError("compressed checkpointing: the forward's own graph was used for backward")
+    raise RuntimeError("compressed checkpointing ('min'): backward reached a tensor made inside a checkpointed "
+                       "layer's forward other than its output (e.g. MoE router logits in an auxiliary loss, or "
+                       "attention weights), of which 'min' keeps nothing; use 'fast' or 'checkpoint' for this "
+                       "model, or do not ask it for those outputs")
 
 
 class _CompressedCheckpoint(torch.autograd.Function):
@@ -109,10 +112,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         rest = ()
     else:
         x, rest = args[0], args[1:]
-    if any(type(a).__name__.endswith("Cache") for a in (*rest, *kwargs.values())):
-        raise TypeError(f"{type(layer).__name__}: got a key/value cache; recomputing a layer would add to it "
-                        "a second time. Train with use_cache=False (apply_activation_policy sets it in the "
-                        "model's config)")
+    _refuse_cache(layer, rest, kwargs)
     if any(t.requires_grad for t in _tensors((rest, kwargs))):
         raise TypeError(f"{type(layer).__name__}: an input other than the hidden state needs a gradient; "
                         "compressed checkpointing recomputes from the hidden state alone")
@@ -127,6 +127,22 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
 
     y = compressed_checkpoint(run, x, bits=bits, group_size=group_size)
     return (y, *tail["rest"]) if "rest" in tail else y
+
+
+def _refuse_cache(layer: nn.Module, args, kwargs) -> None:
+    if any(type(a).__name__.endswith("Cache") and a is not None for a in (*args, *kwargs.values())):
+        raise TypeError(f"{type(layer).__name__}: got a key/value cache; recomputing a layer would add to it "
+                        "a second time. Train with use_cache=False (apply_activation_policy sets it in the "
+                        "model's config)")
+
+
+def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):
+    """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        _refuse_cache(layer, args, kwargs)
+    if selective:
+        return torch_checkpoint(original, *args, use_reentrant=False, context_fn=selective_context, **kwargs)
+    return torch_checkpoint(original, *args, use_reentrant=False, **kwargs)
 
 
 @torch.compiler.disable
@@ -144,13 +160,9 @@ def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int 
     if "forward" in layer.__dict__:
         raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation policy "
                          "or checkpointing); remove that first")
-    if selective:
-        layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False,
-                                          context_fn=selective_context)
-        layer._effmem_policy = "selective"
-    elif bits is None:
-        layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False)
-        layer._effmem_policy = "checkpoint"
+    if bits is None:
+        layer.forward = functools.partial(_torch_checkpointed, layer, layer.forward, selective)
+        layer._effmem_policy = "selective" if selective else "checkpoint"
     else:
         layer.forward = functools.partial(_layer_forward, layer, layer.forward, bits, group_size)
         layer._effmem_policy = f"checkpoint{bits}"
