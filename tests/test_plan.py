@@ -106,6 +106,35 @@ def test_a_smaller_gpu_rejects_what_does_not_fit_and_says_by_how_much():
     assert big.pick.step_time_s <= small.pick.step_time_s
 
 
+def test_step_time_grows_with_the_tokens_in_every_mode():
+    """Twice the tokens at the same micro-batch is never faster: backward hides OffloadAdam's downloads
+    and (overlap) its updates once, not once each (the overlap mode's time fell with longer sequences)."""
+    def times(seq):
+        p = effmem.plan("llama-1b", batch=8, seq=seq, gpu_memory="80GB", host_memory="128GB", device="cuda",
+                        clipping=False)
+        return {c.name: c.step_time_s for c in p.candidates}
+    short, long = times(512), times(1024)
+    same = set(short) & set(long)
+    assert len(same) > 50 and any("overlap" in n for n in same)
+    for name in same:
+        assert long[name] >= short[name] * (1 - 1e-12), (name, short[name], long[name])
+
+
+def test_sequence_longer_than_learned_positions_and_paths_named_like_presets(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"seq: 2048 tokens is more than this model's learned positions "
+                                         r"\(n_positions = 1024\)"):
+        effmem.plan("gpt2", seq=2048)
+    assert effmem.plan("gpt2", batch=1).seq == 1024   # the default, where the positions end
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, '
+                                        '"n_positions": 128, "vocab_size": 256}')
+    monkeypatch.chdir(tmp_path)
+    assert effmem.plan("gpt2", batch=1, device="cpu").params < 10 ** 6   # the folder, not the preset
+    with pytest.raises(ValueError, match="trainable: an empty pattern"):
+        effmem.plan("gpt2", trainable="h\\.0\\.,", device="cpu")
+
+
 def test_70b_preset_plans_in_under_two_seconds():
     effmem.plan("llama-7b", batch=1, seq=128)  # imports transformers and warms its model classes
     t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from effmem.plan.model import preset_names
 
@@ -15,7 +16,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         ") or a Hugging Face config.json (file or folder). Sizes: 80GB (1e9 bytes) or 80GiB (2^30).")
     p.add_argument("model", nargs="?", help="preset name or config.json path")
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step, all GPUs (default 8)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default 2048, or the model's learned positions if fewer)")
     p.add_argument("--accum", type=int, default=None, help="micro-batches per step (default: searched)")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU (default: this machine's GPU)")
     p.add_argument("--host-memory", default=None, help="host memory (default: this machine's)")
@@ -51,6 +53,14 @@ def cmd_plan(args) -> int:
             return 0
     if args.model is None:
         args.subparser.error("MODEL is required (a preset or a config.json path) unless --calibrate is given")
+    # what can be refused before planning is refused before planning
+    if args.steps < 1:
+        args.subparser.error(f"--steps: expected an int >= 1, got {args.steps}")
+    if args.chart and Path(args.chart).suffix.lower() not in (".svg", ".png"):
+        args.subparser.error(f"--chart: expected a path ending in .svg or .png, got {args.chart!r}")
+    for flag, path in (("--json", args.json if args.json != "-" else None), ("--chart", args.chart)):
+        if path and not Path(path).resolve().parent.is_dir():
+            args.subparser.error(f"{flag}: the folder of {path!r} does not exist")
     try:
         plan = make_plan(args.model, batch=args.batch, seq=args.seq, accum=args.accum,
                              gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus=args.gpus,

@@ -305,11 +305,14 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
             # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
             # Those kept on the GPU (device_accumulation) go in the last backward only, summed.
             kept = kept_on_device(cfg, m, g_b)
-            down = (max(0.0, t * g_b / r.link_bw - bwd)
-                    + max(0.0, (t * g_b - kept) / r.link_bw - bwd) * (cfg.accumulation - 1))
+            last = t * g_b / r.link_bw
+            earlier = max(0.0, (t * g_b - kept) / r.link_bw - bwd) * (cfg.accumulation - 1)
+            down = max(0.0, last - bwd) + earlier
             if cfg.optimizer == "offload_overlap":
-                # Updates run as buckets land during the last backward; what remains after it shows.
-                out["optimizer"] = down + max(upload, cpu + upload - bwd)
+                # Updates run as buckets land during the last backward: its downloads and the updates are
+                # one pipeline behind that one backward (not each behind a backward of its own), then the
+                # weights go up.
+                out["optimizer"] = earlier + max(upload, max(last, cpu) + upload - bwd)
             elif cfg.optimizer == "offload_async":
                 # Updates run in forward order while the next forward runs, each layer waiting for its
                 # own bucket: the first bucket always shows, and what the forward cannot cover.

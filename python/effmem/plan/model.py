@@ -27,7 +27,8 @@ def preset_names() -> List[str]:
 def load_config(spec: str) -> Tuple[str, dict]:
     """A preset name or a path to a config.json (or a folder holding one) -> (name, config dict)."""
     preset = PRESET_DIR / f"{spec}.json"
-    if preset.is_file():
+    # a file or folder of that name wins ('./llama-7b' holding a config.json is not the preset)
+    if preset.is_file() and not Path(spec).exists():
         cfg = json.loads(preset.read_text())
         cfg.pop("_effmem_preset", None)
         return spec, cfg
@@ -101,6 +102,9 @@ class Trainable:
         for raw in text.split(","):
             raw = raw.strip()
             pattern, _, part = raw.partition("#")
+            if not pattern:   # 'a,' or ',': an empty pattern would match every name and train everything
+                raise ValueError(f"trainable: an empty pattern in {text!r} (a stray comma?) would match every "
+                                 "parameter")
             rows = None
             if part:
                 m = re.fullmatch(r"(\d+):(\d+)", part)

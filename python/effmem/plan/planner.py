@@ -5,7 +5,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -22,7 +22,7 @@ HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory
 def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
     if text is None or (isinstance(text, (int, float)) and not isinstance(text, bool)):
-        if text is not None and text <= 0:
+        if text is not None and int(text) < 1:
             raise ValueError(f"{what}: expected a positive size, got {text!r}")
         return None if text is None else int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
@@ -32,7 +32,10 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     scale = {"B": 1}
     for i, p in enumerate("KMGT", start=1):
         scale[f"{p}B"], scale[f"{p}IB"] = 10 ** (3 * i), 1 << (10 * i)
-    return int(float(m.group(1)) * scale[unit])
+    n = int(float(m.group(1)) * scale[unit])
+    if n < 1:   # '0.5B': not a size (and 0 would read as 'not given')
+        raise ValueError(f"{what}: expected a positive size, got {text!r} ({n} bytes)")
+    return n
 
 
 def machine() -> Dict[str, object]:
@@ -269,7 +272,18 @@ def _trainable_share(spec: ModelSpec) -> float:
     return sum(p.trainable for p in mats) / total if total else 1.0
 
 
-def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] = None,
+def _position_limit(spec: ModelSpec) -> Optional[Tuple[int, str]]:
+    """The longest sequence a model with learned positions takes, and the config key saying so (GPT-2's
+    n_positions, OPT's max_position_embeddings); None for rotary positions, which have no table to run off."""
+    cfg = _hf_config(spec)
+    if isinstance(cfg.get("n_positions"), int):
+        return cfg["n_positions"], "n_positions"
+    if cfg.get("model_type") == "opt" and isinstance(cfg.get("max_position_embeddings"), int):
+        return cfg["max_position_embeddings"], "max_position_embeddings"
+    return None
+
+
+def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Optional[int] = None,
          gpu_memory: Union[str, int, None] = None, host_memory: Union[str, int, None] = None,
          gpus: Optional[int] = None, trainable: Optional[str] = None, device: Optional[str] = None,
          clipping: bool = True, headroom: float = HEADROOM, inputs: Optional[InputsFn] = None,
@@ -278,7 +292,8 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
 
     model: a preset name (effmem.plan.preset_names()), a config.json path, a Hugging Face config or
     an nn.Module (any device; it is traced on meta tensors). batch: sequences per optimizer step over
-    all GPUs; seq: tokens per sequence; accum: micro-batches per step (searched when None).
+    all GPUs; seq: tokens per sequence (default 2048, or fewer where the model's learned positions end);
+    accum: micro-batches per step (searched when None).
     gpu_memory / host_memory: sizes ("80GB", "80GiB" or bytes; default: this machine's). gpus: GPUs
     (default: this machine's). device: "cuda" or "cpu" (default: cuda when there is a GPU or
     gpu_memory was given). trainable: regular expressions of the parameters that train (model.py's
@@ -286,7 +301,8 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     """
     t0 = time.perf_counter()
     whole(batch, "batch", 1)
-    whole(seq, "seq", 1)
+    if seq is not None:
+        whole(seq, "seq", 1)
     if accum is not None:
         whole(accum, "accum", 1)
     if not 0 <= headroom < 1:
@@ -301,7 +317,8 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     if device == "cpu":
         # One process, or `gpus` CPU ranks under torch.distributed (gloo): what the tests run.
         world = gpus if gpus is not None else 1
-        gpu_mem = gpu_mem or host_mem
+        whole(world, "gpus", 1)
+        gpu_mem = gpu_mem or host_mem // world   # the ranks share the machine's memory
     else:
         world = gpus if gpus is not None else max(1, here["gpus"])
         if gpu_mem is None:  # this machine's GPU, or an 80 GB one where there is none
@@ -314,6 +331,14 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
     spec = model_spec(model, trainable)
     share = _trainable_share(spec)
     notes = []
+    limit = _position_limit(spec)
+    if seq is None:
+        seq = min(2048, limit[0]) if limit else 2048
+        if seq < 2048:
+            notes.append(f"seq: {seq} tokens, the model's {limit[1]} (the default is 2048)")
+    elif limit and seq > limit[0]:
+        raise ValueError(f"seq: {seq} tokens is more than this model's learned positions ({limit[1]} = "
+                         f"{limit[0]}) cover")
     activity: Dict[tuple, _Activity] = {}
     losses = ["standard", "fused"] if _fusable(spec) else ["standard"]
     for precision, loss in itertools.product(costs.PRECISIONS, losses):
@@ -380,6 +405,11 @@ def plan(model: ModelArg, batch: int = 8, seq: int = 2048, accum: Optional[int] 
         elif host_over > 0:
             c.why = (f"does not fit: needs {c.cost.host_bytes / GB:.1f} GB of host memory, "
                      f"{host_over / GB:.1f} GB over 90% of {host_mem / GB:.1f} GB")
+        elif device == "cpu" and world * c.cost.peak_bytes + c.cost.host_bytes > host_mem * (1 - headroom):
+            # on the CPU the "device" memory is the host's too: every rank's peak and the host state together
+            need = world * c.cost.peak_bytes + c.cost.host_bytes
+            c.why = (f"does not fit: {world} rank(s)' peaks and the host state need {need / GB:.1f} GB of this "
+                     f"machine's {host_mem / GB:.1f} GB ({headroom:.0%} headroom)")
         elif clipping and c.config.optimizer == "offload_overlap":
             c.why = "overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
         elif c.step_time_s == float("inf"):

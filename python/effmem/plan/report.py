@@ -76,11 +76,13 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         out.append("# run forward inside: with torch.autograd.graph.save_on_cpu(pin_memory=True):")
     if cfg.loss == "fused":
         out.append("model = effmem.fuse_linear_cross_entropy(model)   # the labels= loss without logits")
-    if cfg.sharding == "ddp":
+    if cfg.sharding in ("ddp", "zero1"):   # ZeRO-1: DDP's gradients, the optimizer state sharded
         out.append("model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)")
     elif cfg.sharding in ("zero2", "zero3"):
         resh = "True" if cfg.sharding == "zero3" else "False"
-        out.append(f"for block in blocks: fully_shard(block, reshard_after_forward={resh})  # FSDP2")
+        out.append("from torch.distributed.fsdp import fully_shard")
+        out.append("from effmem.plan.model import find_blocks   # the decoder layers")
+        out.append(f"for block in find_blocks(model)[1]: fully_shard(block, reshard_after_forward={resh})  # FSDP2")
         out.append(f"fully_shard(model, reshard_after_forward={resh})")
     opt = {"gpu": "effmem.FusedAdam(model.parameters(), lr=3e-4)",
            "offload": "effmem.OffloadAdam(model.parameters(), lr=3e-4)",
@@ -92,7 +94,7 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         opt = opt[:-1] + f", device_accumulation={cfg.device_accumulation})"
     if cfg.sharding == "zero1":
         opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
-               "optimizer_class=effmem.FusedAdam, lr=3e-4)")
+               "optimizer_class=effmem.FusedAdam, lr=3e-4" + (", state_bits=8)" if cfg.state_bits == 8 else ")"))
     out.append(f"opt = {opt}")
     if cfg.optimizer == "offload_async":
         out.append("opt.attach(model)   # each module's forward installs its new weights")
