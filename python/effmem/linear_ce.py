@@ -159,7 +159,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
     if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0
-                                          and math.isfinite(logit_softcap)):
+                                          and math.isfinite(logit_softcap) and not isinstance(logit_softcap, bool)):
         raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
     for name, n in (("vocab_chunk", vocab_chunk), ("token_chunk", token_chunk)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -168,8 +168,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         raise ValueError(f"grad_in_forward: expected None, True or False, got {grad_in_forward!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
-    if isinstance(logit_softcap, bool):
-        raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)):
         if not isinstance(t, Tensor) and not (name == "bias" and t is None):
             raise TypeError(f"{name}: expected a tensor{' or None' if name == 'bias' else ''}, got "

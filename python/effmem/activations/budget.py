@@ -152,11 +152,6 @@ class BudgetPolicy:
 
     def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
                    warm: bool) -> dict:
-        with _unrecorded():
-            return self._probe(layer, plain_fn, fast_fn, hidden, others, args, kwargs, warm)
-
-    def _probe(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
-               warm: bool) -> dict:
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         sync = (lambda: torch.cuda.synchronize(hidden.device)) if devices else (lambda: None)
         with torch.random.fork_rng(devices=devices):
@@ -219,8 +214,9 @@ class BudgetPolicy:
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled)
         choice = self.choices.get(key)
         if choice is None:
-            choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args, kwargs,
-                                                         warm=compiled or hidden.device.type == "cuda")
+            with _unrecorded():
+                choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
+                                                             kwargs, warm=compiled or hidden.device.type == "cuda")
         mode = choice["modes"][index]
         if mode == "fast":
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):

@@ -130,7 +130,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
 
 
 def _refuse_cache(layer: nn.Module, args, kwargs) -> None:
-    if any(type(a).__name__.endswith("Cache") and a is not None for a in (*args, *kwargs.values())):
+    if any(type(a).__name__.endswith("Cache") for a in (*args, *kwargs.values())):
         raise TypeError(f"{type(layer).__name__}: got a key/value cache; recomputing a layer would add to it "
                         "a second time. Train with use_cache=False (apply_activation_policy sets it in the "
                         "model's config)")
@@ -140,9 +140,8 @@ def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kw
     """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         _refuse_cache(layer, args, kwargs)
-    if selective:
-        return torch_checkpoint(original, *args, use_reentrant=False, context_fn=selective_context, **kwargs)
-    return torch_checkpoint(original, *args, use_reentrant=False, **kwargs)
+    context = {"context_fn": selective_context} if selective else {}
+    return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
 
 
 @torch.compiler.disable

@@ -1,6 +1,6 @@
 """How OffloadAdam wires its parameters to the C++ engine: one device, buckets of one dtype in
 backward order, landing chunks for accumulated gradients, and the hook handing gradients over."""
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -50,21 +50,8 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
     if backend != wanted:
         raise ValueError(f"backend: {backend!r} needs {'CUDA' if backend == 'cuda' else 'CPU'} parameters, "
                          f"but they are on {device}")
-    # Buckets of one dtype, filled in reverse registration order: roughly the
-    # order in which backward produces the gradients.
     group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
-    bucket_of = [0] * len(opt._params)
-    open_bucket: Dict[torch.dtype, Tuple[int, int]] = {}
-    num_buckets = 0
-    for i in reversed(range(len(opt._params))):
-        t = opt._local[i]
-        b, filled = open_bucket.get(t.dtype, (-1, 0))
-        if b < 0 or (filled > 0 and filled + t.numel() > bucket_size):
-            b, filled = num_buckets, 0
-            num_buckets += 1
-        bucket_of[i] = b
-        open_bucket[t.dtype] = (b, filled + t.numel())
-    opt._bucket_of = bucket_of
+    bucket_of = opt._bucket_of = assign_buckets([(t.numel(), t.dtype) for t in opt._local], bucket_size)
     expects = [bool(p.requires_grad) for p in opt._params]
     # Landing chunks (for gradients accumulated over micro-batches): up to 4M
     # elements each, no larger than the largest parameter.
@@ -76,19 +63,42 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
                             state_bits=state_bits, install_in_forward=opt._async)
 
 
+def assign_buckets(tensors: Sequence[Tuple[int, object]], bucket_size: int) -> List[int]:
+    """The bucket of each tensor, given (numel, dtype) in registration order. Buckets hold one dtype and
+    are filled in reverse registration order (roughly the order in which backward produces gradients),
+    a new one where the next tensor would overflow it; numbered as they are opened. effmem plan lays out
+    its model's buckets with this too (plan.costs.offload_buckets)."""
+    bucket_of = [0] * len(tensors)
+    open_bucket: Dict[object, Tuple[int, int]] = {}
+    opened = 0
+    for i in reversed(range(len(tensors))):
+        numel, dtype = tensors[i]
+        b, filled = open_bucket.get(dtype, (-1, 0))
+        if b < 0 or (filled > 0 and filled + numel > bucket_size):
+            b, filled = opened, 0
+            opened += 1
+        bucket_of[i] = b
+        open_bucket[dtype] = (b, filled + numel)
+    return bucket_of
+
+
+def leading_buckets(sizes: Sequence[int], budget: int) -> int:
+    """How many buckets, first to last (backward order), fit together in `budget` bytes."""
+    used = 0
+    for k, size in enumerate(sizes):
+        if used + size > budget:
+            return k
+        used += size
+    return len(sizes)
+
+
 def keep_on_device(opt, budget: int) -> set:
     """Indices of the parameters whose gradients stay on the device during accumulation: whole buckets,
-    first to last (backward order), while their gradients fit in `budget` bytes."""
+    first to last, while their gradients fit in `budget` bytes."""
     if budget <= 0:
         return set()
-    by_bucket: Dict[int, list] = {}
+    sizes = [0] * (max(opt._bucket_of) + 1)
     for i, b in enumerate(opt._bucket_of):
-        by_bucket.setdefault(b, []).append(i)
-    keep, used = set(), 0
-    for b in sorted(by_bucket):
-        size = sum(opt._local[i].numel() * opt._local[i].element_size() for i in by_bucket[b])
-        if used + size > budget:
-            break
-        keep.update(by_bucket[b])
-        used += size
-    return keep
+        sizes[b] += opt._local[i].numel() * opt._local[i].element_size()
+    kept = leading_buckets(sizes, budget)
+    return {i for i, b in enumerate(opt._bucket_of) if b < kept}

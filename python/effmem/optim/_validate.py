@@ -73,6 +73,15 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
                              "would silently change the math")
 
 
+def groups(param_groups: List[Dict[str, Any]], check_lr: bool = True) -> None:
+    """Every group's settings (hyperparameters), the error naming the group: checked before any is used."""
+    for gi, group in enumerate(param_groups):
+        try:
+            hyperparameters(group, check_lr)
+        except ValueError as err:
+            raise ValueError(f"param_groups[{gi}]: {err}") from None
+
+
 def max_norm(value: Any) -> None:
     if not isinstance(value, numbers.Real) or not value >= 0.0:
         raise ValueError(f"max_norm: expected a number >= 0, got {value!r}")

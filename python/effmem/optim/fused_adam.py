@@ -190,12 +190,9 @@ class FusedAdam(AdamBase):
         advanced, no group updated). An lr held in a CPU tensor is read each step (no sync); one in a
         CUDA tensor when it is given or assigned (one host sync), later changes on the device are the
         kernel's to refuse."""
+        _validate.groups(self.param_groups, check_lr=False)
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
-            try:
-                _validate.hyperparameters(group, check_lr=False)
-            except ValueError as err:
-                raise ValueError(f"param_groups[{gi}]: {err}") from None
             if not (isinstance(lr, Tensor) and lr.is_cuda):
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
             elif self._lr_checked.get(gi) is not lr and not _capturing():

@@ -285,8 +285,8 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         self._masters_ready = True
 
     def _sync_groups(self) -> None:
+        _validate.groups(self.param_groups)  # all of them before the engine takes any
         for gi, group in enumerate(self.param_groups):
-            _validate.hyperparameters(group)
             beta1, beta2 = group["betas"]
             lr = group["lr"]
             self._engine.set_group(gi, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),

@@ -34,15 +34,23 @@ def chart_rows(plan) -> List[Tuple[str, List[float]]]:
              [sum(c.cost.parts[p] for p in parts) / 1e9 for _, parts, _ in SERIES]) for c in chosen]
 
 
+def check_path(path: str) -> Path:
+    """A chart's path: .svg or .png, in a folder that exists (the command checks it before planning)."""
+    out = Path(path)
+    if out.suffix.lower() not in (".svg", ".png"):
+        raise ValueError(f"chart: expected a path ending in .svg or .png, got {path!r}")
+    if not out.resolve().parent.is_dir():
+        raise ValueError(f"chart: the folder of {path!r} does not exist")
+    return out
+
+
 def write_chart(plan, path: str) -> str:
+    out = check_path(path)
     rows = chart_rows(plan)
     if not rows:
         raise ValueError("chart: the plan has no candidates to draw")
-    out = Path(path)
     if out.suffix.lower() == ".png":
         return _png(plan, rows, out)
-    if out.suffix.lower() != ".svg":
-        raise ValueError(f"chart: expected a path ending in .svg or .png, got {path!r}")
     out.write_text(_svg(plan, rows))
     return str(out)
 

@@ -44,7 +44,7 @@ def cmd_plan(args) -> int:
     # effmem.plan is the function (effmem/__init__.py), so the package's parts are imported by path.
     from effmem.plan.planner import plan as make_plan
     from effmem.plan.rates import calibrate
-    from effmem.plan.chart import write_chart
+    from effmem.plan.chart import check_path as check_chart_path, write_chart
     from effmem.plan.verify import format_verify, verify
     if args.calibrate:
         rates = calibrate()
@@ -56,11 +56,13 @@ def cmd_plan(args) -> int:
     # what can be refused before planning is refused before planning
     if args.steps < 1:
         args.subparser.error(f"--steps: expected an int >= 1, got {args.steps}")
-    if args.chart and Path(args.chart).suffix.lower() not in (".svg", ".png"):
-        args.subparser.error(f"--chart: expected a path ending in .svg or .png, got {args.chart!r}")
-    for flag, path in (("--json", args.json if args.json != "-" else None), ("--chart", args.chart)):
-        if path and not Path(path).resolve().parent.is_dir():
-            args.subparser.error(f"{flag}: the folder of {path!r} does not exist")
+    if args.chart:
+        try:
+            check_chart_path(args.chart)
+        except ValueError as e:
+            args.subparser.error(f"--{e}")
+    if args.json and args.json != "-" and not Path(args.json).resolve().parent.is_dir():
+        args.subparser.error(f"--json: the folder of {args.json!r} does not exist")
     try:
         plan = make_plan(args.model, batch=args.batch, seq=args.seq, accum=args.accum,
                              gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus=args.gpus,

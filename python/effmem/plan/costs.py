@@ -216,30 +216,25 @@ def offloaded_codes(m: Model, r: Rates, precision: str) -> int:
 
 
 def offload_buckets(numels, bucket: int = OFFLOAD_BUCKET) -> tuple:
-    """Elements per OffloadAdam bucket for trained parameters of these sizes (registration order), in the
-    engine's order: filled in reverse registration order, a new bucket where the next one would overflow
-    (effmem.optim._offload_layout.build_engine)."""
-    out, filled = [], 0
-    for n in reversed(list(numels)):
-        if not out or (filled > 0 and filled + n > bucket):
-            out.append(0)
-            filled = 0
-        out[-1] += n
-        filled += n
-    return tuple(out)
+    """Elements per OffloadAdam bucket for trained parameters of these sizes (registration order, one
+    dtype), in the engine's order: its own layout (effmem.optim._offload_layout.assign_buckets)."""
+    from effmem.optim._offload_layout import assign_buckets
+    numels = list(numels)
+    bucket_of = assign_buckets([(n, None) for n in numels], bucket)
+    sizes = [0] * (max(bucket_of, default=-1) + 1)
+    for n, b in zip(numels, bucket_of):
+        sizes[b] += n
+    return tuple(sizes)
 
 
 def kept_on_device(cfg: Config, m: "Model", g_b: int) -> int:
     """Gradient bytes OffloadAdam(device_accumulation=...) keeps on the GPU between micro-batches: whole
-    buckets in the engine's order until one does not fit (effmem.optim._offload_layout.keep_on_device)."""
+    buckets in the engine's order while they fit (effmem.optim._offload_layout.leading_buckets)."""
+    from effmem.optim._offload_layout import leading_buckets
     if cfg.optimizer == "gpu" or cfg.accumulation < 2 or not cfg.device_accumulation:
         return 0
-    kept = 0
-    for n in m.offload_buckets:
-        if kept + n * g_b > cfg.device_accumulation:
-            break
-        kept += n * g_b
-    return kept
+    sizes = [n * g_b for n in m.offload_buckets]
+    return sum(sizes[:leading_buckets(sizes, cfg.device_accumulation)])
 
 
 def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:

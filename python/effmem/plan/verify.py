@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
+from effmem.optim._validate import whole
 from effmem.plan.apply import micro_batch
 from effmem.plan.trace import default_inputs
 
@@ -79,6 +80,7 @@ def model_for(plan, dtype: Optional[torch.dtype] = None) -> nn.Module:
 def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[str]] = None, steps: int = 3,
            make_model: Optional[Callable[[], nn.Module]] = None, inputs=None) -> List[dict]:
     """Train `steps` steps of each named candidate (default: the pick) and measure it. One dict per candidate."""
+    whole(steps, "steps", 1)
     names = candidates or ([plan.best] if plan.best else [])
     rows = []
     for name in names:
