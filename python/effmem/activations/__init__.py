@@ -32,10 +32,11 @@ restore every layer's saves at once).
 
 The decoder layers are the longest nn.ModuleList of same-typed modules (a
 Hugging Face model's ``model.layers``, GPT-2's ``transformer.h``, the demo
-GPT's ``blocks``).
+GPT's ``blocks``); an encoder-decoder model (T5, Bart) has two such stacks,
+its encoder's and its decoder's, and a policy covers both.
 """
 import functools
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +46,7 @@ from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoin
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
+from effmem.compress import _codec
 from effmem.plan.model import find_blocks
 from effmem.plan.trace import _tensors
 
@@ -74,16 +76,24 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         policy = "fast"
     elif policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(repr(p) for p in POLICIES)}, got {policy!r}")
-    name, layers = find_blocks(model)
-    if not layers:
+    if policy in ("fast", "min", "budget"):
+        _codec.check_config(bits, group_size)
+    stacks = layer_stacks(model)
+    if not stacks:
         raise ValueError(f"model: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
                          "modules of one type) to apply a policy to")
+    if policy == "budget" and len(stacks) > 1:
+        raise ValueError(f"memory_budget: {type(model).__name__} has {len(stacks)} stacks of layers "
+                         f"({', '.join(n for n, _ in stacks)}), unlike each other; a budget chooses among "
+                         "alike layers of one stack. Give a policy ('fast', 'min', ...) instead")
+    named = [(f"{name}.{i}", layer) for name, layers in stacks for i, layer in enumerate(layers)]
+    layers = [layer for _, layer in named]
     if any(getattr(layer, "_effmem_policy", None) is not None for layer in layers):
         raise ValueError("model: an activation policy is already applied; remove_activation_policy(model) first")
     # Every check before the first change: a refused call leaves the model as it was.
-    for i, layer in enumerate(layers):
+    for name, layer in named:
         if "forward" in layer.__dict__:
-            raise ValueError(f"{type(layer).__name__} ({name}.{i}): its forward is already replaced (by "
+            raise ValueError(f"{type(layer).__name__} ({name}): its forward is already replaced (by "
                              "checkpointing or another library's wrapper); remove that first")
     config = getattr(model, "config", None)
     side = [f for f in ("output_router_logits", "output_attentions") if getattr(config, f, False) is True]
@@ -93,11 +103,15 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                              f"on tensors a layer makes besides its output (config.{side[0]}=True: e.g. an MoE "
                              "router's auxiliary loss) cannot backpropagate; use 'fast', 'checkpoint' or "
                              f"memory_budget=, or set config.{side[0]}=False")
-    if getattr(config, "use_cache", False):
-        # A recomputed layer would append its keys and values to the cache again (as transformers'
-        # own gradient checkpointing, training turns the cache off); remove_activation_policy turns it on.
-        config.use_cache = False
-        model._effmem_use_cache = True
+    # A recomputed layer would append its keys and values to the cache again (as transformers' own gradient
+    # checkpointing, training turns the cache off); remove_activation_policy turns it on. Every config with
+    # the flag: an encoder-decoder model's decoder reads its own copy (T5).
+    cached = list({id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+                   if getattr(c, "use_cache", False) is True}.values())
+    for c in cached:
+        c.use_cache = False
+    if cached:
+        model._effmem_use_cache = cached
     if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
         setattr(model, _FAST, comp)
@@ -105,14 +119,14 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         if policy == "budget":
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
-        for i, layer in enumerate(layers):
+        for i, (name, layer) in enumerate(named):
             layer._effmem_patched = paths.patch(layer)
             if budget is None:
-                layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, f"{name}.{i}", i == 0,
+                layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, name, i == 0,
                                                   param_shapes(layer))
             else:
                 layer.forward = functools.partial(_budget_layer_forward, layer, layer.forward, budget, i,
-                                                  f"{name}.{i}", param_shapes(layer))
+                                                  name, param_shapes(layer))
             layer._effmem_policy = policy
         return model
     for layer in layers:
@@ -176,6 +190,24 @@ def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, ind
     return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled=compiled)
 
 
+def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
+    """The stacks of layers a policy applies to, with their names: the decoder layers (find_blocks), or for
+    an encoder-decoder model (T5, Bart: config.is_encoder_decoder) its encoder's and its decoder's, each a
+    list of its own that the longest list alone would leave out."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        names = {id(m): n for n, m in model.named_modules()}
+        stacks = []
+        for get in ("get_encoder", "get_decoder"):
+            part = getattr(model, get, lambda: None)()
+            name, layers = find_blocks(part) if isinstance(part, nn.Module) and id(part) in names else ("", [])
+            if layers:
+                stacks.append((".".join(n for n in (names[id(part)], name) if n), layers))
+        if len(stacks) == 2:
+            return stacks
+    name, layers = find_blocks(model)
+    return [(name, layers)] if layers else []
+
+
 def budget_choice(model: nn.Module) -> Optional[dict]:
     """Under memory_budget, the latest choice: per-layer modes, measured bytes per layer of each mode, the
     budget in bytes and the bytes the choice holds; None before the first forward or without a budget."""
@@ -191,13 +223,13 @@ def activation_stats(model: nn.Module):
 
 def remove_activation_policy(model: nn.Module) -> nn.Module:
     """Undo apply_activation_policy: every layer's own forward again."""
-    for layer in find_blocks(model)[1]:
+    for layer in (layer for _, layers in layer_stacks(model) for layer in layers):
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)
     model.__dict__.pop(_FAST, None)
     model.__dict__.pop(_BUDGET, None)
-    if model.__dict__.pop("_effmem_use_cache", False):
-        model.config.use_cache = True
+    for c in model.__dict__.pop("_effmem_use_cache", []):
+        c.use_cache = True
     return model
 
 

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward
+from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.activations.offload import Offloader, _parts, aligned_bytes
@@ -214,7 +214,7 @@ class BudgetPolicy:
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled)
         choice = self.choices.get(key)
         if choice is None:
-            with _unrecorded():
+            with _unrecorded(), buffers_kept(layer):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda")
         mode = choice["modes"][index]

@@ -13,19 +13,20 @@ Recompute replays the forward's random state (dropout) and autocast, as
 torch.utils.checkpoint does, and runs its own backward inside this one's
 (the reentrant scheme): parameter gradients accumulate into ``.grad``.
 """
+import contextlib
 import functools
 from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.selective import context as selective_context
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
-from effmem.plan.trace import _tensors
 
 
 def _drop(t: Tensor) -> None:
@@ -40,35 +41,44 @@ def _never_unpacked(_) -> Tensor:
 
 
 class _CompressedCheckpoint(torch.autograd.Function):
+    """run's outputs (the layer's hidden state, then its other outputs that need a gradient), keeping x as
+    codes and the n_in other inputs that need a gradient (masks are not: position biases, an encoder's
+    output in a decoder layer) as they are; run is replayed in backward.
+
+    tensors: those n_in inputs, then the layer's trainable parameters. The parameters are inputs only so
+    that the outputs need a gradient when no tensor input does (a frozen embedding under LoRA-style
+    training); their gradients accumulate into .grad by the recompute's own backward."""
+
     @staticmethod
-    def forward(ctx, run: Callable[[Tensor], Tensor], x: Tensor, bits: int, group_size: int, seed: int):
+    def forward(ctx, run: Callable, x: Tensor, bits: int, group_size: int, seed: int, n_in: int, *tensors):
+        ctx.set_materialize_grads(False)   # an output nobody used (attention weights) costs no backward
         ctx.run, ctx.shape, ctx.dtype = run, tuple(x.shape), x.dtype
-        ctx.bits, ctx.group_size = bits, group_size
+        ctx.bits, ctx.group_size, ctx.n_in, ctx.n_params = bits, group_size, n_in, len(tensors) - n_in
         ctx.device = x.device
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         dev = x.device.type
         ctx.autocast = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and \
             torch.is_autocast_enabled(dev) else None
-        # With grad enabled, as in the recompute, so that every op picks the same kernel both times
-        # (the CPU's attention runs a different kernel, drawing dropout differently, without grad);
-        # what the ops save is dropped at once.
+        extras = tensors[:n_in]
+        # With grad enabled (and the inputs needing it as they will in the recompute), so that every op picks
+        # the same kernel both times (the CPU's attention runs a different kernel, drawing dropout
+        # differently, without grad) and the same outputs need a gradient; what the ops save is dropped at once.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
-            out = run(x.detach())
-        if not isinstance(out, Tensor):
-            raise TypeError(f"compressed checkpointing: the layer returned {type(out).__name__}; expected a tensor "
-                            "(or a tuple whose first entry is the hidden state)")
+            outs = run(x.detach().requires_grad_(ctx.needs_input_grad[1]),
+                       *[e.detach().requires_grad_(True) for e in extras])
         rows = _as_rows(x.detach())
         codes, stats = _codec.quantize(rows, bits=bits, group_size=group_size, seed=seed, stochastic=True)
         ctx.rows_shape = tuple(rows.shape)
-        ctx.save_for_backward(codes, stats)
-        return out.detach()
+        ctx.save_for_backward(codes, stats, *extras)
+        return tuple(o.detach() for o in outs)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        codes, stats = ctx.saved_tensors
+    def backward(ctx, *grads):
+        codes, stats, *extras = ctx.saved_tensors
         x = _codec.dequantize(codes, stats, bits=ctx.bits, group_size=ctx.group_size, shape=ctx.rows_shape,
-                              dtype=ctx.dtype).view(ctx.shape).requires_grad_(True)
+                              dtype=ctx.dtype).view(ctx.shape).requires_grad_(ctx.needs_input_grad[1])
+        extras = [e.detach().requires_grad_(True) for e in extras]
         devices = [ctx.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices, enabled=True):
             torch.set_rng_state(ctx.cpu_rng)
@@ -78,10 +88,15 @@ class _CompressedCheckpoint(torch.autograd.Function):
             # recompute the layer under it
             amp = (torch.autocast(ctx.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
                    if ctx.device.type in ("cuda", "cpu") else nullcontext())
-            with torch.enable_grad(), amp:
-                out = ctx.run(x)
-        torch.autograd.backward(out, grad_out)
-        return None, x.grad, None, None, None
+            # run.keep: the layer's buffers as they were after the forward once the recompute's backward
+            # is done (it may read the buffers the recompute updated: a BatchNorm's running statistics)
+            with getattr(ctx.run, "keep", nullcontext)():
+                with torch.enable_grad(), amp:
+                    outs = ctx.run(x, *extras)
+                pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, x.grad, None, None, None, None, *[e.grad for e in extras], *[None] * ctx.n_params)
 
 
 def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: int = 8, group_size: int = 128,
@@ -89,16 +104,23 @@ def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: i
     """run(x), saving nothing inside it and x in `bits`-bit codes; run is recomputed in backward.
 
     Other tensors run uses (masks, rotary tables) are held as they are, by the closure; none of them
-    may need a gradient."""
+    may need a gradient, and run's parameters get gradients only where x needs one."""
     _codec.check_config(bits, group_size)
     if not isinstance(x, Tensor) or x.dtype not in _codec.FLOAT_DTYPES:
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got "
                         f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
-    return _CompressedCheckpoint.apply(run, x, bits, group_size, _seed(seed))
+
+    def run_one(x_):
+        out = run(x_)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"compressed_checkpoint: run returned {type(out).__name__}; expected a tensor")
+        return (out,)
+    return _CompressedCheckpoint.apply(run_one, x, bits, group_size, _seed(seed), 0)[0]
 
 
 def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args, **kwargs):
-    """The layer's forward, checkpointed with its hidden-state input (first argument) compressed."""
+    """The layer's forward, checkpointed with its hidden-state input (first argument) compressed and its
+    other inputs that need a gradient kept as they are."""
     if torch.compiler.is_compiling():
         return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
     if not torch.is_grad_enabled():
@@ -108,25 +130,61 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         if "hidden_states" not in kwargs:
             raise TypeError(f"{type(layer).__name__}: compressed checkpointing needs the hidden state as the "
                             "first argument or as hidden_states=")
+        kwargs = dict(kwargs)
         x = kwargs.pop("hidden_states")
         rest = ()
     else:
         x, rest = args[0], args[1:]
+    if not isinstance(x, Tensor) or x.dtype not in _codec.FLOAT_DTYPES:
+        raise TypeError(f"{type(layer).__name__}: compressed checkpointing ('min'): the hidden state must be a "
+                        f"float32, bfloat16 or float16 tensor, got "
+                        f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
     _refuse_cache(layer, rest, kwargs)
-    if any(t.requires_grad for t in _tensors((rest, kwargs))):
-        raise TypeError(f"{type(layer).__name__}: an input other than the hidden state needs a gradient; "
-                        "compressed checkpointing recomputes from the hidden state alone")
+    leaves, spec = tree_flatten((rest, kwargs))
+    grad_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+    params = [p for p in layer.parameters() if p.requires_grad]
     tail = {}
 
-    def run(x_):
-        out = original(*rest, hidden_states=x_, **kwargs) if by_name else original(x_, *rest, **kwargs)
-        if isinstance(out, tuple):
-            tail["rest"] = out[1:]
-            return out[0]
-        return out
+    def run(x_, *extras):
+        args_ = list(leaves)
+        for i, e in zip(grad_at, extras):
+            args_[i] = e
+        rest_, kwargs_ = tree_unflatten(args_, spec)
+        out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
+        if not isinstance(out, (Tensor, tuple)):
+            raise TypeError(f"compressed checkpointing: the layer returned {type(out).__name__}; expected a "
+                            "tensor (or a tuple whose first entry is the hidden state)")
+        if isinstance(out, Tensor):
+            return (out,)
+        if "spec" not in tail:   # the forward's run decides which other outputs go through autograd
+            out_leaves, tail["spec"] = tree_flatten(out[1:])
+            tail["leaves"] = out_leaves
+            tail["grad_at"] = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
+        out_leaves = tree_flatten(out[1:])[0]
+        return (out[0], *[out_leaves[i] for i in tail["grad_at"]])
 
-    y = compressed_checkpoint(run, x, bits=bits, group_size=group_size)
-    return (y, *tail["rest"]) if "rest" in tail else y
+    run.keep = functools.partial(buffers_kept, layer)   # around the recompute and its backward
+    outs = _CompressedCheckpoint.apply(run, x, bits, group_size, _seed(None), len(grad_at),
+                                       *[leaves[i] for i in grad_at], *params)
+    if "spec" not in tail:
+        return outs[0]
+    out_leaves = list(tail.pop("leaves"))
+    for i, o in zip(tail["grad_at"], outs[1:]):
+        out_leaves[i] = o
+    return (outs[0], *tree_unflatten(out_leaves, tail["spec"]))
+
+
+@contextlib.contextmanager
+def buffers_kept(layer: nn.Module):
+    """Extra runs of a layer's forward (a recompute, the budget's probes) leave its buffers as they were:
+    a BatchNorm's running statistics and count would take each run as a training step."""
+    kept = [(b, b.detach().clone()) for b in layer.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in kept:
+                b.copy_(value)
 
 
 def _refuse_cache(layer: nn.Module, args, kwargs) -> None:

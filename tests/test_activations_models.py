@@ -1,0 +1,143 @@
+"""Activation policies on models whose layers take more than a hidden state: encoder-decoder models (T5, Bart:
+two stacks of layers; T5's position bias made with a gradient in one layer and passed to the next; Bart's
+decoder layers reading the encoder's output), LoRA-style training with frozen embeddings (the layers' input
+needs no gradient, their weights do), layers with buffers a training forward updates (BatchNorm), and
+what apply_activation_policy refuses before changing anything.
+
+"min" recomputes each layer from its input's 8-bit codes: its gradients differ from plain ones by that
+rounding alone, so each is compared to plain with a relative tolerance; "checkpoint" is exact.
+"""
+import pytest
+import torch
+from torch import nn
+
+from effmem.activations import apply_activation_policy, budget_choice, layer_stacks, remove_activation_policy
+
+transformers = pytest.importorskip("transformers")
+
+
+def t5():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=16,
+                                vocab_size=256, decoder_start_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(cfg).train()
+
+
+def bart():
+    torch.manual_seed(0)
+    cfg = transformers.BartConfig(d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                  vocab_size=256, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0)
+    return transformers.BartForConditionalGeneration(cfg).train()
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def seq2seq_grads(model):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(1, 256, (2, 32), generator=g), torch.randint(1, 256, (2, 16), generator=g)
+    loss = model(input_ids=x, labels=y).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("make", [t5, bart], ids=["t5", "bart"])
+@pytest.mark.parametrize("policy", ["min", "fast", "checkpoint"])
+def test_encoder_decoder_models_get_the_policy_on_both_stacks_and_train(make, policy):
+    model = make()
+    stacks = layer_stacks(model)
+    assert len(stacks) == 2 and {len(s[1]) for s in stacks} == ({2} if make is t5 else {2, 3})
+    loss0, g0 = seq2seq_grads(make())
+    apply_activation_policy(model, policy)
+    layers = [layer for _, ls in stacks for layer in ls]
+    assert all(layer._effmem_policy is not None for layer in layers)   # the decoder too (or the encoder)
+    loss1, g1 = seq2seq_grads(model)
+    assert torch.equal(loss0, loss1)   # the forward is the model's own
+    assert g1.keys() == g0.keys()      # every parameter reached, the encoder's through the decoder's inputs
+    worst = max(rel(g1[n], g0[n]) for n in g0 if g0[n].norm() > 1e-6 * max(g.norm() for g in g0.values()))
+    assert worst < (1e-6 if policy == "checkpoint" else 0.1), worst
+    remove_activation_policy(model)
+    assert all(getattr(layer, "_effmem_policy", None) is None for layer in layers)
+    assert all(c.use_cache for c in (model.config, model.get_decoder().config))   # T5's decoder: its own config
+
+
+def test_a_budget_refuses_two_stacks_of_layers():
+    model = t5()
+    with pytest.raises(ValueError, match="memory_budget: .*2 stacks of layers"):
+        apply_activation_policy(model, memory_budget=0.5)
+    assert all(getattr(b, "_effmem_policy", None) is None for b in model.encoder.block)
+
+
+@pytest.mark.parametrize("kw", [dict(policy="min"), dict(memory_budget=0.05)], ids=["min", "budget"])
+def test_min_trains_the_layers_when_their_input_needs_no_gradient(kw):
+    """LoRA-style: embeddings frozen, a few weights inside the layers trained. The layers' input needs no
+    gradient, so the checkpointed layer's output needs one through the weights alone."""
+    def grads(model, trainable):
+        for n, p in model.named_parameters():
+            p.requires_grad_(any(t in n for t in trainable))
+        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+        model(input_ids=x, labels=x).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    for trainable in (("q_proj", "model.norm"), ("q_proj",)):
+        plain = grads(llama(), trainable)
+        model = apply_activation_policy(llama(), **kw)
+        got = grads(model, trainable)
+        if "memory_budget" in kw:
+            assert budget_choice(model)["modes"] == ["min", "min"]
+        assert all(got[n] is not None for n in plain), [n for n in plain if got[n] is None]
+        assert max(rel(got[n], plain[n]) for n in plain) < 0.05
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(32, 32), nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        return x + self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2).relu()
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_budget_probe_leaves_the_layers_buffers_alone():
+    """The budget runs the first layer more than once to measure it; a BatchNorm's statistics count one step."""
+    def stepped(model):
+        model(torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(3))).sum().backward()
+        return [dict(b.bn.named_buffers()) for b in model.blocks]
+
+    want = stepped(_Net())
+    got = stepped(apply_activation_policy(_Net(), memory_budget=0.5))
+    for w, g in zip(want, got):
+        assert g["num_batches_tracked"].item() == 1
+        assert torch.equal(w["running_mean"], g["running_mean"]) and torch.equal(w["running_var"], g["running_var"])
+
+
+@pytest.mark.parametrize("policy", ["min", "fast"])
+def test_bad_bits_are_refused_before_any_change(policy):
+    model = llama()
+    with pytest.raises(ValueError, match="bits"):
+        apply_activation_policy(model, policy, bits=3)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert model.config.use_cache
