@@ -1,22 +1,31 @@
 #include "common/thread_pool.h"
 
 #include <ATen/Parallel.h>
+#include <unistd.h>
 
 #include <memory>
 
 namespace effmem {
 
-ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+ThreadPool::ThreadPool(int num_threads) : owner_(getpid()) {
+  try {
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (...) {  // a thread could not start (a pid limit, memory): stop those that did, then report it
+    stop_workers();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
 
 // Takes task indices until none are left. Called by workers and by run().
@@ -86,6 +95,11 @@ std::shared_ptr<ThreadPool> intra_op_pool() {
   static std::shared_ptr<ThreadPool> pool;
   std::lock_guard<std::mutex> lock(mu);
   const int want = std::max(1, at::get_num_threads());
+  if (pool && !pool->owned_by_this_process()) {
+    // A forked child (a DataLoader worker): the parent's pool has no threads here, and destroying it would
+    // wait for them forever (joins, and condition variables they were waiting on). It is left, never freed.
+    new std::shared_ptr<ThreadPool>(std::move(pool));
+  }
   if (!pool || pool->size() != want) pool = std::make_shared<ThreadPool>(want);
   return pool;
 }

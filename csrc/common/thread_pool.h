@@ -13,6 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 namespace effmem {
 
 class ThreadPool {
@@ -23,6 +26,9 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
+  // False in a process forked from the one that made the pool: its workers are not there, and the pool
+  // must not be destroyed there (that would wait for them forever).
+  bool owned_by_this_process() const { return getpid() == owner_; }
 
   // Runs fn(i) for i in [0, n), spread over the workers and the calling
   // thread; returns when all are done. The first exception thrown by any
@@ -32,6 +38,9 @@ class ThreadPool {
  private:
   void worker_loop();
   void drain();
+  void stop_workers();
+
+  const pid_t owner_;
 
   std::vector<std::thread> workers_;
   std::mutex mu_;

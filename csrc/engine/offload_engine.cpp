@@ -117,7 +117,17 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
   pool_ = std::make_unique<ThreadPool>(options_.num_threads);
   add_pool_ = std::make_unique<ThreadPool>(options_.num_threads);
   updates_lane_.thread = std::thread([this] { worker_loop(updates_lane_); });
-  adds_lane_.thread = std::thread([this] { worker_loop(adds_lane_); });
+  try {
+    adds_lane_.thread = std::thread([this] { worker_loop(adds_lane_); });
+  } catch (...) {  // no second thread (a pid limit): stop the first before the members go
+    {
+      std::lock_guard<std::mutex> lock(qmu_);
+      stop_ = true;
+    }
+    qcv_.notify_all();
+    updates_lane_.thread.join();
+    throw;
+  }
 }
 
 OffloadEngine::~OffloadEngine() {
@@ -129,6 +139,17 @@ OffloadEngine::~OffloadEngine() {
 
 void OffloadEngine::close() {
   if (closed_) return;
+  if (forked()) {
+    // A forked child: the lanes, the pools and the copy backend's threads were the parent's and are not
+    // here; joining or stopping them would hang or crash. Everything is left as it is, never freed.
+    new std::thread(std::move(updates_lane_.thread));
+    new std::thread(std::move(adds_lane_.thread));
+    (void)pool_.release();
+    (void)add_pool_.release();
+    (void)transfer_.release();
+    closed_ = true;
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(qmu_);
     stop_ = true;
@@ -159,6 +180,8 @@ void OffloadEngine::close() {
 
 void OffloadEngine::check_usable() {
   TORCH_CHECK(!closed_, "OffloadAdam: the offload engine is closed (close() was called)");
+  TORCH_CHECK(!forked(), "OffloadAdam: this optimizer's engine belongs to the process that made it; "
+              "this process was forked from it and has none of its threads. Build a new optimizer here");
   std::exception_ptr err;
   {
     std::lock_guard<std::mutex> lock(qmu_);

@@ -60,9 +60,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "common/adam_math.h"
 #include "common/thread_pool.h"
@@ -131,6 +134,13 @@ class OffloadEngine {
   void set_accumulating(bool on);
   void close();
   bool closed() const { return closed_.load(); }
+  // Held shared by every call from Python and exclusively by close() (py_engine.cpp): a call on another
+  // thread (a DDP comm hook's grad_ready) finishes before close() frees what it uses, and two close()
+  // calls run one after the other.
+  std::shared_mutex& lifetime() const { return lifetime_; }
+  // In a process forked from the one that made the engine: none of its threads are here. close() lets go
+  // of them without waiting, and the engine must not be destroyed (its members would wait for them).
+  bool forked() const { return getpid() != owner_; }
 
   // Views of the host state of param i: master, exp_avg, exp_avg_sq (the
   // param's shape and strides; float32, or uint8 codes for state_bits 8, then
@@ -224,6 +234,8 @@ class OffloadEngine {
   std::vector<int> free_chunks_;
   std::string fail_message_;
   std::atomic<bool> closed_{false};
+  mutable std::shared_mutex lifetime_;
+  const pid_t owner_ = getpid();  // a forked child has the engine but not its threads
 
   std::atomic<int64_t> bytes_down_{0}, bytes_up_{0}, updates_{0}, accumulations_{0};
 };

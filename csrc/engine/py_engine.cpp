@@ -5,11 +5,37 @@
 
 #include <c10/util/Exception.h>
 
+#include <mutex>
+#include <shared_mutex>
+
 #include "engine/offload_engine.h"
 
 namespace py = pybind11;
 
 namespace effmem::engine {
+namespace {
+
+// Every call from Python: without the GIL (a call may wait, and close() may wait for a thread that needs
+// the GIL), holding the engine's lifetime lock shared; close() holds it exclusively (offload_engine.h).
+template <typename R, typename... A>
+auto guarded(R (OffloadEngine::*method)(A...)) {
+  return [method](OffloadEngine& e, A... args) -> R {
+    py::gil_scoped_release no_gil;
+    std::shared_lock<std::shared_mutex> alive(e.lifetime());
+    return (e.*method)(std::forward<A>(args)...);
+  };
+}
+
+template <typename R, typename... A>
+auto guarded(R (OffloadEngine::*method)(A...) const) {
+  return [method](const OffloadEngine& e, A... args) -> R {
+    py::gil_scoped_release no_gil;
+    std::shared_lock<std::shared_mutex> alive(e.lifetime());
+    return (e.*method)(std::forward<A>(args)...);
+  };
+}
+
+}  // namespace
 
 void bind_engine(py::module_& m) {
   // c10's errors as the Python exceptions their macros promise, without the
@@ -31,12 +57,15 @@ void bind_engine(py::module_& m) {
   });
 
   using E = OffloadEngine;
-  using release = py::call_guard<py::gil_scoped_release>;
   // Deleted without the GIL: the destructor joins the engine's threads, and
   // a copy thread dropping a tensor may need the GIL to do so.
   struct DeleteWithoutGil {
     void operator()(E* e) const {
       py::gil_scoped_release no_gil;
+      if (e->forked()) {  // a forked child: closed without waiting, never destroyed (see forked())
+        e->close();
+        return;
+      }
       delete e;
     }
   };
@@ -74,32 +103,38 @@ void bind_engine(py::module_& m) {
           "set_group",
           [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,
              bool decoupled, bool bias_correction) {
-            e.set_group(group, GroupHparams{lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction});
+            guarded(&E::set_group)(e, group, GroupHparams{lr, beta1, beta2, eps, weight_decay, decoupled,
+                                                          bias_correction});
           },
           py::arg("group"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"), py::arg("decoupled"), py::arg("bias_correction"))
-      .def("grad_ready", &E::grad_ready, py::arg("index"), py::arg("grad"), release(),
+      .def("grad_ready", guarded(&E::grad_ready), py::arg("index"), py::arg("grad"),
            "Start copying param `index`'s gradient to the host; the caller may free it on return")
-      .def("grad_sq_sums", &E::grad_sq_sums, release(),
+      .def("grad_sq_sums", guarded(&E::grad_sq_sums),
            "Per parameter, the sum of squares of its pending gradient (0.0 without one)")
-      .def("step", &E::step, py::arg("grad_scale") = 1.0, release())
-      .def("zero_grad", &E::zero_grad, release())
-      .def("synchronize", &E::synchronize, release())
-      .def("order_after_downloads", &E::order_after_downloads, release(),
+      .def("step", guarded(&E::step), py::arg("grad_scale") = 1.0)
+      .def("zero_grad", guarded(&E::zero_grad))
+      .def("synchronize", guarded(&E::synchronize))
+      .def("order_after_downloads", guarded(&E::order_after_downloads),
            "Later work on the current stream waits until every gradient copy so far has read its source")
-      .def("fence", &E::fence, release(), "The current stream waits for every weight upload issued so far")
-      .def("install_for_forward", &E::install_for_forward, py::arg("ids"), release(),
+      .def("fence", guarded(&E::fence), "The current stream waits for every weight upload issued so far")
+      .def("install_for_forward", guarded(&E::install_for_forward), py::arg("ids"),
            "install_in_forward: the new weights of params `ids` up before a forward reads them")
-      .def("set_accumulating", &E::set_accumulating, py::arg("on"))
-      .def("close", &E::close, release())
+      .def("set_accumulating", guarded(&E::set_accumulating), py::arg("on"))
+      .def("close",
+           [](E& e) {
+             py::gil_scoped_release no_gil;
+             std::unique_lock<std::shared_mutex> sole(e.lifetime());
+             e.close();
+           })
       .def_property_readonly("closed", &E::closed)
       .def_property_readonly("backend", &E::backend)
-      .def("state", &E::state, py::arg("index"),
+      .def("state", guarded(&E::state), py::arg("index"),
            "(master, exp_avg, exp_avg_sq) views of param `index`'s host state; with state_bits=8 the moments "
            "are uint8 codes followed by (exp_avg_scale, exp_avg_sq_scale)")
-      .def("steps", &E::steps, "float32 step count per parameter (a view, updated in place)")
-      .def("counters", &E::counters)
-      .def("fail_next_update", &E::fail_next_update, py::arg("message") = "",
+      .def("steps", guarded(&E::steps), "float32 step count per parameter (a view, updated in place)")
+      .def("counters", guarded(&E::counters))
+      .def("fail_next_update", guarded(&E::fail_next_update), py::arg("message") = "",
            "Testing: make the next bucket update raise");
 }
 

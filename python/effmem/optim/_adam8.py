@@ -78,22 +78,49 @@ def encode(x: Tensor, rounding_seed: int, second: bool) -> Tuple[Tensor, Tensor]
     return k.to(torch.uint8), scales
 
 
+def _order(t: Tensor) -> Tuple[int, ...]:
+    """The order of t's dimensions in memory, outermost first (size-1 dimensions, which do not move, left out)."""
+    return tuple(d for d in sorted(range(t.dim()), key=lambda d: -t.stride(d)) if t.shape[d] != 1)
+
+
+def _laid_like(t: Tensor, like: Tensor) -> Tensor:
+    """t's values (logically) in a float32 tensor with like's shape, strides and device."""
+    return torch.empty_like(like, dtype=torch.float32).copy_(t)
+
+
 def to_float(state: Dict[str, Tensor], like: Tensor) -> Dict[str, Tensor]:
-    """An 8-bit state as float32 moments shaped (and strided) like the parameter `like`."""
+    """An 8-bit state as float32 moments shaped (and strided) like the parameter `like`. The blocks run along
+    the saved codes' memory, which may differ from like's (a channels_last parameter saved, a contiguous one
+    loading)."""
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
     for key, scale in SCALE_KEYS.items():
         values = decode(memory_order(state[key]), state[scale].float(), key == "exp_avg_sq")
-        out[key] = from_memory_order(values, like)
+        out[key] = _laid_like(from_memory_order(values, state[key]), like)
     return out
 
 
 def to_8bit(state: Dict[str, Tensor], like: Tensor, step: float, salt: int) -> Dict[str, Tensor]:
-    """Float moments as an 8-bit state (the encoding of a step, stochastically rounded as the kernels do)."""
+    """Float moments as an 8-bit state (the encoding of a step, stochastically rounded as the kernels do),
+    its blocks along like's memory."""
     out = dict(state)
-    m = memory_order(state["exp_avg"].to(like.device, torch.float32))
-    r = memory_order(state["exp_avg_sq"].to(like.device, torch.float32)).double().sqrt().float()
+    m = memory_order(_laid_like(state["exp_avg"], like))
+    r = memory_order(_laid_like(state["exp_avg_sq"], like)).double().sqrt().float()
     for key, x, second in (("exp_avg", m, False), ("exp_avg_sq", r, True)):
         codes, scales = encode(x, seed(step, salt, second), second)
         out[key] = from_memory_order(codes, like)
         out[SCALE_KEYS[key]] = scales
     return out
+
+
+def convert(state: Dict[str, Tensor], like: Tensor, state_bits: int, step: float, salt: int) -> Dict[str, Tensor]:
+    """A checkpoint's moments in the format of an optimizer with `state_bits`, for the parameter `like`: 8-bit
+    ones decoded for a float32 optimizer, float32 ones encoded for an 8-bit optimizer; 8-bit ones as saved
+    (bit for bit) unless like lies in memory in another order than the saved codes, whose blocks are then
+    re-encoded along like's memory."""
+    if is_8bit(state):
+        if state_bits == 32:
+            return to_float(state, like)
+        if _order(state["exp_avg"]) != _order(like):
+            return to_8bit(to_float(state, like), like, step, salt)
+        return state
+    return to_8bit(state, like, step, salt) if state_bits == 8 else state

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from effmem.optim import _validate
+from effmem.optim._offload_lifetime import check_unowned
 
 
 class AdamBase(torch.optim.Optimizer):
@@ -23,6 +24,7 @@ class AdamBase(torch.optim.Optimizer):
         try:
             _validate.hyperparameters(group)
             _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
+            check_unowned(group["params"], type(self).__name__, me=self)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise

@@ -23,6 +23,9 @@ class OffloadCheckpoint:
         # Parameters never stepped have no state in torch's optimizers (nor in
         # FusedAdam): leave them out, so checkpoints of the two compare equal.
         sd["state"] = {k: v for k, v in sd["state"].items() if float(v["step"]) > 0}
+        for i in self._masters_pending & sd["state"].keys():   # loaded without one, not stepped since
+            if "master" in sd["state"][i]:
+                sd["state"][i] = dict(sd["state"][i], master=self._local[i].detach().float().clone())
         return sd
 
     @torch.no_grad()
@@ -47,21 +50,21 @@ class OffloadCheckpoint:
                 for t in moments:
                     t.zero_()
                 self._steps[i] = 0.0
-                master.copy_(self._local[i])
+                self._masters_pending.add(i)
             else:
                 saved = {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
-                if _adam8.is_8bit(saved) and self.state_bits == 32:
-                    saved = _adam8.to_float(saved, moments[0])
-                elif self.state_bits == 8 and not _adam8.is_8bit(saved):
-                    saved = _adam8.to_8bit(saved, moments[0], step, i)
+                saved = _adam8.convert(saved, moments[0], self.state_bits, step, i)
                 keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if self.state_bits == 8
                                                     else ())
                 for t, key in zip(moments, keys):
                     t.copy_(saved[key])
                 self._steps[i] = step
-                master.copy_(saved["master"] if "master" in saved else self._local[i])
+                if "master" in saved:
+                    master.copy_(saved["master"])
+                    self._masters_pending.discard(i)
+                else:   # fp32 parameters (their own master) and torch's checkpoints: the parameter at first use
+                    self._masters_pending.add(i)
             self.state[p] = self._state_of(i)
-        self._masters_ready = True
         self._step_count = int(max((step for _, _, step in plan), default=0))
         # A consistent state again: a failed overlap backward is behind us.
         self._broken, self._open_task = None, None

@@ -29,13 +29,11 @@ LANDING_CHUNK_NUMEL = 1 << 22
 LANDING_CHUNKS = 8
 
 
-def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
-                 host_delay_us: float, state_bits: int = 32):
-    from effmem import _C
-
-    if not opt._params:
+def engine_device(tensors: Sequence[Tensor], backend: Optional[str]) -> Tuple[torch.device, str]:
+    """The one device of an engine's parameters and its copy backend; refuses what no engine can take."""
+    if not tensors:
         raise ValueError("params: OffloadAdam got no parameters")
-    devices = {t.device for t in opt._local}
+    devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"params: OffloadAdam offloads the parameters of one device, got {sorted(map(str, devices))}; "
                          "use one optimizer per device")
@@ -50,6 +48,14 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
     if backend != wanted:
         raise ValueError(f"backend: {backend!r} needs {'CUDA' if backend == 'cuda' else 'CPU'} parameters, "
                          f"but they are on {device}")
+    return device, backend
+
+
+def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool, bucket_size: int,
+                 host_delay_us: float, state_bits: int = 32):
+    from effmem import _C
+
+    device, backend = engine_device(opt._local, backend)
     group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
     bucket_of = opt._bucket_of = assign_buckets([(t.numel(), t.dtype) for t in opt._local], bucket_size)
     expects = [bool(p.requires_grad) for p in opt._params]

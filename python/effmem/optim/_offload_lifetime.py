@@ -1,6 +1,41 @@
 """OffloadAdam's lifetime (a mixin of OffloadAdam): flush, counters, close and the context manager."""
 import collections
-from typing import Dict
+import os
+import weakref
+from typing import Dict, Iterable, Tuple
+
+from torch import Tensor
+
+# id(param) -> (the parameter, the open OffloadAdam stepping it), both weakly: an OffloadAdam's gradient hooks
+# take each gradient off its parameter as backward makes it, so a second optimizer over the same parameters
+# (FusedAdam, or an OffloadAdam built while the first is still referenced) would silently never train.
+_OWNERS: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _owner(p: Tensor):
+    entry = _OWNERS.get(id(p))
+    if entry is None:
+        return None
+    q, opt = entry[0](), entry[1]()
+    if q is not p or opt is None or opt._engine is None or opt._engine.closed:
+        del _OWNERS[id(p)]   # stale: the parameter or its optimizer is gone, or closed
+        return None
+    return opt
+
+
+def check_unowned(params: Iterable[Tensor], who: str, me=None) -> None:
+    """Refuses parameters an open OffloadAdam (other than `me`) steps."""
+    for i, p in enumerate(params):
+        other = _owner(p)
+        if other is not None and other is not me:
+            raise ValueError(f"params: parameter {i} (shape {tuple(p.shape)}) is stepped by another OffloadAdam, "
+                             f"still open, whose gradient hooks take its gradients, so this {who} would never "
+                             "see them; close() the other one first (or del it)")
+
+
+def claim(opt, params: Iterable[Tensor]) -> None:
+    for p in params:
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
 
 
 class OffloadLifetime:
@@ -19,13 +54,18 @@ class OffloadLifetime:
 
     def close(self) -> None:
         """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
+        for p in getattr(self, "_params", []):
+            if _OWNERS.get(id(p), (None, lambda: None))[1]() is self:
+                del _OWNERS[id(p)]
         for h in self._hooks + self._ddp_handles + self._forward_hooks:
             h.remove()
         self._hooks, self._ddp_handles, self._forward_hooks = [], [], []
         if self._engine is not None and not self._engine.closed:
             try:
-                if self._delay:
-                    self._engine.synchronize()  # the last step's weights into the parameters
+                # the last step's weights into the parameters (not in a process forked from the one that
+                # made the engine: it has none of the engine's threads, and close() only lets go there)
+                if self._delay and os.getpid() == self._pid:
+                    self._engine.synchronize()
             finally:
                 self._engine.close()
                 # Let go of the host state, so that its memory goes now rather than with this

@@ -186,7 +186,7 @@ def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
 
 
 def state_bits(bits) -> int:
-    if isinstance(bits, bool) or bits not in (32, 8):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (32, 8):
         raise ValueError(f"state_bits: expected 32 (float32 moments) or 8 (8-bit moments), got {bits!r}")
     return bits
 

@@ -120,6 +120,12 @@ class FusedAdam(AdamBase):
         self._pending_outside_capture = not _capturing()
         return total
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad, and a clip factor from clip_grad_norm_ not yet used is dropped with the
+        gradients it was computed from (a loop that skips a step on a spiking norm must not carry it on)."""
+        self._pending_grad_scale = {}
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure=None, *, inv_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None):
@@ -254,10 +260,7 @@ def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: in
         out = torch.empty_like(p, dtype=torch.float32)
         return out.copy_(t)
 
-    if _adam8.is_8bit(saved) and state_bits == 32:
-        saved = _adam8.to_float(saved, p)
-    elif state_bits == 8 and not _adam8.is_8bit(saved):
-        saved = _adam8.to_8bit(saved, _local(p), step, salt)
+    saved = _adam8.convert(saved, _local(p), state_bits, step, salt)
     state = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
     if state_bits == 8:
         for key, scale in _adam8.SCALE_KEYS.items():

@@ -1,6 +1,7 @@
 """OffloadAdam: Adam/AdamW whose fp32 master weights and moments live in host memory."""
 import contextlib
 import math
+import os
 import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -13,9 +14,9 @@ from effmem.optim import _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._offload_checkpoint import OffloadCheckpoint
 from effmem.optim._offload_forward import OffloadForward
-from effmem.optim._offload_lifetime import OffloadLifetime
+from effmem.optim._offload_lifetime import OffloadLifetime, claim
 from effmem.optim._offload_guards import OffloadGuards
-from effmem.optim._offload_layout import GradHook, build_engine, keep_on_device
+from effmem.optim._offload_layout import GradHook, build_engine, engine_device, keep_on_device
 from effmem.optim.clip import clip_coefficient
 from effmem.optim.fused_adam import ParamsT
 
@@ -204,7 +205,9 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         self._lock = threading.Lock()
         self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
-        self._masters_ready = False
+        # indices whose fp32 master is still to be read from the parameter, at the first use (so that
+        # weights loaded into the model after the optimizer, or after its checkpoint, are the ones trained)
+        self._masters_pending = None   # None: every one (set by _build)
         self._in_backward = False
         self._clip_scale = 1.0
         self._open_task: Optional[int] = None  # the backward (graph task) under way, until its end callback
@@ -212,6 +215,7 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_grads = _dist.stream_grads_choice(stream_grads)
+        self._pid = os.getpid()   # the process whose engine threads these are (a fork has none)
         self._build()
 
     # ------------------------------------------------------------------ setup
@@ -225,8 +229,11 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         self._steps = self._engine.steps()
         self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
+        if self._masters_pending is None:
+            self._masters_pending = set(range(len(self._params)))
         for i, p in enumerate(self._params):
             self.state[p] = self._state_of(i)
+        claim(self, self._params)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -252,17 +259,29 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         saved = [tuple(v.clone() for v in views) for views in self._views]
         steps = self._steps.clone()
         super().add_param_group(param_group)  # checks the new group; a refused one changes nothing
+        try:   # what the new engine would refuse, before the old one goes
+            engine_device([_local(p) for g in self.param_groups for p in g["params"]], self._config["backend"])
+        except ValueError:
+            self.param_groups.pop()
+            raise
         self._engine.close()
-        self._build()
-        old = len(saved)
+        try:
+            self._build()
+        except BaseException:   # (host memory ran out): the optimizer as it was, on an engine of its own again
+            self.param_groups.pop()
+            self._build()
+            self._restore(saved, steps)
+            raise
+        self._restore(saved, steps)
+        self._masters_pending.update(range(len(saved), len(self._params)))
+        self._reattach()  # async_step after attach(): the new parameters' modules need installers too
+
+    def _restore(self, saved, steps: Tensor) -> None:
+        """The state of the first len(saved) parameters, as taken before the engine was built again."""
         for views, before in zip(self._views, saved):
             for dst, src in zip(views, before):
                 dst.copy_(src)
-        self._steps[:old] = steps
-        if self._masters_ready:
-            for views, local in zip(self._views[old:], self._local[old:]):
-                views[0].copy_(local)
-        self._reattach()  # async_step after attach(): the new parameters' modules need installers too
+        self._steps[:len(saved)] = steps
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]
@@ -276,13 +295,12 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
 
     @torch.no_grad()
     def _init_masters(self) -> None:
-        """Masters from the parameters, at the first use rather than at construction, so that
-        weights loaded into the model after the optimizer was built are the ones trained."""
-        if self._masters_ready:
-            return
-        for (master, *_), local in zip(self._views, self._local):
-            master.copy_(local)
-        self._masters_ready = True
+        """Masters from the parameters, at the first use rather than at construction (or at
+        load_state_dict, for a checkpoint without them), so that weights loaded into the model
+        afterwards are the ones trained."""
+        for i in sorted(self._masters_pending):
+            self._views[i][0].copy_(self._local[i])
+        self._masters_pending.clear()
 
     def _sync_groups(self) -> None:
         _validate.groups(self.param_groups)  # all of them before the engine takes any

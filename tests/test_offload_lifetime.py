@@ -1,0 +1,128 @@
+"""OffloadAdam's engine across threads and processes: close() while another thread is inside a call (a DDP
+comm hook's grad_ready), two close() at once, a process forked from one with an engine (it has none of the
+engine's threads) and effmem's CPU kernels in a forked DataLoader worker, and add_param_group refused by the
+engine itself. Each case that could crash or hang runs in a child process with a time limit."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from effmem import OffloadAdam
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and the host engine: Linux")
+
+
+def run_child(code: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter; on a hang, kills it and whatever it forked."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hung for {timeout} s; output: {out[-1000:]} {err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_close_waits_for_a_call_on_another_thread_and_two_closes_take_turns():
+    r = run_child("""
+        import threading, torch
+        from effmem import _C
+        for trial in range(60):
+            ps = [torch.zeros(1 << 14) for _ in range(8)]
+            e = _C.OffloadEngine(ps, [0] * 8, [0] * 8, [True] * 8, 1, backend="host", num_threads=1)
+            e.set_group(0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                        bias_correction=True)
+            g, go = torch.ones(1 << 14), threading.Event()
+            def other():
+                go.wait()
+                try:
+                    for k in range(10000):
+                        e.grad_ready(k % 8, g) if trial % 2 else e.close()
+                except RuntimeError as err:
+                    assert "closed" in str(err), err
+            t = threading.Thread(target=other)
+            t.start()
+            go.set()
+            e.close()
+            t.join()
+        print("done")
+    """)
+    assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("then", ["exit", "close", "step"])
+def test_a_forked_child_of_a_process_with_an_offload_adam_neither_hangs_nor_crashes(then):
+    r = run_child(f"""
+        import os, sys, torch
+        from effmem import OffloadAdam
+        # small and elementwise: torch's own OpenMP, once used, hangs in a forked child (GNU OpenMP and fork)
+        w = torch.nn.Parameter(torch.randn(1 << 12))
+        loss = lambda: (w * torch.randn(1 << 12)).square().sum()
+        opt = OffloadAdam([w], lr=1e-3, num_threads=2, delay=True)
+        loss().backward(); opt.step(); opt.zero_grad()
+        pid = os.fork()
+        if pid == 0:
+            if "{then}" == "close":
+                opt.close()
+            elif "{then}" == "step":
+                try:   # refused at the first use: the gradient hook hands the gradient over in backward
+                    loss().backward()
+                    opt.step()
+                except RuntimeError as e:
+                    assert "forked" in str(e), e
+                    print("refused", flush=True)
+            sys.exit(0)   # interpreter exit: the optimizer is dropped here
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        loss().backward(); opt.step()   # the parent's engine still works
+        opt.close()
+        print("done")
+    """, timeout=60)
+    assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    if then == "step":
+        assert "refused" in r.stdout
+
+
+def test_cpu_kernels_run_in_a_forked_dataloader_worker():
+    """A DataLoader worker sets one thread; effmem's pool of the parent (two threads) is not there."""
+    r = run_child("""
+        import torch
+        from effmem import ops
+        torch.set_num_threads(2)
+        ops.quantize(torch.randn(1 << 20), bits=8)
+
+        class Data(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                codes, stats = ops.quantize(torch.randn(4096), bits=8)
+                return codes.float().sum()
+
+        loader = torch.utils.data.DataLoader(Data(), num_workers=1, multiprocessing_context="fork", timeout=30)
+        print(len(list(loader)), "done")
+    """)
+    assert r.returncode == 0 and "4 done" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+def test_a_group_the_engine_refuses_leaves_the_optimizer_as_it_was():
+    m = torch.nn.Linear(8, 8)
+    opt = OffloadAdam(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match="params: OffloadAdam offloads the parameters of one device"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]})
+    assert len(opt.param_groups) == 1 and not opt._engine.closed
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(before[k][n], after[k][n]) for k in before for n in before[k])
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.close()
