@@ -168,3 +168,25 @@ def test_fast_policy_trace_equals_real_bytes(cfg, dtype, batch, seq):
     outside = counted_saved_bytes(m, lambda: hf_call(m, batch, seq))  # the layers' saves go to the policy
     assert predicted["block"] == activation_stats(m).total_bytes_after
     assert sum(predicted.values()) == outside + activation_stats(m).total_bytes_after
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("fused", [False, True], ids=["standard", "fused"])
+def test_autocast_trace_equals_real_saved_bytes(cfg, fused):
+    """"fp32" candidates train float32 weights under bf16 autocast on a GPU. Meta tensors have no autocast;
+    the trace models the target's (bf16 copies of matmul inputs, one per parameter per forward, kept for
+    backward; the ops each device runs in float32): here the CPU's, against its real autocast."""
+    batch, seq = 2, 64
+    predicted = sum(trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu", fused_loss=fused,
+                               autocast=True).activations("none").values())
+    m = real_model(cfg)
+    if fused:
+        effmem.fuse_linear_cross_entropy(m)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return hf_call(m, batch, seq)
+    counted = counted_saved_bytes(m, run)
+    plain = sum(trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu", fused_loss=fused)
+                .activations("none").values())
+    assert predicted == counted and plain != counted

@@ -180,9 +180,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         raise ValueError(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden's without its last "
                          f"dimension), got {tuple(target.shape)}")
     device_type = hidden.device.type
-    # Autocast exists for real devices only; meta tensors (effmem plan's trace) have none to ask about.
-    if device_type != "meta" and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    # Autocast exists for real devices only; on meta tensors effmem plan's trace says whether it models one.
+    dtype = _TRACE_TARGET[1] if device_type == "meta" else (
+        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None)
+    if dtype is not None:
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -233,5 +234,6 @@ def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, wei
     return not trained_low and not flushes and (weight.dtype == torch.float32 or device == "cuda")
 
 
-# The device effmem plan's trace stands for while it runs a model on meta tensors (plan/trace.py).
-_TRACE_TARGET = ["cpu"]
+# What effmem plan's trace stands for while it runs a model on meta tensors (plan/trace.py): the device, and
+# the autocast dtype it models (None: none).
+_TRACE_TARGET = ["cpu", None]

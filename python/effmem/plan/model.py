@@ -6,6 +6,7 @@ trace (trace.py) runs on smaller copies of the same config: one and two
 decoder layers, from which every per-layer quantity is extrapolated exactly
 (all layers of these models are alike).
 """
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
@@ -43,7 +44,12 @@ def load_config(spec: str) -> Tuple[str, dict]:
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             raise ValueError(f"model: {path} is not a Hugging Face config.json (no \"model_type\" key)")
         return path.parent.name or str(path), cfg
-    raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(preset_names())}) nor a config.json path")
+    if Path(spec).is_dir():
+        raise ValueError(f"model: the folder {spec!r} has no config.json (a Hugging Face model's folder holds one)")
+    close = difflib.get_close_matches(spec.lower(), preset_names(), n=1, cutoff=0.75)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(preset_names())}) nor a config.json "
+                     f"path{hint}")
 
 
 def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
@@ -55,13 +61,32 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
     cfg = dict(cfg)
     model_type = cfg.pop("model_type")
     if num_layers is not None:
+        full = next((int(cfg[key]) for key in _LAYER_KEYS if key in cfg), None)
         for key in _LAYER_KEYS:
             if key in cfg:
                 cfg[key] = num_layers
-    config = transformers.AutoConfig.for_model(model_type, **cfg)
+        # per-layer lists (transformers 5's layer_types: sliding or full attention per layer) follow the
+        # count, or the config refuses itself; the copy keeps the first layers' pattern
+        for key, value in list(cfg.items()):
+            if isinstance(value, list) and full is not None and len(value) == full and full != num_layers:
+                cfg[key] = value[:num_layers]
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **cfg)
+    except ValueError as e:
+        if "Unrecognized model" not in str(e):
+            raise
+        raise ValueError(f"model: model_type {model_type!r} is not one transformers {transformers.__version__} "
+                         "knows (a newer transformers, or a typo in config.json?)") from None
     config.use_cache = False
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            raise ValueError(f"model: effmem plan models causal language models (AutoModelForCausalLM); "
+                             f"model_type {model_type!r} has none (an encoder-decoder or encoder-only model?)"
+                             ) from None
 
 
 def config_layers(cfg: dict) -> int:
@@ -168,6 +193,11 @@ class ModelSpec:
     def num_trainable(self) -> int:
         return sum(p.trainable for p in self.params)
 
+    @property
+    def state_blocks(self) -> int:
+        """8-bit Adam's blocks (of 256 elements, a scale per moment each) over the trained tensors."""
+        return sum(-(-p.trainable // 256) for p in self.params)
+
 
 def _param_infos(model: nn.Module, trainable: Trainable) -> List[ParamInfo]:
     out = []
@@ -208,5 +238,6 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
     spec.trainable_text = which.text
     if which.text is not None and spec.num_trainable == 0:
         raise ValueError(f"trainable: {which.text!r} matches no parameter of {spec.name} "
-                         f"(names look like {spec.params[min(1, len(spec.params) - 1)].name!r})")
+                         f"(names look like {spec.params[min(1, len(spec.params) - 1)].name!r}; a weight tied to "
+                         "another, as lm_head's to the embedding, goes by the first one's name)")
     return spec

@@ -114,8 +114,10 @@ class _Activity:
 
     def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn],
                  fused_loss: bool = False):
-        self.one = trace_spec(spec, 1, seq, dtype, target, inputs=inputs, fused_loss=fused_loss)
-        self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs, fused_loss=fused_loss)
+        # float32 weights train under bf16 autocast on a GPU (plan.apply, verify), plainly on a CPU
+        amp = dtype == torch.float32 and target == "cuda"
+        self.one = trace_spec(spec, 1, seq, dtype, target, inputs=inputs, fused_loss=fused_loss, autocast=amp)
+        self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs, fused_loss=fused_loss, autocast=amp)
         self.fused_loss = fused_loss
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
@@ -129,7 +131,7 @@ class _Activity:
                 return {k: a[k] + (micro - 1) * (b[k] - a[k]) for k in a}
             return a + (micro - 1) * (b - a)
         return costs.Model(
-            params=spec.num_params, trainable=spec.num_trainable,
+            params=spec.num_params, trainable=spec.num_trainable, state_blocks=spec.state_blocks,
             activations={s: lin(lambda t, s=s: t.activations(s)) for s in self.strategies if s in costs.TRACED},
             offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
@@ -172,7 +174,7 @@ class _FormulaActivity:
                 "checkpoint8": dict(none, block=c.layers * packed_bytes(tokens, h, 8, 128)),
                 "save_on_cpu": dict(dict.fromkeys(KINDS, 0), logits=returned)}
         return costs.Model(
-            params=spec.num_params, trainable=spec.num_trainable, activations=acts, offloaded=kept - returned,
+            params=spec.num_params, trainable=spec.num_trainable, state_blocks=spec.state_blocks, activations=acts, offloaded=kept - returned,
             block_bytes=tokens * c.layer, largest_logits=tokens * 4 * self.vocab,
             largest_block=tokens * max(4 * h, 2 * c.intermediate),
             matmul_flops=2.0 * tokens * self.matmul_params, attention_flops=2.0 * micro * self.seq ** 2 * h * c.layers,

@@ -20,6 +20,7 @@ Device kernels are modelled as the target device runs them
 (plan/trace_kernels.py: flash attention's saves, CUDA's fused rms_norm, the
 CPU's layer-norm statistics).
 """
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from effmem.compress._codec import packed_bytes
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.plan.model import ModelSpec, find_blocks
-from effmem.plan.trace_kernels import _Counter, _device_kernels, _Flops, _tensors
+from effmem.plan.trace_kernels import _Counter, _device_kernels, _Flops, _MetaAutocast, _tensors
 
 # "grads": gradients a loss makes in its forward pass (linear_cross_entropy's grad_in_forward), alive from
 # then on: costs.py counts them with the gradients, not the activations.
@@ -207,19 +208,20 @@ InputsFn = Callable[[int, int, torch.device], Tuple[tuple, dict]]
 
 
 def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, target: str,
-                 inputs: Optional[InputsFn] = None, fast: bool = False) -> Trace:
+                 inputs: Optional[InputsFn] = None, fast: bool = False, autocast: bool = False) -> Trace:
     """Run one training forward of `model` on meta tensors of `dtype` and record what it leaves alive.
 
     target: "cuda" or "cpu", the device whose attention kernel to model. fast: with
     effmem.apply_activation_policy(model, "fast") applied for the run (and removed after), its
-    compressor counting what the decoder layers store."""
+    compressor counting what the decoder layers store. autocast: the forward under the target's bf16
+    autocast (float32 weights; trace_kernels._MetaAutocast)."""
     if fast:
         from effmem.activations import apply_activation_policy, remove_activation_policy
         apply_activation_policy(model, "fast")
         comp = model._effmem_fast
         comp.allow_meta = True
         try:
-            tr = trace_module(model, batch, seq, dtype, target, inputs)
+            tr = trace_module(model, batch, seq, dtype, target, inputs, autocast=autocast)
         finally:
             remove_activation_policy(model)
         st = comp.stats
@@ -294,10 +296,12 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     flops = _Flops(keep=lambda t: record(t, sac_output=True, first_block=st["block"]),
                    in_block=lambda: st["block"] is not None)
     from effmem import linear_ce
-    previous_target, linear_ce._TRACE_TARGET[0] = linear_ce._TRACE_TARGET[0], target
+    amp = _MetaAutocast(target) if autocast else None
+    previous = list(linear_ce._TRACE_TARGET)
+    linear_ce._TRACE_TARGET[:] = [target, torch.bfloat16 if autocast else None]
     try:
-        with _Counter(target, flops) as counter, _device_kernels(flops, target), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _Counter(target, flops) as counter, _device_kernels(flops, target, amp), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp or contextlib.nullcontext():
             out = torch.func.functional_call(model, {**state, **buffers}, args, kwargs, tie_weights=True)
         st["after_head"] = True
         for t in _tensors(out):
@@ -305,7 +309,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         for t in held_for_backward(out):
             record(t, kind="grads", saved=True, saved_outside=True)
     finally:
-        linear_ce._TRACE_TARGET[0] = previous_target
+        linear_ce._TRACE_TARGET[:] = previous
         for h in handles:
             h.remove()
     tr.matmul_flops = float(counter.flops)
@@ -315,23 +319,24 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
 
 def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target: str,
-               inputs: Optional[InputsFn] = None, fused_loss: bool = False) -> "Extrapolated":
+               inputs: Optional[InputsFn] = None, fused_loss: bool = False, autocast: bool = False) -> "Extrapolated":
     """Trace a model; for a config, trace 1 and 2 decoder layers and extrapolate to all of them.
 
     fused_loss: with the training loss computed by effmem.linear_cross_entropy
-    (effmem.fuse_linear_cross_entropy; a user's module is unfused again afterwards)."""
+    (effmem.fuse_linear_cross_entropy; a user's module is unfused again afterwards). autocast: see
+    trace_module."""
     from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 
     def run(model: nn.Module, fresh: bool) -> Trace:
         if fused_loss:
             fuse_linear_cross_entropy(model)
         try:
-            t = trace_module(model, batch, seq, dtype, target, inputs)
+            t = trace_module(model, batch, seq, dtype, target, inputs, autocast=autocast)
             if getattr(model, "_effmem_fast", None) is None and all(
                     getattr(b, "_effmem_policy", None) is None for b in find_blocks(model)[1]):
                 # the same forward under the "fast" activation policy (a module that has a policy of its
                 # own already is traced as it is, without the candidate)
-                t.fast = trace_module(model, batch, seq, dtype, target, inputs, fast=True)
+                t.fast = trace_module(model, batch, seq, dtype, target, inputs, fast=True, autocast=autocast)
             return t
         finally:
             if fused_loss and not fresh:

@@ -20,7 +20,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from effmem.activations.selective import SAVED_PACKETS
@@ -74,11 +76,14 @@ class _FusedRmsNorm(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _device_kernels(flops: _Flops, target: str):
-    """Swap in functions that save what the target device's kernels save (attention; CUDA's rms_norm)."""
+def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocast"] = None):
+    """Swap in functions that save what the target device's kernels save (attention; CUDA's rms_norm).
+    autocast: attention's inputs in bf16, as CUDA's autocast gives them to the kernel."""
     real_sdpa, real_rms = F.scaled_dot_product_attention, F.rms_norm
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if autocast is not None:
+            query, key, value = (autocast.lower(t) for t in (query, key, value))
         if target == "cpu" and dropout_p > 0:
             return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)
@@ -105,6 +110,60 @@ def _device_kernels(flops: _Flops, target: str):
         yield
     finally:
         F.scaled_dot_product_attention, F.rms_norm = real_sdpa, real_rms
+
+
+def _functions(*names: str) -> frozenset:
+    """The torch functions of those names that this torch has: torch.X, torch.Tensor.X and F.X."""
+    return frozenset(f for n in names for f in (getattr(torch, n, None), getattr(Tensor, n, None), getattr(F, n, None))
+                     if f is not None)
+
+
+# What autocast runs in its lower precision (matmuls and convolutions; attention goes through the stand-in
+# below) and in float32, on each device (torch's documented lists, as far as a transformer's forward meets them).
+_AUTOCAST_LOWER = _functions("linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm",
+                             "addbmm", "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                             "conv_transpose3d", "prelu")
+_LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+           "binary_cross_entropy", "binary_cross_entropy_with_logits", "poisson_nll_loss", "margin_ranking_loss")
+_AUTOCAST_FLOAT = {
+    "cuda": _functions(*_LOSSES, "softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "normalize",
+                       "cosine_similarity", "pow", "__pow__", "__rpow__", "__rtruediv__", "exp", "expm1", "log",
+                       "log1p", "log2", "log10", "rsqrt", "reciprocal", "cumsum", "cumprod", "prod", "sum", "norm",
+                       "softplus", "erfinv", "cdist"),
+    "cpu": _functions(*_LOSSES, "prod", "cdist"),
+}
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """The target device's bf16 autocast for a forward on meta tensors, which have no autocast of their own
+    ("fp32" candidates train float32 weights under autocast on a GPU): matmul-like functions get bf16 copies of their float32
+    inputs, and a parameter's copy is made once per forward (autocast caches it; backward keeps it), the
+    functions autocast runs in float32 get float32 copies of bf16/fp16 inputs. The copies are ordinary ops
+    under autograd, so the trace records what backward keeps of them as it records the rest."""
+
+    def __init__(self, target: str = "cuda"):
+        super().__init__()
+        self.float_ops = _AUTOCAST_FLOAT[target]
+        self.cache = {}   # id(parameter) -> (parameter, its bf16 copy); the parameter kept so its id stays its
+
+    def lower(self, t):
+        if not isinstance(t, Tensor) or t.dtype != torch.float32:
+            return t
+        if t.is_leaf and t.requires_grad:
+            hit = self.cache.get(id(t))
+            if hit is None:
+                hit = self.cache[id(t)] = (t, t.to(torch.bfloat16))
+            return hit[1]
+        return t.to(torch.bfloat16)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _AUTOCAST_LOWER:
+            args, kwargs = tree_map(self.lower, (args, kwargs))
+        elif func in self.float_ops:
+            args, kwargs = tree_map(lambda t: t.float() if isinstance(t, Tensor) and t.dtype in
+                                    (torch.bfloat16, torch.float16) else t, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 class _Counter(TorchDispatchMode):

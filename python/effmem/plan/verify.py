@@ -88,45 +88,54 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
         m = make_model() if make_model else (model if model is not None else model_for(
             plan, torch.bfloat16 if c.config.precision == "bf16" else torch.float32))
         m, opt = plan.apply(m, name)
-        device = next(m.parameters()).device
-        cfg = c.config
-        args, kwargs = (inputs or (lambda b, s, d: default_inputs(m, b, s, d)))(cfg.micro_batch, plan.seq, device)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "fp32" and
-                                  device.type == "cuda")
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        measured_act = None
-        t_steps = []
-        for step in range(steps):
-            t0 = time.perf_counter()
-            for micro in range(cfg.accumulation):
-                with micro_batch(opt, micro, cfg.accumulation):
-                    before = bytes_in_use(device)
-                    with autocast:
-                        out = m(*args, **kwargs)
-                    after = bytes_in_use(device)
-                    if step == steps - 1 and micro == cfg.accumulation - 1 and before is not None:
-                        measured_act = after - before
-                    _loss_of(out).backward()
-                    del out
-            measured_states = _state_bytes(m, opt, device)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t_steps.append(time.perf_counter() - t0)
-        row = {"name": name, "device": str(device), "steps": steps,
-               "predicted_activation_bytes": c.cost.forward_alive,
-               "measured_activation_bytes": measured_act,
-               "predicted_state_bytes": c.cost.states, "measured_state_bytes": measured_states,
-               "predicted_step_s": c.step_time_s, "measured_step_s": sorted(t_steps)[len(t_steps) // 2]}
-        if device.type == "cuda":
-            row["predicted_allocated_bytes"] = c.cost.allocated_bytes
-            row["measured_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-        if hasattr(opt, "close"):
-            opt.close()
-        rows.append(row)
+        try:
+            rows.append(_measure(c, m, opt, steps, plan.seq, inputs))
+        finally:   # an OffloadAdam left open would refuse the next candidate over the same model
+            if hasattr(opt, "close"):
+                opt.close()
     return rows
+
+
+def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
+    """`steps` training steps of candidate c, applied as m and opt: what they measured beside what c predicted."""
+    device = next(m.parameters()).device
+    cfg = c.config
+    args, kwargs = (inputs or (lambda b, s, d: default_inputs(m, b, s, d)))(cfg.micro_batch, seq, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "fp32" and
+                              device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    measured_act = None
+    t_steps = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for micro in range(cfg.accumulation):
+            with micro_batch(opt, micro, cfg.accumulation):
+                before = bytes_in_use(device)
+                with autocast:
+                    out = m(*args, **kwargs)
+                after = bytes_in_use(device)
+                if step == steps - 1 and micro == cfg.accumulation - 1 and before is not None:
+                    measured_act = after - before
+                _loss_of(out).backward()
+                del out
+        measured_states = _state_bytes(m, opt, device)   # the gradients, alive until zero_grad
+        opt.step()
+        # the optimizer's state as the step leaves it (the first step makes it)
+        measured_states.update({k: v for k, v in _state_bytes(m, opt, device).items() if k != "grads"})
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_steps.append(time.perf_counter() - t0)
+    row = {"name": c.name, "device": str(device), "steps": steps,
+           "predicted_activation_bytes": c.cost.forward_alive,
+           "measured_activation_bytes": measured_act,
+           "predicted_state_bytes": c.cost.states, "measured_state_bytes": measured_states,
+           "predicted_step_s": c.step_time_s, "measured_step_s": sorted(t_steps)[len(t_steps) // 2]}
+    if device.type == "cuda":
+        row["predicted_allocated_bytes"] = c.cost.allocated_bytes
+        row["measured_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    return row
 
 
 def _state_bytes(model: nn.Module, opt, device: torch.device) -> dict:
@@ -146,9 +155,15 @@ def _state_bytes(model: nn.Module, opt, device: torch.device) -> dict:
 
 
 def format_verify(rows: List[dict]) -> str:
-    def gb(n):
-        return "n/a" if n is None else f"{n / 1e9:.3f}"
-    lines = ["verify: predicted against measured (GB = 1e9 bytes)"]
+    def gb(n):   # in the unit of the size: a tiny model's parts would all read 0.000 GB
+        if n is None:
+            return "n/a"
+        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if abs(n) >= scale:
+                return f"{n / scale:.3f} {unit}"
+        return f"{n} B"
+    lines = ["verify: predicted against measured (GB = 1e9 bytes; the measured activations include autograd's "
+             "own graph)"]
     for r in rows:
         lines.append(f"  {r['name']} on {r['device']}, {r['steps']} steps:")
         lines.append(f"    activations alive after forward: predicted {gb(r['predicted_activation_bytes'])}, "
