@@ -141,3 +141,14 @@ def test_bad_bits_are_refused_before_any_change(policy):
         apply_activation_policy(model, policy, bits=3)
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
     assert model.config.use_cache
+
+
+def test_a_budget_chooses_again_under_autocast():
+    """Under autocast a layer saves other dtypes: a choice measured without it is not reused with it."""
+    model = apply_activation_policy(llama(), memory_budget=0.5)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    model(input_ids=x, labels=x).loss.backward()
+    plain = budget_choice(model)["bytes"]["plain"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=x, labels=x).loss.backward()
+    assert len(model._effmem_budget.choices) == 2 and budget_choice(model)["bytes"]["plain"] != plain

@@ -156,3 +156,32 @@ def test_a_clip_factor_of_a_skipped_step_does_not_reach_the_next(cls):
 def test_state_bits_must_be_the_int_8_or_32(cls, bits):
     with pytest.raises(ValueError, match="state_bits: expected 32 .* or 8"):
         cls([torch.nn.Parameter(torch.zeros(3))], state_bits=bits)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, OffloadAdam, None])
+def test_max_norm_may_be_a_tensor_as_in_torch(cls):
+    """torch.nn.utils.clip_grad_norm_ takes a tensor max_norm; so do effmem's clips, with the same factor."""
+    def clipped(max_norm):
+        p = torch.nn.Parameter(torch.zeros(4))
+        p.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
+        if cls is None:
+            from effmem import clip_grad_norm_
+            clip_grad_norm_([p], max_norm)
+            return p.grad.clone()
+        opt = cls([p], lr=1.0, betas=(0.0, 0.0), eps=1.0, bias_correction=False)
+        opt.clip_grad_norm_(max_norm)
+        opt.step()
+        if hasattr(opt, "close"):
+            opt.close()
+        return p.detach().clone()
+
+    assert torch.equal(clipped(1.0), clipped(torch.tensor(1.0))) and torch.equal(clipped(1.0),
+                                                                              clipped(torch.tensor(1.0).double()))
+    with pytest.raises(ValueError, match="max_norm: expected a value >= 0"):
+        clipped(torch.tensor(-1.0))
+
+
+def test_clip_names_norm_type_when_it_is_not_a_number():
+    from effmem import clip_grad_norm_
+    with pytest.raises(ValueError, match="norm_type: only the L2 norm"):
+        clip_grad_norm_([torch.nn.Parameter(torch.zeros(2))], 1.0, norm_type="fro")

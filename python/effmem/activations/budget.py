@@ -211,7 +211,10 @@ class BudgetPolicy:
         plain_fn = fast_fn = original
         if compiled:
             plain_fn, fast_fn = compiled_forward(original, selective=False), compiled_forward(original, selective=True)
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled)
+        dev = hidden.device.type
+        # autocast too: under it the layer saves other dtypes, and other bytes
+        amp = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) else None
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp)
         choice = self.choices.get(key)
         if choice is None:
             with _unrecorded(), buffers_kept(layer):

@@ -83,8 +83,14 @@ def groups(param_groups: List[Dict[str, Any]], check_lr: bool = True) -> None:
 
 
 def max_norm(value: Any) -> None:
-    if not isinstance(value, numbers.Real) or not value >= 0.0:
-        raise ValueError(f"max_norm: expected a number >= 0, got {value!r}")
+    """A number >= 0, or a one-element floating tensor as torch's clip_grad_norm_ takes (checked for sign
+    only on the CPU: reading a GPU tensor would wait for the GPU)."""
+    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
+        if value.device.type == "cpu" and not bool(value >= 0.0):
+            raise ValueError(f"max_norm: expected a value >= 0, got {value.item()!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0.0:
+        raise ValueError(f"max_norm: expected a number >= 0 (or a one-element floating tensor), got {value!r}")
 
 
 def is_dense(t: Tensor) -> bool:

@@ -1,4 +1,5 @@
 """Gradient clipping by global L2 norm, with one fused norm kernel per device."""
+import numbers
 from collections import defaultdict
 from typing import Iterable, List, Union
 
@@ -18,6 +19,8 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
 def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
     """min(1, max_norm / (total + 1e-6)), in float32: the factor every effmem clip applies, computed
     one way so that the optimizers that fold it into their step agree bit for bit."""
+    if isinstance(max_norm, Tensor):   # float32 whatever its dtype; a CPU scalar tensor works on any device
+        max_norm = max_norm.to(torch.float32).reshape(())
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
@@ -50,7 +53,7 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     _validate.max_norm(max_norm)
-    if float(norm_type) != 2.0:
+    if isinstance(norm_type, (str, bool)) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
         raise ValueError(f"norm_type: only the L2 norm (2.0) is fused, got {norm_type!r}; "
                          "use torch.nn.utils.clip_grad_norm_ for other norms")
     grads = [p.grad for p in parameters if p.grad is not None]

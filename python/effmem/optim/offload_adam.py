@@ -407,7 +407,8 @@ class OffloadAdam(OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGua
         self._take_leftover_grads()
         sq = _dist.global_sq_sum(self._params, self._engine.grad_sq_sums())
         total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
-        self._clip_scale = float(clip_coefficient(total, max_norm))  # FusedAdam's float32 arithmetic
+        # FusedAdam's float32 arithmetic (a tensor max_norm read here: the host waits for the gradients anyway)
+        self._clip_scale = float(clip_coefficient(total, float(max_norm)))
         return total
 
     # ------------------------------------------------------------------ step
