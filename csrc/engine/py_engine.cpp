@@ -124,6 +124,10 @@ void bind_engine(py::module_& m) {
       .def("close",
            [](E& e) {
              py::gil_scoped_release no_gil;
+             if (e.forked()) {  // no other thread here, and the lock may be as a parent's thread left it
+               e.close();
+               return;
+             }
              std::unique_lock<std::shared_mutex> sole(e.lifetime());
              e.close();
            })
