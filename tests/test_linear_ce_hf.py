@@ -150,3 +150,24 @@ def test_tiny_llama_trains_the_same_in_bf16():
     assert diff(fused, f32) <= 0.005
     assert diff(fused, own) <= 1.25 * diff(f32, own) + 0.002
     assert abs(fused[-5:].mean() - own[-5:].mean()) <= 0.01 * own[-5:].mean()
+
+
+def test_a_forward_another_library_put_on_the_head_or_model_is_kept():
+    """An instance forward already on lm_head (or the model), as accelerate's hooks put there, runs while
+    fused (without labels) and is back after unfusing."""
+    model = FAMILIES["llama"]()
+    calls = []
+
+    def head_wrapper(x, _own=model.lm_head.forward):
+        calls.append("head")
+        return _own(x)
+    model.lm_head.forward = head_wrapper
+    model_forward = model.forward
+    model.forward = model_forward   # an instance attribute, as a wrapper would leave
+    x, y = batch()
+    effmem.fuse_linear_cross_entropy(model)
+    logits = model(input_ids=x).logits
+    assert calls == ["head"] and logits.shape[-1] == 512
+    effmem.unfuse_linear_cross_entropy(model)
+    assert model.lm_head.__dict__["forward"] is head_wrapper and model.__dict__["forward"] is model_forward
+    assert not any(k.startswith("_effmem") for k in list(model.__dict__) + list(model.lm_head.__dict__))

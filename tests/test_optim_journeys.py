@@ -2,12 +2,21 @@
 parameters laid out differently in memory, an OffloadAdam checkpoint loaded before the model's weights, a
 second optimizer over parameters an open OffloadAdam steps, a clip factor left by a skipped step, and a
 float state_bits."""
+import copy
+
 import pytest
 import torch
 
 from effmem import FusedAdam, OffloadAdam
+from offload_helpers import finish_step
 
 CL, C = torch.channels_last, torch.contiguous_format
+
+
+def _close(opt):
+    """OffloadAdam's engine threads stop at close(); FusedAdam has none."""
+    if isinstance(opt, OffloadAdam):
+        opt.close()
 SHAPE = (8, 16, 3, 3)
 
 
@@ -36,8 +45,7 @@ def _moments(cls, layout, bits, state=None):
         reader = FusedAdam([q], lr=1e-2)
         reader.load_state_dict(sd)
         sd = reader.state_dict()
-    if hasattr(opt, "close"):
-        opt.close()
+    _close(opt)
     return sd, sd["state"][0]["exp_avg"]
 
 
@@ -66,8 +74,7 @@ def test_an_8bit_checkpoint_of_the_same_layout_loads_bit_for_bit(cls):
     again = opt.state_dict()["state"][0]
     for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
         assert torch.equal(again[key], sd["state"][0][key])
-    if hasattr(opt, "close"):
-        opt.close()
+    _close(opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,15 +90,12 @@ def test_offload_resumes_from_weights_loaded_after_its_checkpoint(dtype):
     def train(m, opt, steps):
         for _ in range(steps):
             m(x).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            finish_step(opt)
 
     m = model()
     opt = OffloadAdam(m.parameters(), lr=1e-2)
     train(m, opt, 2)
-    ckpt = {"model": {k: v.clone() for k, v in m.state_dict().items()},
-            "opt": {"state": {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()},
-                    "param_groups": opt.state_dict()["param_groups"]}}
+    ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
     train(m, opt, 2)
     want = [p.detach().clone() for p in m.parameters()]
     opt.close()
@@ -120,8 +124,7 @@ def test_a_second_optimizer_over_an_open_offload_adams_parameters_is_refused(sec
     before = m.weight.detach().clone()
     again.step()
     assert not torch.equal(before, m.weight)
-    if hasattr(again, "close"):
-        again.close()
+    _close(again)
 
 
 def test_a_dropped_offload_adam_frees_its_parameters():
@@ -144,8 +147,7 @@ def test_a_clip_factor_of_a_skipped_step_does_not_reach_the_next(cls):
             opt.zero_grad()
         p.grad = torch.tensor([1.0, 2.0, 3.0, 4.0])
         opt.step()
-        if hasattr(opt, "close"):
-            opt.close()
+        _close(opt)
         return p.detach()
 
     assert torch.equal(update(False), update(True))
@@ -171,8 +173,7 @@ def test_max_norm_may_be_a_tensor_as_in_torch(cls):
         opt = cls([p], lr=1.0, betas=(0.0, 0.0), eps=1.0, bias_correction=False)
         opt.clip_grad_norm_(max_norm)
         opt.step()
-        if hasattr(opt, "close"):
-            opt.close()
+        _close(opt)
         return p.detach().clone()
 
     assert torch.equal(clipped(1.0), clipped(torch.tensor(1.0))) and torch.equal(clipped(1.0),

@@ -96,10 +96,11 @@ void check_args(const at::Tensor& hidden, const at::Tensor& weight, const std::o
 }
 
 // The chunk's logits in float32, bias added.
-at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        int64_t v0, int64_t vc) {
-  at::Tensor z = mm_float(hidden, weight.narrow(0, v0, vc).t());
-  if (bias.has_value()) z.add_(bias->narrow(0, v0, vc).to(at::kFloat));
+// rows: the weight's rows v0 .. v0 + rows.size(0), already narrowed (and converted, where a caller reuses them)
+at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& rows, const std::optional<at::Tensor>& bias,
+                        int64_t v0) {
+  at::Tensor z = mm_float(hidden, rows.t());
+  if (bias.has_value()) z.add_(bias->narrow(0, v0, rows.size(0)).to(at::kFloat));
   return z;
 }
 
@@ -165,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
   if (n > 0) {
     for (int64_t v0 = 0; v0 < vocab; v0 += vc) {
       const int64_t len = std::min(vc, vocab - v0);
-      k.forward(chunk_logits(h, weight, bias, v0, len), v0, target, softcap, need_sum, st);
+      k.forward(chunk_logits(h, weight.narrow(0, v0, len), bias, v0), v0, target, softcap, need_sum, st);
     }
   }
   const at::Tensor lse = st.m + st.s.log();
@@ -195,24 +196,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   const at::ScalarType dz_dtype = h.scalar_type();
   // Every chunk reads the whole weight: a bf16/fp16 one on the CPU is converted to float once, here (the
   // logits' and the hidden gradient's products both read it in float there; CUDA reads it as it is).
-  const at::Tensor w = gemm_input(weight);
-  const at::Tensor wg = !want_h || w.scalar_type() == dz_dtype ? w : w.to(dz_dtype);
+  const at::Tensor w = gemm_input(weight);   // hidden's dtype (check_args), so dz_dtype too
   const bool need_sum = label_smoothing > 0.0;
   const int64_t tb = token_chunk_size(n, vocab, token_chunk);
   for (int64_t a = 0; a < n; a += tb) {
     const int64_t len = std::min(tb, n - a);
     const at::Tensor hb = h.narrow(0, a, len), tgt = target.narrow(0, a, len);
     CeState st = empty_state(len, f32);
-    const at::Tensor dz = k.rows(chunk_logits(hb, w, bias, 0, vocab), tgt, g.narrow(0, a, len),
+    const at::Tensor dz = k.rows(chunk_logits(hb, w, bias, 0), tgt, g.narrow(0, a, len),
                                  label_smoothing, softcap, need_sum, st, dz_dtype);
     loss.narrow(0, a, len).copy_(token_loss(st, st.m + st.s.log(), tgt, ignore_index, label_smoothing, vocab));
     // These tokens' hidden gradient is whole after one product: rounded once to hidden's dtype.
     if (want_h) {
       at::Tensor rows_h = grad_h.narrow(0, a, len);
-      if (rows_h.scalar_type() == at::kFloat && dz.scalar_type() == at::kFloat && wg.scalar_type() == at::kFloat) {
-        at::mm_out(rows_h, dz, wg);
+      if (rows_h.scalar_type() == at::kFloat && dz.scalar_type() == at::kFloat) {
+        at::mm_out(rows_h, dz, w);
       } else {
-        rows_h.copy_(mm_float(dz, wg));
+        rows_h.copy_(mm_float(dz, w));
       }
     }
     if (want_w) add_weight_grad(grad_w, dz, hb);
@@ -248,11 +248,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
   if (n > 0 && (want_h || want_w || want_b)) {
     for (int64_t v0 = 0; v0 < vocab; v0 += vc) {
       const int64_t len = std::min(vc, vocab - v0);
-      const at::Tensor dz = k.grad(chunk_logits(h, weight, bias, v0, len), v0, target, lse, g, label_smoothing,
+      // the chunk's weight rows in dz's dtype (converted to float once on the CPU, for both products)
+      const at::Tensor wg = gemm_input(weight.narrow(0, v0, len));
+      const at::Tensor dz = k.grad(chunk_logits(h, wg, bias, v0), v0, target, lse, g, label_smoothing,
                                    vocab, softcap, dz_dtype);
-      const at::Tensor w = weight.narrow(0, v0, len);
       if (want_h) {
-        const at::Tensor wg = w.scalar_type() == dz_dtype ? w : w.to(dz_dtype);
         for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
           const int64_t rows = std::min(kRowBlock, n - r0);
           at::Tensor acc = grad_h32.narrow(0, r0, rows);

@@ -138,8 +138,8 @@ class OffloadEngine {
   // thread (a DDP comm hook's grad_ready) finishes before close() frees what it uses, and two close()
   // calls run one after the other.
   std::shared_mutex& lifetime() const { return lifetime_; }
-  // In a process forked from the one that made the engine: none of its threads are here. close() lets go
-  // of them without waiting, and the engine must not be destroyed (its members would wait for them).
+  // In a process forked from the one that made the engine: none of its threads are here. close() only marks
+  // it closed, and the engine is never destroyed there (its members would wait for those threads).
   bool forked() const { return getpid() != owner_; }
 
   // Views of the host state of param i: master, exp_avg, exp_avg_sq (the
@@ -150,6 +150,7 @@ class OffloadEngine {
   // float32 [num_params]: step count of each parameter, updated in place.
   at::Tensor steps() const;
   std::map<std::string, int64_t> counters() const;
+  int64_t param_updates() const { return updates_.load(); }
   const std::string& backend() const { return options_.backend; }
 
   // Makes the next bucket update throw (to test error propagation).

@@ -1,6 +1,6 @@
 // The offload engine's updates: queueing and running the Adam update of a
 // bucket, installing delayed weights, and step / zero_grad / synchronize.
-// Construction, the workers, gradients and views are in offload_engine.cpp.
+// Construction, the workers and views are in offload_engine.cpp, the gradient hand-over in offload_grads.cpp.
 #include <algorithm>
 #include <future>
 #include <memory>

@@ -15,8 +15,10 @@ namespace py = pybind11;
 namespace effmem::engine {
 namespace {
 
-// Every call from Python: without the GIL (a call may wait, and close() may wait for a thread that needs
-// the GIL), holding the engine's lifetime lock shared; close() holds it exclusively (offload_engine.h).
+// A call from Python that uses what close() frees, or may wait: without the GIL (close() may wait for a
+// thread that needs it), holding the engine's lifetime lock shared; close() holds it exclusively
+// (offload_engine.h). The trivial setters and getters (set_group, set_accumulating, steps, param_updates)
+// touch nothing close() frees: they keep the GIL and take no lock.
 template <typename R, typename... A>
 auto guarded(R (OffloadEngine::*method)(A...)) {
   return [method](OffloadEngine& e, A... args) -> R {
@@ -62,10 +64,7 @@ void bind_engine(py::module_& m) {
   struct DeleteWithoutGil {
     void operator()(E* e) const {
       py::gil_scoped_release no_gil;
-      if (e->forked()) {  // a forked child: closed without waiting, never destroyed (see forked())
-        e->close();
-        return;
-      }
+      if (e->forked()) return;  // a forked child: never destroyed (see forked())
       delete e;
     }
   };
@@ -103,8 +102,7 @@ void bind_engine(py::module_& m) {
           "set_group",
           [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,
              bool decoupled, bool bias_correction) {
-            guarded(&E::set_group)(e, group, GroupHparams{lr, beta1, beta2, eps, weight_decay, decoupled,
-                                                          bias_correction});
+            e.set_group(group, GroupHparams{lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction});
           },
           py::arg("group"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"), py::arg("decoupled"), py::arg("bias_correction"))
@@ -120,7 +118,7 @@ void bind_engine(py::module_& m) {
       .def("fence", guarded(&E::fence), "The current stream waits for every weight upload issued so far")
       .def("install_for_forward", guarded(&E::install_for_forward), py::arg("ids"),
            "install_in_forward: the new weights of params `ids` up before a forward reads them")
-      .def("set_accumulating", guarded(&E::set_accumulating), py::arg("on"))
+      .def("set_accumulating", &E::set_accumulating, py::arg("on"))
       .def("close",
            [](E& e) {
              py::gil_scoped_release no_gil;
@@ -136,9 +134,11 @@ void bind_engine(py::module_& m) {
       .def("state", guarded(&E::state), py::arg("index"),
            "(master, exp_avg, exp_avg_sq) views of param `index`'s host state; with state_bits=8 the moments "
            "are uint8 codes followed by (exp_avg_scale, exp_avg_sq_scale)")
-      .def("steps", guarded(&E::steps), "float32 step count per parameter (a view, updated in place)")
+      .def("steps", &E::steps, "float32 step count per parameter (a view, updated in place)")
       .def("counters", guarded(&E::counters))
-      .def("fail_next_update", guarded(&E::fail_next_update), py::arg("message") = "",
+      .def_property_readonly("param_updates", &E::param_updates,
+                             "Bucket-parameter updates done so far (one atomic read: no lock, the GIL kept)")
+      .def("fail_next_update", &E::fail_next_update, py::arg("message") = "",
            "Testing: make the next bucket update raise");
 }
 

@@ -25,11 +25,12 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qw
              "Qwen3ForCausalLM", "GPT2LMHeadModel")
 
 
-def _head_forward(head: nn.Module, x: Tensor) -> Tensor:
-    """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set."""
+def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
+    """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set, else its
+    own forward (a wrapper another library put there included)."""
     if head.__dict__.get("_effmem_pass", False):
         return x
-    return type(head).forward(head, x)
+    return original(x)
 
 
 class _FusedLoss:
@@ -73,8 +74,11 @@ def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
                         "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss instead")
     # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
     # of the model then runs itself (not the original), and the model pickles.
-    head.forward = functools.partial(_head_forward, head)
+    # what fusing replaces, as instance attributes (None: the class's), for unfuse to put back
+    head._effmem_forward_before = head.__dict__.get("forward")
+    model._effmem_forward_before = model.__dict__.get("forward")
     model._effmem_loss_before = model.__dict__.get("_loss_function")
+    head.forward = functools.partial(_head_forward, head, head.forward)
     model.loss_function = _FusedLoss(head, model.loss_function)
     model.forward = model._effmem_fused_forward = functools.partial(_fused_forward, model.forward, head)
     return model
@@ -106,13 +110,14 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     if getattr(model, "_effmem_fused_forward", None) is None:
         return model
     head = model.get_output_embeddings()
-    for attr in ("forward", "_effmem_pass"):
-        head.__dict__.pop(attr, None)
-    del model.forward
-    if model._effmem_loss_before is None:
-        model.__dict__.pop("_loss_function", None)
-    else:
-        model.loss_function = model._effmem_loss_before
-    for attr in ("_effmem_fused_forward", "_effmem_loss_before"):
-        model.__dict__.pop(attr, None)
+    head.__dict__.pop("_effmem_pass", None)
+    for module, attr, before in ((head, "forward", "_effmem_forward_before"),
+                                 (model, "forward", "_effmem_forward_before"),
+                                 (model, "_loss_function", "_effmem_loss_before")):
+        kept = module.__dict__.pop(before, None)
+        if kept is None:
+            module.__dict__.pop(attr, None)
+        else:
+            module.__dict__[attr] = kept
+    model.__dict__.pop("_effmem_fused_forward", None)
     return model

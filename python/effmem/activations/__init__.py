@@ -135,18 +135,28 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     return model
 
 
+def _hidden(args, kwargs):
+    """A layer's hidden state: its first argument, or hidden_states=."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _layer_inputs(args, kwargs):
+    """A layer's hidden state and its other tensor inputs."""
+    hidden = _hidden(args, kwargs)
+    return hidden, list(_tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden})))
+
+
 def _fast_layer_forward(original, comp: FastCompressor, name: str, first: bool, shapes, *args, **kwargs):
     """A layer's forward with its saves routed through the "fast" policy's compressor."""
+    if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
+        return original(*args, **kwargs)
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
         # with the hooks around it (see _compiled_layer).
         return _compiled_layer(original, comp, name, first, shapes, *args, **kwargs)
-    if not torch.is_grad_enabled():
-        return original(*args, **kwargs)
-    hidden = args[0] if args else kwargs.get("hidden_states")
+    hidden, others = _layer_inputs(args, kwargs)
     if not isinstance(hidden, Tensor):
         return original(*args, **kwargs)
-    others = _tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden}))
     with comp.layer(name, hidden, others, shapes, first):
         return original(*args, **kwargs)
 
@@ -157,17 +167,15 @@ def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
     the policy's hooks active: they store what the compiled forward saves for backward, and its backward
     restores one layer at a time. Traced whole, the model's compiled backward would restore every layer's
     saves at once."""
-    fn = compiled_forward(original, selective=True)
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    others = _tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden}))
+    hidden, others = _layer_inputs(args, kwargs)
     with comp.layer(name, hidden, others, shapes, first):
-        return fn(*args, **kwargs)
+        return compiled_forward(original, selective=True)(*args, **kwargs)
 
 
 def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, name: str, shapes, *args, **kwargs):
     """A layer under memory_budget: plain, "fast", "offload" or "min", as chosen for the current input shape."""
+    if not torch.is_grad_enabled() or not isinstance(_hidden(args, kwargs), Tensor):
+        return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)
     return _run_budget_layer(False, layer, original, budget, index, name, shapes, *args, **kwargs)
@@ -183,10 +191,7 @@ def _compiled_budget_layer(*args, **kwargs):
 
 def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, index: int, name: str, shapes,
                       *args, **kwargs):
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if not torch.is_grad_enabled() or not isinstance(hidden, Tensor):
-        return (compiled_forward(original, selective=False) if compiled else original)(*args, **kwargs)
-    others = list(_tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden})))
+    hidden, others = _layer_inputs(args, kwargs)
     return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled=compiled)
 
 

@@ -217,7 +217,7 @@ class BudgetPolicy:
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp)
         choice = self.choices.get(key)
         if choice is None:
-            with _unrecorded(), buffers_kept(layer):
+            with _unrecorded(), buffers_kept(layer.buffers()):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda")
         mode = choice["modes"][index]

@@ -156,14 +156,15 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
                             "tensor (or a tuple whose first entry is the hidden state)")
         if isinstance(out, Tensor):
             return (out,)
+        out_leaves, out_spec = tree_flatten(out[1:])
         if "spec" not in tail:   # the forward's run decides which other outputs go through autograd
-            out_leaves, tail["spec"] = tree_flatten(out[1:])
-            tail["leaves"] = out_leaves
-            tail["grad_at"] = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
-        out_leaves = tree_flatten(out[1:])[0]
+            tail.update(spec=out_spec, leaves=out_leaves,
+                        grad_at=[i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad])
         return (out[0], *[out_leaves[i] for i in tail["grad_at"]])
 
-    run.keep = functools.partial(buffers_kept, layer)   # around the recompute and its backward
+    buffers = list(layer.buffers())   # none in transformers' decoder layers: nothing to keep there
+    if buffers:   # kept around the recompute and its backward (a BatchNorm's statistics)
+        run.keep = functools.partial(buffers_kept, buffers)
     outs = _CompressedCheckpoint.apply(run, x, bits, group_size, _seed(None), len(grad_at),
                                        *[leaves[i] for i in grad_at], *params)
     if "spec" not in tail:
@@ -175,10 +176,10 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
 
 
 @contextlib.contextmanager
-def buffers_kept(layer: nn.Module):
-    """Extra runs of a layer's forward (a recompute, the budget's probes) leave its buffers as they were:
-    a BatchNorm's running statistics and count would take each run as a training step."""
-    kept = [(b, b.detach().clone()) for b in layer.buffers()]
+def buffers_kept(buffers):
+    """Extra runs of a layer's forward (a recompute, the budget's probes) leave these buffers of it as they
+    were: a BatchNorm's running statistics and count would take each run as a training step."""
+    kept = [(b, b.detach().clone()) for b in buffers]
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ class OffloadGuards:
             return
         self._check_consistent()  # notes a previous backward that never finished
         self._open_task = task
-        self._updates_at_open = self._engine.counters()["param_updates"]
+        self._updates_at_open = self._engine.param_updates
         engine, ref = self._engine, weakref.ref(self)
 
         def finished():
@@ -45,7 +45,7 @@ class OffloadGuards:
         # Bucket updates run on the engine's workers: wait for those the failed backward queued,
         # or they would be missed by the count below (seen as a rare flaky test).
         self._engine.synchronize()
-        updates = self._engine.counters()["param_updates"] - self._updates_at_open
+        updates = self._engine.param_updates - self._updates_at_open
         if self._overlap and updates > 0:
             self._broken = (
                 f"OffloadAdam(overlap=True): a backward raised after {updates} parameter updates had already "

@@ -38,6 +38,12 @@ def claim(opt, params: Iterable[Tensor]) -> None:
         _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
 
 
+def release(opt, params: Iterable[Tensor]) -> None:
+    for p in params:
+        if _owner(p) is opt:
+            del _OWNERS[id(p)]
+
+
 class OffloadLifetime:
     def flush(self) -> None:
         """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
@@ -54,9 +60,7 @@ class OffloadLifetime:
 
     def close(self) -> None:
         """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""
-        for p in getattr(self, "_params", []):
-            if _OWNERS.get(id(p), (None, lambda: None))[1]() is self:
-                del _OWNERS[id(p)]
+        release(self, getattr(self, "_params", []))
         for h in self._hooks + self._ddp_handles + self._forward_hooks:
             h.remove()
         self._hooks, self._ddp_handles, self._forward_hooks = [], [], []

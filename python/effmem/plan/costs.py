@@ -17,7 +17,7 @@ checkpointing adds the layers' forward again. Transfers and the CPU update
 use the rates in rates.py.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict
 
 from effmem.plan.rates import Rates
 
@@ -26,6 +26,14 @@ PRECISIONS = {
     "bf16": (2, 2, 4, 8),   # bf16 weights and gradients, FusedAdam's fp32 master and moments
     "fp32": (4, 4, 0, 8),   # fp32 weights under bf16 autocast, Adam on them (torch AdamW or FusedAdam)
 }
+
+
+def under_autocast(precision: str, device: str) -> bool:
+    """Whether a candidate's forward runs under bf16 autocast: float32 weights on a GPU (plan.apply's code,
+    verify and the trace agree on it); on a CPU they train plainly."""
+    return precision == "fp32" and device == "cuda"
+
+
 # checkpoint8: effmem.apply_activation_policy(model, "min"), checkpointed layers with 8-bit inputs.
 # fast: effmem.apply_activation_policy(model, "fast"), 8-bit saves with norms and activations rebuilt.
 # selective: apply_activation_policy(model, "selective"), torch's selective checkpointing (matmul and
@@ -58,10 +66,10 @@ ADAM8_CPU_RATE = 0.5
 STATE_BITS = (32, 8)
 
 
-def optimizer_state_bytes(t: int, state_bits: int, blocks: Optional[int] = None) -> int:
+def optimizer_state_bytes(t: int, state_bits: int, blocks: int) -> int:
     """Adam's moments of t parameters: 8 B each in float32; at 8 bits 2 B each and a float32 scale per moment
-    per block of 256 elements of a tensor (blocks: their count over the trained tensors; about t / 256)."""
-    return t * 8 if state_bits == 32 else 2 * t + 8 * (-(-t // 256) if blocks is None else blocks)
+    per block of a tensor (blocks: their count over the trained tensors, ModelSpec.state_blocks)."""
+    return t * 8 if state_bits == 32 else 2 * t + 8 * blocks
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ class Model:
     offload_buckets: tuple = ()              # elements per OffloadAdam bucket, in the engine's order (the planner
                                              # sets it; none: device_accumulation keeps nothing)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
-    state_blocks: Optional[int] = None       # 8-bit Adam's blocks of 256 elements over the trained tensors
+    state_blocks: int = 0                    # 8-bit Adam's blocks over the trained tensors (ModelSpec.state_blocks)
 
 
 @dataclass
@@ -140,14 +148,14 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     weights = n * w_b // shard_weights
     grads = t * g_b // shard_grads
     master = t * master_b // shard_state
-    optimizer = optimizer_state_bytes(t, cfg.state_bits, m.state_blocks) // shard_state
+    moments = optimizer_state_bytes(t, cfg.state_bits, m.state_blocks)
+    optimizer = moments // shard_state
     host = 0
     temporary_step = 0
     if cfg.optimizer != "gpu":
         # OffloadAdam: master and moments on the host, gradients staged there (2 B/param for bf16).
         # async_step stages the next step's gradients beside the weights being computed: a second staging.
         staging = (2 if cfg.optimizer == "offload_async" else 1) * t * g_b
-        moments = optimizer_state_bytes(t, cfg.state_bits, m.state_blocks)
         host = (t * (master_b or 4) + moments + staging) // shard_state
         master = optimizer = 0
         grads = min(t, 2 * OFFLOAD_BUCKET) * g_b

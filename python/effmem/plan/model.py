@@ -16,6 +16,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from effmem.optim import _adam8
+
 PRESET_DIR = Path(__file__).with_name("presets")
 # Config keys that hold the number of decoder layers, by model family.
 _LAYER_KEYS = ("num_hidden_layers", "n_layer")
@@ -61,14 +63,14 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
     cfg = dict(cfg)
     model_type = cfg.pop("model_type")
     if num_layers is not None:
-        full = next((int(cfg[key]) for key in _LAYER_KEYS if key in cfg), None)
+        full = config_layers(cfg)
         for key in _LAYER_KEYS:
             if key in cfg:
                 cfg[key] = num_layers
         # per-layer lists (transformers 5's layer_types: sliding or full attention per layer) follow the
         # count, or the config refuses itself; the copy keeps the first layers' pattern
         for key, value in list(cfg.items()):
-            if isinstance(value, list) and full is not None and len(value) == full and full != num_layers:
+            if isinstance(value, list) and len(value) == full != num_layers:
                 cfg[key] = value[:num_layers]
     try:
         config = transformers.AutoConfig.for_model(model_type, **cfg)
@@ -195,8 +197,8 @@ class ModelSpec:
 
     @property
     def state_blocks(self) -> int:
-        """8-bit Adam's blocks (of 256 elements, a scale per moment each) over the trained tensors."""
-        return sum(-(-p.trainable // 256) for p in self.params)
+        """8-bit Adam's blocks (a scale per moment each) over the trained tensors, as the optimizers make them."""
+        return sum(_adam8.blocks(p.trainable) for p in self.params)
 
 
 def _param_infos(model: nn.Module, trainable: Trainable) -> List[ParamInfo]:

@@ -297,8 +297,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                    in_block=lambda: st["block"] is not None)
     from effmem import linear_ce
     amp = _MetaAutocast(target) if autocast else None
-    previous = list(linear_ce._TRACE_TARGET)
-    linear_ce._TRACE_TARGET[:] = [target, torch.bfloat16 if autocast else None]
+    previous, linear_ce._TRACE_TARGET[0] = linear_ce._TRACE_TARGET[0], target
     try:
         with _Counter(target, flops) as counter, _device_kernels(flops, target, amp), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp or contextlib.nullcontext():
@@ -309,7 +308,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         for t in held_for_backward(out):
             record(t, kind="grads", saved=True, saved_outside=True)
     finally:
-        linear_ce._TRACE_TARGET[:] = previous
+        linear_ce._TRACE_TARGET[0] = previous
         for h in handles:
             h.remove()
     tr.matmul_flops = float(counter.flops)

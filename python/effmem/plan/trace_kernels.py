@@ -141,10 +141,23 @@ class _MetaAutocast(TorchFunctionMode):
     functions autocast runs in float32 get float32 copies of bf16/fp16 inputs. The copies are ordinary ops
     under autograd, so the trace records what backward keeps of them as it records the rest."""
 
+    dtype = torch.bfloat16
+
     def __init__(self, target: str = "cuda"):
         super().__init__()
         self.float_ops = _AUTOCAST_FLOAT[target]
         self.cache = {}   # id(parameter) -> (parameter, its bf16 copy); the parameter kept so its id stays its
+
+    def __enter__(self):
+        # effmem.linear_cross_entropy casts its inputs itself under autocast: on meta tensors it asks here
+        from effmem import linear_ce
+        self._previous, linear_ce._TRACE_TARGET[1] = linear_ce._TRACE_TARGET[1], self.dtype
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from effmem import linear_ce
+        linear_ce._TRACE_TARGET[1] = self._previous
+        return super().__exit__(*exc)
 
     def lower(self, t):
         if not isinstance(t, Tensor) or t.dtype != torch.float32:
@@ -152,9 +165,9 @@ class _MetaAutocast(TorchFunctionMode):
         if t.is_leaf and t.requires_grad:
             hit = self.cache.get(id(t))
             if hit is None:
-                hit = self.cache[id(t)] = (t, t.to(torch.bfloat16))
+                hit = self.cache[id(t)] = (t, t.to(self.dtype))
             return hit[1]
-        return t.to(torch.bfloat16)
+        return t.to(self.dtype)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

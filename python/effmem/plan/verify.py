@@ -18,6 +18,7 @@ from torch import nn
 
 from effmem.optim._validate import whole
 from effmem.plan.apply import micro_batch
+from effmem.plan.costs import under_autocast
 from effmem.plan.trace import default_inputs
 
 
@@ -101,8 +102,7 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
     device = next(m.parameters()).device
     cfg = c.config
     args, kwargs = (inputs or (lambda b, s, d: default_inputs(m, b, s, d)))(cfg.micro_batch, seq, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "fp32" and
-                              device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=under_autocast(cfg.precision, device.type))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     measured_act = None
@@ -119,10 +119,11 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
                     measured_act = after - before
                 _loss_of(out).backward()
                 del out
-        measured_states = _state_bytes(m, opt, device)   # the gradients, alive until zero_grad
+        last = step == steps - 1   # measured on the last step alone: the other steps time nothing else
+        grads = _state_bytes(m, opt, device)["grads"] if last else None   # alive until zero_grad
         opt.step()
-        # the optimizer's state as the step leaves it (the first step makes it)
-        measured_states.update({k: v for k, v in _state_bytes(m, opt, device).items() if k != "grads"})
+        if last:   # the optimizer's state as the step leaves it (the first step makes it)
+            measured_states = dict(_state_bytes(m, opt, device), grads=grads)
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

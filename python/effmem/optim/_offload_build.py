@@ -1,0 +1,97 @@
+"""OffloadAdam's engine and its layout (a mixin of OffloadAdam): built over every parameter of every group,
+built again over all of them when a group is added (the state carried over exactly), the state views torch's
+optimizer API hands out, and the fp32 masters read from the parameters at their first use."""
+import weakref
+from typing import Any, Dict, List
+
+import torch
+from torch import Tensor
+
+from effmem.optim import _offload_distributed as _dist
+from effmem.optim import _validate
+from effmem.optim._offload_layout import GradHook, build_engine, engine_device, keep_on_device
+from effmem.optim._offload_lifetime import claim
+
+_local = _validate.local_tensor
+
+
+class OffloadBuild:
+    def _build(self) -> None:
+        """Lays the engine out over every parameter of every group, and hooks the parameters."""
+        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
+        self._local = [_local(p) for p in self._params]
+        self._engine = build_engine(self, **self._config)
+        self._steps = self._engine.steps()
+        self._keep_on_device = keep_on_device(self, self._device_accumulation)
+        self._views = [self._engine.state(i) for i in range(len(self._params))]
+        for i, p in enumerate(self._params):
+            self.state[p] = self._state_of(i)
+        claim(self, self._params)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._stream_grads:
+            ref = weakref.ref(self)
+            for p in self._params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(GradHook(ref)))
+
+    @torch.no_grad()
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Adds a group; after construction the engine is laid out again over all parameters
+        (its host buffers are sized once), carrying every existing parameter's state over
+        exactly. State tensors handed out before stay valid but no longer follow training."""
+        if self._engine is None:  # during __init__
+            super().add_param_group(param_group)
+            return
+        self._check_open()
+        if self._in_backward:
+            raise RuntimeError("OffloadAdam.add_param_group: the engine holds gradients of a backward not yet "
+                               "stepped; add param groups after step() or zero_grad()")
+        self._engine.synchronize()
+        saved = [tuple(v.clone() for v in views) for views in self._views]
+        steps = self._steps.clone()
+        super().add_param_group(param_group)  # checks the new group; a refused one changes nothing
+        try:   # what the new engine would refuse, before the old one goes
+            engine_device([_local(p) for g in self.param_groups for p in g["params"]], self._config["backend"])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        self._engine.close()
+        try:
+            self._build()
+        except BaseException:   # (host memory ran out): the optimizer as it was, on an engine of its own again
+            self.param_groups.pop()
+            self._build()
+            self._restore(saved, steps)
+            raise
+        self._restore(saved, steps)
+        self._masters_pending.update(range(len(saved), len(self._params)))
+        self._reattach()  # async_step after attach(): the new parameters' modules need installers too
+
+    def _restore(self, saved, steps: Tensor) -> None:
+        """The state of the first len(saved) parameters, as taken before the engine was built again."""
+        for views, before in zip(self._views, saved):
+            for dst, src in zip(views, before):
+                dst.copy_(src)
+        self._steps[:len(saved)] = steps
+
+    def _state_of(self, i: int) -> Dict[str, Tensor]:
+        p = self._params[i]
+        master, exp_avg, exp_avg_sq = (_dist.like_param(v, p) for v in self._views[i][:3])
+        state = {"step": self._steps[i], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        if self.state_bits == 8:  # the block scales of this rank's shard, as the engine holds them
+            state["exp_avg_scale"], state["exp_avg_sq_scale"] = self._views[i][3:]
+        if p.dtype != torch.float32:
+            state["master"] = master
+        return state
+
+    @torch.no_grad()
+    def _init_masters(self) -> None:
+        """Masters from the parameters, at the first use rather than at construction (or at
+        load_state_dict, for a checkpoint without them), so that weights loaded into the model
+        afterwards are the ones trained."""
+        for i in sorted(self._masters_pending):
+            self._views[i][0].copy_(self._local[i])
+        self._masters_pending.clear()
