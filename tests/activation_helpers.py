@@ -1,8 +1,21 @@
-"""What the activation-policy tests share: learnable sequences, a short training run, memory after forward."""
+"""What the activation-policy tests share: a tiny Llama, learnable sequences, a short training run, memory after forward."""
 import torch
 
 import effmem
 from effmem.plan.verify import bytes_in_use
+
+
+# A tiny transformers Llama; tests override what their checks depend on (layers, widths).
+LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+
+
+def tiny_llama(dtype=torch.float32, **overrides):
+    """A random-init LlamaForCausalLM (seed 0, no download) in training mode, without a KV cache unless asked."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**LLAMA, "use_cache": False, **overrides})
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
 
 
 def pattern(batch, seq, seed):

@@ -18,18 +18,15 @@ from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import find_blocks, model_spec
 from effmem.plan.trace import trace_spec
 from effmem.plan.verify import bytes_in_use
-from activation_helpers import held_after_forward, loss_of, pattern, train
+from activation_helpers import LLAMA as LLAMA_DEFAULTS, held_after_forward, loss_of, pattern, tiny_llama, train
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+LLAMA = dict(LLAMA_DEFAULTS, max_position_embeddings=256)   # the config effmem.plan is given below
 
 
 def llama(**kw):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**LLAMA, **kw}, use_cache=False)
-    return transformers.LlamaForCausalLM(cfg).train()
+    return tiny_llama(**{**LLAMA, **kw})
 
 
 def gpt2():
@@ -130,8 +127,7 @@ def test_remove_restores_and_bad_arguments_name_themselves():
 
 
 def test_a_refused_apply_changes_nothing_and_remove_turns_the_cache_back_on():
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).train()   # use_cache=True
+    m = llama(use_cache=True)
     m.model.layers[1].forward = m.model.layers[1].forward       # another library's wrapper, say
     for policy in ("fast", "min", "checkpoint"):
         with pytest.raises(ValueError, match=r"\(model.layers.1\): its forward is already replaced"):
@@ -179,9 +175,7 @@ def test_a_budget_leaves_the_outputs_alone_and_min_refuses_router_losses():
         apply_activation_policy(mixtral(), memory_budget=1)(input_ids=x, labels=x)
     with pytest.raises(ValueError, match=r"policy: 'min' .*config.output_router_logits=True"):
         apply_activation_policy(mixtral(), "min")
-    torch.manual_seed(0)
-    att = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, use_cache=False,
-                                                                 attn_implementation="eager")).train()
+    att = llama(attn_implementation="eager")
     att = apply_activation_policy(att, memory_budget=0.5)
     assert len(att(input_ids=x, labels=x, output_attentions=True).attentions) == 3
 

@@ -15,17 +15,13 @@ from effmem.activations import apply_activation_policy, budget_choice, remove_ac
 from effmem.activations import budget as budget_mod
 from effmem.activations.budget import COST, choose, hidden_layers
 from effmem.plan.verify import bytes_in_use
-from activation_helpers import held_after_forward
+from activation_helpers import held_after_forward, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 
 def llama(layers=6):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                   max_position_embeddings=512, use_cache=False)
-    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    return tiny_llama(torch.bfloat16, num_hidden_layers=layers)
 
 
 X = torch.randint(0, 256, (4, 256), generator=torch.Generator().manual_seed(1))

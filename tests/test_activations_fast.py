@@ -18,18 +18,11 @@ from effmem.compress import _codec
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import find_blocks
 from effmem.plan.verify import bytes_in_use
-from activation_helpers import held_after_forward, loss_of
+from activation_helpers import LLAMA, held_after_forward, loss_of, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
-
-
-def llama(dtype=torch.float32, **kw):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**LLAMA, **kw}, use_cache=False)
-    return transformers.LlamaForCausalLM(cfg).to(dtype).train()
+llama = tiny_llama
 
 
 def gpt2(dtype=torch.float32):

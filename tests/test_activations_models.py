@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from effmem.activations import apply_activation_policy, budget_choice, layer_stacks, remove_activation_policy
+from activation_helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,11 +34,7 @@ def bart():
 
 
 def llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                   max_position_embeddings=128)
-    return transformers.LlamaForCausalLM(cfg).train()
+    return tiny_llama(intermediate_size=256, num_hidden_layers=2, max_position_embeddings=128, use_cache=True)
 
 
 def seq2seq_grads(model):

@@ -169,7 +169,7 @@ def test_bad_arguments_and_checkpoints_name_themselves():
 @pytest.mark.parametrize("which", ["llama", "demo_gpt"])
 def test_training_follows_float32_moments(which):
     """Final held-out loss within 1% of FusedAdam with float32 moments (issue 12, item 4)."""
-    from activation_helpers import loss_of, pattern
+    from activation_helpers import loss_of, pattern, tiny_llama
     from effmem.demo_model import ByteGPT, GPTConfig
     transformers = pytest.importorskip("transformers")
 
@@ -177,10 +177,7 @@ def test_training_follows_float32_moments(which):
         torch.manual_seed(0)
         if which == "demo_gpt":
             return ByteGPT(GPTConfig(seq_len=64, n_layer=3, d_model=64, n_head=4))
-        cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=3,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                       max_position_embeddings=256, use_cache=False)
-        return transformers.LlamaForCausalLM(cfg).train()
+        return tiny_llama(max_position_embeddings=256)
 
     def train(state_bits):
         model = make()

@@ -15,6 +15,7 @@ import torch
 
 from effmem.compress import _codec, compress_activations
 from effmem.compress.api import compressor_of
+from activation_helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,11 +23,7 @@ LAYERS = 2
 
 
 def llama():
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                      use_cache=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).train()
+    return tiny_llama(intermediate_size=256, num_hidden_layers=LAYERS, max_position_embeddings=2048)
 
 
 @pytest.fixture
