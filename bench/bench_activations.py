@@ -58,10 +58,11 @@ EAGER_ROWS = ["plain", "hf_checkpointing", "torch_sac"] + [f"effmem_{p}" for p i
 # effmem_budget: apply_activation_policy(model, memory_budget=BUDGET): half of what "fast" holds, so that
 # the solver must mix in "min" layers or, on a GPU, offload the codes of the layers the link hides.
 BUDGET = 0.15
-COMPILED_ROWS = (["plain_compiled"] + [f"effmem_{p}_compiled" for p in EFFMEM_POLICIES]
-                 + ["effmem_budget_compiled", "compile_budget"])
-# Eager rows first, the budget's solver last: a run cut off by its time limit (compiling TinyLlama takes a
-# minute or more per row) still has the rows the targets need in its JSON, which is written after every row.
+COMPILED_ROWS = (["plain_compiled", "compile_budget"] + [f"effmem_{p}_compiled" for p in EFFMEM_POLICIES]
+                 + ["effmem_budget_compiled"])
+# Eager rows first, then the compiled anchors issue 10 names (plain compiled, the compiler's budget), the
+# budget's solver last: a run cut off by its time limit (compiling TinyLlama takes a minute or more per row)
+# still has the rows the targets need in its JSON, which is written after every row.
 ROWS = EAGER_ROWS + COMPILED_ROWS
 HOOK_PASSES = 5  # forward + backward passes timed for the "fast" hooks' cost per saved tensor
 ALPHABET = 256  # the progressions' tokens: a vocabulary of 32000 would take a small model long to cover

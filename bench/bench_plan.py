@@ -84,6 +84,8 @@ def main() -> int:
                     measured[cand.name] = r["measured_step_s"]
                 except torch.OutOfMemoryError as e:
                     row.update(status="out of memory", error=str(e).splitlines()[0])
+                except Exception as e:  # noqa: BLE001 - a strategy that breaks costs its own row, not the run
+                    row.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -111,6 +113,8 @@ def main() -> int:
         ("the pick's step within 10% of the fastest measured", all(
             p["pick_vs_fastest"] is not None and p["pick_vs_fastest"] <= 1.10 for p in picks),
          max((p["pick_vs_fastest"] or float("inf")) for p in picks)),
+        ("no configuration fails with an error (out of memory aside)", not any(r["status"] == "failed" for r in rows),
+         sum(r["status"] == "failed" for r in rows)),
     ]
     for name, ok, value in targets:
         print(f"{'MET' if ok else 'NOT MET'}: {name}" + ("" if value is None else f" ({value:.3g})"))

@@ -289,7 +289,7 @@ def test_bench_plan_runs_its_loop_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["rows"] and all(r["status"] == "ok" for r in data["rows"]) and len(data["targets"]) == 4
+    assert data["rows"] and all(r["status"] == "ok" for r in data["rows"]) and len(data["targets"]) == 5
     assert data["partial"] is False and data["env"]["torch_version"]
 
 

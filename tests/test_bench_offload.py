@@ -1,0 +1,56 @@
+"""bench/bench_offload.py's step comparison on the CPU: every variant starts from the same weights and sees
+the same data, so the exact modes' losses equal FusedAdam's; a variant that fails (or an anchor without
+Optimizer.state, as torchao's CPUOffloadOptimizer is) costs its own row only, and the rows are saved as
+each finishes, so a GPU run cut off by its time limit keeps them.
+"""
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # the benchmark imports its neighbours common.py and llama.py
+spec = importlib.util.spec_from_file_location("bench_offload", BENCH / "bench_offload.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+class StatelessAnchor(torch.optim.Optimizer):
+    """Like torchao's CPUOffloadOptimizer: an Optimizer subclass whose __init__ never ran Optimizer's."""
+
+    def __init__(self, params, fail=False):  # noqa: super().__init__ left out on purpose
+        self.inner = torch.optim.AdamW(params, lr=bench.LR)
+        self.fail = fail
+
+    def step(self, closure=None):
+        if self.fail:
+            raise RuntimeError("anchor broke")
+        self.inner.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
+
+
+def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch):
+    monkeypatch.setattr(bench, "_torchao_offload", lambda accum: lambda m: StatelessAnchor(m.parameters()))
+    args = argparse.Namespace(size="tiny", batch=2, seq=32, accum=2, steps=1, warmup=1)
+    rows, saves = [], []
+    bench.step_comparison(args, "cpu", rows, lambda: saves.append([r["name"] for r in rows]))
+    names = [r["name"] for r in rows]
+    assert names[0] == "fused" and names[-1] == "torchao_offload" and len(names) == 8
+    assert saves == [names[:i + 1] for i in range(len(names))]  # saved after every variant
+    loss = {r["name"]: r["held_out_loss"] for r in rows}
+    for exact in ("offload", "offload_overlap", "offload_async", "offload_device_accum"):
+        assert loss[exact] == loss["fused"], exact   # same start, same data, same math
+    assert loss["torchao_offload"] != loss["fused"]  # torch AdamW's rounding differs, but it trained
+    assert abs(loss["torchao_offload"] / loss["fused"] - 1) < 1e-3
+    assert rows[-1]["device_state_bytes"] == sum(p.numel() * p.element_size()
+                                                 for p in bench.llama.build("tiny", "cpu").parameters())
+
+    monkeypatch.setattr(bench, "_torchao_offload", lambda accum: lambda m: StatelessAnchor(m.parameters(), True))
+    rows = []
+    bench.step_comparison(args, "cpu", rows)
+    assert rows[-1] == {"name": "torchao_offload", "error": "RuntimeError: anchor broke", "vs_baseline": None}
+    assert all("median_ms" in r for r in rows[:-1])
