@@ -1,8 +1,9 @@
 """What users met with the optimizers: checkpoints exchanged between 8-bit and float32 moments over
-parameters laid out differently in memory, an OffloadAdam checkpoint loaded before the model's weights, a
-second optimizer over parameters an open OffloadAdam steps, a clip factor left by a skipped step, and a
-float state_bits."""
+parameters laid out differently in memory, a checkpoint loaded before the model's weights (or carried
+through torch's AdamW), torch's load_state_dict hooks, a FusedAdam copied or pickled, a second optimizer
+over parameters an open OffloadAdam steps, a clip factor left by a skipped step, and a float state_bits."""
 import copy
+import io
 
 import pytest
 import torch
@@ -77,36 +78,131 @@ def test_an_8bit_checkpoint_of_the_same_layout_loads_bit_for_bit(cls):
     _close(opt)
 
 
+def _linear(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4).to(dtype)
+
+
+def _train(m, opt, steps, seed=2):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed)).to(m.weight.dtype)
+    for _ in range(steps):
+        m(x).float().square().mean().backward()
+        finish_step(opt)
+
+
+@pytest.mark.parametrize("cls", [OffloadAdam, FusedAdam])
+@pytest.mark.parametrize("source", ["same", torch.optim.AdamW])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offload_resumes_from_weights_loaded_after_its_checkpoint(dtype):
-    """opt.load_state_dict(...) and then model.load_state_dict(...), both before the first step: a float32
-    parameter is its own master, so the master comes from the model's weights as they are at the step."""
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Linear(8, 4).to(dtype)
-
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
-
-    def train(m, opt, steps):
-        for _ in range(steps):
-            m(x).float().square().mean().backward()
-            finish_step(opt)
-
-    m = model()
-    opt = OffloadAdam(m.parameters(), lr=1e-2)
-    train(m, opt, 2)
+def test_training_resumes_from_weights_loaded_after_the_optimizers_checkpoint(cls, source, dtype):
+    """opt.load_state_dict(...) and then model.load_state_dict(...), both before the first step. A float32
+    parameter is its own master, and a checkpoint without masters (torch's AdamW's) takes them from the
+    parameters at the first step: both resume from the model's weights as loaded. Before, FusedAdam took a
+    bf16 master at load time, from the random-init weights, and threw the loaded weights away."""
+    m = _linear(dtype)
+    opt = (cls if source == "same" else source)(m.parameters(), lr=1e-2)
+    _train(m, opt, 2)
     ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
-    train(m, opt, 2)
-    want = [p.detach().clone() for p in m.parameters()]
-    opt.close()
-
-    m2 = model()   # fresh weights, different from the checkpoint's
-    opt2 = OffloadAdam(m2.parameters(), lr=1e-2)
+    _close(opt)
+    m2 = _linear(dtype)
+    m2.weight.data.add_(1.0)   # fresh weights, different from the checkpoint's
+    opt2 = cls(m2.parameters(), lr=1e-2)
     opt2.load_state_dict(ckpt["opt"])   # the optimizer first ...
     m2.load_state_dict(ckpt["model"])    # ... then the weights
-    train(m2, opt2, 2)
-    assert all(torch.equal(a, b) for a, b in zip(want, m2.parameters()))
-    opt2.close()
+    m3 = _linear(dtype)
+    m3.load_state_dict(ckpt["model"])    # the other order: the reference
+    opt3 = cls(m3.parameters(), lr=1e-2)
+    opt3.load_state_dict(ckpt["opt"])
+    _train(m2, opt2, 2)
+    _train(m3, opt3, 2)
+    assert all(torch.equal(a, b) for a, b in zip(m3.parameters(), m2.parameters()))
+    assert (m2.weight - ckpt["model"]["weight"]).abs().max() < 0.1   # trained on from the checkpoint
+    _close(opt2)
+    _close(opt3)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, OffloadAdam])
+def test_a_master_carried_through_torchs_adamw_is_not_trusted(cls):
+    """FusedAdam -> AdamW -> FusedAdam: AdamW keeps the 'master' entry, cast to bf16 and never updated. The
+    resumed run takes the master from the parameters (as from a checkpoint without one), instead of going
+    back to the weights of before AdamW's steps."""
+    m = _linear(torch.bfloat16)
+    opt = cls(m.parameters(), lr=1e-2)
+    _train(m, opt, 2)
+    sd = opt.state_dict()
+    _close(opt)
+    adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    adamw.load_state_dict(sd)
+    _train(m, adamw, 3, seed=3)
+    carried = adamw.state_dict()
+    assert carried["state"][0]["master"].dtype == torch.bfloat16
+    stripped = copy.deepcopy(carried)
+    for s in stripped["state"].values():
+        del s["master"]
+    ends = []
+    for ckpt in (carried, stripped):
+        m2 = copy.deepcopy(m)
+        opt2 = cls(m2.parameters(), lr=1e-2)
+        opt2.load_state_dict(copy.deepcopy(ckpt))
+        _train(m2, opt2, 1, seed=4)
+        ends.append([p.detach().clone() for p in m2.parameters()])
+        _close(opt2)
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, FusedAdam, OffloadAdam])
+def test_load_state_dict_hooks_work_as_for_torchs_optimizers(cls):
+    """A pre-hook sees the whole checkpoint and what it returns is loaded (a migration of old key names, say);
+    a post-hook sees the loaded state, and what it changes stays. Before, effmem's optimizers ran both hooks
+    around an empty state and then loaded the checkpoint as given."""
+    m = _linear(torch.float32)
+    opt = cls(m.parameters(), lr=1e-2)
+    _train(m, opt, 1)
+    old = opt.state_dict()
+    old["state"] = {k: {("m" if key == "exp_avg" else key): v for key, v in s.items()} for k, s in old["state"].items()}
+    _close(opt)
+    opt = cls(m.parameters(), lr=1e-2)
+    seen = {}
+
+    def migrate(optimizer, sd):
+        seen["pre"] = len(sd["state"])
+        sd = dict(sd, state={k: {("exp_avg" if key == "m" else key): v for key, v in s.items()}
+                             for k, s in sd["state"].items()})
+        return sd
+
+    def after(optimizer):
+        seen["post"] = sorted(float(s["step"]) for s in optimizer.state.values())
+        for s in optimizer.state.values():
+            s["exp_avg"].zero_()
+
+    opt.register_load_state_dict_pre_hook(migrate)
+    opt.register_load_state_dict_post_hook(after)
+    opt.load_state_dict(old)
+    assert seen == {"pre": 2, "post": [1.0, 1.0]} and "m" in old["state"][0]   # the caller's dict untouched
+    assert all(not s["exp_avg"].any() and s["exp_avg_sq"].any() for s in opt.state_dict()["state"].values())
+    _close(opt)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_fused_adam_trains_on_its_own(bits, how):
+    """copy.deepcopy((model, opt)) or torch.save of both, as for torch's optimizers: the copy steps its own
+    model exactly as the original steps its, in the same format. Before, the copy lost state_bits and its
+    first step raised AttributeError."""
+    m = _linear(torch.bfloat16)
+    opt = FusedAdam(m.parameters(), lr=1e-2, state_bits=bits)
+    _train(m, opt, 2)
+    if how == "deepcopy":
+        m2, opt2 = copy.deepcopy((m, opt))
+    else:
+        buf = io.BytesIO()
+        torch.save((m, opt), buf)
+        buf.seek(0)
+        m2, opt2 = torch.load(buf, weights_only=False)
+    _train(m, opt, 2, seed=5)
+    _train(m2, opt2, 2, seed=5)
+    assert opt2.state_bits == bits and opt2.defaults == opt.defaults
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    opt2.load_state_dict(opt.state_dict())   # and it still takes checkpoints
 
 
 @pytest.mark.parametrize("second", [OffloadAdam, FusedAdam])

@@ -1,5 +1,7 @@
-"""What FusedAdam and OffloadAdam share: Adam's hyper-parameters and checked param groups."""
-from typing import Any, Dict, Tuple, Union
+"""What FusedAdam and OffloadAdam share: Adam's hyper-parameters, checked param groups, and torch's
+load_state_dict hooks around their own loaders."""
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -28,3 +30,28 @@ class AdamBase(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+
+    def _hooked_load(self, state_dict: Any, load: Callable[[Any], None]) -> None:
+        """torch.optim's contract for load_state_dict hooks around an effmem loader: the pre-hooks see a
+        shallow copy of the whole checkpoint and may edit or replace it before anything is checked; the
+        post-hooks run once the state is in place."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        load(state_dict)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
+
+    def _load_groups(self, param_groups: List[Dict[str, Any]]) -> None:
+        """The param groups through torch's loader, and none of the state: it would cast the state to the
+        parameters' dtype. Its hooks are held back for the duration; _hooked_load runs them."""
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": param_groups})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
+        _validate.complete_groups(self)

@@ -28,21 +28,23 @@ class OffloadCheckpoint:
                 sd["state"][i] = dict(sd["state"][i], master=self._local[i].detach().float().clone())
         return sd
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.
 
         Values are copied into the engine's host memory (nothing is staged on
-        the GPU). A checkpoint without masters (torch's AdamW) takes them from
-        the parameters; a parameter without saved state starts afresh.
+        the GPU). A checkpoint without float32 masters (torch's AdamW) takes
+        them from the parameters at the first step; a parameter without saved
+        state starts afresh. torch's load_state_dict hooks run as for its
+        optimizers.
         """
+        self._hooked_load(state_dict, self._load_checked)
+
+    @torch.no_grad()
+    def _load_checked(self, state_dict: Dict[str, Any]) -> None:
         self._check_open()
         plan = _validate.checkpoint(self, state_dict, "OffloadAdam", local=True)  # all checked, nothing changed
         self._engine.synchronize()
-        # Only the groups go through torch's loader: it would cast the state to
-        # the parameters' dtype and device.
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        _validate.complete_groups(self)
+        self._load_groups(state_dict["param_groups"])
         for p, saved, step in plan:
             i = self._index[p]
             master, *moments = self._views[i]  # exp_avg, exp_avg_sq (and their block scales: 8-bit)

@@ -237,6 +237,10 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
                         _scales(saved, key + "_scale", where, view(p).numel())
                 if p.dtype != torch.float32:
                     _state_tensor(saved, "master", where, shape, False, view)
+                    if "master" in saved and saved["master"].dtype != torch.float32:
+                        # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype,
+                        # and do not update it: it is not a master any more, the parameter is
+                        saved = {k: v for k, v in saved.items() if k != "master"}
                 step = step_value(saved.get("step", 0), f"{where}['step']")
             plan.append((p, saved, step))
     return plan

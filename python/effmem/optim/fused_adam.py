@@ -87,6 +87,22 @@ class FusedAdam(AdamBase):
         self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """copy.deepcopy, pickle and torch.save(opt): torch keeps defaults, state and param_groups; the
+        moments' format and a clip factor not yet used go along too."""
+        return {**super().__getstate__(), "state_bits": self.state_bits,
+                "_pending_grad_scale": self._pending_grad_scale,
+                "_pending_outside_capture": self._pending_outside_capture}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; FusedAdam has no such option
+        self.__dict__.setdefault("state_bits", 32)
+        self.__dict__.setdefault("_pending_grad_scale", {})
+        self.__dict__.setdefault("_pending_outside_capture", False)
+        self._refusals = RefusalMonitor("FusedAdam")  # per-process bookkeeping: built afresh
+        self._lr_checked = {}
+
     def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
         state = self.state[p]
         if not state:
@@ -99,8 +115,8 @@ class FusedAdam(AdamBase):
                 n = _adam8.blocks(_local(p).numel())
                 state["exp_avg_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
                 state["exp_avg_sq_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
-            if p.dtype != torch.float32:
-                state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        if p.dtype != torch.float32 and "master" not in state:   # new, or loaded from a checkpoint without one
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
         return state
 
     @torch.no_grad()
@@ -239,12 +255,16 @@ class FusedAdam(AdamBase):
         torch.optim's loader casts floating state to the parameter's dtype,
         which would round fp32 masters and moments of bf16 parameters; here
         they are restored in float32 exactly as saved. A checkpoint without
-        masters (e.g. from torch.optim.AdamW) gets them from the parameters.
+        float32 masters (torch.optim.AdamW's, or FusedAdam's carried through
+        it, which rounds them) takes them from the parameters at their next
+        step, so model weights loaded after this are the ones trained on.
+        torch's load_state_dict pre- and post-hooks run as for its optimizers.
         """
+        self._hooked_load(state_dict, self._load_checked)
+
+    def _load_checked(self, state_dict: Dict[str, Any]) -> None:
         plan = _validate.checkpoint(self, state_dict, "FusedAdam")  # everything checked before any change
-        # Only the groups go through torch's loader: it would round the state to the parameters' dtype.
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        _validate.complete_groups(self)
+        self._load_groups(state_dict["param_groups"])
         self._lr_checked = {}
         salts = self._salts()
         for p, saved, step in plan:
@@ -268,8 +288,8 @@ def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: in
             state[scale] = saved[scale].to(device=p.device, dtype=torch.float32).clone()
     else:
         state["exp_avg"], state["exp_avg_sq"] = f32(saved["exp_avg"]), f32(saved["exp_avg_sq"])
-    if p.dtype != torch.float32:
-        state["master"] = f32(saved["master"] if "master" in saved else p.detach())
+    if p.dtype != torch.float32 and "master" in saved:   # else _init_state takes the parameter at its next step
+        state["master"] = f32(saved["master"])
     return state
 
 
