@@ -7,6 +7,8 @@ what apply_activation_policy refuses before changing anything.
 "min" recomputes each layer from its input's 8-bit codes: its gradients differ from plain ones by that
 rounding alone, so each is compared to plain with a relative tolerance; "checkpoint" is exact.
 """
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -149,3 +151,65 @@ def test_a_budget_chooses_again_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=x, labels=x).loss.backward()
     assert len(model._effmem_budget.choices) == 2 and budget_choice(model)["bytes"]["plain"] != plain
+
+
+def test_min_accumulates_each_parameters_gradient_once_as_ddp_expects():
+    """Under "min" the recomputed layer's parameter gradients go back through the outer backward, so each
+    parameter's gradient is accumulated (and its hooks fire) once per backward. An inner backward that
+    accumulated them itself fired them twice, and DDP refused the first backward ("Expected to mark a
+    variable ready only once"); here DDP over one gloo rank in this process, and the hook count."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = apply_activation_policy(llama(), "min")
+    calls = {}
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    model(input_ids=x, labels=x).loss.backward()
+    assert set(calls.values()) == {1} and len(calls) == len(list(model.parameters()))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plain = llama()
+        plain(input_ids=x, labels=x).loss.backward()
+        for unused in (False, True):
+            ddp = DistributedDataParallel(apply_activation_policy(llama(), "min"), find_unused_parameters=unused)
+            for _ in range(2):   # the second backward is where a reducer notices a twice-marked parameter
+                ddp.zero_grad()
+                ddp(input_ids=x, labels=x).loss.backward()
+            for p, q in zip(ddp.module.parameters(), plain.parameters()):
+                assert rel(p.grad, q.grad) < 0.05
+    finally:
+        dist.destroy_process_group()
+
+
+class _SharedHead(nn.Module):
+    """Layers that use a parameter of another module (held by reference, not registered in the layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2)])
+        for b in self.blocks:
+            b.forward = functools.partial(lambda b, x: x + self.shared(b[1](b[0](x))), b)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_min_gives_a_gradient_to_a_parameter_the_layer_reaches_by_reference():
+    from effmem.activations.checkpoint import _layer_forward
+
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    plain = _SharedHead()
+    plain(x).square().sum().backward()
+    model = _SharedHead()
+    for b in model.blocks:
+        b.forward = functools.partial(_layer_forward, b, b.forward, 8, 32)
+    model(x).square().sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert p.grad is not None and rel(p.grad, q.grad) < 0.05

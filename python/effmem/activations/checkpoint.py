@@ -10,8 +10,10 @@ sees the dequantised input, so its gradients carry the rounding error of one
 stochastic 8-bit quantisation of the residual stream (unbiased).
 
 Recompute replays the forward's random state (dropout) and autocast, as
-torch.utils.checkpoint does, and runs its own backward inside this one's
-(the reentrant scheme): parameter gradients accumulate into ``.grad``.
+torch.utils.checkpoint does, and differentiates the recomputed layer inside
+this one's backward. The layer's parameters are inputs of the checkpoint, and
+their gradients are returned to the outer backward, which accumulates each
+once: DDP's and FSDP's hooks count one accumulation per parameter per backward.
 """
 import contextlib
 import functools
@@ -45,9 +47,10 @@ class _CompressedCheckpoint(torch.autograd.Function):
     codes and the n_in other inputs that need a gradient (masks are not: position biases, an encoder's
     output in a decoder layer) as they are; run is replayed in backward.
 
-    tensors: those n_in inputs, then the layer's trainable parameters. The parameters are inputs only so
-    that the outputs need a gradient when no tensor input does (a frozen embedding under LoRA-style
-    training); their gradients accumulate into .grad by the recompute's own backward."""
+    tensors: those n_in inputs, then the layer's trainable parameters. As inputs, the parameters make the
+    outputs need a gradient when no tensor input does (a frozen embedding under LoRA-style training), and
+    their gradients go back through the outer backward: accumulated once, where an inner backward that
+    accumulated them itself fired every parameter's hooks twice (DDP refused: "marked ready twice")."""
 
     @staticmethod
     def forward(ctx, run: Callable, x: Tensor, bits: int, group_size: int, seed: int, n_in: int, *tensors):
@@ -71,6 +74,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
         codes, stats = _codec.quantize(rows, bits=bits, group_size=group_size, seed=seed, stochastic=True)
         ctx.rows_shape = tuple(rows.shape)
         ctx.save_for_backward(codes, stats, *extras)
+        ctx.params = tensors[n_in:]   # leaves: a reference, no copy
         return tuple(o.detach() for o in outs)
 
     @staticmethod
@@ -94,9 +98,41 @@ class _CompressedCheckpoint(torch.autograd.Function):
                 with torch.enable_grad(), amp:
                     outs = ctx.run(x, *extras)
                 pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, x.grad, None, None, None, None, *[e.grad for e in extras], *[None] * ctx.n_params)
+                if not pairs:
+                    return (None,) * (6 + ctx.n_in + ctx.n_params)
+                roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+                declared = [x] * ctx.needs_input_grad[1] + extras + list(ctx.params)
+                others = _other_leaves(roots, declared)
+                got = torch.autograd.grad(roots, declared + others, root_grads, allow_unused=True)
+                _accumulate(others, got[len(declared):])
+        gx, got = (got[0], got[1:]) if ctx.needs_input_grad[1] else (None, got)
+        return (None, gx, None, None, None, None, *got[:len(declared) - ctx.needs_input_grad[1]])
+
+
+def _other_leaves(roots, declared) -> list:
+    """Tensors needing a gradient that the recomputed layer reached other than through its inputs and its
+    own parameters (another module's parameter it holds a reference to): a walk of its graph, some tens of
+    microseconds per layer. Their gradients accumulate here, as a reentrant checkpoint's would."""
+    known = {id(t) for t in declared}
+    seen, stack, found = set(), [r.grad_fn for r in roots], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)   # an AccumulateGrad node: the end of a branch
+        if leaf is not None:
+            if id(leaf) not in known:
+                found.append(leaf)
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def _accumulate(leaves, grads) -> None:
+    for leaf, g in zip(leaves, grads):
+        if g is not None:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
 
 
 def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: int = 8, group_size: int = 128,
