@@ -2,8 +2,9 @@
 
     python distributed_worker.py MODE RANK WORLD_SIZE STORE_FILE
 
-MODE is "ddp", "fsdp2", "fsdp2_async" (OffloadAdam(async_step=True) under FSDP2) or "plan" (effmem.plan's
-sharded picks applied). CPU tensors, gloo backend. Each rank checks its
+MODE is "ddp", "fsdp2", "fsdp2_async" (OffloadAdam(async_step=True) under FSDP2), "plan" (effmem.plan's
+sharded picks applied), "fsdp2_clip" (FusedAdam's and effmem's clips over sharded gradients) or "dcp"
+(a resume through torch.distributed.checkpoint). CPU tensors, gloo backend. Each rank checks its
 own results and exits non-zero (with the assertion on stderr) on a mismatch.
 """
 import copy
@@ -115,9 +116,7 @@ def run_fsdp2(rank):
     extra_shadow = nn.Parameter(torch.ones(10))
     fused = FusedAdam(shadow + [extra_shadow], lr=LR, weight_decay=0.1)
     off = OffloadAdam(params + [extra], lr=LR, weight_decay=0.1)
-    state = off.state[params[0]]["exp_avg"]
-    assert isinstance(state, DTensor) and state.placements == params[0].placements   # sharded state, for DCP
-    assert state.to_local().data_ptr() == off._views[0][1].data_ptr()   # the engine's memory, not a copy
+    assert not off.state   # as torch's optimizers: entries once stepped (DCP makes them by a step at lr 0)
     local_numel = sum(p.to_local().numel() for p in params)
     full_numel = sum(p.numel() for p in params)
     assert local_numel < full_numel   # each rank holds (and offloads) only its shard
@@ -144,6 +143,9 @@ def run_fsdp2(rank):
         for i, (s, p) in enumerate(zip(shadow, params)):
             assert torch.equal(p.to_local(), s), i
         assert torch.equal(extra, extra_shadow)
+        state = off.state[params[0]]["exp_avg"]
+        assert isinstance(state, DTensor) and state.placements == params[0].placements   # sharded, for DCP
+        assert state.to_local().data_ptr() == off._views[0][1].data_ptr()   # the engine's memory, not a copy
     counters = off.counters()
     assert counters["bytes_down"] == STEPS * 4 * (local_numel + 10), counters
     assert losses[-1] < losses[0], losses
@@ -182,6 +184,87 @@ def run_fsdp2_async(rank):
     assert runs["plain"][0] == runs["async"][0], runs
     assert all(torch.equal(a, b) for a, b in zip(runs["plain"][1], runs["async"][1]))
     assert runs["plain"][0][-1] < runs["plain"][0][0]
+
+
+def _fsdp2_gpt(dtype=torch.float32, seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tiny_gpt(dtype)
+    if seed:
+        torch.manual_seed(seed)
+        for p in model.parameters():
+            p.data.normal_(0, 0.02)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def run_fsdp2_clip(rank):
+    """FusedAdam.clip_grad_norm_ and effmem.clip_grad_norm_ over FSDP2's sharded gradients: the global norm
+    on every rank (torch's clip to float32 rounding), and the clipped step that torch's clip gives. Before,
+    both raised DTensor's "effmem.l2norm has no sharding strategy"."""
+    import effmem
+    from torch.distributed.tensor import DTensor
+
+    models = [_fsdp2_gpt() for _ in range(3)]
+    opts = [FusedAdam(m.parameters(), lr=LR) for m in models]
+    for step in range(3):
+        for m in models:
+            m(*batch(rank, step))[1].backward()
+        want = torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05)
+        want = want.full_tensor() if isinstance(want, DTensor) else want
+        got = [opts[1].clip_grad_norm_(0.05), effmem.clip_grad_norm_(models[2].parameters(), 0.05)]
+        assert want > 0.05, want   # the clip acts
+        for g in got:
+            assert not isinstance(g, DTensor) and torch.allclose(g, want, rtol=1e-5), (g, want)
+            assert same_on_all_ranks(g.reshape(1))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for name, p in models[0].named_parameters():
+        for other in models[1:]:
+            q = dict(other.named_parameters())[name]
+            assert torch.allclose(p.to_local(), q.to_local(), rtol=1e-5, atol=1e-6), name
+
+
+def run_dcp(rank):
+    """A resume through torch.distributed.checkpoint, as its docs show it (get_*_state_dict of a fresh model
+    and optimizer, dcp.load into them, set_*_state_dict), under FSDP2: the resumed run equals the
+    uninterrupted one bit for bit. Before, a fresh OffloadAdam's state_dict had no entries for DCP to load
+    into, and the resumed run started from zero moments without a word."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    where = os.path.join(os.path.dirname(sys.argv[4]), "dcp")
+    for k, make in enumerate((lambda ps: FusedAdam(ps, lr=LR), lambda ps: OffloadAdam(ps, lr=LR))):
+        model = _fsdp2_gpt(torch.bfloat16)
+        opt = make(model.parameters())
+        for step in range(4):
+            if step == 2:
+                path = os.path.join(where, str(k))
+                dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                         checkpoint_id=path)
+            model(*batch(rank, step))[1].backward()
+            opt.step()
+            opt.zero_grad()
+        fresh = _fsdp2_gpt(torch.bfloat16, seed=1)   # other weights: the checkpoint must bring them
+        fresh_opt = make(fresh.parameters())
+        sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(fresh, sd["model"])
+        set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+        for step in (2, 3):
+            fresh(*batch(rank, step))[1].backward()
+            fresh_opt.step()
+            fresh_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), (k, name)
+        for o in (opt, fresh_opt):
+            if isinstance(o, OffloadAdam):
+                o.close()
 
 
 def run_plan(rank):
@@ -224,7 +307,8 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan}[mode](rank)
+        {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan,
+         "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp}[mode](rank)
         # FSDP2's modules and states form reference cycles: collected now, while the process group lives,
         # not at interpreter exit, where gloo work they still hold can abort the process (torch PR 179291).
         gc.collect()

@@ -246,7 +246,7 @@ def test_unused_and_frozen_parameters():
     train(ref, fused, data)
     train(model, off, data)
     assert_same_training(ref, model, fused, off)
-    assert torch.equal(extra, torch.ones(10).bfloat16()) and float(off.state[extra]["step"]) == 0.0
+    assert torch.equal(extra, torch.ones(10).bfloat16()) and extra not in off.state   # as torch's: never stepped
     off.close()
 
 

@@ -25,8 +25,8 @@ class OffloadBuild:
         self._steps = self._engine.steps()
         self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
-        for i, p in enumerate(self._params):
-            self.state[p] = self._state_of(i)
+        self.state.clear()
+        self._sync_state()
         claim(self, self._params)
         for h in self._hooks:
             h.remove()
@@ -67,6 +67,7 @@ class OffloadBuild:
             self._restore(saved, steps)
             raise
         self._restore(saved, steps)
+        self._sync_state()
         self._masters_pending.update(range(len(saved), len(self._params)))
         self._reattach()  # async_step after attach(): the new parameters' modules need installers too
 
@@ -76,6 +77,19 @@ class OffloadBuild:
             for dst, src in zip(views, before):
                 dst.copy_(src)
         self._steps[:len(saved)] = steps
+
+    def _sync_state(self) -> None:
+        """opt.state as torch's optimizers keep it: an entry (views of the engine's memory) for each
+        parameter stepped at least once, none for the others. torch.distributed.checkpoint depends on it:
+        for an optimizer with no state it runs a step at lr 0 to make the entries it then loads into; a
+        fresh OffloadAdam that showed entries for every parameter (and left the unstepped ones out of
+        state_dict(), as torch does) got none loaded, without a word. Under async_step or delay an entry
+        may appear a step late; state_dict() waits for the engine first."""
+        if len(self.state) == len(self._params):
+            return
+        for i, stepped in enumerate((self._steps > 0).tolist()):
+            if stepped and self._params[i] not in self.state:
+                self.state[self._params[i]] = self._state_of(i)
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]

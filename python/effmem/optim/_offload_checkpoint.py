@@ -19,6 +19,7 @@ class OffloadCheckpoint:
         """
         self._check_open()
         self._engine.synchronize()
+        self._sync_state()
         sd = super().state_dict()
         # Parameters never stepped have no state in torch's optimizers (nor in
         # FusedAdam): leave them out, so checkpoints of the two compare equal.
@@ -66,7 +67,10 @@ class OffloadCheckpoint:
                     self._masters_pending.discard(i)
                 else:   # fp32 parameters (their own master) and torch's checkpoints: the parameter at first use
                     self._masters_pending.add(i)
-            self.state[p] = self._state_of(i)
+            if step > 0:
+                self.state[p] = self._state_of(i)
+            else:
+                self.state.pop(p, None)
         self._step_count = int(max((step for _, _, step in plan), default=0))
         # A consistent state again: a failed overlap backward is behind us.
         self._broken, self._open_task = None, None

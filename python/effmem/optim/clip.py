@@ -25,19 +25,57 @@ def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
 
 
 def grad_norm(grads: List[Tensor]) -> Tensor:
-    """Global L2 norm of the given gradients, as a float32 scalar (no host sync)."""
+    """Global L2 norm of the given gradients, as a float32 scalar (no host sync).
+
+    FSDP2's (DTensor) gradients: the norm of this rank's shards, squared and summed over the ranks
+    holding the other shards (an all-reduce per mesh; replicas, as in HSDP, counted once), so every
+    rank gets the global norm. The fused kernel has no DTensor rule; it runs on the local shards."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    by_device = defaultdict(list)
+    plain, sharded = [], {}
     for g in grads:
         if g.is_sparse:
             raise TypeError("grads: sparse gradients are not supported by the fused norm")
+        if _validate.is_dtensor(g):
+            dims, g = _shard_dims(g)
+            if dims:
+                sharded.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(g.to_local())
+                continue
+            g = g.to_local()
+        plain.append(g)
+    norms = [_norm(plain)] if plain else []
+    for mesh, dims, local in sharded.values():
+        sq = _norm(local).square()
+        for d in dims:
+            torch.distributed.all_reduce(sq, group=mesh.get_group(d))
+        norms.append(sq.sqrt())
+    if len(norms) == 1:
+        return norms[0]
+    first = norms[0].device
+    return torch.stack([n.to(first) for n in norms]).norm()
+
+
+def _norm(grads: List[Tensor]) -> Tensor:
+    """L2 norm of plain tensors: one fused kernel per device."""
+    by_device = defaultdict(list)
+    for g in grads:
         by_device[g.device].append(g if _validate.is_dense(g) else g.contiguous())
     norms = [ops.l2norm(gs) for gs in by_device.values()]
     if len(norms) == 1:
         return norms[0]
     first = norms[0].device
     return torch.stack([n.to(first) for n in norms]).norm()
+
+
+def _shard_dims(g: Tensor):
+    """The mesh dimensions a DTensor is sharded on, and the DTensor with any Partial (pending-sum)
+    placement reduced first: the norm of a sum is not the sum of the norms."""
+    from torch.distributed.tensor import Replicate
+
+    from effmem.optim._offload_distributed import is_shard_like
+    if any(pl.is_partial() for pl in g.placements):
+        g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+    return tuple(d for d, pl in enumerate(g.placements) if is_shard_like(pl)), g
 
 
 @torch.no_grad()
@@ -68,5 +106,6 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     for g in grads:
         by_device[g.device].append(g)
     for device, gs in by_device.items():
-        torch._foreach_mul_(gs, _to_device(coef, device))
+        # a DTensor's local shard: DTensor has no rule for a plain-tensor factor
+        torch._foreach_mul_([_validate.local_tensor(g) for g in gs], _to_device(coef, device))
     return total

@@ -346,6 +346,7 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._sync_groups()
         scale, self._clip_scale = self._clip_scale, 1.0
         self._engine.step(scale)
+        self._sync_state()
         self._step_count += 1
         if self._delay and not self._async and self._step_count <= self._delay_warmup:
             # warm-up: install the new weights now, so the next step's gradients are exact
