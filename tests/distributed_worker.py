@@ -22,9 +22,9 @@ STEPS = 6
 LR = 3e-3
 
 
-def tiny_gpt(dtype):
+def tiny_gpt(dtype, seq_len=16):
     torch.manual_seed(0)
-    cfg = demo_model.GPTConfig(seq_len=16, n_layer=2, d_model=32, n_head=2)
+    cfg = demo_model.GPTConfig(seq_len=seq_len, n_layer=2, d_model=32, n_head=2)
     return demo_model.ByteGPT(cfg).to(dtype)
 
 
@@ -186,12 +186,12 @@ def run_fsdp2_async(rank):
     assert runs["plain"][0][-1] < runs["plain"][0][0]
 
 
-def _fsdp2_gpt(dtype=torch.float32, seed=0):
+def _fsdp2_gpt(dtype=torch.float32, seed=0, seq_len=16):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = tiny_gpt(dtype)
+    model = tiny_gpt(dtype, seq_len)
     if seed:
         torch.manual_seed(seed)
         for p in model.parameters():
@@ -234,13 +234,17 @@ def run_dcp(rank):
     """A resume through torch.distributed.checkpoint, as its docs show it (get_*_state_dict of a fresh model
     and optimizer, dcp.load into them, set_*_state_dict), under FSDP2: the resumed run equals the
     uninterrupted one bit for bit. Before, a fresh OffloadAdam's state_dict had no entries for DCP to load
-    into, and the resumed run started from zero moments without a word."""
+    into, and the resumed run started from zero moments without a word; 8-bit block scales went out as plain
+    tensors, which DCP takes for replicated (rank 0's were loaded on every rank). seq_len 17: the position
+    table's 17 rows shard unevenly (9 and 8), so one rank has fewer scale blocks than the other."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     where = os.path.join(os.path.dirname(sys.argv[4]), "dcp")
-    for k, make in enumerate((lambda ps: FusedAdam(ps, lr=LR), lambda ps: OffloadAdam(ps, lr=LR))):
-        model = _fsdp2_gpt(torch.bfloat16)
+    for k, make in enumerate((lambda ps: FusedAdam(ps, lr=LR), lambda ps: OffloadAdam(ps, lr=LR),
+                              lambda ps: FusedAdam(ps, lr=LR, state_bits=8),
+                              lambda ps: OffloadAdam(ps, lr=LR, state_bits=8))):
+        model = _fsdp2_gpt(torch.bfloat16, seq_len=17)
         opt = make(model.parameters())
         for step in range(4):
             if step == 2:
@@ -250,7 +254,7 @@ def run_dcp(rank):
             model(*batch(rank, step))[1].backward()
             opt.step()
             opt.zero_grad()
-        fresh = _fsdp2_gpt(torch.bfloat16, seed=1)   # other weights: the checkpoint must bring them
+        fresh = _fsdp2_gpt(torch.bfloat16, seed=1, seq_len=17)   # other weights: the checkpoint must bring them
         fresh_opt = make(fresh.parameters())
         sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
         dcp.load(sd, checkpoint_id=path)

@@ -22,6 +22,52 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
+    """A parameter's block scales as a checkpoint holds them. Under FSDP2 the scales are those of this rank's
+    shard: they go out as a DTensor sharded over the mesh dimensions the parameter is sharded on, each rank's
+    part padded with zeros to the largest shard's block count (torch.chunk's first chunk). A plain tensor
+    there is taken for replicated by torch.distributed.checkpoint, which then saved rank 0's scales for
+    every rank. Restored by local_scales(); tied to the mesh it was saved on, as the blocks are."""
+    from effmem.optim._validate import is_dtensor
+    if not is_dtensor(p):
+        return scales
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh, shape, sharded = p.device_mesh, list(p.shape), []
+    for d, placement in enumerate(p.placements):
+        if type(placement) is Shard:
+            shape[placement.dim] = -(-shape[placement.dim] // mesh.size(d))
+            sharded.append(d)
+        elif not isinstance(placement, Replicate):   # FSDP2 over tensor parallelism's strided shards
+            raise NotImplementedError(f"state_bits=8: checkpoints of a parameter placed {p.placements} "
+                                      "(only Shard and Replicate placements); use state_bits=32")
+    width = blocks(int(torch.Size(shape).numel()))
+    padded = scales.new_zeros(width)
+    padded[:scales.numel()] = scales
+    ranks = int(torch.Size([mesh.size(d) for d in sharded]).numel())
+    return DTensor.from_local(padded, mesh, [Shard(0) if d in sharded else Replicate() for d in range(mesh.ndim)],
+                              run_check=False, shape=torch.Size([width * ranks]), stride=(1,))
+
+
+def sharded_scales_out(sd: Dict, params) -> Dict:
+    """An optimizer's state_dict() with each FSDP2 parameter's 8-bit block scales as
+    scales_for_checkpoint makes them (params: the optimizer's parameters, in state_dict's numbering)."""
+    from effmem.optim._validate import is_dtensor
+    for i, s in sd["state"].items():
+        if is_8bit(s) and is_dtensor(params[i]):
+            sd["state"][i] = dict(s, **{k: scales_for_checkpoint(s[k], params[i]) for k in SCALE_KEYS.values()})
+    return sd
+
+
+def local_scales(t, numel: int):
+    """A checkpoint's block scales for a shard of `numel` elements: scales_for_checkpoint's DTensor as this
+    rank's part without its padding; anything else as it is (checked by the caller)."""
+    from effmem.optim._validate import is_dtensor
+    if not is_dtensor(t):
+        return t
+    local = t.to_local()
+    return local[:blocks(numel)] if local.dim() == 1 and local.numel() >= blocks(numel) else local
+
+
 def is_8bit(state: Dict) -> bool:
     return "exp_avg_scale" in state
 

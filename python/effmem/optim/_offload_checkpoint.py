@@ -27,7 +27,7 @@ class OffloadCheckpoint:
         for i in self._masters_pending & sd["state"].keys():   # loaded without one, not stepped since
             if "master" in sd["state"][i]:
                 sd["state"][i] = dict(sd["state"][i], master=self._local[i].detach().float().clone())
-        return sd
+        return _adam8.sharded_scales_out(sd, self._params)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.

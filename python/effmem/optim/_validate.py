@@ -183,7 +183,8 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
 
 
 def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
-    t = saved.get(key)
+    from effmem.optim import _adam8
+    t = saved[key] = _adam8.local_scales(saved.get(key), numel)   # saved: the caller's copy
     blocks = -(-numel // 256)
     if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
         got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
@@ -231,10 +232,11 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
                     raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
                 shape = view(p).shape
                 eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
+                saved = dict(saved)   # scales and masters are taken out or narrowed below: not in the caller's
                 for key in ("exp_avg", "exp_avg_sq"):
                     _state_tensor(saved, key, where, shape, True, view, codes=eight)
-                    if eight:
-                        _scales(saved, key + "_scale", where, view(p).numel())
+                    if eight:   # the blocks of this rank's shard (FSDP2)
+                        _scales(saved, key + "_scale", where, local_tensor(p).numel())
                 if p.dtype != torch.float32:
                     _state_tensor(saved, "master", where, shape, False, view)
                     if "master" in saved and saved["master"].dtype != torch.float32:

@@ -249,6 +249,11 @@ class FusedAdam(AdamBase):
         (the same after a checkpoint is loaded into an optimizer built over the same parameters)."""
         return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim's layout plus ``master`` per bf16/fp16 parameter; under FSDP2, 8-bit block scales as
+        DTensors (_adam8.scales_for_checkpoint), so that torch.distributed.checkpoint keeps every rank's."""
+        return _adam8.sharded_scales_out(super().state_dict(), [p for g in self.param_groups for p in g["params"]])
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict from FusedAdam (or torch.optim.Adam/AdamW).
 
