@@ -67,6 +67,19 @@ def _norm(grads: List[Tensor]) -> Tensor:
     return torch.stack([n.to(first) for n in norms]).norm()
 
 
+def _refuse_offloaded(parameters: List[Tensor]) -> None:
+    """Gradients an OffloadAdam took during backward (its hooks, or attach_ddp's) are in its engine, not in
+    p.grad: a clip of p.grad would change nothing, silently. (Taken at step() instead, as under DDP without
+    attach_ddp, they are still in p.grad, and the clip works.)"""
+    from effmem.optim._offload_lifetime import _owner
+    for i, p in enumerate(parameters):
+        opt = _owner(p)
+        if opt is not None and opt._in_backward:
+            raise RuntimeError(f"parameters: parameter {i} (shape {tuple(p.shape)}) is stepped by an OffloadAdam "
+                               "that already took its gradient off during backward, so clipping p.grad would change "
+                               "nothing; call that optimizer's clip_grad_norm_(max_norm), which clips what it holds")
+
+
 def _shard_dims(g: Tensor):
     """The mesh dimensions a DTensor is sharded on, and the DTensor with any Partial (pending-sum)
     placement reduced first: the norm of a sum is not the sum of the norms."""
@@ -88,12 +101,12 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     unless ``error_if_nonfinite`` is set (then exactly one). Returns the total
     norm before clipping.
     """
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
+    parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     _validate.max_norm(max_norm)
     if isinstance(norm_type, (str, bool)) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
         raise ValueError(f"norm_type: only the L2 norm (2.0) is fused, got {norm_type!r}; "
                          "use torch.nn.utils.clip_grad_norm_ for other norms")
+    _refuse_offloaded(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     total = grad_norm(grads)
     if not grads:
