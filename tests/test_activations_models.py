@@ -201,7 +201,16 @@ class _SharedHead(nn.Module):
         return x
 
 
+def _counting_hooks(params):
+    calls = {}
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+    return calls
+
+
 def test_min_gives_a_gradient_to_a_parameter_the_layer_reaches_by_reference():
+    """A parameter of another module that the layer holds: its gradient through the autograd engine, so its
+    hooks run once per use (DDP's reducer and a streaming optimizer's hand-over are such hooks)."""
     from effmem.activations.checkpoint import _layer_forward
 
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
@@ -210,6 +219,32 @@ def test_min_gives_a_gradient_to_a_parameter_the_layer_reaches_by_reference():
     model = _SharedHead()
     for b in model.blocks:
         b.forward = functools.partial(_layer_forward, b, b.forward, 8, 32)
+    calls = _counting_hooks(list(model.parameters()))
     model(x).square().sum().backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert p.grad is not None and rel(p.grad, q.grad) < 0.05
+    shared = [i for i, p in enumerate(model.parameters()) if any(p is s for s in model.shared.parameters())]
+    assert all(calls[i] == 2 for i in shared) and all(calls[i] == 1 for i in calls if i not in shared)
+
+
+def test_compressed_checkpoint_accumulates_runs_parameters_through_the_engine():
+    """compressed_checkpoint(run, x): run's parameters are not inputs of the checkpoint; their gradients go
+    through the engine once (hooks run), and a frozen-since-forward parameter is no error."""
+    from effmem.activations.checkpoint import compressed_checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+    x = torch.randn(4, 32, requires_grad=True)
+    calls = _counting_hooks(list(lin.parameters()))
+    compressed_checkpoint(lambda t: lin(t).tanh(), x).square().sum().backward()
+    assert calls == {0: 1, 1: 1} and x.grad is not None
+    want = torch.autograd.grad(lin(x).tanh().square().sum(), lin.weight)[0]
+    assert rel(lin.weight.grad, want) < 0.05
+
+    model = apply_activation_policy(llama(), "min")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss = model(input_ids=ids, labels=ids).loss
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)   # frozen between forward and backward
+    loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad is None
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None

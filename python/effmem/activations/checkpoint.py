@@ -11,9 +11,14 @@ stochastic 8-bit quantisation of the residual stream (unbiased).
 
 Recompute replays the forward's random state (dropout) and autocast, as
 torch.utils.checkpoint does, and differentiates the recomputed layer inside
-this one's backward. The layer's parameters are inputs of the checkpoint, and
+this one's backward. A layer's parameters are inputs of the checkpoint, and
 their gradients are returned to the outer backward, which accumulates each
-once: DDP's and FSDP's hooks count one accumulation per parameter per backward.
+once: DDP's and FSDP's hooks count one accumulation per parameter per backward
+(and DDP's find_unused_parameters sees them). The price: a layer's parameter
+gradients exist together until its backward returns, where the reentrant
+scheme accumulated (and a streaming optimizer took) each as it was made: at
+most one layer's gradients more at the peak, where they are streamed off or
+accumulated into existing ones.
 """
 import contextlib
 import functools
@@ -98,21 +103,32 @@ class _CompressedCheckpoint(torch.autograd.Function):
                 with torch.enable_grad(), amp:
                     outs = ctx.run(x, *extras)
                 pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-                if not pairs:
-                    return (None,) * (6 + ctx.n_in + ctx.n_params)
+                inputs = [x, *extras, *ctx.params]   # in the order of forward's tensor arguments
+                wanted = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[1 if i == 0 else 5 + i]
+                          and t.requires_grad]   # a parameter frozen since the forward: none
+                got = [None] * len(inputs)
                 roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
-                declared = [x] * ctx.needs_input_grad[1] + extras + list(ctx.params)
-                others = _other_leaves(roots, declared)
-                got = torch.autograd.grad(roots, declared + others, root_grads, allow_unused=True)
-                _accumulate(others, got[len(declared):])
-        gx, got = (got[0], got[1:]) if ctx.needs_input_grad[1] else (None, got)
-        return (None, gx, None, None, None, None, *got[:len(declared) - ctx.needs_input_grad[1]])
+                if pairs and not ctx.n_params:
+                    # compressed_checkpoint: run's parameters are not inputs of this function, so the engine
+                    # accumulates them here (their hooks run once), and the inputs' gradients land in .grad
+                    torch.autograd.backward(roots, root_grads)
+                    got = [t.grad if i in wanted else None for i, t in enumerate(inputs)]
+                elif pairs and wanted:
+                    # a layer: its parameters are inputs; a parameter it holds by reference (rare) is not
+                    others = _other_leaves(roots, inputs)
+                    done = torch.autograd.grad(roots, [inputs[i] for i in wanted], root_grads, allow_unused=True,
+                                               retain_graph=bool(others))
+                    for i, g in zip(wanted, done):
+                        got[i] = g
+                    if others:   # through the engine, which runs their hooks (DDP's, a streaming optimizer's)
+                        torch.autograd.backward(roots, root_grads, inputs=others)
+        return (None, got[0], None, None, None, None, *got[1:])
 
 
 def _other_leaves(roots, declared) -> list:
-    """Tensors needing a gradient that the recomputed layer reached other than through its inputs and its
-    own parameters (another module's parameter it holds a reference to): a walk of its graph, some tens of
-    microseconds per layer. Their gradients accumulate here, as a reentrant checkpoint's would."""
+    """Tensors needing a gradient that the recomputed layer reached other than through the checkpoint's
+    inputs (another module's parameter it holds a reference to): a walk of its graph, some tens of
+    microseconds per layer."""
     known = {id(t) for t in declared}
     seen, stack, found = set(), [r.grad_fn for r in roots], []
     while stack:
@@ -127,12 +143,6 @@ def _other_leaves(roots, declared) -> list:
             continue
         stack.extend(f for f, _ in fn.next_functions)
     return found
-
-
-def _accumulate(leaves, grads) -> None:
-    for leaf, g in zip(leaves, grads):
-        if g is not None:
-            leaf.grad = g if leaf.grad is None else leaf.grad + g
 
 
 def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: int = 8, group_size: int = 128,
