@@ -301,3 +301,20 @@ def test_effmem_clip_refuses_gradients_an_offload_adam_already_took():
     assert clip_grad_norm_([p], 1.0) > 1 and p.grad.norm() <= 1.0 + 1e-6
     held.close()
     opt.close()
+
+
+@pytest.mark.parametrize("mode", [{}, {"delay": True}, {"async_step": True}])
+def test_offload_state_has_an_entry_once_stepped_in_every_mode(mode):
+    """opt.state as torch's: no entry before the first step (torch.distributed.checkpoint then runs its lr-0
+    step to make them), one for each parameter given a gradient right after step() even while the engine
+    still runs the update (async_step, delay: DCP read an empty state there and took a second step), and a
+    read of opt.state[p] before the first step (torch's defaultdict makes an empty entry) does not hide it."""
+    m = _linear(torch.float32)
+    opt = OffloadAdam(m.parameters(), lr=1e-2, **mode)
+    if mode.get("async_step"):
+        opt.attach(m)
+    assert not opt.state and opt.state[m.weight] == {}
+    _train(m, opt, 1)
+    assert all(sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"] for p in m.parameters())
+    assert len(opt.state_dict()["state"]) == 2 and float(opt.state[m.weight]["step"]) == 1.0
+    opt.close()

@@ -2,7 +2,7 @@
 built again over all of them when a group is added (the state carried over exactly), the state views torch's
 optimizer API hands out, and the fp32 masters read from the parameters at their first use."""
 import weakref
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import Tensor
@@ -65,6 +65,7 @@ class OffloadBuild:
             self.param_groups.pop()
             self._build()
             self._restore(saved, steps)
+            self._sync_state()
             raise
         self._restore(saved, steps)
         self._sync_state()
@@ -78,17 +79,19 @@ class OffloadBuild:
                 dst.copy_(src)
         self._steps[:len(saved)] = steps
 
-    def _sync_state(self) -> None:
+    def _sync_state(self, indices: Optional[Iterable[int]] = None) -> None:
         """opt.state as torch's optimizers keep it: an entry (views of the engine's memory) for each
         parameter stepped at least once, none for the others. torch.distributed.checkpoint depends on it:
         for an optimizer with no state it runs a step at lr 0 to make the entries it then loads into; a
         fresh OffloadAdam that showed entries for every parameter (and left the unstepped ones out of
-        state_dict(), as torch does) got none loaded, without a word. Under async_step or delay an entry
-        may appear a step late; state_dict() waits for the engine first."""
-        if len(self.state) == len(self._params):
-            return
-        for i, stepped in enumerate((self._steps > 0).tolist()):
-            if stepped and self._params[i] not in self.state:
+        state_dict(), as torch does) got none loaded, without a word. indices: the parameters a step() was
+        given gradients of (their entries exist at once, whether or not the engine has run the update yet:
+        async_step, delay); None: those the engine has stepped. An empty entry (a read of opt.state[p] on
+        torch's defaultdict before the first step) counts as none."""
+        if indices is None:
+            indices = [i for i, stepped in enumerate((self._steps > 0).tolist()) if stepped]
+        for i in indices:
+            if not self.state.get(self._params[i]):
                 self.state[self._params[i]] = self._state_of(i)
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:

@@ -21,9 +21,7 @@ class OffloadCheckpoint:
         self._engine.synchronize()
         self._sync_state()
         sd = super().state_dict()
-        # Parameters never stepped have no state in torch's optimizers (nor in
-        # FusedAdam): leave them out, so checkpoints of the two compare equal.
-        sd["state"] = {k: v for k, v in sd["state"].items() if float(v["step"]) > 0}
+        sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
         for i in self._masters_pending & sd["state"].keys():   # loaded without one, not stepped since
             if "master" in sd["state"][i]:
                 sd["state"][i] = dict(sd["state"][i], master=self._local[i].detach().float().clone())

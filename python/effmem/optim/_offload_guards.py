@@ -68,6 +68,7 @@ class OffloadGuards:
         self._engine.zero_grad()
         self._in_backward = False
         self._streamed.clear()
+        self._queued.clear()
 
     def _check_params(self) -> None:
         """The engine updates the memory each parameter had when the optimizer was built. A

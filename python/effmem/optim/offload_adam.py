@@ -204,6 +204,7 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._lock = threading.Lock()
         self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
+        self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
         self._clip_scale = 1.0
         self._open_task: Optional[int] = None  # the backward (graph task) under way, until its end callback
@@ -261,6 +262,7 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         if g.dtype != local_p.dtype:
             g = g.to(local_p.dtype)  # the staging holds the parameter's dtype
         self._engine.grad_ready(i, g)
+        self._queued.add(i)
         if self._overlap or self._delay:
             self._track_backward()
 
@@ -346,7 +348,8 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._sync_groups()
         scale, self._clip_scale = self._clip_scale, 1.0
         self._engine.step(scale)
-        self._sync_state()
+        self._sync_state(self._queued)
+        self._queued.clear()
         self._step_count += 1
         if self._delay and not self._async and self._step_count <= self._delay_warmup:
             # warm-up: install the new weights now, so the next step's gradients are exact
@@ -364,6 +367,7 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._clip_scale = 1.0
         self._in_backward = False
         self._streamed.clear()
+        self._queued.clear()
 
     # ------------------------------------------------------------------ checkpoints
     # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
