@@ -171,3 +171,39 @@ def test_a_forward_another_library_put_on_the_head_or_model_is_kept():
     effmem.unfuse_linear_cross_entropy(model)
     assert model.lm_head.__dict__["forward"] is head_wrapper and model.__dict__["forward"] is model_forward
     assert not any(k.startswith("_effmem") for k in list(model.__dict__) + list(model.lm_head.__dict__))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_fused_forward_keeps_the_signature_transformers_reads(family):
+    """The Trainer keeps only the batch columns model.forward names, and generate() builds an attention mask
+    from pad tokens (and position ids), and asks for the last position's logits only, for a forward that
+    names them. A bare (*args, **kwargs) forward lost input_ids in the Trainer and changed generated tokens
+    on a left-padded batch."""
+    import inspect
+    torch.manual_seed(0)
+    plain = FAMILIES[family]().eval()
+    plain.config.pad_token_id = plain.generation_config.pad_token_id = 0
+    fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(plain))
+    assert inspect.signature(fused.forward) == inspect.signature(plain.forward)
+    assert fused._supports_logits_to_keep() == plain._supports_logits_to_keep()
+    x = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(3))
+    x[0, :4] = 0   # left padding, no attention_mask given
+    kw = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(fused.generate(x, **kw), plain.generate(x, **kw))
+    effmem.unfuse_linear_cross_entropy(fused)
+    assert inspect.signature(fused.forward) == inspect.signature(plain.forward) and "forward" not in fused.__dict__
+
+
+def test_an_output_layer_replaced_after_fusing_is_named():
+    """PEFT's modules_to_save or a LoRA on lm_head wrap the output layer: fused first, the loss got logits
+    where it expected hidden states ("weight has hidden size 64 but hidden has 512"); wrapped first, the
+    refusal blamed the model's class."""
+    x, y = batch()
+    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+    model.lm_head = torch.nn.Linear(64, 512, bias=False)   # as PEFT's modules_to_save: a copy runs instead
+    with pytest.raises(RuntimeError, match="no longer the lm_head it fused .* fuse after wrapping"):
+        model(input_ids=x, labels=y)
+    wrapped = FAMILIES["llama"]()
+    wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
+    with pytest.raises(TypeError, match="output layer is a Sequential, not an nn.Linear"):
+        effmem.fuse_linear_cross_entropy(wrapped)

@@ -29,6 +29,7 @@ def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
     """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set, else its
     own forward (a wrapper another library put there included)."""
     if head.__dict__.get("_effmem_pass", False):
+        head._effmem_passed = True
         return x
     return original(x)
 
@@ -45,6 +46,11 @@ class _FusedLoss:
         if not getattr(self.head, "_effmem_pass", False):  # called with real logits
             return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if not self.head.__dict__.get("_effmem_passed", False):
+            raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
+                               "fused (replaced or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on "
+                               "lm_head), so the loss got logits instead of hidden states; fuse after wrapping "
+                               "(fuse the wrapped model's base model), or unfuse_linear_cross_entropy first")
         hidden = logits
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -67,11 +73,15 @@ def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
         return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     source = inspect.getsource(type(model).forward) if name in SUPPORTED else ""
-    if (name not in SUPPORTED or not isinstance(head, nn.Linear) or "self.lm_head(" not in source
+    if (name not in SUPPORTED or "self.lm_head(" not in source
             or "self.loss_function(" not in source or "softcap" in source):
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}; use "
                         "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss instead")
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"model: {name}'s output layer is a {type(head).__name__}, not an nn.Linear (wrapped by "
+                        "PEFT or another library?); fuse before wrapping it, or use "
+                        "effmem.linear_cross_entropy(hidden, weight, labels) in your own loss")
     # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
     # of the model then runs itself (not the original), and the model pickles.
     # what fusing replaces, as instance attributes (None: the class's), for unfuse to put back
@@ -80,15 +90,32 @@ def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     model._effmem_loss_before = model.__dict__.get("_loss_function")
     head.forward = functools.partial(_head_forward, head, head.forward)
     model.loss_function = _FusedLoss(head, model.loss_function)
-    model.forward = model._effmem_fused_forward = functools.partial(_fused_forward, model.forward, head)
+    model.forward = model._effmem_fused_forward = _FusedForward(model.forward, head)
     return model
 
 
+class _FusedForward:
+    """The model's forward while fused: with labels, lm_head passes the hidden states to the fused loss.
+
+    It shows the original's signature, which transformers reads: the Trainer keeps only the batch columns
+    the forward names, and generate() builds attention masks and position ids, and asks for the last
+    position's logits only, for a forward that names them (a bare (*args, **kwargs) lost all of that)."""
+
+    def __init__(self, original, head: nn.Module):
+        self.original, self.head = original, head
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.original)
+
+    def __call__(self, *args, **kwargs):
+        return _fused_forward(self.original, self.head, *args, **kwargs)
+
+
 def _fused_forward(original, head: nn.Module, *args, **kwargs):
-    """The model's forward while fused: with labels, lm_head passes the hidden states to the fused loss."""
     if kwargs.get("labels") is None:
         return original(*args, **kwargs)
-    head._effmem_pass = True
+    head._effmem_pass, head._effmem_passed = True, False
     try:
         out = original(*args, **kwargs)
     finally:
@@ -111,6 +138,7 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
         return model
     head = model.get_output_embeddings()
     head.__dict__.pop("_effmem_pass", None)
+    head.__dict__.pop("_effmem_passed", None)
     for module, attr, before in ((head, "forward", "_effmem_forward_before"),
                                  (model, "forward", "_effmem_forward_before"),
                                  (model, "_loss_function", "_effmem_loss_before")):
