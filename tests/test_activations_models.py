@@ -248,3 +248,23 @@ def test_compressed_checkpoint_accumulates_runs_parameters_through_the_engine():
     loss.backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad is None
     assert model.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
+def test_a_vision_language_models_policy_goes_on_its_language_model():
+    """Qwen2.5-VL's vision tower has 3 blocks here, its language model 2 layers: the longest list alone put
+    the policy on the vision blocks and left every decoder layer plain, without a word."""
+    cfg = transformers.Qwen2_5_VLConfig(
+        # head size 128: the default multimodal rotary sections (16, 24, 24) cover half of it
+        text_config=dict(hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=256),
+        vision_config=dict(depth=3, hidden_size=32, out_hidden_size=256, intermediate_size=64, num_heads=2))
+    torch.manual_seed(0)
+    model = apply_activation_policy(transformers.Qwen2_5_VLForConditionalGeneration(cfg), "min")
+    assert [(n, len(layers)) for n, layers in layer_stacks(model)] == [("model.language_model.layers", 2)]
+    assert all(getattr(layer, "_effmem_policy", None) for layer in model.model.language_model.layers)
+    assert not any(getattr(b, "_effmem_policy", None) for b in model.model.visual.blocks)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.language_model.layers[0].mlp.up_proj.weight.grad is not None
+    remove_activation_policy(model)
+    assert not any("forward" in layer.__dict__ for layer in model.model.language_model.layers)
