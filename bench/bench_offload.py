@@ -148,6 +148,7 @@ def step_comparison(args, device, rows, saved=lambda: None):
     initial = {k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}  # every variant starts here
     for name, make in variants:
         model.load_state_dict(initial)
+        model.zero_grad(set_to_none=True)   # what a variant that failed mid-step left in p.grad
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -191,7 +192,9 @@ def measure_variant(name, make, model, data, held_out, weights, args, device):
             row["allocated_after_step_bytes_per_param"] = torch.cuda.memory_allocated(device) / shape.num_params()
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         if isinstance(opt, OffloadAdam):
-            opt.flush()  # delay mode: the last step's weights go up too, so every step is counted
+            # delay and async_step: the last step's weights go up too (every step counted, and the
+            # held-out loss below is of the weights after every step)
+            opt.flush()
             c = opt.counters()
             row["pcie_bytes_per_step_per_param"] = (c["bytes_down"] + c["bytes_up"]) / (
                 (args.steps + args.warmup) * shape.num_params())

@@ -109,7 +109,7 @@ def main() -> int:
         ("median |peak error| <= 5%", bool(errors) and statistics.median(errors) <= 0.05,
          statistics.median(errors) if errors else None),
         ("worst |peak error| <= 10%", bool(errors) and max(errors) <= 0.10, max(errors) if errors else None),
-        ("the pick never runs out of memory", all(p["pick_ran"] for p in picks), None),
+        ("the pick runs (no out of memory, no error)", all(p["pick_ran"] for p in picks), None),
         ("the pick's step within 10% of the fastest measured", all(
             p["pick_vs_fastest"] is not None and p["pick_vs_fastest"] <= 1.10 for p in picks),
          max((p["pick_vs_fastest"] or float("inf")) for p in picks)),

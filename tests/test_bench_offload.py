@@ -50,7 +50,18 @@ def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch)
                                                  for p in bench.llama.build("tiny", "cpu").parameters())
 
     monkeypatch.setattr(bench, "_torchao_offload", lambda accum: lambda m: StatelessAnchor(m.parameters(), True))
+
+    def broken(opt, model):   # the async variants fail after a backward, leaving gradients in p.grad
+        opt.close()
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(9))
+        model(x, x).backward()
+        raise RuntimeError("async broke")
+
+    monkeypatch.setattr(bench, "_attached", broken)
     rows = []
     bench.step_comparison(args, "cpu", rows)
-    assert rows[-1] == {"name": "torchao_offload", "error": "RuntimeError: anchor broke", "vs_baseline": None}
-    assert all("median_ms" in r for r in rows[:-1])
+    errors = {r["name"]: r.get("error") for r in rows}
+    assert errors["torchao_offload"] == "RuntimeError: anchor broke"
+    assert errors["offload_async"] == errors["offload_async_adam8"] == "RuntimeError: async broke"
+    ok = {r["name"]: r["held_out_loss"] for r in rows if "error" not in r}
+    assert ok["offload_device_accum"] == ok["fused"]   # the failed variants' gradients did not carry over
