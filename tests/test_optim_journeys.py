@@ -318,3 +318,32 @@ def test_offload_state_has_an_entry_once_stepped_in_every_mode(mode):
     assert all(sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"] for p in m.parameters())
     assert len(opt.state_dict()["state"]) == 2 and float(opt.state[m.weight]["step"]) == 1.0
     opt.close()
+
+
+def test_fused_adam_refuses_to_make_state_inside_a_cuda_graph_capture(monkeypatch):
+    """A capture records the state's creation too, and every replay would zero the moments again (or copy
+    the bf16 parameter into the master of a checkpoint loaded without one). Capture is stood in for here:
+    the check is on the host."""
+    from effmem.optim import fused_adam
+    m = _linear(torch.bfloat16)
+    opt = FusedAdam(m.parameters(), lr=1e-2)
+    m(torch.randn(2, 8).bfloat16()).float().sum().backward()
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_adam, "_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*run one step before capturing"):
+            opt.step()
+    opt.step()   # the warm-up step
+    sd = opt.state_dict()
+    for s in sd["state"].values():
+        del s["master"]   # as torch's AdamW checkpoints: masters taken from the parameters at the next step
+    refusals = opt._refusals
+    opt.load_state_dict(sd)
+    assert opt._refusals is refusals   # torch's loader calls __setstate__: a pending refusal must survive it
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_adam, "_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+            opt.step()
+    opt.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_adam, "_capturing", lambda: True)
+        opt.step()   # the state exists: captured steps are fine

@@ -100,11 +100,18 @@ class FusedAdam(AdamBase):
         self.__dict__.setdefault("state_bits", 32)
         self.__dict__.setdefault("_pending_grad_scale", {})
         self.__dict__.setdefault("_pending_outside_capture", False)
-        self._refusals = RefusalMonitor("FusedAdam")  # per-process bookkeeping: built afresh
-        self._lr_checked = {}
+        # per-process bookkeeping, built afresh for a copy; torch's load_state_dict also calls __setstate__,
+        # which must not drop a refusal a step in flight may still report
+        self.__dict__.setdefault("_refusals", RefusalMonitor("FusedAdam"))
+        self.__dict__.setdefault("_lr_checked", {})
 
     def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
         state = self.state[p]
+        if (not state or (p.dtype != torch.float32 and "master" not in state)) and _capturing():
+            raise RuntimeError("FusedAdam.step: a parameter's state (moments, or the fp32 master of a checkpoint "
+                               "without one) would be made inside a CUDA graph capture, and every replay would "
+                               "make it again (zero moments, a master rounded to the parameter); run one step "
+                               "before capturing (torch's warm-up iterations do)")
         if not state:
             # zeros_like keeps p's strides, so all tensors of a param share a layout.
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
