@@ -347,3 +347,68 @@ def test_fused_adam_refuses_to_make_state_inside_a_cuda_graph_capture(monkeypatc
     with monkeypatch.context() as patch:
         patch.setattr(fused_adam, "_capturing", lambda: True)
         opt.step()   # the state exists: captured steps are fine
+
+
+MODES = {"default": {}, "delay": {"delay": True}, "async_step": {"async_step": True}, "overlap": {"overlap": True}}
+
+
+@pytest.mark.parametrize("mode", ["default", "delay", "async_step"])
+@pytest.mark.parametrize("model_first", [True, False])
+def test_a_rollback_in_place_resumes_from_the_checkpoint(mode, model_first):
+    """Checkpoint, one more step, then load the checkpoint back into the same model and optimizer: the
+    weights are the checkpoint's and training goes on as from it. Under delay and async_step the abandoned
+    step's update was still pending, and loading the optimizer installed it over the model weights just
+    loaded (model first), without a word."""
+    from offload_helpers import batches, tiny_gpt, train
+    data = batches(6)
+    m = tiny_gpt(torch.bfloat16)
+    opt = OffloadAdam(m.parameters(), lr=1e-2, **MODES[mode])
+    if mode == "async_step":
+        opt.attach(m)
+    train(m, opt, data[:2])
+    ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+    train(m, opt, data[2:3])   # the step to abandon
+    for load in ((lambda: m.load_state_dict(ckpt["model"])), (lambda: opt.load_state_dict(ckpt["opt"])))[
+            ::1 if model_first else -1]:
+        load()
+    assert all(torch.equal(p, ckpt["model"][n]) for n, p in m.named_parameters())
+    train(m, opt, data[3:])
+    fresh = tiny_gpt(torch.bfloat16)
+    fresh.load_state_dict(ckpt["model"])
+    ref = OffloadAdam(fresh.parameters(), lr=1e-2, **MODES[mode])
+    if mode == "async_step":
+        ref.attach(fresh)
+    ref.load_state_dict(ckpt["opt"])
+    train(fresh, ref, data[3:])
+    for o in (opt, ref):
+        o.flush()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), fresh.parameters()))
+    opt.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("mode", ["overlap", "delay"])
+def test_nested_accumulating_blocks_stay_accumulating_until_the_outermost_ends(mode):
+    """An inner `with opt.accumulating()` (a helper's own) ending before the outer block's backward turned
+    accumulation off: overlap updated after the first micro-batch and refused the second, delay installed
+    weights early."""
+    from offload_helpers import batches, tiny_gpt
+
+    def run(nested):
+        m = tiny_gpt(torch.float32)
+        opt = OffloadAdam(m.parameters(), lr=1e-2, **MODES[mode])
+        for k in range(3):
+            (x0, y0), (x1, y1) = batches(2, seed=k)
+            with opt.accumulating():
+                if nested:
+                    with opt.accumulating():
+                        pass
+                m(x0, y0)[1].backward()
+            m(x1, y1)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        opt.close()
+        return [p.detach().clone() for p in m.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

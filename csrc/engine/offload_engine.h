@@ -121,6 +121,11 @@ class OffloadEngine {
   // Waits for the worker and every copy; in delay mode first installs the
   // weights not yet uploaded, so the parameters hold the latest update.
   void synchronize();
+  // Waits as synchronize() does, but drops the weights not yet uploaded (delay
+  // mode) instead of installing them: the caller is replacing the state
+  // (load_state_dict), and the parameters may already hold the weights that
+  // go with the new state (a model checkpoint loaded first).
+  void discard_pending();
   // install_in_forward: before a module's forward reads params `ids`, waits for
   // their updates, uploads their new weights and orders the caller's stream
   // after the uploads.

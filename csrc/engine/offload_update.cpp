@@ -283,4 +283,16 @@ void OffloadEngine::synchronize() {
   check_usable();
 }
 
+void OffloadEngine::discard_pending() {
+  check_usable();
+  wait_idle();
+  wait_staged();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Param& p : params_) p.pending_upload = false;
+  }
+  transfer_->wait_uploads();  // the host state is written next
+  check_usable();
+}
+
 }  // namespace effmem::engine

@@ -113,6 +113,8 @@ void bind_engine(py::module_& m) {
       .def("step", guarded(&E::step), py::arg("grad_scale") = 1.0)
       .def("zero_grad", guarded(&E::zero_grad))
       .def("synchronize", guarded(&E::synchronize))
+      .def("discard_pending", guarded(&E::discard_pending),
+           "Waits for the worker and every copy, dropping the weights not yet uploaded (delay mode)")
       .def("order_after_downloads", guarded(&E::order_after_downloads),
            "Later work on the current stream waits until every gradient copy so far has read its source")
       .def("fence", guarded(&E::fence), "The current stream waits for every weight upload issued so far")

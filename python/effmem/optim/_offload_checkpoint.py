@@ -42,7 +42,9 @@ class OffloadCheckpoint:
     def _load_checked(self, state_dict: Dict[str, Any]) -> None:
         self._check_open()
         plan = _validate.checkpoint(self, state_dict, "OffloadAdam", local=True)  # all checked, nothing changed
-        self._engine.synchronize()
+        # delay and async_step: an update not installed yet belongs to the run being replaced; installing it
+        # would write over weights the caller may have loaded already (model first, then the optimizer)
+        self._engine.discard_pending()
         self._load_groups(state_dict["param_groups"])
         for p, saved, step in plan:
             i = self._index[p]

@@ -297,15 +297,17 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Backward calls inside only accumulate gradients (needed with overlap=True for all but
-        the last micro-batch; harmless otherwise)."""
+        the last micro-batch; harmless otherwise). Nested blocks stay accumulating until the outermost
+        one ends (an inner one ending turned it off: overlap updated early, delay installed early)."""
         self._check_open()
+        outer = self._accumulating
         self._engine.set_accumulating(True)
         self._accumulating = True
         try:
             yield
         finally:
-            self._accumulating = False
-            self._engine.set_accumulating(False)
+            self._accumulating = outer
+            self._engine.set_accumulating(outer)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
