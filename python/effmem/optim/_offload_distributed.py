@@ -16,8 +16,7 @@ def global_sq_sum(params: List[Tensor], sums: List[float]) -> float:
     total = 0.0
     sharded: Dict[Tuple[int, Tuple[int, ...]], List] = {}
     for p, sq in zip(params, sums):
-        dims = (tuple(d for d, pl in enumerate(p.placements) if is_shard_like(pl))
-                if _validate.is_dtensor(p) else ())
+        dims = shard_dims(p)
         if dims:
             entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
             entry[1] += sq
@@ -29,6 +28,12 @@ def global_sq_sum(params: List[Tensor], sums: List[float]) -> float:
             torch.distributed.all_reduce(t, group=mesh.get_group(d))
         total += float(t.item())
     return total
+
+
+def shard_dims(t: Tensor) -> Tuple[int, ...]:
+    """The mesh dimensions a DTensor is sharded on (none for a plain tensor): a norm's sums of squares are
+    all-reduced over these, not over replicas."""
+    return tuple(d for d, pl in enumerate(t.placements) if is_shard_like(pl)) if _validate.is_dtensor(t) else ()
 
 
 def is_shard_like(placement) -> bool:

@@ -185,7 +185,7 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
 def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
     from effmem.optim import _adam8
     t = saved[key] = _adam8.local_scales(saved.get(key), numel)   # saved: the caller's copy
-    blocks = -(-numel // 256)
+    blocks = _adam8.blocks(numel)
     if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
         got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"{where}[{key!r}]: expected {blocks} float block scales (one per 256 elements of the "

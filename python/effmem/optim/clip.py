@@ -49,10 +49,7 @@ def grad_norm(grads: List[Tensor]) -> Tensor:
         for d in dims:
             torch.distributed.all_reduce(sq, group=mesh.get_group(d))
         norms.append(sq.sqrt())
-    if len(norms) == 1:
-        return norms[0]
-    first = norms[0].device
-    return torch.stack([n.to(first) for n in norms]).norm()
+    return _combined(norms)
 
 
 def _norm(grads: List[Tensor]) -> Tensor:
@@ -60,7 +57,11 @@ def _norm(grads: List[Tensor]) -> Tensor:
     by_device = defaultdict(list)
     for g in grads:
         by_device[g.device].append(g if _validate.is_dense(g) else g.contiguous())
-    norms = [ops.l2norm(gs) for gs in by_device.values()]
+    return _combined([ops.l2norm(gs) for gs in by_device.values()])
+
+
+def _combined(norms: List[Tensor]) -> Tensor:
+    """The L2 norm of several partial norms (on the first one's device); one alone as it is."""
     if len(norms) == 1:
         return norms[0]
     first = norms[0].device
@@ -85,10 +86,10 @@ def _shard_dims(g: Tensor):
     placement reduced first: the norm of a sum is not the sum of the norms."""
     from torch.distributed.tensor import Replicate
 
-    from effmem.optim._offload_distributed import is_shard_like
+    from effmem.optim._offload_distributed import shard_dims
     if any(pl.is_partial() for pl in g.placements):
         g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
-    return tuple(d for d, pl in enumerate(g.placements) if is_shard_like(pl)), g
+    return shard_dims(g), g
 
 
 @torch.no_grad()
