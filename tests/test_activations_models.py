@@ -268,3 +268,21 @@ def test_a_vision_language_models_policy_goes_on_its_language_model():
     assert model.model.language_model.layers[0].mlp.up_proj.weight.grad is not None
     remove_activation_policy(model)
     assert not any("forward" in layer.__dict__ for layer in model.model.language_model.layers)
+    from effmem.plan.model import find_blocks
+    assert find_blocks(model)[0] == "model.language_model.layers"   # effmem plan counts the same layers
+
+
+def test_models_that_do_not_generate_keep_their_longest_stack():
+    """get_decoder() is transformers' guess of a language model; a dual encoder (CLIP: a 4-layer vision
+    tower, a 2-layer text tower) or a masked autoencoder (ViT-MAE: a 3-layer encoder, a 2-layer decoder)
+    has none, and the guess took the smaller tower."""
+    clip = transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                           image_size=32, patch_size=16)))
+    assert [(n, len(ls)) for n, ls in layer_stacks(clip)] == [("vision_model.encoder.layers", 4)]
+    mae = transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, decoder_hidden_size=32,
+        decoder_intermediate_size=64, decoder_num_hidden_layers=2, decoder_num_attention_heads=2, image_size=32,
+        patch_size=16))
+    assert [len(ls) for _, ls in layer_stacks(mae)] == [3]

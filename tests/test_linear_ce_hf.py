@@ -199,10 +199,20 @@ def test_an_output_layer_replaced_after_fusing_is_named():
     where it expected hidden states ("weight has hidden size 64 but hidden has 512"); wrapped first, the
     refusal blamed the model's class."""
     x, y = batch()
-    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
-    model.lm_head = torch.nn.Linear(64, 512, bias=False)   # as PEFT's modules_to_save: a copy runs instead
-    with pytest.raises(RuntimeError, match="no longer the lm_head it fused .* fuse after wrapping"):
-        model(input_ids=x, labels=y)
+
+    class LoraLike(torch.nn.Module):   # PEFT's lora.Linear: the base layer's output plus a low-rank delta
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer, self.a, self.b = base, torch.nn.Linear(64, 4), torch.nn.Linear(4, 512)
+
+        def forward(self, h):
+            return self.base_layer(h) + self.b(self.a(h))
+
+    for wrap in (lambda head: torch.nn.Linear(64, 512, bias=False), LoraLike):   # a copy (modules_to_save), LoRA
+        model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+        model.lm_head = wrap(model.lm_head)
+        with pytest.raises(RuntimeError, match="no longer the lm_head it fused .* fuse after wrapping"):
+            model(input_ids=x, labels=y)
     wrapped = FAMILIES["llama"]()
     wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
     with pytest.raises(TypeError, match="output layer is a Sequential, not an nn.Linear"):

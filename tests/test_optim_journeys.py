@@ -320,6 +320,17 @@ def test_offload_state_has_an_entry_once_stepped_in_every_mode(mode):
     opt.close()
 
 
+def test_overlap_buckets_updated_in_a_backward_without_step_get_their_state_entries():
+    """overlap=True updates buckets during backward; a loop that then skips the step (zero_grad) leaves
+    them stepped, and opt.state must show it (DCP takes an empty state for a fresh optimizer)."""
+    m = _linear(torch.float32)
+    opt = OffloadAdam(m.parameters(), lr=1e-2, overlap=True)
+    m(torch.randn(4, 8)).square().sum().backward()
+    opt.zero_grad()
+    assert len(opt.state) == 2 and all(float(opt.state[p]["step"]) == 1.0 for p in m.parameters())
+    opt.close()
+
+
 def test_fused_adam_refuses_to_make_state_inside_a_cuda_graph_capture(monkeypatch):
     """A capture records the state's creation too, and every replay would zero the moments again (or copy
     the bf16 parameter into the master of a checkpoint loaded without one). Capture is stood in for here:

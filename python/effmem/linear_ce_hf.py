@@ -34,6 +34,12 @@ def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
     return original(x)
 
 
+_REPLACED_HEAD = ("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it fused (replaced "
+                  "or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on lm_head), so the loss would get "
+                  "logits (or hidden states plus a LoRA's logits) instead of hidden states; fuse after wrapping "
+                  "(fuse the wrapped model's base model), or unfuse_linear_cross_entropy first")
+
+
 class _FusedLoss:
     """The model's loss_function while fused: the causal-LM loss of HF (labels shifted by one,
     ignore_index, num_items_in_batch), from the hidden states the head passed through."""
@@ -47,10 +53,7 @@ class _FusedLoss:
             return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if not self.head.__dict__.get("_effmem_passed", False):
-            raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
-                               "fused (replaced or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on "
-                               "lm_head), so the loss got logits instead of hidden states; fuse after wrapping "
-                               "(fuse the wrapped model's base model), or unfuse_linear_cross_entropy first")
+            raise RuntimeError(_REPLACED_HEAD)
         hidden = logits
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -115,6 +118,9 @@ class _FusedForward:
 def _fused_forward(original, head: nn.Module, *args, **kwargs):
     if kwargs.get("labels") is None:
         return original(*args, **kwargs)
+    model = getattr(original, "__self__", None)
+    if model is not None and model.get_output_embeddings() is not head:   # a wrapper calling it adds its own
+        raise RuntimeError(_REPLACED_HEAD)
     head._effmem_pass, head._effmem_passed = True, False
     try:
         out = original(*args, **kwargs)

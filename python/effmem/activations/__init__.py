@@ -32,8 +32,10 @@ restore every layer's saves at once).
 
 The decoder layers are the longest nn.ModuleList of same-typed modules (a
 Hugging Face model's ``model.layers``, GPT-2's ``transformer.h``, the demo
-GPT's ``blocks``); an encoder-decoder model (T5, Bart) has two such stacks,
-its encoder's and its decoder's, and a policy covers both.
+GPT's ``blocks``), in a generative model's get_decoder() where it names one
+(a vision-language model's language model); an encoder-decoder model (T5,
+Bart) has two such stacks, its encoder's and its decoder's, and a policy
+covers both.
 """
 import functools
 from typing import List, Optional, Tuple
@@ -196,28 +198,19 @@ def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, ind
 
 
 def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
-    """The stacks of layers a policy applies to, with their names: the decoder layers, or for an
-    encoder-decoder model (T5, Bart: config.is_encoder_decoder) its encoder's and its decoder's, each a list
-    of its own that the longest list alone would leave out. The decoder's layers are the longest list of
-    one type in what transformers' get_decoder() returns (a vision-language model's language model, whose
-    vision tower may have more blocks), else in the whole model (find_blocks)."""
-    names = {id(m): n for n, m in model.named_modules()}
-
-    def stack_of(get: str):
-        try:
-            part = getattr(model, get, lambda: None)()
-        except (AttributeError, NotImplementedError, ValueError):   # a model without that part
-            part = None
-        name, layers = find_blocks(part) if isinstance(part, nn.Module) and id(part) in names else ("", [])
-        return (".".join(n for n in (names[id(part)], name) if n), layers) if layers else None
-
+    """The stacks of layers a policy applies to, with their names: the decoder layers (find_blocks, which
+    effmem plan uses too), or for an encoder-decoder model (T5, Bart: config.is_encoder_decoder) its
+    encoder's and its decoder's, each a list of its own that the longest list alone would leave out."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        stacks = [s for s in (stack_of("get_encoder"), stack_of("get_decoder")) if s]
+        names = {id(m): n for n, m in model.named_modules()}
+        stacks = []
+        for get in ("get_encoder", "get_decoder"):
+            part = getattr(model, get, lambda: None)()
+            name, layers = find_blocks(part) if isinstance(part, nn.Module) and id(part) in names else ("", [])
+            if layers:
+                stacks.append((".".join(n for n in (names[id(part)], name) if n), layers))
         if len(stacks) == 2:
             return stacks
-    decoder = stack_of("get_decoder")
-    if decoder:
-        return [decoder]
     name, layers = find_blocks(model)
     return [(name, layers)] if layers else []
 

@@ -66,6 +66,7 @@ class OffloadGuards:
         self._broken = None
         self._open_task = None
         self._engine.zero_grad()
+        self._sync_state()   # the buckets the failed backward completed were updated
         self._in_backward = False
         self._streamed.clear()
         self._queued.clear()

@@ -366,6 +366,8 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._check_open()
         self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
         self._engine.zero_grad()
+        if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
+            self._sync_state()
         self._clip_scale = 1.0
         self._in_backward = False
         self._streamed.clear()

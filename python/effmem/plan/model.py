@@ -99,7 +99,31 @@ def config_layers(cfg: dict) -> int:
 
 
 def find_blocks(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
-    """The decoder layers: the longest ModuleList whose entries are all of one type."""
+    """The decoder layers: the longest ModuleList whose entries are all of one type, in a generative model's
+    decoder where transformers names one (get_decoder(): a vision-language model's language model, whose
+    vision tower may have more blocks), else in the whole model. Only a model with an output layer
+    (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
+    get_decoder() guesses a smaller tower."""
+    decoder = _generative_decoder(model)
+    if decoder is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        name, layers = _longest(decoder)
+        if layers and id(decoder) in names:
+            return ".".join(n for n in (names[id(decoder)], name) if n), layers
+    return _longest(model)
+
+
+def _generative_decoder(model: nn.Module) -> Optional[nn.Module]:
+    try:
+        if model.get_output_embeddings() is None:
+            return None
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError, TypeError):   # not a transformers model, or none
+        return None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+def _longest(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
     best: Tuple[str, Sequence[nn.Module]] = ("", [])
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > len(best[1]) and len({type(m) for m in mod}) == 1:
