@@ -29,15 +29,8 @@ def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
     """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set, else its
     own forward (a wrapper another library put there included)."""
     if head.__dict__.get("_effmem_pass", False):
-        head._effmem_passed = True
         return x
     return original(x)
-
-
-_REPLACED_HEAD = ("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it fused (replaced "
-                  "or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on lm_head), so the loss would get "
-                  "logits (or hidden states plus a LoRA's logits) instead of hidden states; fuse after wrapping "
-                  "(fuse the wrapped model's base model), or unfuse_linear_cross_entropy first")
 
 
 class _FusedLoss:
@@ -52,8 +45,6 @@ class _FusedLoss:
         if not getattr(self.head, "_effmem_pass", False):  # called with real logits
             return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-        if not self.head.__dict__.get("_effmem_passed", False):
-            raise RuntimeError(_REPLACED_HEAD)
         hidden = logits
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -93,7 +84,7 @@ def fuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     model._effmem_loss_before = model.__dict__.get("_loss_function")
     head.forward = functools.partial(_head_forward, head, head.forward)
     model.loss_function = _FusedLoss(head, model.loss_function)
-    model.forward = model._effmem_fused_forward = _FusedForward(model.forward, head)
+    model.forward = model._effmem_fused_forward = _FusedForward(model, model.forward, head)
     return model
 
 
@@ -104,24 +95,27 @@ class _FusedForward:
     the forward names, and generate() builds attention masks and position ids, and asks for the last
     position's logits only, for a forward that names them (a bare (*args, **kwargs) lost all of that)."""
 
-    def __init__(self, original, head: nn.Module):
-        self.original, self.head = original, head
+    def __init__(self, model: nn.Module, original, head: nn.Module):
+        self.model, self.original, self.head = model, original, head
 
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.original)
 
     def __call__(self, *args, **kwargs):
+        if kwargs.get("labels") is not None and self.model.get_output_embeddings() is not self.head:
+            raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
+                               "fused (replaced or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on "
+                               "lm_head), so the loss would get logits (or hidden states plus a LoRA's logits) "
+                               "instead of hidden states; fuse after wrapping (fuse the wrapped model's base "
+                               "model), or unfuse_linear_cross_entropy first")
         return _fused_forward(self.original, self.head, *args, **kwargs)
 
 
 def _fused_forward(original, head: nn.Module, *args, **kwargs):
     if kwargs.get("labels") is None:
         return original(*args, **kwargs)
-    model = getattr(original, "__self__", None)
-    if model is not None and model.get_output_embeddings() is not head:   # a wrapper calling it adds its own
-        raise RuntimeError(_REPLACED_HEAD)
-    head._effmem_pass, head._effmem_passed = True, False
+    head._effmem_pass = True
     try:
         out = original(*args, **kwargs)
     finally:
@@ -144,7 +138,6 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
         return model
     head = model.get_output_embeddings()
     head.__dict__.pop("_effmem_pass", None)
-    head.__dict__.pop("_effmem_passed", None)
     for module, attr, before in ((head, "forward", "_effmem_forward_before"),
                                  (model, "forward", "_effmem_forward_before"),
                                  (model, "_loss_function", "_effmem_loss_before")):

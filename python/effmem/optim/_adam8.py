@@ -25,21 +25,20 @@ def blocks(numel: int) -> int:
 def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
     """A parameter's block scales as a checkpoint holds them. Under FSDP2 the scales are those of this rank's
     shard: they go out as a DTensor sharded over the mesh dimensions the parameter is sharded on, each rank's
-    part padded with zeros to the largest shard's block count (torch.chunk's first chunk). A plain tensor
+    part padded with zeros to a block count every rank computes alike and no shard exceeds. A plain tensor
     there is taken for replicated by torch.distributed.checkpoint, which then saved rank 0's scales for
     every rank. Restored by local_scales(); tied to the mesh it was saved on, as the blocks are."""
+    from effmem.optim._offload_distributed import shard_dims
     from effmem.optim._validate import is_dtensor
     if not is_dtensor(p):
         return scales
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    mesh, shape, sharded = p.device_mesh, list(p.shape), []
-    for d, placement in enumerate(p.placements):
-        if type(placement) is Shard:
-            shape[placement.dim] = -(-shape[placement.dim] // mesh.size(d))
-            sharded.append(d)
-        elif not isinstance(placement, Replicate):   # FSDP2 over tensor parallelism's strided shards
-            raise NotImplementedError(f"state_bits=8: checkpoints of a parameter placed {p.placements} "
-                                      "(only Shard and Replicate placements); use state_bits=32")
+    mesh, shape, sharded = p.device_mesh, list(p.shape), shard_dims(p)
+    for d in sharded:
+        placement = p.placements[d]
+        # a shard's length along its dimension: at most torch.chunk's first chunk; a strided shard (FSDP2
+        # over tensor parallelism) holds split_factor pieces of a finer chunking, up to split_factor - 1 more
+        shape[placement.dim] = -(-shape[placement.dim] // mesh.size(d)) + getattr(placement, "split_factor", 1) - 1
     width = blocks(int(torch.Size(shape).numel()))
     padded = scales.new_zeros(width)
     padded[:scales.numel()] = scales

@@ -114,12 +114,10 @@ def find_blocks(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
 
 
 def _generative_decoder(model: nn.Module) -> Optional[nn.Module]:
-    try:
-        if model.get_output_embeddings() is None:
-            return None
-        decoder = model.get_decoder()
-    except (AttributeError, NotImplementedError, ValueError, TypeError):   # not a transformers model, or none
+    output, decoder = getattr(model, "get_output_embeddings", None), getattr(model, "get_decoder", None)
+    if output is None or decoder is None or output() is None:   # not a transformers model, or not generative
         return None
+    decoder = decoder()
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
