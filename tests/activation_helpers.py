@@ -18,6 +18,26 @@ def tiny_llama(dtype=torch.float32, **overrides):
     return transformers.LlamaForCausalLM(config).to(dtype).train()
 
 
+def hf_checkpointing(model):
+    """transformers' own per-layer checkpointing (non-reentrant), under its name in the installed version
+    (transformers 5 renamed it; the old name warns)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def without_transformers_packed_check(monkeypatch):
+    """For the no-host-sync tests: transformers' mask code asks the GPU whether a batch packs several sequences
+    (masking_utils.find_packed_sequence_indices, a .all() read on the host) in every forward without a key/value
+    cache, as training under any checkpointing runs. That sync is transformers', with or without effmem;
+    answered as for an unpacked batch, set_sync_debug_mode("error") sees effmem's own syncs only."""
+    from transformers import masking_utils
+    if hasattr(masking_utils, "find_packed_sequence_indices"):
+        monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
 def pattern(batch, seq, seed):
     """Sequences a model can learn: arithmetic progressions mod 256, random start and stride."""
     g = torch.Generator().manual_seed(seed)

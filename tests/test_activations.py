@@ -8,6 +8,7 @@ held after forward is what effmem plan predicts and less than checkpointing's, a
 restores the model.
 """
 import copy
+import inspect
 
 import pytest
 import torch
@@ -137,18 +138,28 @@ def test_a_refused_apply_changes_nothing_and_remove_turns_the_cache_back_on():
         assert "forward" not in m.model.layers[0].__dict__
     del m.model.layers[1].forward
     apply_activation_policy(m, "fast")
-    assert m.config.use_cache is False   # training recomputes nothing into a cache
+    x = ids()
+    assert m.config.use_cache is True   # the config is the user's: training forwards run without a cache
+    assert m(input_ids=x, labels=x).past_key_values is None
     remove_activation_policy(m)
-    assert m.config.use_cache is True
+    assert m(input_ids=x, labels=x).past_key_values is not None
 
 
 @pytest.mark.parametrize("policy", ["checkpoint", "selective", "min"])
-def test_a_cache_in_training_is_refused(policy):
-    """A checkpointed layer given a key/value cache would add its keys and values twice (recompute)."""
+def test_a_cache_in_training_is_turned_off_or_refused(policy):
+    """A checkpointed layer given a key/value cache would add its keys and values twice (recompute): a
+    training forward asked for one runs without (a warning says so, as transformers' own gradient
+    checkpointing does); a cache passed in is refused."""
     m = apply_activation_policy(llama(), policy)
     x = ids()
+    want = m(input_ids=x, labels=x).loss
+    with pytest.warns(UserWarning, match="use_cache=True in a training forward"):
+        out = m(input_ids=x, labels=x, use_cache=True)
+    assert out.past_key_values is None and torch.equal(out.loss, want)
+    # transformers 5.24 renamed past_key_values to cache
+    name = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
     with pytest.raises(TypeError, match="got a key/value cache"):
-        m(input_ids=x, labels=x, use_cache=True)
+        m(input_ids=x, labels=x, **{name: transformers.DynamicCache(config=m.config)})
 
 
 def mixtral():

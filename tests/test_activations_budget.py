@@ -15,7 +15,7 @@ from effmem.activations import apply_activation_policy, budget_choice, remove_ac
 from effmem.activations import budget as budget_mod
 from effmem.activations.budget import COST, choose, hidden_layers
 from effmem.plan.verify import bytes_in_use
-from activation_helpers import held_after_forward, tiny_llama
+from activation_helpers import held_after_forward, tiny_llama, without_transformers_packed_check
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,10 +185,11 @@ def test_a_budget_nothing_fits_and_bad_arguments_name_themselves():
 
 
 @pytest.mark.cuda
-def test_cuda_offload_frees_the_codes_without_host_syncs():
+def test_cuda_offload_frees_the_codes_without_host_syncs(monkeypatch):
     """On a GPU: after forward the offloaded layers' codes are off the device (allocated bytes below the
     "fast" policy's by what was sent), forward and backward make no host synchronisation, and the
     gradients are "fast"'s bit for bit."""
+    without_transformers_packed_check(monkeypatch)
     base = llama(6).cuda()
     x = X.cuda()
     fast = apply_activation_policy(copy.deepcopy(base), "fast")

@@ -18,7 +18,7 @@ from effmem.compress import _codec
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import find_blocks
 from effmem.plan.verify import bytes_in_use
-from activation_helpers import LLAMA, held_after_forward, loss_of, tiny_llama
+from activation_helpers import LLAMA, held_after_forward, loss_of, tiny_llama, without_transformers_packed_check
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,7 +265,8 @@ def test_gpt2_fast_policy_trains_under_cuda_autocast():
 
 
 @pytest.mark.cuda
-def test_no_host_synchronisation_on_cuda():
+def test_no_host_synchronisation_on_cuda(monkeypatch):
+    without_transformers_packed_check(monkeypatch)
     m = apply_activation_policy(llama(torch.bfloat16).cuda(), "fast")
     x = ids().cuda()
     loss_of(m, x).backward()  # first call: lazy initialisation may synchronise

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from effmem.activations import apply_activation_policy, budget_choice, layer_stacks, remove_activation_policy
-from activation_helpers import tiny_llama
+from activation_helpers import hf_checkpointing, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,3 +286,37 @@ def test_models_that_do_not_generate_keep_their_longest_stack():
         decoder_intermediate_size=64, decoder_num_hidden_layers=2, decoder_num_attention_heads=2, image_size=32,
         patch_size=16))
     assert [len(ls) for _, ls in layer_stacks(mae)] == [3]
+
+
+@pytest.mark.parametrize("policy", ["min", "checkpoint", "fast"])
+def test_a_policy_turns_the_training_cache_off_without_touching_the_config(policy, tmp_path):
+    """A training forward makes no key/value cache (a recompute would add to it again), as under transformers'
+    own checkpointing, but the config save_pretrained writes, and inference's cache, stay the model's own."""
+    model = apply_activation_policy(llama(), policy)
+    assert model.config.use_cache
+    model.save_pretrained(tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path).use_cache
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    out = model(input_ids=x, labels=x)
+    assert out.past_key_values is None
+    out.loss.backward()
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=x).past_key_values.get_seq_length() == 16
+    want = llama().eval().generate(x[:1, :4], max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(x[:1, :4], max_new_tokens=6, do_sample=False), want)
+    remove_activation_policy(model.train())
+    assert model(input_ids=x).past_key_values is not None   # the model's own training forward again
+
+
+def test_a_policy_sees_packed_sequences_as_transformers_checkpointing_does():
+    """Packed sequences (position_ids restarting, no attention mask) are masked apart only without a cache:
+    the policy's loss equals the one under transformers' own gradient checkpointing."""
+    x = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(6))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    theirs = hf_checkpointing(llama())
+    want = theirs(input_ids=x, position_ids=pos, labels=x).loss
+    got = apply_activation_policy(llama(), "checkpoint")(input_ids=x, position_ids=pos, labels=x).loss
+    assert torch.equal(got, want)
+    # the cache is what changes it: the plain model's training forward makes one and attends across
+    assert not torch.equal(llama()(input_ids=x, position_ids=pos, labels=x).loss, want)

@@ -36,6 +36,11 @@ GPT's ``blocks``), in a generative model's get_decoder() where it names one
 (a vision-language model's language model); an encoder-decoder model (T5,
 Bart) has two such stacks, its encoder's and its decoder's, and a policy
 covers both.
+
+While the policy is applied, a training forward (with gradients) runs
+without a key/value cache, as under transformers' own gradient
+checkpointing (effmem.activations.cache); the model's config is not
+changed, and inference and generate() keep their cache.
 """
 import functools
 from typing import List, Optional, Tuple
@@ -44,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from effmem.activations import paths
+from effmem.activations.cache import no_training_cache, restore_training_cache
 from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.budget import BudgetPolicy, check_budget
@@ -105,15 +111,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                              f"on tensors a layer makes besides its output (config.{side[0]}=True: e.g. an MoE "
                              "router's auxiliary loss) cannot backpropagate; use 'fast', 'checkpoint' or "
                              f"memory_budget=, or set config.{side[0]}=False")
-    # A recomputed layer would append its keys and values to the cache again (as transformers' own gradient
-    # checkpointing, training turns the cache off); remove_activation_policy turns it on. Every config with
-    # the flag: an encoder-decoder model's decoder reads its own copy (T5).
-    cached = list({id(c): c for c in (getattr(m, "config", None) for m in model.modules())
-                   if getattr(c, "use_cache", False) is True}.values())
-    for c in cached:
-        c.use_cache = False
-    if cached:
-        model._effmem_use_cache = cached
+    no_training_cache(model)
     if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
         setattr(model, _FAST, comp)
@@ -235,8 +233,7 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
         restore_layer(layer)
     model.__dict__.pop(_FAST, None)
     model.__dict__.pop(_BUDGET, None)
-    for c in model.__dict__.pop("_effmem_use_cache", []):
-        c.use_cache = True
+    restore_training_cache(model)
     return model
 
 

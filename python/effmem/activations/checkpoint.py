@@ -237,8 +237,8 @@ def buffers_kept(buffers):
 def _refuse_cache(layer: nn.Module, args, kwargs) -> None:
     if any(type(a).__name__.endswith("Cache") for a in (*args, *kwargs.values())):
         raise TypeError(f"{type(layer).__name__}: got a key/value cache; recomputing a layer would add to it "
-                        "a second time. Train with use_cache=False (apply_activation_policy sets it in the "
-                        "model's config)")
+                        "a second time. Train with use_cache=False (apply_activation_policy passes it to "
+                        "each module that takes use_cache)")
 
 
 def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):

@@ -6,20 +6,12 @@ import torch
 from torch import nn
 
 from effmem.activations import apply_activation_policy
+from effmem.activations.cache import no_training_cache
 from effmem.compress import compress_activations
 from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
 from effmem.plan.model import Trainable, find_blocks
 from effmem.plan.report import code_for
-
-
-def _checkpoint_blocks(model: nn.Module) -> None:
-    """Checkpoint each decoder layer: its inputs are kept, its insides recomputed in backward."""
-    if getattr(model, "supports_gradient_checkpointing", False):
-        # The model's own switch: its layers checkpoint themselves (and the key/value cache goes off).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        apply_activation_policy(model, "checkpoint")
 
 
 class _SaveOnCpu:
@@ -72,14 +64,13 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
             p.requires_grad_(which.numel(name, tuple(p.shape)) > 0)
     device = torch.device("cuda" if plan.device == "cuda" else "cpu")
     model = model.to(device=device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-    if hasattr(model, "config") and hasattr(model.config, "use_cache"):
-        model.config.use_cache = False  # a training forward needs no key/value cache
-    if cfg.activations == "checkpoint":
-        _checkpoint_blocks(model)
+    no_training_cache(model)   # a training forward needs no key/value cache (the config is left as it was)
+    if cfg.activations in ("checkpoint", "selective"):
+        apply_activation_policy(model, cfg.activations)   # torch's checkpoint per decoder layer, any model
     elif cfg.activations == "checkpoint8":
         apply_activation_policy(model, "min")
-    elif cfg.activations in ("fast", "selective"):
-        apply_activation_policy(model, cfg.activations)
+    elif cfg.activations == "fast":
+        apply_activation_policy(model, "fast")
     elif cfg.activations == "fast_offload":
         apply_activation_policy(model, memory_budget=c.cost.activation_budget)
     elif cfg.activations.startswith("compress"):

@@ -58,7 +58,7 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         out.append(f"model = model.to('{device}')" + ("  # fp32 weights; run forward under torch.autocast('cuda', "
                                                        "torch.bfloat16)" if device == "cuda" else ""))
     if cfg.activations == "checkpoint":
-        out.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+        out.append("model = effmem.apply_activation_policy(model, 'checkpoint')   # torch's checkpoint per layer")
     elif cfg.activations == "checkpoint8":
         out.append("model = effmem.apply_activation_policy(model, 'min')   # checkpointed layers, 8-bit inputs")
     elif cfg.activations == "fast_offload":

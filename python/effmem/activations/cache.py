@@ -1,0 +1,60 @@
+"""A training forward without a key/value cache, as transformers' own gradient checkpointing runs it.
+
+A recomputed layer would append its keys and values to the cache a second time, and a cache made in a
+training forward holds every layer's keys and values until the output is dropped. transformers turns the
+cache off for checkpointed training itself; for ours, a forward pre-hook on each module that takes a
+`use_cache` argument passes use_cache=False while training with gradients. Not config.use_cache=False: the
+user's config stays as it was (save_pretrained writes it), and inference or generate() under the policy
+keeps its cache."""
+import inspect
+import warnings
+
+import torch
+from torch import nn
+
+_HOOKS = "_effmem_no_cache"
+
+
+def _position(module: nn.Module):
+    """Where `use_cache` is among forward's positional parameters (None: keyword only or absent), or -1 when
+    forward takes no `use_cache`."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):   # a builtin or C forward: nothing to read
+        return -1
+    for i, p in enumerate(params):
+        if p.name == "use_cache":
+            return i if p.kind == p.POSITIONAL_OR_KEYWORD else None
+    return -1
+
+
+def _pre_hook(position):
+    def hook(module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        positional = position is not None and position < len(args)
+        if (args[position] if positional else kwargs.get("use_cache")) is True:
+            warnings.warn(f"{type(module).__name__}: use_cache=True in a training forward under an activation "
+                          "policy is turned off (a recomputed layer would add its keys and values to the cache "
+                          "again), as transformers' own gradient checkpointing does", stacklevel=2)
+        if positional:
+            return (*args[:position], False, *args[position + 1:]), kwargs
+        return args, {**kwargs, "use_cache": False}
+    return hook
+
+
+def no_training_cache(model: nn.Module) -> None:
+    """Turn the cache off in `model`'s training forwards (once; undo with restore_training_cache)."""
+    if _HOOKS in model.__dict__:
+        return
+    handles = []
+    for m in model.modules():
+        position = _position(m)
+        if position != -1:
+            handles.append(m.register_forward_pre_hook(_pre_hook(position), with_kwargs=True))
+    model.__dict__[_HOOKS] = handles
+
+
+def restore_training_cache(model: nn.Module) -> None:
+    for handle in model.__dict__.pop(_HOOKS, []):
+        handle.remove()
