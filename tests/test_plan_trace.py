@@ -15,6 +15,7 @@ from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import model_spec
 from effmem.plan.trace import held_for_backward, trace_spec
 from effmem.plan.verify import bytes_in_use
+from activation_helpers import hf_checkpointing
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,6 +79,28 @@ def test_fused_loss_trace_equals_real_saved_bytes(cfg):
     assert tr.activations("none")["logits"] < 0.2 * unfused
 
 
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_fused_loss_shares_the_standard_traces_layers(cfg, target):
+    """effmem plan traces the fused loss on one layer and takes each further layer from the standard loss's
+    traces (layers_from): every number it reads equals a full trace of one and two layers with the fused loss."""
+    spec = model_spec(cfg)
+    standard = trace_spec(spec, 2, 64, torch.bfloat16, target)
+    full = trace_spec(spec, 2, 64, torch.bfloat16, target, fused_loss=True)
+    shared = trace_spec(spec, 2, 64, torch.bfloat16, target, fused_loss=True, layers_from=standard)
+    assert shared.two is None and full.two is not None   # one trace fewer
+    for strategy in ("none", "checkpoint", "checkpoint8", "selective", "compress8", "save_on_cpu", "fast"):
+        assert shared.activations(strategy) == full.activations(strategy), strategy
+        assert shared.saved_bytes(strategy) == full.saved_bytes(strategy), strategy
+    for read in ("offloaded_bytes", "fast_compressed", "fast_codes", "block_bytes"):
+        assert getattr(shared, read)() == getattr(full, read)(), read
+    for kind in ("logits", "attention", "mlp", "norm", "block", "other", None):
+        assert shared.largest(kind) == full.largest(kind), kind
+    for value in ("matmul_flops", "attention_flops", "selective_recompute_bytes", "has_fast"):
+        assert getattr(shared, value) == getattr(full, value), value
+    assert shared.activations("none")["logits"] != standard.activations("none")["logits"]
+
+
 def test_module_trace_equals_real_saved_bytes_demo_gpt():
     torch.manual_seed(0)
     m = ByteGPT(GPTConfig(seq_len=48, n_layer=3, d_model=64, n_head=4)).train()
@@ -129,7 +152,7 @@ def test_checkpoint_bytes_match_allocator():
     full = sum(pred.activations("none").values())
     assert predicted < 0.5 * full  # checkpointing keeps much less than everything: the test can tell them apart
     m = real_model(cfg)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing(m)
     if bytes_in_use(torch.device("cpu")) is None:
         pytest.skip("no glibc mallinfo2 here to count the allocator's bytes")
     held = held_after_forward(m, batch, seq)

@@ -113,10 +113,13 @@ class _Activity:
     """A model's activations and FLOPs at any micro-batch, from traces at micro-batch 1 and 2 (affine in it)."""
 
     def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn],
-                 fused_loss: bool = False):
+                 fused_loss: bool = False, layers_from: Optional["_Activity"] = None):
+        """layers_from: the same model's activity with the other loss, whose decoder layers this one shares
+        (trace_spec's layers_from)."""
         amp = costs.under_autocast("bf16" if dtype == torch.bfloat16 else "fp32", target)
-        self.one = trace_spec(spec, 1, seq, dtype, target, inputs=inputs, fused_loss=fused_loss, autocast=amp)
-        self.two = trace_spec(spec, 2, seq, dtype, target, inputs=inputs, fused_loss=fused_loss, autocast=amp)
+        self.one, self.two = (trace_spec(spec, micro, seq, dtype, target, inputs=inputs, fused_loss=fused_loss,
+                                         autocast=amp, layers_from=getattr(layers_from, attr, None))
+                              for micro, attr in ((1, "one"), (2, "two")))
         self.fused_loss = fused_loss
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
@@ -347,8 +350,10 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
     losses = ["standard", "fused"] if _fusable(spec) else ["standard"]
     for precision, loss in itertools.product(costs.PRECISIONS, losses):
         try:
+            standard = activity.get((precision, "standard"))
             activity[precision, loss] = _Activity(
-                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss == "fused")
+                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss == "fused",
+                layers_from=standard if isinstance(standard, _Activity) else None)
         except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             if (precision, loss) == ("bf16", "standard"):

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from effmem.activations.selective import SAVED_PACKETS
+from effmem.plan.meta_ops import fast_meta
 
 
 class _FlashSdpa(torch.autograd.Function):
@@ -186,7 +187,9 @@ class _Counter(TorchDispatchMode):
     is the mask all ones?); a meta tensor has none, so the check gets the
     answer of an ordinary unpacked, unmasked batch: True (or 0). Meta
     kernels follow CUDA's dtypes; the CPU's layer norm keeps its mean and
-    rstd in a bf16/fp16 input's own dtype, CUDA's in float32."""
+    rstd in a bf16/fp16 input's own dtype, CUDA's in float32. The commonest
+    ops get their outputs from plan/meta_ops.py (torch's Python meta
+    functions cost most of a trace)."""
 
     def __init__(self, target: str, sel: Optional[_Flops] = None):
         super().__init__()
@@ -198,7 +201,9 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             return True if args[0].dtype == torch.bool else 0
-        out = func(*args, **kwargs)
+        out = fast_meta(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         packet = func._overloadpacket
         if self.sel is not None and self.sel.in_block():
             self._selective(packet, args, out)
