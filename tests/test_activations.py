@@ -231,3 +231,25 @@ def test_policy_under_torch_compile(policy):
         choice = effmem.activations.budget_choice(compiled._orig_mod)
         assert choice["shape"] == (4, 256, 128) and set(choice["modes"]) != {"plain"}, choice
         assert choice["predicted_bytes"] <= choice["budget_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["fast", "budget"])
+def test_one_compiled_graph_serves_every_layer(policy):
+    """Under torch.compile the layers' fused forwards (per-module objects, which torch 2.11's dynamo guards
+    on by identity, compiling each layer again until its recompile limit of 8) come off at the first call,
+    and one graph serves all ten layers: a second compiled step compiles nothing, and the modules keep no
+    forward of their own."""
+    from torch._dynamo.utils import counters
+    model = _with_policy(llama(num_hidden_layers=10), policy)
+    assert any(layer._effmem_patched for layer in model.model.layers)
+    compiled = torch.compile(model, backend="eager")
+    x = ids()
+    grads_after_one_step(compiled, x)
+    assert all(not layer._effmem_patched for layer in model.model.layers)
+    assert not any("forward" in m.__dict__ for layer in model.model.layers for m in layer.modules()
+                   if m is not layer)
+    before = dict(counters["frames"])
+    grads_after_one_step(compiled, x)
+    assert dict(counters["frames"]) == before   # nothing compiled again
+    remove_activation_policy(model)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)

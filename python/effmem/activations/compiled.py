@@ -26,9 +26,22 @@ def _selective(forward, *args, **kwargs):
 
 
 def compiled_forward(original, selective: bool) -> Callable:
-    """original (a layer's bound forward) as a compiled function of the same arguments."""
+    """original (a layer's bound forward) as a compiled function of the same arguments.
+
+    The "fast" policy's fused forwards (activations.paths) come off the layer's modules for good at its first
+    compiled call: each is an object of its own module, and torch 2.11's dynamo guards on its identity, so
+    every layer compiled its graph again until the recompile limit (8) and a TinyLlama's other 14 layers ran
+    eagerly (seen on an H100: the compiled "fast" step slower than eager). The compiled graph does their
+    work itself (selective checkpointing recomputes norms and elementwise ops), and with them gone for good
+    an eager fallback's recompute meets the modules its forward met."""
+    layer = original.__self__
+    patched = layer.__dict__.get("_effmem_patched")
+    if patched:
+        from effmem.activations import paths
+        paths.unpatch(patched)
+        layer._effmem_patched = []
     func = original.__func__
     fn = _GRAPHS.get((func, selective))
     if fn is None:
         fn = _GRAPHS[func, selective] = torch.compile(functools.partial(_selective, func) if selective else func)
-    return functools.partial(fn, original.__self__)
+    return functools.partial(fn, layer)
