@@ -409,7 +409,6 @@ class Extrapolated:
         src = self.two if self.two is not None else self.one
         return max(src.block_bytes(), default=0)
 
-
     def largest(self, kind: Optional[str] = None) -> int:
         if self.step is not None:
             # the decoder layers' kinds as the other loss's trace of two layers saw them; the rest as here
