@@ -49,6 +49,39 @@ def test_matches_fused_adam_over_20_steps(dtype, mode):
         assert c["accumulations"] == (0 if accum == 1 else len(list(model.parameters())) * 20)
 
 
+@pytest.mark.parametrize("delay_us", [0.0, 50.0])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_clip_norm_taken_as_the_gradients_land_is_the_same(delay_us, accum):
+    """Once clipping is in use, the last micro-batch's gradients get their sums of squares as they land
+    (during backward) instead of in a pass after it: the same norm and weights, bit for bit, as an
+    optimizer that takes every gradient inside accumulating() (so it sums them afterwards), for gradients
+    copied into the staging (accum 1) and added into it (accum 2), with copies landing late (the host
+    backend's random delays)."""
+    data = batches(12)
+    ref = tiny_gpt(torch.bfloat16)
+    models = [copy.deepcopy(ref), copy.deepcopy(ref)]
+    opts = [OffloadAdam(m.parameters(), bucket_size=3000, _host_delay_us=delay_us, **HP) for m in models]
+    norms = [[], []]
+    for k in range(0, len(data), accum):
+        for which, (m, opt) in enumerate(zip(models, opts)):
+            for j, (x, y) in enumerate(data[k:k + accum]):
+                with opt.accumulating() if (j < accum - 1 or which == 1) else _null():
+                    (m(x, y)[1] / accum).backward()
+            norms[which].append(opt.clip_grad_norm_(0.05))
+            opt.step()
+            opt.zero_grad()
+    assert torch.equal(torch.stack(norms[0]), torch.stack(norms[1]))
+    assert norms[0][-1] > 0.05   # the clip was active
+    for pa, pb in zip(*(m.parameters() for m in models)):
+        assert torch.equal(pa, pb)
+    n = len(list(ref.parameters()))
+    landed = [opt.counters()["landed_sq_sums"] for opt in opts]
+    # every step after the first; none where every gradient was taken inside accumulating()
+    assert landed == [n * (len(data) // accum - 1), 0]
+    for opt in opts:
+        opt.close()
+
+
 def test_lr_scheduler_and_param_groups():
     data = batches(12)
     ref = tiny_gpt(torch.bfloat16)

@@ -292,6 +292,7 @@ std::map<std::string, int64_t> OffloadEngine::counters() const {
           {"bytes_up", bytes_up_.load()},
           {"param_updates", updates_.load()},
           {"accumulations", accumulations_.load()},
+          {"landed_sq_sums", landed_sq_sums_.load()},
           {"engine_pinned_bytes", pinned},
           {"engine_pageable_bytes", pageable},
           {"process_pinned_bytes", host_memory_counters().pinned.load()},

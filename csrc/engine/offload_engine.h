@@ -111,7 +111,9 @@ class OffloadEngine {
   void set_group(int64_t group, const GroupHparams& h);
   void grad_ready(int64_t i, const at::Tensor& grad);
   // Per parameter, the sum of squares of its pending gradient (0 without
-  // one); waits for the gradients to land.
+  // one); waits for the gradients to land. From its first call on, the sums
+  // of the last micro-batch's gradients are taken as they land, during
+  // backward (queue_sq_sum), with the same chunks and order of additions.
   std::vector<double> grad_sq_sums();
   // Updates every parameter holding a pending gradient, gradients first
   // multiplied by grad_scale; returns once the new weights are ordered
@@ -171,6 +173,11 @@ class OffloadEngine {
     bool has_grad = false;       // staging holds a gradient not yet used by an update
     bool queued = false;         // overlap: its update is queued in this round
     bool landed = false;         // overlap: counted towards its bucket in this round
+    // The sum of squares of its pending gradient, taken as the gradient landed (queue_sq_sum), when
+    // sq_ready; sq_gen counts gradients, so a sum taken before a later one landed is not used.
+    double sq_sum = 0.0;
+    bool sq_ready = false;
+    uint64_t sq_gen = 0;
     TicketPtr staged;            // the copy that filled its staging
     // Delay mode: staging[pending_side] (fp32: the master) holds new weights
     // not yet uploaded, written by the update behind `updated`; uploaded[s]
@@ -210,6 +217,9 @@ class OffloadEngine {
   void install(int64_t i);
   void upload_pending_locked(Param& p);  // caller holds mu_; the update is done
   void accumulate(int64_t i, const at::Tensor& grad);
+  // Once clipping is in use (grad_sq_sums was called), queues the sum of squares of param i's gradient on
+  // the add lane, after its copy and adds, for a gradient outside accumulating() (the last micro-batch's).
+  void queue_sq_sum(int64_t i);
   int acquire_chunk();
   void release_chunk(int c);
   char* staging_of(const Param& p, int side) const;
@@ -229,6 +239,7 @@ class OffloadEngine {
   // mu_ guards the bookkeeping above (flags, tickets, hyper-parameters).
   mutable std::mutex mu_;
   bool accumulating_ = false;
+  bool eager_sq_ = false;  // clipping is in use: sums of squares are taken as the gradients land
   int side_ = 0;  // the staging this round's gradients land in (delay mode alternates)
 
   // The workers' lanes; qmu_ guards them, error_ and the chunk free list.
@@ -243,7 +254,7 @@ class OffloadEngine {
   mutable std::shared_mutex lifetime_;
   const pid_t owner_ = getpid();  // a forked child has the engine but not its threads
 
-  std::atomic<int64_t> bytes_down_{0}, bytes_up_{0}, updates_{0}, accumulations_{0};
+  std::atomic<int64_t> bytes_down_{0}, bytes_up_{0}, updates_{0}, accumulations_{0}, landed_sq_sums_{0};
 };
 
 }  // namespace effmem::engine

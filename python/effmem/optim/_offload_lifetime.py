@@ -52,8 +52,9 @@ class OffloadLifetime:
         self._engine.synchronize()
 
     def counters(self) -> Dict[str, int]:
-        """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations, and
-        the host memory held: engine_pinned_bytes, engine_pageable_bytes (this engine) and
+        """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations,
+        landed_sq_sums (gradients whose sum of squares clip_grad_norm_ took as they landed), and the host
+        memory held: engine_pinned_bytes, engine_pageable_bytes (this engine) and
         process_pinned_bytes, process_pageable_bytes (every live effmem engine)."""
         self._check_open()
         return dict(self._engine.counters())
