@@ -109,7 +109,7 @@ def train_steps(model, opt, data, accum, steps, device, clip=None, opt_times=Non
         common.sync(device)
         t1 = time.perf_counter()
         if clip is not None:
-            opt.clip_grad_norm_(clip)
+            clip(opt, model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         common.sync(device)
@@ -170,13 +170,14 @@ def measure_variant(name, make, model, data, held_out, weights, args, device):
     cuda = torch.device(device).type == "cuda"
     opt = make(model)
     try:
-        train_steps(model, opt, data, args.accum, args.warmup, device)  # warm-up, untimed
+        clip, clipped = clipper(name, getattr(args, "clip", None), args.accum)
+        train_steps(model, opt, data, args.accum, args.warmup, device, clip=clip)  # warm-up, untimed
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         opt_times = []
-        times = train_steps(model, opt, data, args.accum, args.steps, device, opt_times=opt_times)
+        times = train_steps(model, opt, data, args.accum, args.steps, device, clip=clip, opt_times=opt_times)
         row = {"name": name, **common.summarize(times), "tokens_per_step": args.batch * args.seq * args.accum,
-               "optimizer_median_ms": statistics.median(opt_times) * 1e3}
+               "optimizer_median_ms": statistics.median(opt_times) * 1e3, "clip": clipped}
         row["tokens_per_s"] = row["tokens_per_step"] / (row["median_ms"] / 1e3)
         # torchao's optimizer never sets up Optimizer.state (it keeps one optimizer per parameter)
         on_device = [v for st in getattr(opt, "state", {}).values() for v in st.values()
@@ -208,6 +209,21 @@ def measure_variant(name, make, model, data, held_out, weights, args, device):
             opt.close()
 
 
+def clipper(name, max_norm, accum):
+    """(how variant `name` clips by the global norm max_norm before each step, what the row says about it):
+    the optimizer's own clip_grad_norm_ (FusedAdam folds the factor into its kernel, OffloadAdam takes the
+    norm from the host copies), torch's for torchao's anchor, whose gradients are on the device under
+    accumulation; none where the mode cannot (OffloadAdam's overlap updates during backward; torchao's
+    offload_gradients, used without accumulation, leaves no gradients on the device)."""
+    if max_norm is None:
+        return None, None
+    if name == "offload_overlap" or (name == "torchao_offload" and accum == 1):
+        return None, "cannot clip"
+    if name == "torchao_offload":
+        return (lambda opt, model: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)), max_norm
+    return (lambda opt, model: opt.clip_grad_norm_(max_norm)), max_norm
+
+
 def _attached(opt, model):
     opt.attach(model)
     return opt
@@ -236,6 +252,8 @@ def main(argv=None):
     ap.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--clip", type=float, default=None,
+                    help="clip by the global norm before every step, as LLM recipes do (the overlap mode cannot)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -264,7 +282,8 @@ def measure_steps(args, results, verdicts, save=lambda: None):
     """The link, the engine's transfer rate and the step comparison, with their targets."""
     shape = llama.SIZES[args.size]
     print(f"Llama-shaped {args.size}: {shape.num_params() / 1e6:,.1f}M params; batch {args.batch} x seq {args.seq} "
-          f"x {args.accum} micro-batches per step")
+          f"x {args.accum} micro-batches per step"
+          + (f", clipped by the global norm at {args.clip}" if getattr(args, "clip", None) is not None else ""))
     link = link_bandwidth(args.device)
     if link:
         print(f"pinned copy bandwidth: host->device {link['h2d']:.1f} GB/s, device->host {link['d2h']:.1f} GB/s")
@@ -282,7 +301,7 @@ def measure_steps(args, results, verdicts, save=lambda: None):
     print(common.format_table(rows, [("optimizer", "name", "s"), ("step ms", "median_ms", ".1f"),
                                      ("of which opt.step ms", "optimizer_median_ms", ".1f"),
                                      ("vs FusedAdam", "vs_baseline", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
-                                     ("held-out loss", "held_out_loss", ".4f"),
+                                     ("held-out loss", "held_out_loss", ".4f"), ("clip", "clip", ""),
                                      ("device B/param", "device_state_bytes_per_param", ".2f"),
                                      ("GPU alloc B/param", "allocated_after_step_bytes_per_param", ".2f"),
                                      ("PCIe B/param/step", "pcie_bytes_per_step_per_param", ".2f")]))

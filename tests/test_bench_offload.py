@@ -65,3 +65,22 @@ def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch)
     assert errors["offload_async"] == errors["offload_async_adam8"] == "RuntimeError: async broke"
     ok = {r["name"]: r["held_out_loss"] for r in rows if "error" not in r}
     assert ok["offload_device_accum"] == ok["fused"]   # the failed variants' gradients did not carry over
+
+
+def test_clipped_rows_clip_where_the_mode_can(monkeypatch):
+    """--clip: every variant clips by the global norm before each step with its own optimizer's norm (torch's
+    for the anchor) except the overlap mode, which cannot; the exact modes still train as FusedAdam does (the
+    norms agree to float32 rounding, tests/test_offload.py)."""
+    monkeypatch.setattr(bench, "_torchao_offload", lambda accum: lambda m: StatelessAnchor(m.parameters()))
+    args = argparse.Namespace(size="tiny", batch=2, seq=32, accum=2, steps=1, warmup=1, clip=0.01)
+    rows = []
+    bench.step_comparison(args, "cpu", rows)
+    clip = {r["name"]: r["clip"] for r in rows}
+    assert clip.pop("offload_overlap") == "cannot clip" and set(clip.values()) == {0.01}
+    loss = {r["name"]: r["held_out_loss"] for r in rows}
+    unclipped = []
+    bench.step_comparison(argparse.Namespace(**{**vars(args), "clip": None}), "cpu", unclipped)
+    assert loss["fused"] != unclipped[0]["held_out_loss"]   # the clip acted
+    for exact in ("offload", "offload_async", "offload_device_accum"):
+        assert abs(loss[exact] / loss["fused"] - 1) < 1e-5, exact
+
