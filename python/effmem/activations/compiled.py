@@ -37,7 +37,7 @@ def compiled_forward(original, selective: bool) -> Callable:
     layer = original.__self__
     patched = layer.__dict__.get("_effmem_patched")
     if patched:
-        from effmem.activations import paths   # here: the package's __init__ imports this module first
+        from effmem.activations import paths   # on use: the package is still importing when it imports this
         paths.unpatch(patched)
         layer._effmem_patched = []
     func = original.__func__
