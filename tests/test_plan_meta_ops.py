@@ -63,7 +63,7 @@ def test_binary_ops_match_torch(op):
                     same_layout(fast_meta(op, (a, number), {}), op(a, number))
                 wrapped = torch.tensor(1.5)   # a 0-d CPU tensor meeting a meta tensor
                 same_layout(fast_meta(op, (a, wrapped), {}), op(a, wrapped))
-    assert checked > 500
+    assert checked > 3000
 
 
 @pytest.mark.parametrize("op", [aten.neg.default, aten.rsqrt.default, aten.silu.default, aten.cos.default,
