@@ -217,9 +217,10 @@ class OffloadEngine {
   void install(int64_t i);
   void upload_pending_locked(Param& p);  // caller holds mu_; the update is done
   void accumulate(int64_t i, const at::Tensor& grad);
-  // Once clipping is in use (grad_sq_sums was called), queues the sum of squares of param i's gradient on
-  // the add lane, after its copy and adds, for a gradient outside accumulating() (the last micro-batch's).
-  void queue_sq_sum(int64_t i);
+  // Once clipping is in use (grad_sq_sums was called), grad_ready queues the sum of squares of param i's
+  // gradient (the gen-th it got, landed in `data` by the copy `staged`) on the add lane, after its copy
+  // and adds, for a gradient outside accumulating() (the last micro-batch's).
+  void queue_sq_sum(int64_t i, uint64_t gen, TicketPtr staged, const char* data);
   int acquire_chunk();
   void release_chunk(int c);
   char* staging_of(const Param& p, int side) const;

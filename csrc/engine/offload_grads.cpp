@@ -73,7 +73,10 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
     }
     if (now) install(i);
   }
-  bool accumulate_into_staging;
+  bool accumulate_into_staging, take_sq_sum;
+  uint64_t sq_gen;
+  TicketPtr staged;
+  const char* landed_in;
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!p.queued, "OffloadAdam(overlap=True): parameter ", i, " got a second gradient before step(); "
@@ -86,9 +89,15 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
       p.staged = transfer_->download(grad, 0, staging_of(p, side_), bytes, after);
     }
     p.has_grad = true;
+    // A later gradient makes a sum taken before it stale.
+    sq_gen = ++p.sq_gen;
+    p.sq_ready = false;
+    take_sq_sum = eager_sq_ && !accumulating_ && bytes > 0;
+    staged = p.staged;
+    landed_in = staging_of(p, side_);
   }
   if (accumulate_into_staging && bytes > 0) accumulate(i, grad);
-  queue_sq_sum(i);
+  if (take_sq_sum) queue_sq_sum(i, sq_gen, staged, landed_in);
   bytes_down_ += bytes;
   if (!options_.overlap) return;
   std::lock_guard<std::mutex> lock(mu_);
@@ -155,19 +164,8 @@ void OffloadEngine::accumulate(int64_t i, const at::Tensor& grad) {
 // on the add lane as each final gradient lands, it runs during backward. The
 // chunks and the order of additions are grad_sq_sums' own, so the norm is
 // bit for bit the same.
-void OffloadEngine::queue_sq_sum(int64_t i) {
-  Param& p = params_[static_cast<size_t>(i)];
-  uint64_t gen;
-  TicketPtr staged;
-  const char* data;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    gen = ++p.sq_gen;
-    p.sq_ready = false;
-    if (!eager_sq_ || accumulating_ || p.numel == 0) return;
-    staged = p.staged;
-    data = staging_of(p, side_);
-  }
+void OffloadEngine::queue_sq_sum(int64_t i, uint64_t gen, TicketPtr staged, const char* data) {
+  const Param& p = params_[static_cast<size_t>(i)];
   const cpu::SumSqFn fn = cpu::kernels().sumsq[p.dtype];
   const int64_t esize = element_size(p.dtype), n = p.numel;
   // After this gradient's adds (the lane runs in order); a first gradient's copy is waited for here.
