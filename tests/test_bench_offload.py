@@ -39,11 +39,14 @@ def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch)
     rows, saves = [], []
     bench.step_comparison(args, "cpu", rows, lambda: saves.append([r["name"] for r in rows]))
     names = [r["name"] for r in rows]
-    assert names[0] == "fused" and names[-1] == "torchao_offload" and len(names) == 8
+    assert names[0] == "fused" and names[-1] == "torchao_offload" and len(names) == 9
     assert saves == [names[:i + 1] for i in range(len(names))]  # saved after every variant
     loss = {r["name"]: r["held_out_loss"] for r in rows}
-    for exact in ("offload", "offload_overlap", "offload_async", "offload_device_accum"):
+    for exact in ("offload", "offload_overlap", "offload_async", "offload_async_device_state",
+                  "offload_device_accum"):
         assert loss[exact] == loss["fused"], exact   # same start, same data, same math
+    kept = {r["name"]: r["device_state_fraction"] for r in rows if "device_state_fraction" in r}
+    assert 0.2 < kept.pop("offload_async_device_state") <= 0.4 and set(kept.values()) == {0.0}
     assert loss["torchao_offload"] != loss["fused"]  # torch AdamW's rounding differs, but it trained
     assert abs(loss["torchao_offload"] / loss["fused"] - 1) < 1e-3
     assert rows[-1]["device_state_bytes"] == sum(p.numel() * p.element_size()
@@ -62,7 +65,8 @@ def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch)
     bench.step_comparison(args, "cpu", rows)
     errors = {r["name"]: r.get("error") for r in rows}
     assert errors["torchao_offload"] == "RuntimeError: anchor broke"
-    assert errors["offload_async"] == errors["offload_async_adam8"] == "RuntimeError: async broke"
+    assert (errors["offload_async"] == errors["offload_async_adam8"] == errors["offload_async_device_state"]
+            == "RuntimeError: async broke")
     ok = {r["name"]: r["held_out_loss"] for r in rows if "error" not in r}
     assert ok["offload_device_accum"] == ok["fused"]   # the failed variants' gradients did not carry over
 

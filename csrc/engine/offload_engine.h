@@ -85,6 +85,9 @@ struct EngineOptions {
   double host_delay_us = 0.0;       // host backend: random delay before each copy (tests)
   uint64_t seed = 0;
   int state_bits = 32;              // 32: float32 moments; 8: 8-bit moments
+  // 8-bit rounding salt of parameter j: salt_base + j, its place in the optimizer (OffloadAdam's
+  // device_state keeps the first parameters out of the engine, as FusedAdam's salts count them).
+  int64_t salt_base = 0;
   // With delay: the forward, not the next backward, installs each parameter's new weights
   // (install_for_forward), and updates run in forward order (the last bucket first): exact math,
   // the update hidden behind the next forward as far as it runs ahead of it.

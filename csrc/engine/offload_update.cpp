@@ -107,14 +107,15 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
         w.coeff = coeffs.size() - 1;
         if (eight) {
           // Spans start on 8-bit blocks (kAdamSpan is a multiple of kAdam8Block); the salt is the
-          // parameter's index, as FusedAdam's is its place in the optimizer.
+          // parameter's place in the optimizer, as FusedAdam's.
           const int64_t blk = p.block_offset + off / kAdam8Block;
+          const int64_t salt = options_.salt_base + j;
           w.span8 = {g, g, master + off,
                      static_cast<uint8_t*>(b.exp_avg->data()) + p.offset + off,
                      static_cast<uint8_t*>(b.exp_avg_sq->data()) + p.offset + off,
                      static_cast<float*>(b.exp_avg_scale->data()) + blk,
                      static_cast<float*>(b.exp_avg_sq_scale->data()) + blk, static_cast<uint64_t>(off),
-                     adam8_seed(steps[j], j, false), adam8_seed(steps[j], j, true)};
+                     adam8_seed(steps[j], salt, false), adam8_seed(steps[j], salt, true)};
         } else {
           w.span = {g, g, master + off, static_cast<float*>(b.exp_avg->data()) + p.offset + off,
                     static_cast<float*>(b.exp_avg_sq->data()) + p.offset + off};

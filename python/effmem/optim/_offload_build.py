@@ -17,8 +17,11 @@ _local = _validate.local_tensor
 
 class OffloadBuild:
     def _build(self) -> None:
-        """Lays the engine out over every parameter of every group, and hooks the parameters."""
-        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        """Lays the engine out over every parameter of every group (less device_state's prefix, which a
+        FusedAdam steps on the device: _offload_resident), and hooks the parameters."""
+        self._all_params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._params: List[Tensor] = self._split_resident(self._all_params)
+        self._first = len(self._all_params) - len(self._params)  # engine index i is the optimizer's i + _first
         self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
         self._local = [_local(p) for p in self._params]
         self._engine = build_engine(self, **self._config)
@@ -46,6 +49,10 @@ class OffloadBuild:
             super().add_param_group(param_group)
             return
         self._check_open()
+        if self._resident_opt is not None:
+            raise RuntimeError("OffloadAdam.add_param_group: with device_state, which parameters keep their state on "
+                               "the device was chosen over the groups given at construction; build the optimizer "
+                               "with every param group")
         if self._in_backward:
             raise RuntimeError("OffloadAdam.add_param_group: the engine holds gradients of a backward not yet "
                                "stepped; add param groups after step() or zero_grad()")

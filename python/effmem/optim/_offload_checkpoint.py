@@ -22,10 +22,11 @@ class OffloadCheckpoint:
         self._sync_state()
         sd = super().state_dict()
         sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
-        for i in self._masters_pending & sd["state"].keys():   # loaded without one, not stepped since
-            if "master" in sd["state"][i]:
-                sd["state"][i] = dict(sd["state"][i], master=self._local[i].detach().float().clone())
-        return _adam8.sharded_scales_out(sd, self._params)
+        for i in self._masters_pending:   # loaded without one, not stepped since
+            k = i + self._first   # the engine's parameter i is the optimizer's i + _first (device_state)
+            if "master" in sd["state"].get(k, ()):
+                sd["state"][k] = dict(sd["state"][k], master=self._local[i].detach().float().clone())
+        return _adam8.sharded_scales_out(sd, self._all_params)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.
@@ -46,7 +47,8 @@ class OffloadCheckpoint:
         # would write over weights the caller may have loaded already (model first, then the optimizer)
         self._engine.discard_pending()
         self._load_groups(state_dict["param_groups"])
-        for p, saved, step in plan:
+        self._load_resident(state_dict)   # device_state's prefix: FusedAdam's loader
+        for p, saved, step in plan[self._first:]:
             i = self._index[p]
             master, *moments = self._views[i]  # exp_avg, exp_avg_sq (and their block scales: 8-bit)
             if saved is None:
@@ -56,7 +58,7 @@ class OffloadCheckpoint:
                 self._masters_pending.add(i)
             else:
                 saved = {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
-                saved = _adam8.convert(saved, moments[0], self.state_bits, step, i)
+                saved = _adam8.convert(saved, moments[0], self.state_bits, step, i + self._first)
                 keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if self.state_bits == 8
                                                     else ())
                 for t, key in zip(moments, keys):

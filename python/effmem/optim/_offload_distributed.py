@@ -109,6 +109,9 @@ def attach_ddp(opt, ddp_module) -> None:
 
     if not isinstance(ddp_module, DistributedDataParallel):
         raise TypeError(f"ddp_module: expected a DistributedDataParallel module, got {type(ddp_module).__name__}")
+    if opt._resident_opt is not None:
+        raise RuntimeError("attach_ddp: not with device_state, whose parameters' gradients must stay in p.grad; "
+                           "without attach_ddp, DDP's averaged gradients are taken at step()")
     if opt._hooks:
         raise RuntimeError("attach_ddp: this optimizer streams gradients with backward hooks, which take them "
                            "before DDP's all-reduce; construct it with stream_grads=False")

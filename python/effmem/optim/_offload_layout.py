@@ -56,7 +56,7 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
     from effmem import _C
 
     device, backend = engine_device(opt._local, backend)
-    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
+    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]][opt._first:]
     bucket_of = opt._bucket_of = assign_buckets([(t.numel(), t.dtype) for t in opt._local], bucket_size)
     expects = [bool(p.requires_grad) for p in opt._params]
     # Landing chunks (for gradients accumulated over micro-batches): up to 4M
@@ -66,7 +66,8 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
                             device=device.index if device.type == "cuda" else -1, num_threads=num_threads,
                             pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
                             landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0,
-                            state_bits=state_bits, install_in_forward=opt._async)
+                            state_bits=state_bits, install_in_forward=opt._async,
+                            salt_base=opt._first)
 
 
 def assign_buckets(tensors: Sequence[Tuple[int, object]], bucket_size: int) -> List[int]:

@@ -55,9 +55,10 @@ class OffloadLifetime:
         """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations,
         landed_sq_sums (gradients whose sum of squares clip_grad_norm_ took as they landed), and the host
         memory held: engine_pinned_bytes, engine_pageable_bytes (this engine) and
-        process_pinned_bytes, process_pageable_bytes (every live effmem engine)."""
+        process_pinned_bytes, process_pageable_bytes (every live effmem engine), and device_state_params,
+        device_state_bytes (the parameters device_state kept on the device, and the bytes their step needs)."""
         self._check_open()
-        return dict(self._engine.counters())
+        return {**self._engine.counters(), **self._resident_counters()}
 
     def close(self) -> None:
         """Stops the engine's threads and releases its memory (state tensors handed out stay valid)."""

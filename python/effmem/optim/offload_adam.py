@@ -16,6 +16,7 @@ from effmem.optim._offload_forward import OffloadForward
 from effmem.optim._offload_lifetime import OffloadLifetime
 from effmem.optim._offload_guards import OffloadGuards
 from effmem.optim._offload_build import OffloadBuild
+from effmem.optim._offload_resident import OffloadResident
 from effmem.optim.clip import clip_coefficient
 from effmem.optim.fused_adam import ParamsT
 
@@ -26,7 +27,7 @@ _local = _validate.local_tensor
 DELAY_WARMUP = 0
 
 
-class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGuards, AdamBase):
+class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGuards, AdamBase):
     """Adam / AdamW with the optimizer state on the CPU and the update run there by a C++ engine.
 
     The GPU keeps only the parameters (bf16, fp16 or fp32). The fp32 master
@@ -121,6 +122,17 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
             micro-batches on the device, and hand the sum over once, in the backward outside
             ``accumulating()`` (or at ``step()``): 2 B/param cross the link per step instead of 2 per
             micro-batch. The host would add the same gradients in the same order and dtype: bit-identical.
+        device_state: bytes of device memory (default 0) for the optimizer state of the first parameters
+            (the optimizer's order: for ``model.parameters()``, the embedding and the first blocks, which the
+            next forward reads first): their fp32 master and moments stay on the device, their gradients
+            stay in ``p.grad``, and FusedAdam's kernel steps them there in ``step()``; the engine offloads
+            the rest. A parameter costs 4 (master, for bf16/fp16) + 8 (float32 moments; about 2 with
+            ``state_bits=8``) + its gradient's bytes per element; the longest prefix that fits is kept.
+            Exact (the same bits as one FusedAdam over every parameter, clipping included) and shorter
+            host updates: with ``async_step`` the forward no longer waits for the host to update the
+            layers it reads first. ``counters()`` reports what was kept. Not with ``delay`` (its stale
+            gradients would apply to part of the model only), FSDP2 parameters, ``attach_ddp`` or
+            ``add_param_group``.
         stream_grads: copy gradients off during backward (hooks). False
             takes them from ``p.grad`` at ``step()`` instead. Default: True,
             except under torch.distributed with more than one rank, where
@@ -176,6 +188,7 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         delay_warmup: int = DELAY_WARMUP,
         device_accumulation: int = 0,
         state_bits: int = 32,
+        device_state: int = 0,
         _host_delay_us: float = 0.0,
     ):
         _validate.whole(bucket_size, "bucket_size", 1, "elements")
@@ -197,6 +210,11 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._attached = None  # the model given to attach() (weakly), re-attached by add_param_group
         self._delay_warmup = _validate.whole(delay_warmup, "delay_warmup", 0, "steps")
         self._device_accumulation = _validate.whole(device_accumulation, "device_accumulation", 0, "bytes")
+        self._device_state = _validate.whole(device_state, "device_state", 0, "bytes")
+        if self._device_state and self._delay and not self._async:
+            raise ValueError("device_state: not with delay=True, whose stale gradients would apply to the "
+                             "offloaded parameters only; use async_step=True (exact) or device_state=0")
+        self._resident, self._resident_opt, self._first = [], None, 0
         self._accumulating = False
         self._step_count = 0  # steps taken (restored by load_state_dict): the warm-up's clock
         self._hooks = []
@@ -324,7 +342,7 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
             raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
                                "gradient exists, so it cannot clip by the global norm; use overlap=False")
         self._take_leftover_grads()
-        sq = _dist.global_sq_sum(self._params, self._engine.grad_sq_sums())
+        sq = _dist.global_sq_sum(self._params, self._engine.grad_sq_sums()) + self._resident_sq_sum()
         total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
         # FusedAdam's float32 arithmetic (a tensor max_norm read here: the host waits for the gradients anyway)
         self._clip_scale = float(clip_coefficient(total, float(max_norm)))
@@ -349,6 +367,8 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._take_leftover_grads()
         self._sync_groups()
         scale, self._clip_scale = self._clip_scale, 1.0
+        # device_state's parameters first: their kernel runs on the device while the host updates the rest
+        self._step_resident(scale)
         self._engine.step(scale)
         self._sync_state(self._queued)
         self._queued.clear()
@@ -366,6 +386,8 @@ class OffloadAdam(OffloadBuild, OffloadCheckpoint, OffloadForward, OffloadLifeti
         self._check_open()
         self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
         self._engine.zero_grad()
+        if self._resident_opt is not None:   # a clip factor not used goes with the gradients it came from
+            self._resident_opt._pending_grad_scale = {}
         if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
             self._sync_state()
         self._clip_scale = 1.0
