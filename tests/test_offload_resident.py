@@ -59,6 +59,35 @@ def test_device_state_matches_one_fused_adam_over_every_parameter(mode, bits):
         assert_same_training(ref, model, fused, off)
 
 
+def test_a_transformers_llama_trains_as_with_fused_adam():
+    """A real client: transformers' LlamaForCausalLM (random init), async_step with its embedding and first
+    layers' state kept, clipped, two micro-batches: FusedAdam's losses and weights, bit for bit."""
+    pytest.importorskip("transformers")
+    from activation_helpers import tiny_llama
+
+    ref = tiny_llama(torch.bfloat16, num_hidden_layers=4)
+    model = copy.deepcopy(ref)
+
+    class Loss(torch.nn.Module):   # _train's model(x, y) -> (logits, loss)
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x, y):
+            out = self.lm(input_ids=x, labels=y)
+            return out.logits, out.loss
+
+    budget = sum(resident_bytes(p, 32) for p in list(model.parameters())[:12])   # embedding + layer 0 + part of 1
+    fused = FusedAdam(ref.parameters(), **HP)
+    with OffloadAdam(model.parameters(), async_step=True, device_state=budget, bucket_size=20_000, **HP) as off:
+        off.attach(model)
+        assert off._first == 12
+        norms = _train(Loss(model), off, Loss(ref), fused, batches(8), accum=2, clip=0.5)
+        off.flush()
+        assert all(a == pytest.approx(b, rel=1e-5) and b > 0.5 for a, b in norms)   # clipped every step
+        assert_same_training(ref, model, fused, off)
+
+
 def test_the_longest_prefix_that_fits_stays_and_its_gradients_stay_in_p_grad():
     model = tiny_gpt(torch.bfloat16)
     params = list(model.parameters())
