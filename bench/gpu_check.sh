@@ -15,11 +15,12 @@
 # on 2026-11-26: build 70 s, cuda_tests 140 s, offload 170 s, activations 270 + 60 s). In the order the open
 # issues need them, one call each (limits in seconds):
 #   done 2026-11-26 (bench/results/2026-11-26-h100-1cfb2b0): build cuda_tests offload; build activations
-#   1. build cuda_tests linear_ce    300 + 240 + 300: the CUDA tests again (two failed in transformers' code,
-#                                    fixed since), issue 13's speed and memory
+#   1. build cuda_tests offload      300 + 260 + 250: the CUDA tests again (two failed in transformers' code,
+#                                    fixed since; device_state's CUDA test is new), issue 12's exact mode
+#                                    with device_state (the offload_async_device_state row, 1.10x target)
 #   2. build activations             300 + 330 + 130: issue 10 again (per-layer compile fix, loss on text)
-#   then, a session each: build plan (issue 11); build capacity (issue 12, 7B); build offload capacity_13b;
-#   build tests bench demo (the whole suite, the kernels, the demo).
+#   then, a session each: build linear_ce plan (issues 13, 11); build capacity (issue 12, 7B: the plan may
+#   pick device_state now); build offload capacity_13b; build tests bench demo (the whole suite, the kernels).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from

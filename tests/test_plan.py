@@ -36,6 +36,7 @@ def pick_of(plan, **want):
     """The first candidate whose config has these fields (float32 Adam moments unless asked)."""
     want.setdefault("state_bits", 32)
     want.setdefault("device_accumulation", 0)
+    want.setdefault("device_state", 0)
     for c in plan.candidates:
         if all(getattr(c.config, k) == v for k, v in want.items()):
             return c

@@ -44,8 +44,9 @@ def _predict(size, batch, seq, accum, optimizer):
                     inputs=_inputs, clipping=False)
     precision, opt = OPTIMIZERS[optimizer]
     return next(c for c in p.candidates if (c.config.precision, c.config.activations, c.config.optimizer,
-                                            c.config.loss, c.config.state_bits, c.config.device_accumulation)
-                == (precision, "none", opt, "standard", 32, 0))
+                                            c.config.loss, c.config.state_bits, c.config.device_accumulation,
+                                            c.config.device_state)
+                == (precision, "none", opt, "standard", 32, 0, 0))
 
 
 def _rows():

@@ -91,7 +91,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     else:
         opt = OffloadAdam(params, lr=lr, overlap=cfg.optimizer == "offload_overlap",
                           async_step=cfg.optimizer == "offload_async", state_bits=cfg.state_bits,
-                          device_accumulation=cfg.device_accumulation, **optimizer_kwargs)
+                          device_accumulation=cfg.device_accumulation, device_state=cfg.device_state,
+                          **optimizer_kwargs)
         if cfg.optimizer == "offload_async":
             opt.attach(model)
     if cfg.sharding in ("ddp", "zero1"):

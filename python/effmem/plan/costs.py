@@ -17,7 +17,7 @@ checkpointing adds the layers' forward again. Transfers and the CPU update
 use the rates in rates.py.
 """
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Tuple
 
 from effmem.plan.rates import Rates
 
@@ -85,6 +85,9 @@ class Config:
     # OffloadAdam(device_accumulation=BYTES): gradients of whole buckets, up to these bytes, summed on the GPU
     # over the micro-batches and sent once per step (only with accumulation; 0: every micro-batch sends all).
     device_accumulation: int = 0
+    # OffloadAdam(device_state=BYTES): the step state (master, moments, gradient) of the first trained tensors
+    # kept on the GPU and stepped there, up to these bytes (async_step only; 0: all of it on the host).
+    device_state: int = 0
 
     @property
     def name(self) -> str:
@@ -93,6 +96,7 @@ class Config:
                   "offload_async": "offload-adam-async"}[self.optimizer],
                  self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
                  "adam8" if self.state_bits == 8 else "", self._device_accumulation_name(),
+                 f"state-on-gpu{self.device_state / 1e9:.1f}GB" if self.device_state else "",
                  f"mb{self.micro_batch}x{self.accumulation}"]
         return "+".join(p for p in parts if p)
 
@@ -126,6 +130,7 @@ class Model:
                                              # sets it; none: device_accumulation keeps nothing)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
     state_blocks: int = 0                    # 8-bit Adam's blocks over the trained tensors (ModelSpec.state_blocks)
+    trainable_numels: tuple = ()             # trained elements per tensor, the optimizer's order (device_state)
 
 
 @dataclass
@@ -155,10 +160,14 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     if cfg.optimizer != "gpu":
         # OffloadAdam: master and moments on the host, gradients staged there (2 B/param for bf16).
         # async_step stages the next step's gradients beside the weights being computed: a second staging.
-        staging = (2 if cfg.optimizer == "offload_async" else 1) * t * g_b
-        host = (t * (master_b or 4) + moments + staging) // shard_state
-        master = optimizer = 0
-        grads = min(t, 2 * OFFLOAD_BUCKET) * g_b
+        # device_state's prefix keeps master, moments and gradient on the GPU instead.
+        kept_t, kept_blocks, _ = resident(cfg, m)
+        t_off = t - kept_t
+        moments_off = optimizer_state_bytes(t_off, cfg.state_bits, m.state_blocks - kept_blocks)
+        staging = (2 if cfg.optimizer == "offload_async" else 1) * t_off * g_b
+        host = (t_off * (master_b or 4) + moments_off + staging) // shard_state
+        master, optimizer = kept_t * master_b, moments - moments_off
+        grads = (min(t_off, 2 * OFFLOAD_BUCKET) + kept_t) * g_b
     kept = kept_on_device(cfg, m, g_b)
     if cfg.optimizer == "offload" and cfg.accumulation > 1:
         temporary_step += OFFLOAD_PLAIN_ACCUM_EXTRA * t // shard_state
@@ -248,6 +257,41 @@ def kept_on_device(cfg: Config, m: "Model", g_b: int) -> int:
     return sum(sizes[:leading_buckets(sizes, cfg.device_accumulation)])
 
 
+def resident(cfg: Config, m: "Model", enough: int = 0) -> Tuple[int, int, int]:
+    """(elements, 8-bit blocks, device bytes) of the step state OffloadAdam(device_state=...) keeps on the GPU:
+    the longest prefix of the trained tensors whose master, moments and gradient fit in the budget
+    (effmem.optim._offload_resident.resident_prefix, the optimizer's own rule), or the shortest that holds
+    `enough` elements if that is shorter."""
+    from effmem.optim._adam8 import blocks
+    if cfg.optimizer == "gpu" or not cfg.device_state:
+        return 0, 0, 0
+    _, g_b, master_b, _ = PRECISIONS[cfg.precision]
+    n_kept = b_kept = used = 0
+    for n in m.trainable_numels:
+        b = blocks(n)
+        cost = n * (master_b + g_b) + optimizer_state_bytes(n, cfg.state_bits, b)
+        if used + cost > cfg.device_state:
+            break
+        n_kept, b_kept, used = n_kept + n, b_kept + b, used + cost
+        if enough and n_kept >= enough:
+            break
+    return n_kept, b_kept, used
+
+
+def host_adam_s(cfg: Config, r: Rates, n: int) -> float:
+    """Seconds of OffloadAdam's host update of n parameters."""
+    return n / (r.host_adam * (1.0 if cfg.state_bits == 32 else ADAM8_CPU_RATE))
+
+
+def gpu_adam_s(cfg: Config, r: Rates, n: int) -> float:
+    """Seconds of FusedAdam's step over n parameters: it reads the gradient, reads and writes both moments and
+    the master (or the fp32 weight itself), and writes a low-precision weight: 28 B/param for bf16 and fp32."""
+    w_b, g_b, master_b, _ = PRECISIONS[cfg.precision]
+    weight_bytes = w_b + 2 * master_b if master_b else 2 * w_b
+    moment_bytes = 2 * 2 * 4 if cfg.state_bits == 32 else 2 * 2
+    return n * (g_b + weight_bytes + moment_bytes) / r.memory_bw
+
+
 def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
     """Backward buffers of effmem.linear_cross_entropy: one chunk's float32 logits and their gradient
     (chunk_size in csrc/common/linear_ce.cpp: 1/64 of the vocabulary in multiples of 128, at least 256,
@@ -297,16 +341,16 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     shard = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
     t = m.trainable // shard
     if cfg.optimizer == "gpu":
-        # FusedAdam reads the gradient, reads and writes both moments and the master (or the fp32
-        # weight itself), and writes a low-precision weight: 28 B/param for bf16 and for fp32.
-        weight_bytes = w_b + 2 * master_b if master_b else 2 * w_b
-        moment_bytes = 2 * 2 * 4 if cfg.state_bits == 32 else 2 * 2
-        out["optimizer"] = t * (g_b + weight_bytes + moment_bytes) / r.memory_bw
+        out["optimizer"] = gpu_adam_s(cfg, r, t)
     else:
         if not r.link_bw:
             out["optimizer"] = float("inf")
         else:
-            cpu = t / (r.host_adam * (1.0 if cfg.state_bits == 32 else ADAM8_CPU_RATE))
+            # device_state: the first kept_t parameters are stepped on the GPU; the host takes the rest.
+            kept_t = resident(cfg, m)[0]
+            on_gpu = gpu_adam_s(cfg, r, kept_t)
+            t = t - kept_t
+            cpu = host_adam_s(cfg, r, t)
             upload = t * w_b / r.link_bw
             # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
             # Those kept on the GPU (device_accumulation) go in the last backward only, summed.
@@ -318,14 +362,16 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
                 # Updates run as buckets land during the last backward: its downloads and the updates are
                 # one pipeline behind that one backward (not each behind a backward of its own), then the
                 # weights go up.
-                out["optimizer"] = earlier + max(upload, max(last, cpu) + upload - bwd)
+                out["optimizer"] = on_gpu + earlier + max(upload, max(last, cpu) + upload - bwd)
             elif cfg.optimizer == "offload_async":
                 # Updates run in forward order while the next forward runs, each layer waiting for its
-                # own bucket: the first bucket always shows, and what the forward cannot cover.
+                # own bucket: the first bucket shows (less the forward of the layers kept on the GPU, which
+                # comes before it), and what the forward cannot cover.
                 first = (cpu + upload) * min(1.0, OFFLOAD_BUCKET / max(1, t))
-                out["optimizer"] = down + max(first, cpu + upload - fwd)
+                lead = fwd * kept_t / max(1, kept_t + t)
+                out["optimizer"] = on_gpu + down + max(first - lead, cpu + upload - fwd, 0.0)
             else:
-                out["optimizer"] = down + cpu + upload
+                out["optimizer"] = on_gpu + down + cpu + upload
     if world > 1 and cfg.sharding != "none":
         grad_bytes = m.trainable * g_b
         comm = 2 * grad_bytes * (world - 1) / world  # all-reduce (or reduce-scatter + all-gather)

@@ -83,6 +83,7 @@ class Candidate:
                 "precision": c.precision, "activations": c.activations, "optimizer": c.optimizer,
                 "sharding": c.sharding, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
                 "loss": c.loss, "state_bits": c.state_bits, "device_accumulation": c.device_accumulation,
+                "device_state": c.device_state,
                 "activation_budget": self.cost.activation_budget,
                 "why": self.why}
 
@@ -99,6 +100,24 @@ def _device_accumulation(cfg: costs.Config, cost: costs.Cost, budget: float, m: 
     if room <= 0:
         return 0
     return costs.kept_on_device(dataclasses.replace(cfg, device_accumulation=room), m, g_b)
+
+
+def _device_state(cfg: costs.Config, cost: costs.Cost, budget: float, m: costs.Model, rates) -> int:
+    """OffloadAdam(async_step): the bytes of step state to keep on the GPU for the first trained tensors, so that
+    the host's share of the update fits behind the next forward (no more: the rest of the room stays headroom),
+    within the room left under the budget; 0 where no tensor fits, or where nothing would be left to offload
+    (OffloadAdam refuses that: FusedAdam is the candidate then)."""
+    if cfg.optimizer != "offload_async" or cfg.sharding != "none" or cfg.device_accumulation or not rates.link_bw:
+        return 0
+    room = int((budget - cost.peak_bytes) / (1 + costs.FRAGMENTATION))
+    if room <= 0:
+        return 0
+    per_param = costs.host_adam_s(cfg, rates, 1) + costs.PRECISIONS[cfg.precision][0] / rates.link_bw
+    need = m.trainable - int(costs.forward_s(m, rates, cfg.precision) / per_param)   # what the forward cannot hide
+    if need <= 0:
+        return 0
+    kept_t, _, used = costs.resident(dataclasses.replace(cfg, device_state=room), m, enough=need)
+    return used if 0 < kept_t < m.trainable else 0
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -383,6 +402,7 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
 
     budget = gpu_mem * (1 - headroom)
     buckets = costs.offload_buckets(p.numel for p in spec.params if p.trainable)  # apply() trains whole tensors
+    numels = tuple(p.trainable for p in spec.params if p.trainable)
     cands: List[Candidate] = []
     shardings = ["none"] if world == 1 else [s for s in costs.SHARDINGS if s != "none"]
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
@@ -392,6 +412,7 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
         m = activity[precision, loss].model(spec, micro, share)
         m.fast_offloaded = costs.offloaded_codes(m, rates, precision)
         m.offload_buckets = buckets
+        m.trainable_numels = numels
         known = [a for a in activity[precision, loss].strategies if a != "fast_offload" or m.fast_offloaded]
         for act, opt, shard, bits in itertools.product([a for a in acts if a in known], optimizers, shardings,
                                                         costs.STATE_BITS):
@@ -400,11 +421,13 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
             cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
             cost = costs.memory(cfg, m, world, device == "cuda")
             cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
-            kept = _device_accumulation(cfg, cost, budget, m)
-            if kept:
-                cfg = dataclasses.replace(cfg, device_accumulation=kept)
-                cands.append(Candidate(cfg, costs.memory(cfg, m, world, device == "cuda"),
-                                       costs.step_time(cfg, m, rates, world)))
+            # OffloadAdam's variants that keep part of its work on the GPU, in the room the budget leaves
+            variants = [dataclasses.replace(cfg, device_accumulation=_device_accumulation(cfg, cost, budget, m)),
+                        dataclasses.replace(cfg, device_state=_device_state(cfg, cost, budget, m, rates))]
+            for v in variants:
+                if v != cfg:
+                    cands.append(Candidate(v, costs.memory(v, m, world, device == "cuda"),
+                                           costs.step_time(v, m, rates, world)))
     for c in cands:
         over = c.cost.peak_bytes - budget
         host_over = c.cost.host_bytes - host_mem * 0.9

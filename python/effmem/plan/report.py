@@ -92,6 +92,8 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         opt = opt[:-1] + ", state_bits=8)"
     if cfg.device_accumulation:
         opt = opt[:-1] + f", device_accumulation={cfg.device_accumulation})"
+    if cfg.device_state:
+        opt = opt[:-1] + f", device_state={cfg.device_state})"
     if cfg.sharding == "zero1":
         opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
                "optimizer_class=effmem.FusedAdam, lr=3e-4" + (", state_bits=8)" if cfg.state_bits == 8 else ")"))
