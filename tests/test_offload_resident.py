@@ -106,6 +106,7 @@ def test_the_longest_prefix_that_fits_stays_and_its_gradients_stay_in_p_grad():
         assert off.state[params[0]]["exp_avg"].device == params[0].device
         off.zero_grad()
         assert params[0].grad is None
+    assert not off.state and not off._resident_opt.state   # close() let go of the kept state too
     with OffloadAdam(params, device_state=0) as off:   # the default: everything offloaded
         assert off.counters()["device_state_params"] == 0
 

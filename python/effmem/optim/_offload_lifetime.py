@@ -78,6 +78,8 @@ class OffloadLifetime:
                 # object; tensors the caller took from state_dict() keep theirs alive.
                 self.state = collections.defaultdict(dict)
                 self._views = []
+                if getattr(self, "_resident_opt", None) is not None:   # device_state's GPU state goes too
+                    self._resident_opt.state = collections.defaultdict(dict)
 
     def __del__(self):
         # Dropped without close(): the parameters must still hold every step taken, as after a torch
