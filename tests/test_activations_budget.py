@@ -70,7 +70,7 @@ def test_offloaded_layers_send_their_codes_and_bring_them_back_in_order(monkeypa
     choice = budget_choice(off)
     assert choice["max_offload"] == 3 and choice["modes"] == ["offload"] * 3 + ["fast"], choice
     comp = off._effmem_fast
-    away = [e for e in comp._table.values() if e.offload is not None]
+    away = [e for e in comp.live_entries() if e.offload is not None]
     assert away and all(e.codes is None and e.stats is None for e in away)
     counters = budget_choice(off)["offload_counters"]
     assert counters["layers_sent"] == 3 and counters["layers_back"] == 0

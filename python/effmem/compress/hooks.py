@@ -41,6 +41,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # tensor is at most this many times larger (q, k, v of one qkv: 3); beyond,
 # compressing it would store more than keeping the view does.
 MAX_BASE_GROWTH = 4
+# The dedup table is purged of dead entries when it reaches this many (or twice the live ones after a purge).
+TABLE_PURGE_MIN = 1024
 
 
 class _Entry:
@@ -131,8 +133,11 @@ class ActivationCompressor:
 
     def _init_runtime(self) -> None:
         self._seeds = itertools.count()
-        # Entries live as long as a handle refers to them; the table only finds them.
-        self._table: "weakref.WeakValueDictionary[tuple, _Entry]" = weakref.WeakValueDictionary()
+        # Entries live as long as a handle refers to them; the table only finds them, through plain weak
+        # references (a WeakValueDictionary's set and get cost microseconds per save), the dead ones
+        # purged as the table grows (_remember).
+        self._table: Dict[tuple, weakref.ref] = {}
+        self._purge_at = TABLE_PURGE_MIN
         self._local = threading.local()
         self._model_storages: set = set()
 
@@ -161,7 +166,18 @@ class ActivationCompressor:
     @property
     def live_buffers(self) -> int:
         """Compressed buffers still referred to by some autograd graph."""
-        return len(self._table)
+        return len(self.live_entries())
+
+    def live_entries(self) -> List["_Entry"]:
+        """The compressed entries some autograd graph still refers to."""
+        return [e for e in (ref() for ref in self._table.values()) if e is not None]
+
+    def _remember(self, key: tuple, entry: "_Entry") -> None:
+        """The table's entry for key; first the dead ones go, once it has doubled since the last purge."""
+        if len(self._table) >= self._purge_at:
+            self._table = {k: ref for k, ref in self._table.items() if ref() is not None}
+            self._purge_at = max(TABLE_PURGE_MIN, 2 * len(self._table))
+        self._table[key] = weakref.ref(entry)
 
     # ---------------------------------------------------------------- entering and leaving
 
@@ -327,7 +343,8 @@ class ActivationCompressor:
         handle_args = (tuple(t.shape), t.stride(), t.storage_offset() - offset)
         # Keyed by the memory covered, so every view of it, in any shape, shares one entry.
         key = (storage_key(src), src.dtype, src._version, offset, n)
-        entry = self._table.get(key)
+        ref = self._table.get(key)
+        entry = ref() if ref is not None else None
         # The first saver must still be alive, or its memory may since hold another tensor.
         if entry is not None and entry.origin() is not None:
             entry.saves += 1
@@ -336,7 +353,7 @@ class ActivationCompressor:
                 self._note(t, module, "deduplicated")
             return _Handle(entry, *handle_args)
 
-        flat = src.detach().as_strided((n,), (1,), offset)
+        detached = src.detach()
         entry = _Entry()
         entry.n, entry.dtype, entry.bits, entry.group_size = n, t.dtype, cfg.bits, g
         # The tensor that owns the memory, not src: src is often a temporary view (the 2-D view
@@ -345,16 +362,18 @@ class ActivationCompressor:
         entry.origin = weakref.ref(src._base if src._base is not None else src)
         entry.restored, entry.saves, entry.unpacked, entry.held, entry.offload = None, 1, 0, None, None
         entry.counter, entry.version = _version_handle(src), src._version
+        # the memory covered, in memory order, as the flat run (bool) or the [rows, cols] groups it is
         if t.dtype == torch.bool:
+            flat = detached.as_strided((n,), (1,), offset)
             entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n
             after = entry.codes.numel()
         else:
             entry.rows, entry.cols = rows, cols
             entry.codes, entry.stats = _codec.quantize(
-                flat.view(rows, cols), bits=cfg.bits, group_size=g, seed=cfg.seed + next(self._seeds),
-                stochastic=cfg.stochastic)
+                detached.as_strided((rows, cols), (cols, 1), offset), bits=cfg.bits, group_size=g,
+                seed=cfg.seed + next(self._seeds), stochastic=cfg.stochastic)
             after = entry.codes.numel() + entry.stats.numel() * 4
-        self._table[key] = entry
+        self._remember(key, entry)
         self.stats.record_compressed(dtype_name(t.dtype), module, nbytes, after)
         if self.records is not None:
             self._note(t, module, "compressed")

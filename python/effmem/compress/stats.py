@@ -19,6 +19,15 @@ class Tally:
         self.bytes_after += after
 
 
+def _tally(table: Dict[str, Tally], key: str, before: int, after: int) -> None:
+    """table[key].add(before, after), the Tally made only for a new key: this runs for every saved tensor,
+    and a setdefault would build (and drop) a Tally each time."""
+    t = table.get(key)
+    if t is None:
+        t = table[key] = Tally()
+    t.add(before, after)
+
+
 @dataclass
 class CompressionStats:
     """Saved-for-backward bytes seen by compress_activations.
@@ -86,15 +95,15 @@ class CompressionStats:
         self._record(dtype, module, before, after)
 
     def record_kept(self, reason: str, dtype: str, module: str, nbytes: int) -> None:
-        self.skipped.setdefault(reason, Tally()).add(nbytes, nbytes)
+        _tally(self.skipped, reason, nbytes, nbytes)
         if reason not in NOT_ACTIVATIONS:
             self._record(dtype, module, nbytes, nbytes)
 
     def _record(self, dtype: str, module: str, before: int, after: int) -> None:
         self.total_bytes_before += before
         self.total_bytes_after += after
-        self.by_dtype.setdefault(dtype, Tally()).add(before, after)
-        self.by_module.setdefault(module, Tally()).add(before, after)
+        _tally(self.by_dtype, dtype, before, after)
+        _tally(self.by_module, module, before, after)
 
     def as_dict(self) -> dict:
         """Plain JSON values: totals, ratio and the three breakdowns."""
