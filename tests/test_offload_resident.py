@@ -157,6 +157,31 @@ def test_device_state_refusals_name_the_argument():
         assert len(off.param_groups) == 1
 
 
+def test_gradients_taken_at_step_and_under_ddp():
+    """stream_grads=False (DDP without attach_ddp): every gradient stays in p.grad until step(), which hands the
+    engine its own and steps the kept ones on the device: FusedAdam's bits. attach_ddp, which hands DDP's
+    buckets to the engine as they are reduced, is refused with device_state."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    data = batches(4)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), **HP)
+    with OffloadAdam(model.parameters(), device_state=BUDGET, stream_grads=False, **HP) as off:
+        _train(model, off, ref, fused, data, accum=1, clip=0.05)
+        off.flush()
+        assert_same_training(ref, model, fused, off)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        with OffloadAdam(model.parameters(), device_state=BUDGET, stream_grads=False) as off:
+            with pytest.raises(RuntimeError, match="attach_ddp: not with device_state"):
+                off.attach_ddp(ddp)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.cuda
 def test_cuda_device_state_with_async_step_matches_fused_adam():
     """On the GPU: the resident prefix stepped by the CUDA kernel on the compute stream, the rest uploaded by
