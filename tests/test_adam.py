@@ -135,8 +135,9 @@ def snapshot(opt, params):
     return out
 
 
+@pytest.mark.parametrize("state_bits", [32, 8])
 @pytest.mark.parametrize("isa", effmem._C.supported_cpu_isas().split(","))
-def test_every_cpu_isa_gives_identical_bits(isa):
+def test_every_cpu_isa_gives_identical_bits(isa, state_bits):
     results = {}
     previous = effmem._C.cpu_isa()
     try:
@@ -146,7 +147,7 @@ def test_every_cpu_isa_gives_identical_bits(isa):
             params = make_params(torch.bfloat16, "cpu", [(4097,), (70000,), (3, 5, 7)])
             params += make_params(torch.float16, "cpu", [(1000,)]) + make_params(torch.float32, "cpu", [(999,)])
             grads = [random_grads(params) for _ in range(3)]
-            opt = run_fused(params, grads, lr=1e-2, weight_decay=0.1)
+            opt = run_fused(params, grads, lr=1e-2, weight_decay=0.1, state_bits=state_bits)
             results[name] = snapshot(opt, params)
     finally:
         effmem._C.set_cpu_isa(previous)
