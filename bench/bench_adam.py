@@ -10,6 +10,9 @@ Rows (every one is AdamW, weight decay 0.01, over the same tensors):
                   master.grad, torch AdamW(fused=True) on the masters, master -> bf16 param
   torch fp32      torch AdamW(fused=True) on fp32 params/grads (the reference)
   effmem fp32     fp32 params/grads, no masters, one effmem adam_step_ call
+  effmem bf16 adam8  as effmem bf16 with 8-bit moments (state_bits=8): it moves 16 B/param
+                  (codes 2 read + 2 written instead of 16), so its GB/s at 28 is the rate of the
+                  step it stands in for, not bus traffic; on a CPU it is compute-bound
 
 GB/s always counts 28 bytes per parameter, the traffic of a fused bf16 step
 (grad 2, master/m/v read 12 and written 12, param 2) and equally of an fp32
@@ -33,7 +36,8 @@ from effmem import ops
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = 28
-BYTES_MOVED = {"effmem bf16": 28, "baseline": 40, "torch fp32": 28, "effmem fp32": 28}
+BYTES_MOVED = {"effmem bf16": 28, "baseline": 40, "torch fp32": 28, "effmem fp32": 28,
+               "effmem bf16 adam8": 16 + 16 / 256}   # + a float32 scale per moment per 256 read and written
 DEFAULT_NUMEL = {"cpu": 32 << 20, "cuda": 256 << 20}
 PYTEST_NUMEL = 4 << 20
 # Targets: (name, row, metric, threshold). Metrics are those of the result rows.
@@ -70,22 +74,27 @@ def make_source(shapes, device):
     return weights, grads
 
 
-def build_effmem(source, dtype):
+def build_effmem(source, dtype, state_bits=32):
     """A step of effmem's fused op; bf16 params get fp32 masters, fp32 params none."""
     weights, grads_f32 = source
     device = weights[0].device
     params = [w.to(dtype, copy=True) for w in weights]
     grads = [g.to(dtype, copy=True) for g in grads_f32]
     masters = [w.clone() for w in weights] if dtype != torch.float32 else []
-    exp_avgs = [torch.zeros_like(w) for w in weights]
-    exp_avg_sqs = [torch.zeros_like(w) for w in weights]
+    moment = torch.float32 if state_bits == 32 else torch.uint8
+    exp_avgs = [torch.zeros_like(w, dtype=moment) for w in weights]
+    exp_avg_sqs = [torch.zeros_like(w, dtype=moment) for w in weights]
     steps = [torch.zeros(1, device=device) for _ in weights]
+    eight = {} if state_bits == 32 else dict(   # a float32 scale per moment per block, a salt per tensor
+        exp_avg_scales=[torch.zeros(-(-w.numel() // 256), device=device) for w in weights],
+        exp_avg_sq_scales=[torch.zeros(-(-w.numel() // 256), device=device) for w in weights],
+        salts=list(range(len(weights))))
 
     def step():
         torch._foreach_add_(steps, 1.0)  # the op takes the count after this step
         ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr=LR,
                        beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
-                       decoupled=True)
+                       decoupled=True, **eight)
     return step
 
 
@@ -118,13 +127,14 @@ BUILDERS = {
     "baseline": lambda src: build_torch(src, mixed=True),
     "torch fp32": lambda src: build_torch(src, mixed=False),
     "effmem fp32": lambda src: build_effmem(src, torch.float32),
+    "effmem bf16 adam8": lambda src: build_effmem(src, torch.bfloat16, state_bits=8),
 }
 
 
 def run(device, numel, repeat, warmup):
     """Times every row and the copy, taking turns step by step (see common.time_interleaved).
 
-    All rows are alive at once: about 84 bytes per parameter in all (21 GB at 256M).
+    All rows are alive at once: about 94 bytes per parameter in all (24 GB at 256M).
     """
     shapes = param_shapes(numel)
     source = make_source(shapes, device)

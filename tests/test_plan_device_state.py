@@ -3,6 +3,7 @@ kept on the GPU, as much as the host's share of the update needs to fit behind t
 for byte (GPU and host), timed as the host's share only, and applied as planned."""
 import dataclasses
 
+import pytest
 import torch
 
 import effmem
@@ -25,8 +26,9 @@ def _pair(plan, **want):
 
 def test_device_state_candidates_count_what_they_keep_and_time_the_host_share_only():
     p = effmem.plan("llama-1b", batch=32, seq=2048, accum=4, gpu_memory="80GB", host_memory="128GB", device="cuda")
-    kept, base = _pair(p, precision="bf16", activations="none", loss="standard", state_bits=32, micro_batch=8)
-    assert kept.config.optimizer == "offload_async" and "state-on-gpu" in kept.name and kept.fits
+    kept, base = _pair(p, precision="bf16", activations="none", loss="standard", state_bits=32, micro_batch=8,
+                       optimizer="offload_async")
+    assert "state-on-gpu" in kept.name and kept.fits
     numels = [q.trainable for q in p.spec.params if q.trainable]
     n, _, used = costs.resident(kept.config, dataclasses.replace(costs.Model(0, 0, {}, 0, 0, 0, 0, 0, 0),
                                                                  trainable_numels=tuple(numels)))
@@ -46,11 +48,38 @@ def test_device_state_candidates_count_what_they_keep_and_time_the_host_share_on
     assert (p.trainable_params - n) * per <= fwd < (p.trainable_params - n + last) * per
 
 
+def test_modes_that_wait_for_the_whole_update_keep_what_the_room_holds():
+    """Plain OffloadAdam waits for the whole host update after backward: every tensor kept on the GPU shortens
+    it, so its device_state candidate keeps the longest prefix the room under the budget holds."""
+    from effmem.plan.planner import HEADROOM
+    want = dict(precision="bf16", activations="none", loss="standard", state_bits=32, micro_batch=4,
+                optimizer="offload", device_accumulation=0, device_state=0)
+    probe = effmem.plan("llama-1b", batch=32, seq=2048, accum=8, gpu_memory="80GB", host_memory="128GB",
+                        device="cuda")
+    plain = next(c for c in probe.candidates if all(getattr(c.config, k) == v for k, v in want.items()))
+    assert not any(c.config.device_state for c in probe.candidates if c.config.optimizer == "offload"
+                   and c.config.micro_batch == 4)   # room for every tensor: FusedAdam is that candidate
+    # 8 GB of room: part of the model's 14 B/param
+    p = effmem.plan("llama-1b", batch=32, seq=2048, accum=8, gpu_memory=(plain.cost.peak_bytes + 8e9) / (1 - HEADROOM),
+                    host_memory="128GB", device="cuda")
+    want.pop("device_state")
+    kept, base = _pair(p, **want)
+    budget = p.gpu_memory * (1 - HEADROOM)
+    numels = [q.trainable for q in p.spec.params if q.trainable]
+    n = (kept.cost.allocated_bytes - base.cost.allocated_bytes) // 14
+    nxt = numels[[sum(numels[:k + 1]) for k in range(len(numels))].index(n) + 1]
+    assert kept.fits and kept.cost.peak_bytes <= budget < kept.cost.peak_bytes + 14 * nxt * (1 + costs.FRAGMENTATION)
+    saved = costs.host_adam_s(kept.config, p.rates, n) + 2 * n / p.rates.link_bw - costs.gpu_adam_s(kept.config,
+                                                                                                    p.rates, n)
+    assert base.time_parts["optimizer"] - kept.time_parts["optimizer"] == pytest.approx(saved, rel=1e-6)
+
+
 def test_no_candidate_without_room_or_with_nothing_left_to_offload():
     """A GPU with no room left: none. A model whose whole state would be kept: none either (OffloadAdam refuses
     that; FusedAdam is the candidate there)."""
     p = effmem.plan("llama-1b", batch=32, seq=2048, accum=4, gpu_memory="80GB", host_memory="128GB", device="cuda")
-    _, base = _pair(p, precision="bf16", activations="none", loss="standard", state_bits=32, micro_batch=8)
+    _, base = _pair(p, precision="bf16", activations="none", loss="standard", state_bits=32, micro_batch=8,
+                    optimizer="offload_async")
     tight = effmem.plan("llama-1b", batch=32, seq=2048, accum=4, gpu_memory=base.cost.peak_bytes / 0.95 + 1e6,
                         host_memory="128GB", device="cuda")
     assert not any(c.config.device_state for c in tight.candidates
@@ -75,7 +104,7 @@ def test_apply_gives_offload_adam_the_planned_device_state():
     rates = dataclasses.replace(base, host_adam=1 / (per - 2 / base.link_bw))
     p = effmem.plan(TINY, batch=4, seq=64, accum=1, gpu_memory="80GB", host_memory="8GB", device="cuda", rates=rates)
     c = next(c for c in p.candidates if c.config.device_state and c.config.precision == "bf16"
-             and c.config.state_bits == 32)
+             and c.config.state_bits == 32 and c.config.optimizer == "offload_async")
     p.device = "cpu"
     from test_plan import real_tiny
     model, opt = p.apply(real_tiny(TINY).to(torch.bfloat16), c.name)

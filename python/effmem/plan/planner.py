@@ -103,19 +103,22 @@ def _device_accumulation(cfg: costs.Config, cost: costs.Cost, budget: float, m: 
 
 
 def _device_state(cfg: costs.Config, cost: costs.Cost, budget: float, m: costs.Model, rates) -> int:
-    """OffloadAdam(async_step): the bytes of step state to keep on the GPU for the first trained tensors, so that
-    the host's share of the update fits behind the next forward (no more: the rest of the room stays headroom),
-    within the room left under the budget; 0 where no tensor fits, or where nothing would be left to offload
+    """OffloadAdam(device_state=...): the bytes of step state to keep on the GPU for the first trained tensors,
+    within the room left under the budget. async_step: as much as the host's share of the update needs to fit
+    behind the next forward (no more: the rest of the room stays headroom); the modes that wait for the whole
+    host update: as much as the room holds. 0 where no tensor fits, or where nothing would be left to offload
     (OffloadAdam refuses that: FusedAdam is the candidate then)."""
-    if cfg.optimizer != "offload_async" or cfg.sharding != "none" or cfg.device_accumulation or not rates.link_bw:
+    if cfg.optimizer == "gpu" or cfg.sharding != "none" or cfg.device_accumulation or not rates.link_bw:
         return 0
     room = int((budget - cost.peak_bytes) / (1 + costs.FRAGMENTATION))
     if room <= 0:
         return 0
-    per_param = costs.host_adam_s(cfg, rates, 1) + costs.PRECISIONS[cfg.precision][0] / rates.link_bw
-    need = m.trainable - int(costs.forward_s(m, rates, cfg.precision) / per_param)   # what the forward cannot hide
-    if need <= 0:
-        return 0
+    need = 0   # no bound but the room's
+    if cfg.optimizer == "offload_async":
+        per_param = costs.host_adam_s(cfg, rates, 1) + costs.PRECISIONS[cfg.precision][0] / rates.link_bw
+        need = m.trainable - int(costs.forward_s(m, rates, cfg.precision) / per_param)   # what fwd cannot hide
+        if need <= 0:
+            return 0
     kept_t, _, used = costs.resident(dataclasses.replace(cfg, device_state=room), m, enough=need)
     return used if 0 < kept_t < m.trainable else 0
 
