@@ -13,7 +13,6 @@ The split is a prefix of the optimizer's parameters (for ``model.parameters()``,
 embedding and the first blocks), so every parameter keeps its place in the optimizer: checkpoints, 8-bit
 rounding salts and clipping are those of one FusedAdam over all of them, bit for bit.
 """
-import math
 from typing import Any, Dict, List
 
 import torch

@@ -88,7 +88,7 @@ class Config:
     # over the micro-batches and sent once per step (only with accumulation; 0: every micro-batch sends all).
     device_accumulation: int = 0
     # OffloadAdam(device_state=BYTES): the step state (master, moments, gradient) of the first trained tensors
-    # kept on the GPU and stepped there, up to these bytes (async_step only; 0: all of it on the host).
+    # kept on the GPU and stepped there, up to these bytes (0: all of it on the host).
     device_state: int = 0
 
     @property
