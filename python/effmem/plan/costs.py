@@ -61,7 +61,7 @@ OFFLOAD_PLAIN_ACCUM_EXTRA = 12
 # state_bits=8 (csrc/common/adam8_math.h): both moments in a byte per element and a float32 scale per 256
 # elements each, 2 + 1/32 B/param instead of 8. Its CPU update runs at about half the float32 kernel's rate
 # (0.87 against 1.70 G params/s, 16M bf16 params, on a 2-core AVX-512 host; measured before the block maxima
-# went into vector lanes, which took a 2-core AVX2 host from 0.5 to 0.65-0.8: bench_adam's adam8 row on the
+# went into vector lanes, which took a 2-core AVX2 host from 0.42 to 0.51-0.57: bench_adam's adam8 row on the
 # GPU machine's host should set it again); a GPU step reads and writes
 # grad 2, master 8, codes 4, param 2: 16 B/param for bf16 instead of 28.
 ADAM8_CPU_RATE = 0.5
