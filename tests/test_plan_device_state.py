@@ -1,6 +1,7 @@
-"""effmem plan's OffloadAdam(async_step, device_state=BYTES) candidates: the first trained tensors' step state
-kept on the GPU, as much as the host's share of the update needs to fit behind the next forward, counted byte
-for byte (GPU and host), timed as the host's share only, and applied as planned."""
+"""effmem plan's OffloadAdam(device_state=BYTES) candidates: the first trained tensors' step state kept on the
+GPU (with async_step as much as the host's share of the update needs to fit behind the next forward, otherwise
+as much as the room holds), counted byte for byte (GPU and host), timed as the host's share plus the kept part's
+GPU step, and applied as planned."""
 import dataclasses
 
 import pytest
@@ -17,7 +18,7 @@ TINY = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidde
 
 
 def _pair(plan, **want):
-    """The async candidate with device_state and the one without, otherwise the same."""
+    """The candidate with device_state matching `want` and the one without, otherwise the same."""
     kept = next(c for c in plan.candidates if c.config.device_state and all(
         getattr(c.config, k) == v for k, v in want.items()))
     base = next(c for c in plan.candidates if c.config == dataclasses.replace(kept.config, device_state=0))
