@@ -31,7 +31,8 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from effmem.compress.hooks import ActivationCompressor, _check_version, _Handle, _Kept, _version_handle
+from effmem.compress.hooks import (ActivationCompressor, _check_version, _Handle, _Kept, _version_handle,
+                                   without_grad)
 from effmem.compress import _codec
 from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, value_reason
 from effmem.compress.tracker import storage_key
@@ -248,8 +249,7 @@ class FastCompressor(ActivationCompressor):
                 _check_version(t, packed.version, t.dtype, t.shape, t.device)
             return t
         if cls is _RecipeHandle:
-            with torch.no_grad():
-                return _rebuild(self, packed)
+            return without_grad(_rebuild, self, packed)
         return super()._unpack(packed)
 
 

@@ -97,8 +97,9 @@ def _restore(h: _Handle) -> Tensor:
         if e.dtype == torch.bool:
             flat = _codec.unpack_bool(e.codes, e.n)
         else:
+            # [rows, cols] at storage offset 0: as_strided below reads its storage as the flat memory
             flat = _codec.dequantize(e.codes, e.stats, bits=e.bits, group_size=e.group_size,
-                                     shape=(e.rows, e.cols), dtype=e.dtype).view(-1)
+                                     shape=(e.rows, e.cols), dtype=e.dtype)
         # Saves of one memory (q, k and v of one qkv) unpacked together share
         # one restored buffer, as the originals shared one storage.
         e.restored = weakref.ref(flat)
@@ -386,8 +387,20 @@ class ActivationCompressor:
             t = packed.tensor
             _check_version(t, packed.version, t.dtype, t.shape, t.device)
             return t
-        with torch.no_grad():
-            return _restore(packed)
+        return without_grad(_restore, packed)
+
+
+def without_grad(fn, *args):
+    """fn(*args) with grad mode off (a rebuild or restore must not join a create_graph backward's graph). Not
+    `with torch.no_grad()`: that context costs about 2 us, and this runs for every unpacked save; backward
+    has grad mode off already unless create_graph is set."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    torch._C._set_grad_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        torch._C._set_grad_enabled(True)
 
 
 def _version_handle(t: Tensor) -> Optional[Tensor]:
