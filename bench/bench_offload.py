@@ -142,7 +142,8 @@ def step_comparison(args, device, rows, saved=lambda: None):
                 # of what every parameter's would take): the forward no longer waits for the host to update
                 # the layers it reads first, and the host updates the rest only.
                 ("offload_async_device_state", lambda m: _attached(OffloadAdam(
-                    m.parameters(), lr=LR, async_step=True, device_state=_state_budget(m, getattr(args, "device_state", 0.4))), m)),
+                    m.parameters(), lr=LR, async_step=True,
+                    device_state=_state_budget(m, getattr(args, "device_state", 0.4))), m)),
                 # Gradients summed on the device over the micro-batches, sent once: 4 B/param per step
                 # over the link instead of 2 per micro-batch plus 2 (budget: all of them).
                 ("offload_device_accum", lambda m: OffloadAdam(m.parameters(), lr=LR, device_accumulation=1 << 40))]

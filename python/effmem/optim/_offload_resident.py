@@ -19,31 +19,30 @@ import torch
 from torch import Tensor
 
 from effmem.optim import _adam8, _validate
+from effmem.optim._offload_layout import leading_buckets
 from effmem.optim.clip import _to_device, grad_norm
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "bias_correction")
 
 
+def step_state_bytes(numel: int, master_bytes: int, grad_bytes: int, state_bits: int) -> int:
+    """Device bytes of one tensor's step state: its fp32 master, Adam's moments (float32, or 8-bit codes and a
+    float32 scale per block) and its gradient between backward and step (effmem plan counts with this too)."""
+    moments = 8 * numel if state_bits == 32 else 2 * numel + 8 * _adam8.blocks(numel)
+    return numel * (master_bytes + grad_bytes) + moments
+
+
 def resident_bytes(p: Tensor, state_bits: int) -> int:
-    """Device bytes a parameter's step needs on top of the parameter: its fp32 master (bf16/fp16), Adam's
-    moments (float32, or 8-bit codes and a float32 scale per block) and its gradient between backward and step.
-    A frozen parameter needs none."""
+    """step_state_bytes of a parameter (a master for bf16/fp16 only); a frozen parameter needs none."""
     if not p.requires_grad:
         return 0
     n = _validate.local_tensor(p).numel()
-    master = 4 * n if p.dtype != torch.float32 else 0
-    moments = 8 * n if state_bits == 32 else 2 * n + 8 * _adam8.blocks(n)
-    return master + moments + n * p.element_size()
+    return step_state_bytes(n, 4 if p.dtype != torch.float32 else 0, p.element_size(), state_bits)
 
 
 def resident_prefix(params: List[Tensor], budget: int, state_bits: int) -> int:
     """How many of the first parameters (the optimizer's order) fit together in `budget` device bytes."""
-    used = 0
-    for k, p in enumerate(params):
-        used += resident_bytes(p, state_bits)
-        if used > budget:
-            return k
-    return len(params)
+    return leading_buckets([resident_bytes(p, state_bits) for p in params], budget)
 
 
 class OffloadResident:

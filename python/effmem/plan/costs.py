@@ -265,19 +265,22 @@ def resident(cfg: Config, m: "Model", enough: int = 0) -> Tuple[int, int, int]:
     (effmem.optim._offload_resident.resident_prefix, the optimizer's own rule), or the shortest that holds
     `enough` elements if that is shorter."""
     from effmem.optim._adam8 import blocks
+    from effmem.optim._offload_layout import leading_buckets
+    from effmem.optim._offload_resident import step_state_bytes
     if cfg.optimizer == "gpu" or not cfg.device_state:
         return 0, 0, 0
     _, g_b, master_b, _ = PRECISIONS[cfg.precision]
-    n_kept = b_kept = used = 0
-    for n in m.trainable_numels:
-        b = blocks(n)
-        cost = n * (master_b + g_b) + optimizer_state_bytes(n, cfg.state_bits, b)
-        if used + cost > cfg.device_state:
-            break
-        n_kept, b_kept, used = n_kept + n, b_kept + b, used + cost
-        if enough and n_kept >= enough:
-            break
-    return n_kept, b_kept, used
+    sizes = [step_state_bytes(n, master_b, g_b, cfg.state_bits) for n in m.trainable_numels]
+    k = leading_buckets(sizes, cfg.device_state)
+    if enough:   # the shortest prefix holding `enough` elements, if the budget's is longer
+        total = 0
+        for j, n in enumerate(m.trainable_numels[:k]):
+            total += n
+            if total >= enough:
+                k = j + 1
+                break
+    kept = m.trainable_numels[:k]
+    return sum(kept), sum(blocks(n) for n in kept), sum(sizes[:k])
 
 
 def host_adam_s(cfg: Config, r: Rates, n: int) -> float:

@@ -1,5 +1,4 @@
 """effmem.plan(): every candidate configuration's predicted peak and step time, and the pick."""
-import dataclasses
 import itertools
 import os
 import re
@@ -10,7 +9,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from effmem.optim._validate import whole
-from effmem.plan import costs
+from effmem.plan import costs, offload_room
 from effmem.plan.model import ModelArg, ModelSpec, model_spec
 from effmem.plan.rates import Rates, rates_for
 from effmem.plan.trace import InputsFn, trace_spec
@@ -86,41 +85,6 @@ class Candidate:
                 "device_state": c.device_state,
                 "activation_budget": self.cost.activation_budget,
                 "why": self.why}
-
-
-def _device_accumulation(cfg: costs.Config, cost: costs.Cost, budget: float, m: costs.Model) -> int:
-    """OffloadAdam under accumulation: the gradient bytes to keep on the GPU between micro-batches (sent
-    once per step instead of once per micro-batch), as many whole buckets as the room left under the budget
-    holds; 0 where that is none. Not under torch.distributed: there OffloadAdam takes gradients at step()
-    (DDP reads p.grad after backward hooks), where nothing crosses the link during accumulation anyway."""
-    if cfg.optimizer == "gpu" or cfg.accumulation < 2 or cfg.sharding != "none":
-        return 0
-    g_b = costs.PRECISIONS[cfg.precision][1]
-    room = int((budget - cost.peak_bytes) / (1 + costs.FRAGMENTATION))  # the reserve grows with what is kept
-    if room <= 0:
-        return 0
-    return costs.kept_on_device(dataclasses.replace(cfg, device_accumulation=room), m, g_b)
-
-
-def _device_state(cfg: costs.Config, cost: costs.Cost, budget: float, m: costs.Model, rates) -> int:
-    """OffloadAdam(device_state=...): the bytes of step state to keep on the GPU for the first trained tensors,
-    within the room left under the budget. async_step: as much as the host's share of the update needs to fit
-    behind the next forward (no more: the rest of the room stays headroom); the modes that wait for the whole
-    host update: as much as the room holds. 0 where no tensor fits, or where nothing would be left to offload
-    (OffloadAdam refuses that: FusedAdam is the candidate then)."""
-    if cfg.optimizer == "gpu" or cfg.sharding != "none" or cfg.device_accumulation or not rates.link_bw:
-        return 0
-    room = int((budget - cost.peak_bytes) / (1 + costs.FRAGMENTATION))
-    if room <= 0:
-        return 0
-    need = 0   # no bound but the room's
-    if cfg.optimizer == "offload_async":
-        per_param = costs.host_adam_s(cfg, rates, 1) + costs.PRECISIONS[cfg.precision][0] / rates.link_bw
-        need = m.trainable - int(costs.forward_s(m, rates, cfg.precision) / per_param)   # what fwd cannot hide
-        if need <= 0:
-            return 0
-    kept_t, _, used = costs.resident(dataclasses.replace(cfg, device_state=room), m, enough=need)
-    return used if 0 < kept_t < m.trainable else 0
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -424,13 +388,9 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
             cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
             cost = costs.memory(cfg, m, world, device == "cuda")
             cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
-            # OffloadAdam's variants that keep part of its work on the GPU, in the room the budget leaves
-            variants = [dataclasses.replace(cfg, device_accumulation=_device_accumulation(cfg, cost, budget, m)),
-                        dataclasses.replace(cfg, device_state=_device_state(cfg, cost, budget, m, rates))]
-            for v in variants:
-                if v != cfg:
-                    cands.append(Candidate(v, costs.memory(v, m, world, device == "cuda"),
-                                           costs.step_time(v, m, rates, world)))
+            for v in offload_room.variants(cfg, cost, budget, m, rates):
+                cands.append(Candidate(v, costs.memory(v, m, world, device == "cuda"),
+                                       costs.step_time(v, m, rates, world)))
     for c in cands:
         over = c.cost.peak_bytes - budget
         host_over = c.cost.host_bytes - host_mem * 0.9
