@@ -108,6 +108,37 @@ def test_low_precision_error_at_most_twice_the_unfused_error(device, dtype):
         assert rel(g, r) <= 2 * rel(b, r) + floor
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_minus_infinity_and_nan_logits_behave_as_unfused(device, grad_in_forward):
+    """A -inf logit (a bias masking vocabulary entries, a whole chunk of them here) adds nothing to the
+    log-sum-exp and gets a zero gradient; a NaN hidden state makes its token's loss NaN and leaves the other
+    tokens' losses as they were: the single pass over each chunk keeps both as the unfused path has them."""
+    hidden, weight, target, bias = problem(device=device)
+    with torch.no_grad():
+        bias[256:512] = float("-inf")   # vocabulary chunk 1 of 256, whole
+        bias[700:705] = float("-inf")
+        target[(target >= 256) & (target < 512)] = 3
+        target[(target >= 700) & (target < 705)] = 3
+    kw = dict(reduction="none") if not grad_in_forward else dict(reduction="sum")
+    way = dict(vocab_chunk=256, grad_in_forward=False) if not grad_in_forward else dict(grad_in_forward=True)
+    ref_loss, ref_grads = grads(unfused, hidden, weight, bias, target=target, **kw)
+    loss, got = grads(linear_cross_entropy, hidden, weight, bias, target=target, **way, **kw)
+    assert torch.isfinite(loss).all() and rel(loss, ref_loss) <= 1e-6
+    for a, b in zip(got, ref_grads):
+        assert rel(a, b) <= 1e-5
+    assert (got[2][256:512] == 0).all()
+    with torch.no_grad():
+        poisoned = hidden.detach().clone()
+        poisoned[5] = float("nan")
+    loss = linear_cross_entropy(poisoned, weight.detach(), target, bias.detach(), reduction="none",
+                                vocab_chunk=256)
+    ref = unfused(poisoned, weight.detach(), target, bias.detach(), reduction="none")
+    assert torch.isnan(loss[5]) and torch.isnan(ref[5])
+    keep = torch.arange(len(loss), device=loss.device) != 5
+    assert rel(loss[keep], ref[keep]) <= 1e-6
+
+
 def test_every_target_ignored_gives_nan_like_torch():
     hidden, weight, target, bias = problem()
     target[:] = -100

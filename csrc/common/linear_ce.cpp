@@ -27,6 +27,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "common/checks.h"
@@ -60,6 +61,32 @@ at::Tensor mm_float(const at::Tensor& a, const at::Tensor& b) {
     }
   }
   return at::mm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+// acc += a @ b in one product that reads acc and adds to it in float32, where that exists: float32
+// operands (addmm_), or bf16/fp16 ones on CUDA through ATen's addmm with an output dtype and acc as both
+// input and output (cuBLAS with beta = 1: no [rows, cols] temporary, no separate pass over acc). Returns
+// false where this torch has no such product (an older one takes only a self of the operands' dtype, and
+// says so before it touches acc); the caller then adds float32 products of bounded size.
+bool addmm_float_(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) {
+    acc.addmm_(a, b);
+    return true;
+  }
+  if (!a.is_cuda()) return false;
+  static const auto op = c10::Dispatcher::singleton().findSchema({"aten::addmm", "dtype_out"});
+  static std::atomic<bool> works{op.has_value()};
+  if (!works.load()) return false;
+  try {
+    at::Tensor out = acc;
+    op->typed<at::Tensor&(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType,
+                          const at::Scalar&, const at::Scalar&, at::Tensor&)>()
+        .call(acc, a, b, at::kFloat, 1, 1, out);
+    return true;
+  } catch (const c10::Error&) {
+    works.store(false);
+    return false;
+  }
 }
 
 void check_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -108,11 +135,20 @@ at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& rows, const 
 // then take about 1% of what the unfused path's logits and their gradients hold, 12 bytes per logit), in
 // multiples of 8, at least 128 (thinner products run poorly: 64 rows took 1.15x the time of 128 on this
 // 2-core CPU at 2048 x 32000 x 512), at most kChunkBytes of float32 logits.
-int64_t token_chunk_size(int64_t tokens, int64_t vocab, int64_t requested) {
+//
+// Where a bf16/fp16 weight's gradient is summed in its float32 [V, H] buffer on CUDA, each chunk's product
+// reads and writes that buffer once (8 bytes per element) for 2 * tb FLOP per element: at the 256 tokens
+// the rule above gives a 128k vocabulary that traffic, not the products, set the time (an H100 does
+// about 200 FLOP per byte). There a chunk is at least min(2048, H / 2) tokens: its float32 logits then
+// take at most half the buffer's memory, which this way already costs.
+int64_t token_chunk_size(int64_t tokens, int64_t vocab, int64_t hidden_size, bool sums_in_buffer,
+                         int64_t requested) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(tokens, 1));
   const int64_t fit = std::max<int64_t>(8, kChunkBytes / (4 * vocab) / 8 * 8);
   const int64_t share = std::max<int64_t>(128, tokens / 32 / 8 * 8);
-  return std::max<int64_t>(1, std::min({tokens, share, fit}));
+  int64_t tb = std::min(share, fit);
+  if (sums_in_buffer) tb = std::max(tb, std::min<int64_t>(2048, hidden_size / 2 / 8 * 8));
+  return std::max<int64_t>(1, std::min(tokens, tb));
 }
 
 // loss = (1 - eps)(lse - c_t) + eps (lse - mean c), 0 for ignored tokens
@@ -125,13 +161,10 @@ at::Tensor token_loss(const CeState& st, const at::Tensor& lse, const at::Tensor
   return loss.masked_fill(target == ignore_index, 0.0);
 }
 
-// acc += dz^T h, float32 [V, H]. Float32 operands sum in place; bf16/fp16 ones (CUDA) go through float32
-// products of a vocabulary slice at a time, so the temporary stays at kChunkBytes.
+// acc += dz^T h, float32 [V, H], in place (addmm_float_); where that product does not exist, through
+// float32 products of a vocabulary slice at a time, so the temporary stays at kChunkBytes.
 void add_weight_grad(const at::Tensor& acc, const at::Tensor& dz, const at::Tensor& h) {
-  if (dz.scalar_type() == at::kFloat && h.scalar_type() == at::kFloat) {
-    acc.addmm_(dz.t(), h);
-    return;
-  }
+  if (addmm_float_(acc, dz.t(), h)) return;
   const int64_t vocab = acc.size(0), slice = std::max<int64_t>(128, kChunkBytes / (4 * std::max<int64_t>(acc.size(1), 1)));
   for (int64_t v0 = 0; v0 < vocab; v0 += slice) {
     const int64_t len = std::min(slice, vocab - v0);
@@ -198,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   // logits' and the hidden gradient's products both read it in float there; CUDA reads it as it is).
   const at::Tensor w = gemm_input(weight);   // hidden's dtype (check_args), so dz_dtype too
   const bool need_sum = label_smoothing > 0.0;
-  const int64_t tb = token_chunk_size(n, vocab, token_chunk);
+  const bool sums_in_buffer = want_w && hidden.is_cuda() && weight.scalar_type() != at::kFloat;
+  const int64_t tb = token_chunk_size(n, vocab, hidden.size(1), sums_in_buffer, token_chunk);
   for (int64_t a = 0; a < n; a += tb) {
     const int64_t len = std::min(tb, n - a);
     const at::Tensor hb = h.narrow(0, a, len), tgt = target.narrow(0, a, len);
@@ -252,15 +286,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
       const at::Tensor wg = gemm_input(weight.narrow(0, v0, len));
       const at::Tensor dz = k.grad(chunk_logits(h, wg, bias, v0), v0, target, lse, g, label_smoothing,
                                    vocab, softcap, dz_dtype);
-      if (want_h) {
+      // summed in place where the product can (no [N, H] temporary per chunk), else a block of rows at a time
+      if (want_h && !addmm_float_(grad_h32, dz, wg)) {
         for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
           const int64_t rows = std::min(kRowBlock, n - r0);
-          at::Tensor acc = grad_h32.narrow(0, r0, rows);
-          if (dz_dtype == at::kFloat && wg.scalar_type() == at::kFloat) {
-            acc.addmm_(dz.narrow(0, r0, rows), wg);  // summed in place: no [rows, H] temporary per chunk
-          } else {
-            acc.add_(mm_float(dz.narrow(0, r0, rows), wg));
-          }
+          grad_h32.narrow(0, r0, rows).add_(mm_float(dz.narrow(0, r0, rows), wg));
         }
       }
       if (want_w) {

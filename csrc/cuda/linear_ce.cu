@@ -1,9 +1,9 @@
 // CUDA chunk work of the fused linear cross-entropy (driver in
 // common/linear_ce.cpp, formulas in common/linear_ce_math.h). One block per
-// token: the forward reads the token's chunk of logits twice (max, then the
-// sum of exponentials, the target's logit and the plain sum) and merges them
-// into the token's running log-sum-exp; the backward turns each logit into
-// d loss / d logit in one pass. Nothing is read back to the host: a target
+// token: the forward reads the token's chunk of logits once (a running max and
+// sum of exponentials per thread, the target's logit and the plain sum) and
+// merges them into the token's running log-sum-exp; the backward turns each
+// logit into d loss / d logit in one pass. Nothing is read back to the host: a target
 // outside [0, V) that is not ignore_index leaves the token's target logit
 // NaN, so its loss is NaN rather than a device assert.
 #include <ATen/TensorOperators.h>
@@ -37,35 +37,76 @@ __device__ float block_reduce(float x, Op op, float identity) {
   return x;  // in every thread
 }
 
-struct MaxOp {
-  __device__ float operator()(float a, float b) const { return a > b ? a : b; }
-};
 struct SumOp {
   __device__ float operator()(float a, float b) const { return a + b; }
 };
 
+// Adds logit c to a thread's running (max m, sum s of exp(c - m)): one exp per logit. A -inf logit adds
+// nothing; a NaN one makes m and s NaN, so the token's loss is NaN, as torch's.
+__device__ __forceinline__ void lse_add(float c, float& m, float& s) {
+  if (c > m) {
+    s = s * expf(m - c) + 1.0f;  // m = -inf at first: s is 0 then
+    m = c;
+  } else if (c != -INFINITY) {
+    s += expf(c - m);
+    if (c != c) m = c;
+  }
+}
+
+// Rows of a multiple of 4 logits are read 16 bytes at a time (at::empty's rows are then 16-byte aligned).
+__device__ __forceinline__ bool rows_of_float4(const float* z, int64_t len) {
+  return len % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
+}
+
+// Calls f(j, z[j]) for each logit j of a row, spread over the block's threads.
+template <class F>
+__device__ __forceinline__ void for_each_logit(const float* zr, int64_t len, bool vec, F f) {
+  if (vec) {
+    const float4* z4 = reinterpret_cast<const float4*>(zr);
+    for (int64_t q = threadIdx.x; q < len / 4; q += kCeThreads) {
+      const float4 v = z4[q];
+      f(4 * q, v.x);
+      f(4 * q + 1, v.y);
+      f(4 * q + 2, v.z);
+      f(4 * q + 3, v.w);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < len; j += kCeThreads) f(j, zr[j]);
+  }
+}
+
+// One pass over the token's chunk: each thread's running (max, sum of exp), merged over the block, then
+// into the token's running log-sum-exp.
 __global__ void __launch_bounds__(kCeThreads)
     ce_forward_kernel(const float* __restrict__ z, int64_t len, int64_t v0, const int64_t* __restrict__ target,
                       float cap, bool need_sum, float* __restrict__ m, float* __restrict__ s,
                       float* __restrict__ c_target, float* __restrict__ c_sum) {
   const int64_t row = blockIdx.x;
   const float* zr = z + row * len;
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < len; j += kCeThreads) {
-    const float c = ce_softcap(zr[j], cap);
-    mx = c > mx ? c : mx;
-  }
-  const float cmax = block_reduce(mx, MaxOp{}, -INFINITY);
-  float se = 0.0f, sum = 0.0f;
-  for (int64_t j = threadIdx.x; j < len; j += kCeThreads) {
-    const float c = ce_softcap(zr[j], cap);
-    se += expf(c - cmax);
+  float tm = -INFINITY, ts = 0.0f, sum = 0.0f;
+  for_each_logit(zr, len, rows_of_float4(z, len), [&](int64_t, float zj) {
+    const float c = ce_softcap(zj, cap);
+    lse_add(c, tm, ts);
     sum += c;
+  });
+  // the block's (max, sum): merged pairwise, a warp with shuffles, then the warps through shared memory
+  __shared__ float pm[kCeThreads / 32], ps[kCeThreads / 32];
+  for (int off = 16; off > 0; off /= 2) {
+    const float om = __shfl_xor_sync(0xffffffffu, tm, off), os = __shfl_xor_sync(0xffffffffu, ts, off);
+    const OnlineLse merged = lse_merge(OnlineLse{tm, ts}, om, os);
+    tm = merged.m;
+    ts = merged.s;
   }
-  const float csum = block_reduce(se, SumOp{}, 0.0f);
-  const float plain = need_sum ? block_reduce(sum, SumOp{}, 0.0f) : 0.0f;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) {
+    pm[warp] = tm;
+    ps[warp] = ts;
+  }
+  const float plain = need_sum ? block_reduce(sum, SumOp{}, 0.0f) : 0.0f;  // synchronises the block
+  __syncthreads();
   if (threadIdx.x == 0) {
-    const OnlineLse merged = lse_merge(OnlineLse{m[row], s[row]}, cmax, csum);
+    OnlineLse merged{m[row], s[row]};
+    for (int w = 0; w < kCeThreads / 32; ++w) merged = lse_merge(merged, pm[w], ps[w]);
     m[row] = merged.m;
     s[row] = merged.s;
     const int64_t local = target[row] - v0;
@@ -74,8 +115,8 @@ __global__ void __launch_bounds__(kCeThreads)
   }
 }
 
-// z and dz may be one buffer (float32 gradients written over the logits): each thread reads its logit
-// before it writes that element's gradient, so neither is __restrict__.
+// z and dz may be one buffer (float32 gradients written over the logits): each thread reads its logits
+// before it writes those elements' gradients, so neither is __restrict__.
 template <class T>
 __global__ void __launch_bounds__(kCeThreads)
     ce_grad_kernel(const float* z, int64_t len, int64_t v0, const int64_t* __restrict__ target,
@@ -84,10 +125,11 @@ __global__ void __launch_bounds__(kCeThreads)
   const int64_t row = blockIdx.x;
   const float lse_r = lse[row], g_r = g[row];
   const int64_t t = target[row] - v0;
-  for (int64_t j = threadIdx.x; j < len; j += kCeThreads) {
-    const float c = ce_softcap(z[row * len + j], cap);
-    from_float(dz + row * len + j, ce_logit_grad(c, lse_r, j == t, g_r, eps, vocab, cap));
-  }
+  T* out = dz + row * len;
+  for_each_logit(z + row * len, len, rows_of_float4(z, len), [&](int64_t j, float zj) {
+    const float c = ce_softcap(zj, cap);
+    from_float(out + j, ce_logit_grad(c, lse_r, j == t, g_r, eps, vocab, cap));
+  });
 }
 
 void forward_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, double cap, bool need_sum,
