@@ -141,17 +141,23 @@ def main(argv=None):
         r["vs_unfused"] = r["median_ms"] / base["median_ms"]
         r["peak_vs_unfused"] = r["peak_bytes"] / base["peak_bytes"]
         r["peak_gib"] = r["peak_bytes"] / 2 ** 30
-    fused, compiled = rows[2], rows[1]
-    targets = [
-        {"name": "fused extra peak <= 3% of unfused", "measured": fused["peak_vs_unfused"], "threshold": 0.03,
-         "met": fused["peak_vs_unfused"] <= 0.03},
-        {"name": "fused no slower than unfused eager", "measured": fused["vs_unfused"], "threshold": 1.0,
-         "met": fused["vs_unfused"] <= 1.0},
-    ]
-    if gpu:
-        ratio = fused["median_ms"] / compiled["median_ms"]
-        targets.append({"name": "fused within 1.1x of unfused torch.compile", "measured": ratio, "threshold": 1.1,
-                        "met": ratio <= 1.1})
+    compiled = rows[1]
+    targets = []
+    # The default ("fused": the logits recomputed in backward for a trained bf16 weight) is the memory
+    # choice, grad_in_forward=True the speed one (three products, a float32 weight-gradient buffer): the
+    # issue's targets for each, so the JSON says which one meets which.
+    for row in (rows[2], rows[4]):
+        tag = "fused" if row is rows[2] else "fused grad_in_forward=True"
+        targets += [
+            {"name": f"{tag} extra peak <= 3% of unfused", "measured": row["peak_vs_unfused"], "threshold": 0.03,
+             "met": row["peak_vs_unfused"] <= 0.03},
+            {"name": f"{tag} no slower than unfused eager", "measured": row["vs_unfused"], "threshold": 1.0,
+             "met": row["vs_unfused"] <= 1.0},
+        ]
+        if gpu:
+            ratio = row["median_ms"] / compiled["median_ms"]
+            targets.append({"name": f"{tag} within 1.1x of unfused torch.compile", "measured": ratio,
+                            "threshold": 1.1, "met": ratio <= 1.1})
     env = common.environment(device)
     print(f"{env['device_name']} ({device}), torch {env['torch_version']}, commit {str(env['git_commit'])[:12]}")
     print(f"{args.tokens} tokens x {args.vocab} vocab x {args.hidden} hidden, {args.dtype}; forward + backward, "

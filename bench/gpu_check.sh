@@ -12,15 +12,17 @@
 # start included (about a minute), and a command 10, and lets the machine go 30 s after a command ends (the
 # next call then starts cold and builds again: a minute on 16 cores), so make the calls back to back: a
 # session fits about two. The limits below are each part's ceiling; what a part takes is shorter (measured
-# on 2026-11-26: build 70 s, cuda_tests 140 s, offload 170 s, activations 270 + 60 s). In the order the open
-# issues need them, one call each (limits in seconds):
+# on 2026-11-26: build 70-80 s, cuda_tests 140 s, offload 200 s, activations 270 + 60 s; bench_compress 8-bit
+# 30 s, 4-bit without compile 20 s, linear_ce 55 s). In the order the open issues need them, one call each
+# (limits in seconds):
 #   done 2026-11-26 (bench/results/2026-11-26-h100-1cfb2b0): build cuda_tests offload; build activations
-#   1. build cuda_tests offload      300 + 260 + 250: the CUDA tests again (two failed in transformers' code,
-#                                    fixed since; device_state's CUDA test is new), issue 12's exact mode
-#                                    with device_state (the offload_async_device_state row, 1.10x target)
-#   2. build activations             300 + 330 + 130: issue 10 again (per-layer compile fix, loss on text)
-#   then, a session each: build linear_ce plan (issues 13, 11); build capacity (issue 12, 7B: the plan may
-#   pick device_state now); build offload capacity_13b; build tests bench demo (the whole suite, the kernels).
+#   done 2026-11-26 (bench/results/2026-11-26-h200-*): build cuda_tests offload + the compress kernels +
+#                                    linear_ce; linear_ce again after its fix
+#   1. build activations             300 + 330 + 130: issue 10 again (per-layer compile fix, loss on text,
+#                                    the "fast" step with the rewritten kernels)
+#   2. build offload (back to back)  issue 12's device_state row at its new 0.5 share (1.10x target)
+#   then, a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
+#   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
