@@ -60,6 +60,32 @@ def test_loss_and_gradients_match_the_model_s_own(family):
         assert got.aux_loss is not None and torch.equal(got.aux_loss, ref.aux_loss)
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_grad_in_forward_is_passed_to_every_loss(monkeypatch, grad_in_forward):
+    """fuse_linear_cross_entropy(model, grad_in_forward=...) reaches linear_cross_entropy, and either way
+    the loss and gradients are the model's own."""
+    from effmem import linear_ce_hf
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("grad_in_forward", "missing"))
+        return effmem.linear_cross_entropy(*args, **kwargs)
+    monkeypatch.setattr(linear_ce_hf, "linear_cross_entropy", spy)
+    torch.manual_seed(0)
+    model = FAMILIES["llama"]()
+    fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(model), grad_in_forward=grad_in_forward)
+    x, y = batch()
+    ref, got = model(input_ids=x, labels=y).loss, fused(input_ids=x, labels=y).loss
+    assert seen == [grad_in_forward]
+    assert abs(got.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    ref.backward()
+    got.backward()
+    for a, b in zip(model.parameters(), fused.parameters()):
+        assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max() + 1e-12
+    with pytest.raises(ValueError, match="grad_in_forward: expected None, True or False, got 'yes'"):
+        effmem.fuse_linear_cross_entropy(FAMILIES["llama"](), grad_in_forward="yes")
+
+
 def test_num_items_in_batch_and_inference_untouched():
     model = FAMILIES["llama"]()
     fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(model))
