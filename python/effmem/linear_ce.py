@@ -144,9 +144,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             mean: made before backward brings the loss scale, its logits' gradient would flush to zero;
             True raises there). True also for a trained bf16/fp16
             weight, whose gradient is then summed in a float32 buffer while the loss runs (4 bytes per
-            weight element, 2 more than the gradient) for one product fewer. False: always recompute.
+            weight element, 2 more than the gradient) for one product fewer: on an H200 at 16k tokens x
+            128k x 4096 in bf16, 0.92x the unfused path's time (recomputing: 1.25x) for 0.11x of its
+            extra memory (recomputing: 0.013x). False: always recompute.
         token_chunk: with gradients made in forward, tokens per chunk of whole rows of logits; 0 chooses
-            1/32 of the tokens (at least 128, at most 128 MB of float32 logits).
+            1/32 of the tokens (at least 128, at most 128 MB of float32 logits; on CUDA, for a trained
+            bf16/fp16 weight, at least min(2048, H / 2): each chunk reads and writes its float32 buffer).
 
     Logits and their softmax are computed in float32 from products that accumulate in float32
     (bf16/fp16 products on CUDA round once, to float32); the loss is float32. Under autocast the
