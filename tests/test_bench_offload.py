@@ -46,7 +46,8 @@ def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch)
                   "offload_device_accum"):
         assert loss[exact] == loss["fused"], exact   # same start, same data, same math
     kept = {r["name"]: r["device_state_fraction"] for r in rows if "device_state_fraction" in r}
-    assert 0.2 < kept.pop("offload_async_device_state") <= 0.4 and set(kept.values()) == {0.0}
+    share = bench.DEVICE_STATE_SHARE   # a prefix of whole buckets: at most the share, not far below it
+    assert share / 2 < kept.pop("offload_async_device_state") <= share and set(kept.values()) == {0.0}
     assert loss["torchao_offload"] != loss["fused"]  # torch AdamW's rounding differs, but it trained
     assert abs(loss["torchao_offload"] / loss["fused"] - 1) < 1e-3
     assert rows[-1]["device_state_bytes"] == sum(p.numel() * p.element_size()
