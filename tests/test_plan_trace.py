@@ -96,9 +96,27 @@ def test_fused_loss_shares_the_standard_traces_layers(cfg, target):
         assert getattr(shared, read)() == getattr(full, read)(), read
     for kind in ("logits", "attention", "mlp", "norm", "block", "other", None):
         assert shared.largest(kind) == full.largest(kind), kind
-    for value in ("matmul_flops", "attention_flops", "selective_recompute_bytes", "has_fast"):
+    for value in ("matmul_flops", "attention_flops", "selective_recompute_bytes", "head_recompute_flops",
+                  "has_fast"):
         assert getattr(shared, value) == getattr(full, value), value
     assert shared.activations("none")["logits"] != standard.activations("none")["logits"]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("target,dtype,recomputed", [("cuda", torch.bfloat16, True), ("cpu", torch.float32, False)])
+def test_fused_loss_counts_the_head_s_products(cfg, target, dtype, recomputed):
+    """The fused loss's logits product counts as the unfused head's does (the custom op is no aten matmul the
+    FLOP counter knows), and where its backward recomputes the logits (a trained bf16 head on a GPU) that
+    product is counted once more; made in forward with the gradients (a float32 head), it is not."""
+    spec = model_spec(cfg)
+    batch, seq = 2, 64
+    standard = trace_spec(spec, batch, seq, dtype, target)
+    fused = trace_spec(spec, batch, seq, dtype, target, fused_loss=True)
+    hidden, vocab = cfg.get("hidden_size", cfg.get("n_embd")), cfg["vocab_size"]
+    head = 2.0 * batch * seq * hidden * vocab
+    assert fused.matmul_flops == pytest.approx(standard.matmul_flops, rel=1e-9)
+    assert standard.head_recompute_flops == 0
+    assert fused.head_recompute_flops == (head if recomputed else 0)
 
 
 def test_module_trace_equals_real_saved_bytes_demo_gpt():

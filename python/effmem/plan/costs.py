@@ -131,6 +131,7 @@ class Model:
     offload_buckets: tuple = ()              # elements per OffloadAdam bucket, in the engine's order (the planner
                                              # sets it; none: device_accumulation keeps nothing)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
+    head_recompute_flops: float = 0.0        # the fused loss's logits product, made again in backward
     state_blocks: int = 0                    # 8-bit Adam's blocks over the trained tensors (ModelSpec.state_blocks)
     trainable_numels: tuple = ()             # trained elements per tensor, the optimizer's order (device_state)
 
@@ -321,7 +322,7 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     """Seconds per optimizer step, by part."""
     rate = matmul_rate(m, r, cfg.precision)
     fwd = forward_s(m, r, cfg.precision)
-    bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops) / rate
+    bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops + m.head_recompute_flops) / rate
     recompute = fwd if cfg.activations in ("checkpoint", "checkpoint8") else 0.0
     if cfg.activations == "selective":
         # No product runs again: the norms and elementwise ops do, at the device's memory bandwidth.

@@ -112,6 +112,7 @@ class Trace:
     fast_compressed_bytes: int = 0   # plain bytes of what it quantised (the work of its kernels)
     fast_codes_bytes: int = 0        # what that became: codes and statistics (what "offload" moves to the host)
     selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
+    head_recompute_flops: float = 0.0  # the fused loss's logits product, made again in backward (recompute path)
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
         """(record, counts as saved activation) pairs that stay alive until backward under a strategy."""
@@ -315,6 +316,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     tr.matmul_flops = float(counter.flops)
     tr.attention_flops = flops.attention
     tr.selective_recompute_bytes = flops.recompute_bytes
+    tr.head_recompute_flops = counter.head_recompute_flops
     return tr
 
 
@@ -424,6 +426,10 @@ class Extrapolated:
     @property
     def attention_flops(self) -> float:
         return self._lin(lambda t: t.attention_flops)
+
+    @property
+    def head_recompute_flops(self) -> float:
+        return self._lin(lambda t: t.head_recompute_flops)
 
 
 def _diff(b, a):

@@ -194,6 +194,7 @@ class _Counter(TorchDispatchMode):
     def __init__(self, target: str, sel: Optional[_Flops] = None):
         super().__init__()
         self.flops = 0.0
+        self.head_recompute_flops = 0.0  # products the fused loss's backward runs again (see below)
         self.target = target
         self.sel = sel  # where selective checkpointing's keeps and recompute traffic are counted
 
@@ -215,6 +216,15 @@ class _Counter(TorchDispatchMode):
         elif packet is torch.ops.aten._grouped_mm:
             # [tokens, k] x [experts, k, n]: each token row meets one expert's matrix.
             self.flops += 2.0 * out.numel() * args[0].shape[-1]
+        elif packet in _FUSED_CE:
+            # effmem.linear_cross_entropy: the logits' product, as the unfused head's (the step model counts
+            # backward's two from it). Made in forward with the gradients, that is all; recomputed, backward
+            # makes the logits again: one product more.
+            tokens, hidden = args[0].shape
+            product = 2.0 * tokens * hidden * args[1].shape[0]
+            self.flops += product
+            if packet is torch.ops.effmem.linear_ce_forward:
+                self.head_recompute_flops += product
         return out
 
     def _selective(self, packet, args, out) -> None:
@@ -232,6 +242,9 @@ class _Counter(TorchDispatchMode):
         new = [t for t in outs if _storage_id(t) not in inputs]
         if new:
             self.sel.recompute_bytes += sum(t.nbytes for t in new) + sum(t.nbytes for t in ins)
+
+
+_FUSED_CE = (torch.ops.effmem.linear_ce_forward, torch.ops.effmem.linear_ce_forward_backward)
 
 
 def _storage_id(t: Tensor) -> int:
