@@ -1,5 +1,6 @@
 """fuse_linear_cross_entropy on real transformers models (random weights, built from configs)."""
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -25,6 +26,28 @@ FAMILIES = {
 }
 
 
+def _tiny(config: str, model: str, **extra):
+    return lambda: getattr(transformers, model)(getattr(transformers, config)(**SMALL, **extra))
+
+
+# The other families fuse_linear_cross_entropy knows, each checked against its own loss once.
+MORE_FAMILIES = {
+    "qwen2_moe": _tiny("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=64, output_router_logits=True),
+    "qwen3_moe": _tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, output_router_logits=True),
+    "gemma": _tiny("GemmaConfig", "GemmaForCausalLM", head_dim=16),
+    "phi3": _tiny("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+    "phi": _tiny("PhiConfig", "PhiForCausalLM"),
+    "olmo": _tiny("OlmoConfig", "OlmoForCausalLM"),
+    "olmo2": _tiny("Olmo2Config", "Olmo2ForCausalLM"),
+    "stablelm": _tiny("StableLmConfig", "StableLmForCausalLM"),
+    "starcoder2": _tiny("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "glm": _tiny("GlmConfig", "GlmForCausalLM", head_dim=16, pad_token_id=0),
+    "glm4": _tiny("Glm4Config", "Glm4ForCausalLM", head_dim=16, pad_token_id=0),
+}
+
+
 def batch(seed=0, b=2, t=16):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 512, (b, t), generator=g)
@@ -41,10 +64,10 @@ def _quiet():
         yield
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES) + list(MORE_FAMILIES))
 def test_loss_and_gradients_match_the_model_s_own(family):
     torch.manual_seed(0)
-    model = FAMILIES[family]()
+    model = {**FAMILIES, **MORE_FAMILIES}[family]()
     fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(model))
     x, y = batch()
     ref, got = model(input_ids=x, labels=y), fused(input_ids=x, labels=y)
@@ -131,11 +154,12 @@ def test_copies_and_pickles_run_themselves(family):
 
 
 def test_unknown_model_is_a_clear_error():
-    from transformers import GemmaConfig, GemmaForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    with pytest.raises(TypeError, match="fuse_linear_cross_entropy knows LlamaForCausalLM.*got GemmaForCausalLM"):
+    # Gemma 2 soft-caps its logits before the loss: not a family the fused loss can stand in for
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(TypeError, match="fuse_linear_cross_entropy knows LlamaForCausalLM.*got Gemma2ForCausalLM"):
         effmem.fuse_linear_cross_entropy(gemma)
     with pytest.raises(TypeError, match="got Linear"):
         effmem.fuse_linear_cross_entropy(torch.nn.Linear(3, 3))
@@ -176,6 +200,23 @@ def test_tiny_llama_trains_the_same_in_bf16():
     assert diff(fused, f32) <= 0.005
     assert diff(fused, own) <= 1.25 * diff(f32, own) + 0.002
     assert abs(fused[-5:].mean() - own[-5:].mean()) <= 0.01 * own[-5:].mean()
+
+
+def test_a_forward_that_changes_the_logits_is_refused():
+    """Scaled or soft-capped logits (Granite, Cohere, Gemma 2) would reach the loss as hidden states: such a
+    forward is refused, also for a family on the list whose forward gains such a line."""
+    from effmem.linear_ce_hf import _feeds_head_to_loss
+    plain = "logits = self.lm_head(h[:, s, :])\nloss = None\nif labels is not None:\n    loss = self.loss_function(logits)"
+    assert _feeds_head_to_loss(plain)
+    for line in ("logits = logits / self.config.logits_scaling", "logits = logits * self.logit_scale",
+                 "logits *= 2", "logits.div_(3)", "logits = torch.tanh(logits / cap) * cap"):
+        assert not _feeds_head_to_loss(plain.replace("loss = None", line + "\nloss = None")), line
+    assert _feeds_head_to_loss(plain.replace("loss = None", "if logits == 0:\n    pass\nloss = None"))  # reads only
+    assert not _feeds_head_to_loss("loss = self.loss_function(x)\nlogits = self.lm_head(h)")  # loss first
+    for name in ("GraniteForCausalLM", "CohereForCausalLM", "Gemma2ForCausalLM"):
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            assert not _feeds_head_to_loss(inspect.getsource(cls.forward)), name
 
 
 def test_a_forward_another_library_put_on_the_head_or_model_is_kept():

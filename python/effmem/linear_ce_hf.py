@@ -1,6 +1,6 @@
 """Hugging Face causal LMs computing their training loss with effmem.linear_cross_entropy.
 
-    model = effmem.fuse_linear_cross_entropy(model)     # LlamaForCausalLM, Mistral, Mixtral, Qwen2/3, GPT-2
+    model = effmem.fuse_linear_cross_entropy(model)     # Llama, Mistral, Qwen, GPT-2, ... (SUPPORTED)
     loss = model(input_ids=x, labels=y).loss            # no [batch, seq, vocab] logits
     effmem.unfuse_linear_cross_entropy(model)           # as it was
 
@@ -11,6 +11,7 @@ making logits and its ``loss_function`` computes the fused loss from them. The o
 """
 import functools
 import inspect
+import re
 from typing import Optional
 
 import torch
@@ -20,9 +21,32 @@ from torch import Tensor, nn
 from effmem.linear_ce import linear_cross_entropy
 
 # Families whose forward feeds lm_head's output straight into loss_function (no logit
-# soft-capping or scaling in between, which the passed-through hidden states would get).
+# soft-capping or scaling in between, which the passed-through hidden states would get), each
+# tested against its own loss (tests/test_linear_ce_hf.py). Not Gemma 2/3 (soft-capping), Granite or
+# Cohere (scaled logits): _feeds_head_to_loss refuses those, and any listed family whose forward
+# changes so in some transformers release.
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen3ForCausalLM", "GPT2LMHeadModel")
+             "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GPT2LMHeadModel",
+             "GemmaForCausalLM", "Phi3ForCausalLM", "PhiForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
+             "StableLmForCausalLM", "Starcoder2ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
+
+# After the head's call, a statement that changes the logits before the loss sees them.
+_CHANGES_LOGITS = re.compile(r"\blogits\s*(=|\*=|/=|\+=|-=)(?!=)|\blogits\.(mul|div|add|sub|clamp|tanh)_?\(")
+
+
+def _feeds_head_to_loss(source: str) -> bool:
+    """Whether a forward's source calls the head, then the loss on what it returned, with nothing
+    changing the logits in between and no soft-capping anywhere."""
+    head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
+    if head < 0 or loss < head or "softcap" in source:
+        return False
+    between = source[source.find("\n", head) + 1:loss]
+    return _CHANGES_LOGITS.search(between) is None
+
+
+def knows(model: nn.Module) -> bool:
+    """Whether fuse_linear_cross_entropy can take this model's class (effmem plan asks too)."""
+    return type(model).__name__ in SUPPORTED and _feeds_head_to_loss(inspect.getsource(type(model).forward))
 
 
 def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
@@ -74,9 +98,7 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     if getattr(model, "_effmem_fused_forward", None) is not None:
         return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    source = inspect.getsource(type(model).forward) if name in SUPPORTED else ""
-    if (name not in SUPPORTED or "self.lm_head(" not in source
-            or "self.loss_function(" not in source or "softcap" in source):
+    if not knows(model):
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}; use "
                         "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss instead")

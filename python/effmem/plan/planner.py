@@ -240,9 +240,8 @@ def _vocab_hidden(spec: ModelSpec):
 
 def _fusable(spec: ModelSpec) -> bool:
     """Whether effmem.fuse_linear_cross_entropy knows the model's class."""
-    from effmem.linear_ce_hf import SUPPORTED
-    model = spec.module if spec.module is not None else spec.build_layers(1)
-    return type(model).__name__ in SUPPORTED
+    from effmem.linear_ce_hf import knows
+    return knows(spec.module if spec.module is not None else spec.build_layers(1))
 
 
 def _cross_check(spec: ModelSpec, act: "_Activity", seq: int) -> Optional[dict]:
