@@ -36,6 +36,16 @@ def train(model, opt, data, *, accum=1, clip=None, sched=None):
     return losses
 
 
+def backward_both(ref, model, opt, micro):
+    """The micro-batches `micro` ((x, y) pairs) through a reference model (its gradients summed in p.grad)
+    and through `model`, whose OffloadAdam takes all but the last inside accumulating()."""
+    accum = len(micro)
+    for j, (x, y) in enumerate(micro):
+        (ref(x, y)[1] / accum).backward()
+        with opt.accumulating() if j < accum - 1 else _null():
+            (model(x, y)[1] / accum).backward()
+
+
 def finish_step(opt, clip=None, sched=None):
     """Clip (when asked), step, zero the gradients, advance the schedule."""
     if clip is not None:

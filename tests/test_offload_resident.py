@@ -9,7 +9,7 @@ import torch
 from effmem import FusedAdam, OffloadAdam, demo_model
 from effmem.optim._offload_resident import resident_bytes
 from effmem.optim.clip import clip_coefficient
-from offload_helpers import HP, assert_same_training, batches, tiny_gpt
+from offload_helpers import HP, assert_same_training, backward_both, batches, tiny_gpt
 
 BUDGET = 250_000   # the tiny GPT's embedding and first few tensors (of 34,176 parameters)
 
@@ -19,13 +19,7 @@ def _train(model, opt, ref, fused, data, accum, clip):
     are summed in different orders and may differ in the last bit). Returns (fused, offload) norms."""
     norms = []
     for k in range(0, len(data), accum):
-        for j, (x, y) in enumerate(data[k:k + accum]):
-            (ref(x, y)[1] / accum).backward()
-            if j < accum - 1:
-                with opt.accumulating():
-                    (model(x, y)[1] / accum).backward()
-            else:
-                (model(x, y)[1] / accum).backward()
+        backward_both(ref, model, opt, data[k:k + accum])
         if clip is not None:
             total = opt.clip_grad_norm_(clip)
             norms.append((float(fused.clip_grad_norm_(clip)), float(total)))
