@@ -6,7 +6,7 @@
 #
 #   EFFMEM_GIT_COMMIT=<sha> bash bench/gpu_check.sh [PART ...]
 #   PART: build cuda_tests tests bench demo offload capacity capacity_13b capacity_small linear_ce plan
-#         activations
+#         activations kernels
 #
 # No PART runs them all in that order (about an hour). The device tool gives a session 15 minutes, a cold
 # start included (about a minute), and a command 10, and lets the machine go 30 s after a command ends (the
@@ -19,7 +19,8 @@
 #   done 2026-11-26 (bench/results/2026-11-26-h200-*): build cuda_tests offload + the compress kernels +
 #                                    linear_ce; linear_ce again after its fix
 #   1. build activations             300 + 330 + 130: issue 10 again (per-layer compile fix, loss on text,
-#                                    the "fast" step with the rewritten kernels)
+#                                    the "fast" step with the rewritten kernels); after a dequantize change
+#                                    (README: its stores), build kernels first
 #   2. build offload (back to back)  issue 12's device_state row at its new 0.5 share (1.10x target)
 #   then, a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
 #   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
@@ -80,6 +81,15 @@ for part in "${parts[@]}"; do
       limit 120 "$PY" bench/bench_adam.py --device cuda --json "$OUT/gpu_adam.json" || status=1
       limit 180 "$PY" bench/bench_compress.py --device cuda --bits 8 --gpt --json "$OUT/gpu_compress.json" || status=1
       limit 90 "$PY" bench/bench_compress.py --device cuda --bits 4 --json "$OUT/gpu_compress_4bit.json" || status=1 ;;
+    kernels)
+      # The quantize/dequantize kernels alone, 8 and 4 bits (about 50 s; `bench` adds FusedAdam and a GPT step):
+      # for a kernel change, with the CUDA tests that compare them with the CPU bit for bit.
+      OMP_NUM_THREADS=2 limit 120 "$PY" -m pytest -q -m cuda tests/test_quantize.py tests/test_fuzz.py \
+        >"$OUT/kernels_tests.txt" 2>&1 || status=1
+      tail -3 "$OUT/kernels_tests.txt"
+      limit 120 "$PY" bench/bench_compress.py --device cuda --bits 8 --json "$OUT/gpu_compress.json" || status=1
+      limit 90 "$PY" bench/bench_compress.py --device cuda --bits 4 --no-compile --json "$OUT/gpu_compress_4bit.json" \
+        || status=1 ;;
     demo)
       limit 150 "$PY" -m effmem.cli demo --json "$OUT/gpu_demo.json" || status=1 ;;
     offload)
@@ -121,7 +131,7 @@ for part in "${parts[@]}"; do
         --data text --json "$OUT/gpu_activations_loss.json" || status=1 ;;
     *)
       echo "unknown part: $part (expected build cuda_tests tests bench demo offload capacity capacity_13b capacity_small"\
-           "linear_ce plan activations)"; exit 2 ;;
+           "linear_ce plan activations kernels)"; exit 2 ;;
   esac
 done
 exit $status
