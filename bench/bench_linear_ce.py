@@ -146,8 +146,7 @@ def main(argv=None):
     # The default ("fused": the logits recomputed in backward for a trained bf16 weight) is the memory
     # choice, grad_in_forward=True the speed one (three products, a float32 weight-gradient buffer): the
     # issue's targets for each, so the JSON says which one meets which.
-    for row in (rows[2], rows[4]):
-        tag = "fused" if row is rows[2] else "fused grad_in_forward=True"
+    for tag, row in (("fused", rows[2]), ("fused grad_in_forward=True", rows[4])):
         targets += [
             {"name": f"{tag} extra peak <= 3% of unfused", "measured": row["peak_vs_unfused"], "threshold": 0.03,
              "met": row["peak_vs_unfused"] <= 0.03},

@@ -167,8 +167,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     for name, n in (("vocab_chunk", vocab_chunk), ("token_chunk", token_chunk)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name}: expected an int >= 0 (0: automatic), got {n!r}")
-    if grad_in_forward not in (None, True, False):
-        raise ValueError(f"grad_in_forward: expected None, True or False, got {grad_in_forward!r}")
+    check_grad_in_forward(grad_in_forward)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)):
@@ -206,6 +205,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if reduction == "sum":
         return total
     return total / (t != ignore_index).sum()  # no host sync; NaN when every target is ignored, as torch
+
+
+def check_grad_in_forward(choice) -> None:
+    """linear_cross_entropy's (and fuse_linear_cross_entropy's) grad_in_forward: None, True or False."""
+    if choice not in (None, True, False):
+        raise ValueError(f"grad_in_forward: expected None, True or False, got {choice!r}")
 
 
 def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, weight: Tensor,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from effmem.linear_ce import linear_cross_entropy
+from effmem.linear_ce import check_grad_in_forward, linear_cross_entropy
 
 # Families whose forward feeds lm_head's output straight into loss_function (no logit
 # soft-capping or scaling in between, which the passed-through hidden states would get), each
@@ -92,8 +92,7 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     product); True makes the gradients in forward instead (three products: faster than the unfused
     loss on an H200 at 16k tokens x 128k vocabulary, for a float32 buffer of the head's size while
     the weight gradient is summed)."""
-    if grad_in_forward not in (None, True, False):
-        raise ValueError(f"grad_in_forward: expected None, True or False, got {grad_in_forward!r}")
+    check_grad_in_forward(grad_in_forward)   # at fusing, not at the first loss
     name = type(model).__name__
     if getattr(model, "_effmem_fused_forward", None) is not None:
         return model

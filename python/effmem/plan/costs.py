@@ -16,6 +16,7 @@ for trained weights and one where only the input gradient is needed;
 checkpointing adds the layers' forward again. Transfers and the CPU update
 use the rates in rates.py.
 """
+import itertools
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
@@ -274,12 +275,8 @@ def resident(cfg: Config, m: "Model", enough: int = 0) -> Tuple[int, int, int]:
     sizes = [step_state_bytes(n, master_b, g_b, cfg.state_bits) for n in m.trainable_numels]
     k = leading_buckets(sizes, cfg.device_state)
     if enough:   # the shortest prefix holding `enough` elements, if the budget's is longer
-        total = 0
-        for j, n in enumerate(m.trainable_numels[:k]):
-            total += n
-            if total >= enough:
-                k = j + 1
-                break
+        held = itertools.accumulate(m.trainable_numels[:k])
+        k = next((j + 1 for j, total in enumerate(held) if total >= enough), k)
     kept = m.trainable_numels[:k]
     return sum(kept), sum(blocks(n) for n in kept), sum(sizes[:k])
 

@@ -128,8 +128,8 @@ class _Activity:
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
             fast_compressed=lin(lambda t: t.fast_compressed()), fast_codes=lin(lambda t: t.fast_codes()),
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
-            head_recompute_flops=lin(lambda t: t.head_recompute_flops), tokens=micro * self.seq, fused_ce_transient=costs.fused_ce_buffers(
-                micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
+            head_recompute_flops=lin(lambda t: t.head_recompute_flops), tokens=micro * self.seq,
+            fused_ce_transient=costs.fused_ce_buffers(micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
 
 
 class _FormulaActivity:
