@@ -19,7 +19,10 @@ While a layer's forward runs, autograd's saves go through a FastCompressor:
 No dispatch mode watches the ops (compress_activations' exact-statistics
 tracker costs 4-8 us per aten op); what a layer saves is classified from the
 tensor alone, and the layer's inputs and parameter shapes are read once per
-layer call.
+layer call. The hooks are C++ (effmem._C.SavedTensors.pack and unpack,
+csrc/saved_hooks.cpp); they hand the cases that need Python (rebuildable
+outputs, autocast's copies, subclasses and meta tensors, bool and integer
+tensors) to FastCompressor._pack here, which states every rule.
 """
 import functools
 import math
@@ -31,8 +34,9 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from effmem import _C
 from effmem.compress.hooks import (ActivationCompressor, _check_version, _Handle, _Kept, _version_handle,
-                                   without_grad)
+                                   dtype_name, without_grad)
 from effmem.compress import _codec
 from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, value_reason
 from effmem.compress.tracker import storage_key
@@ -94,12 +98,11 @@ class FastCompressor(ActivationCompressor):
     def _init_runtime(self) -> None:
         super()._init_runtime()
         self._recipes, self._by_node = {}, {}
+        self._saves.min_numel = self.config.min_numel
+        if self.records is None:  # with records, every save goes through the Python rules, which note it
+            self._pack_hook = self._saves.pack
 
-    def __getstate__(self):
-        state = super().__getstate__()
-        state.pop("_recipes", None)
-        state.pop("_by_node", None)
-        return state
+    _RUNTIME = ActivationCompressor._RUNTIME + ("_recipes", "_by_node")
 
     # ------------------------------------------------------------ one layer call
 
@@ -112,6 +115,7 @@ class FastCompressor(ActivationCompressor):
         self._tokens = hidden.numel() // max(self._hidden, 1)
         self._param_shapes = param_shapes
         self._layer_name = name
+        self._saves.set_layer(list(self._external), self._tokens * self._hidden, list(param_shapes))
         outer = getattr(_LOCAL, "scope", None)
         _LOCAL.scope = self
         self._begin(reset=first)
@@ -119,18 +123,27 @@ class FastCompressor(ActivationCompressor):
             yield
         finally:
             self._end()
+            self._count_cpp_saves()
             _LOCAL.scope = outer
             self._external, self._tokens, self._hidden, self._param_shapes, self._layer_name = prev
+            self._saves.set_layer(list(self._external), self._tokens * self._hidden, list(self._param_shapes))
+
+    def _count_cpp_saves(self) -> None:
+        """Add what the C++ pack hook kept and stored in this layer call to the statistics."""
+        for reason, dtype, count, before, after in self._saves.take_tallies():
+            self.stats.add(reason, dtype_name(dtype), self._layer_name, count, before, after)
 
     @contextmanager
     def collecting(self):
         """Yield a list that receives every compressed entry stored inside (a layer whose codes
         activations.offload then moves to host memory)."""
         prev, self._collect = self._collect, []
+        self._saves.collect = self._collect  # the C++ pack hook's new entries
         try:
             yield self._collect
         finally:
             self._collect = prev
+            self._saves.collect = prev
 
     def _store(self, t: Tensor, module: str):
         h = super()._store(t, module)
@@ -171,7 +184,7 @@ class FastCompressor(ActivationCompressor):
         r.fn = fn
         # the inputs go through the same rules (and dedup) as any save: an input the function also
         # saves itself is stored once
-        r.inputs = tuple(self._pack(i) if isinstance(i, Tensor) else i for i in inputs)
+        r.inputs = tuple(self._pack_hook(i) if isinstance(i, Tensor) else i for i in inputs)
         key = storage_key(out)
         # Forget the recipe when its output dies: its memory may then hold another tensor.
         r.owner = weakref.ref(out, functools.partial(_drop_recipe, weakref.ref(self), key, weakref.ref(r)))
@@ -180,12 +193,13 @@ class FastCompressor(ActivationCompressor):
         r.saves, r.unpacked, r.held = 0, 0, None
         r.node = None if node is None else weakref.ref(node)
         self._recipes[key] = r
+        self._saves.add_python_key(key)  # the C++ pack hook leaves saves of this memory to _pack
         if node is not None:
             self._by_node[id(node)] = r
             r.node_key = id(node)
 
     def _pack(self, t: Tensor):
-        # The pack hook of every save in a layer: the common cases are decided first and cheaply.
+        # Every rule, in Python: the pack hook with records on, and what the C++ hook leaves otherwise.
         if torch.compiler.is_compiling():
             return t.detach()
         if type(t) is nn.Parameter:
@@ -241,22 +255,17 @@ class FastCompressor(ActivationCompressor):
             self._note(t, self._layer_name, "recomputed")
         return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - src.storage_offset(), src.dtype)
 
-    def _unpack(self, packed):
-        cls = type(packed)
-        if cls is _Kept:
-            t = packed.tensor
-            if t._version != packed.version:
-                _check_version(t, packed.version, t.dtype, t.shape, t.device)
-            return t
-        if cls is _RecipeHandle:
+    def _unpack_other(self, packed):
+        if type(packed) is _RecipeHandle:
             return without_grad(_rebuild, self, packed)
-        return super()._unpack(packed)
+        return super()._unpack_other(packed)
 
 
 def _drop_recipe(comp_ref, key, recipe_ref, _dead) -> None:
     comp, r = comp_ref(), recipe_ref()
     if comp is not None and comp._recipes.get(key) is r:
         del comp._recipes[key]
+        comp._saves.drop_python_key(key)
     if comp is not None and r is not None and r.node is not None and comp._by_node.get(r.node_key) is r:
         del comp._by_node[r.node_key]
 
@@ -267,7 +276,7 @@ def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
         _check_version(r.counter, r.version, r.dtype, h.shape, r.device)
     out = r.held
     if out is None:
-        out = r.fn(*[comp._unpack(i) if isinstance(i, _PACKED) else i for i in r.inputs])
+        out = r.fn(*[comp._unpack_hook(i) if isinstance(i, _PACKED) else i for i in r.inputs])
         if out.stride() != r.stride:  # the saves view the output's memory: lay it out as the original was
             out = torch.empty_strided(r.shape, r.stride, dtype=out.dtype, device=out.device).copy_(out)
     # Held until its last save is unpacked (q, k, v: one rebuild), then let go, as compressed entries are.
@@ -278,7 +287,7 @@ def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
         r.held, r.unpacked = None, 0
     if h.cast is not None:  # autocast's copy, made as forward made it (to() keeps the output's layout)
         out = out.to(h.cast)
-    return out.as_strided(h.shape, h.stride, out.storage_offset() + h.offset)
+    return _C.saved_view(out, h.shape, h.stride, out.storage_offset() + h.offset)
 
 
 # Autograd nodes of views that keep their input's element order (a cast of one is a cast of the output).

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from effmem import _C
+
 ALIGN = 512  # bytes: where each host copy starts in the buffer (a multiple of every element size)
 
 
@@ -107,7 +109,7 @@ class Offloader:
         return out
 
     def send(self, entries: List, device: torch.device) -> None:
-        """Move the codes of `entries` (compress.hooks._Entry, just made by one layer) to host memory."""
+        """Move the codes of `entries` (effmem._C.SavedEntry, just made by one layer) to host memory."""
         entries = [e for e in entries if e.codes is not None and e.offload is None]
         if not entries:
             return
@@ -150,7 +152,7 @@ class _Layer:
         self.ready = None                    # the prefetch's event (CUDA)
         self.done = False
         cuda = device.type == "cuda"
-        self.items = []   # (weakref to the entry, [host tensors])
+        self.items = []   # (weak reference to the entry, [host tensors])
         self.nbytes = 0
         if cuda:
             side = owner.stream(device)
@@ -165,7 +167,7 @@ class _Layer:
                 self.nbytes += sum(p.numel() * p.element_size() for p in parts)
                 e.codes = e.stats = None
                 e.offload = self
-                self.items.append((weakref.ref(e), host))
+                self.items.append((_C.SavedEntryRef(e), host))
 
     def _copy_back(self, prefetch: bool) -> list:
         """Device copies of the host tensors: on the side stream when prefetching (recording `ready`), on

@@ -3,24 +3,30 @@
 The pack hook (torch.autograd.graph.saved_tensors_hooks) decides, from shapes,
 dtypes, storages and what the OutputTracker saw, whether to quantise a saved
 tensor; it never reads tensor values, so it adds no host synchronisation.
-A memory saved by several ops (the input of q, k and v) is quantised once,
-as long as the tensor owning it lives. The unpack hook dequantises it once
+The store behind it is effmem._C.SavedTensors (csrc/saved_hooks.cpp): a
+memory saved by several ops (the input of q, k and v) is quantised once, as
+long as its storage lives; the unpack hook, also there, dequantises it once
 and hands the same buffer to each of those saves, keeping it until the last
-of them is unpacked; it never frees the compressed data, so a graph kept
+of them is unpacked. It never frees the compressed data, so a graph kept
 with retain_graph=True can be unpacked again; the data goes when the last
 handle referring to it does.
+
+Where a tensor's elements lie decides how it is stored: a dense tensor (one
+contiguous stretch of its storage, in any dim order: transposed,
+channels-last, a slice along the first dim) is quantised in memory order and
+restored stride for stride; a view with gaps (q, k and v sliced out of one
+qkv) through the dense tensor it views, when that is at most 4x larger
+(compiled backward graphs check saved strides, so a denser copy would not
+do); an overlapping one (expand, as_strided windows) is kept as it is.
 """
 import itertools
 import threading
-import weakref
 from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from effmem import _C
-from effmem.compress import _codec
-from effmem.compress.layout import DENSE, OVERLAPPING, classify
 from effmem.compress.policy import CompressConfig, early_reason, module_excluded, value_reason
 from effmem.compress.stats import CompressionStats
 from effmem.compress.tracker import OutputTracker, storage_key
@@ -37,32 +43,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-# A strided view is compressed through the dense tensor it views when that
-# tensor is at most this many times larger (q, k, v of one qkv: 3); beyond,
-# compressing it would store more than keeping the view does.
-MAX_BASE_GROWTH = 4
-# The dedup table is purged of dead entries when it reaches this many (or twice the live ones after a purge).
-TABLE_PURGE_MIN = 1024
-
-
-class _Entry:
-    """One compressed stretch of memory, shared by every save of it (same data, same version).
-
-    ``counter`` is an empty tensor sharing the saved memory's version counter
-    (effmem._C.version_handle) and ``version`` its value when saved: autograd
-    checks saved tensors for in-place changes only when no saved_tensors_hooks
-    are active, so the unpack hook makes that check itself."""
-    __slots__ = ("codes", "stats", "rows", "cols", "n", "dtype", "bits", "group_size", "origin", "restored",
-                 "saves", "unpacked", "held", "offload",
-                 "counter", "version", "__weakref__")
-
-
-class _Kept:
-    """A save kept as it is: a detached alias (same memory, same version counter) and its version."""
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: Tensor, version: int):
-        self.tensor, self.version = tensor, version
+# What autograd holds for a save: kept as it is (a detached alias, same memory and version counter, and
+# its version), or compressed (the entry shared by every save of a memory, and this save's view of it).
+_Kept = _C.KeptTensor
+_Handle = _C.SavedHandle
 
 
 def _check_version(counter: Tensor, saved: int, dtype: torch.dtype, shape, device: torch.device) -> None:
@@ -76,43 +60,6 @@ def _check_version(counter: Tensor, saved: int, dtype: torch.dtype, shape, devic
             f"version {now}; expected version {saved} instead. Hint: change a copy (t.clone()) instead, or "
             "enable anomaly detection (torch.autograd.set_detect_anomaly(True)) to find the operation that "
             "saved it.")
-
-
-class _Handle:
-    """What autograd holds for one save: the shared entry and this save's view of it."""
-    __slots__ = ("entry", "shape", "stride", "offset")
-
-    def __init__(self, entry: _Entry, shape, stride, offset):
-        self.entry, self.shape, self.stride, self.offset = entry, shape, stride, offset
-
-
-def _restore(h: _Handle) -> Tensor:
-    e = h.entry
-    if e.offload is not None:  # its codes in host memory (activations.offload): back on the device
-        e.offload.bring_back()
-    if e.counter is not None:
-        _check_version(e.counter, e.version, e.dtype, h.shape, e.codes.device)
-    flat = e.restored() if e.restored is not None else None
-    if flat is None:
-        if e.dtype == torch.bool:
-            flat = _codec.unpack_bool(e.codes, e.n)
-        else:
-            # [rows, cols] at storage offset 0: as_strided below reads its storage as the flat memory
-            flat = _codec.dequantize(e.codes, e.stats, bits=e.bits, group_size=e.group_size,
-                                     shape=(e.rows, e.cols), dtype=e.dtype)
-        # Saves of one memory (q, k and v of one qkv) unpacked together share
-        # one restored buffer, as the originals shared one storage.
-        e.restored = weakref.ref(flat)
-    # Held until every save of this memory has been unpacked (the backward of q, k and v's inputs: one
-    # dequantize, not three), then let go, so a graph kept with retain_graph=True restores it afresh the
-    # next time. Never longer than autograd held the original: as long as its last save.
-    e.unpacked += 1
-    if e.unpacked < e.saves:
-        e.held = flat
-    else:
-        e.held, e.unpacked = None, 0
-    # The buffer is the memory the tensor lived in, so its own strides view it.
-    return flat.as_strided(h.shape, h.stride, h.offset)
 
 
 class ActivationCompressor:
@@ -133,18 +80,22 @@ class ActivationCompressor:
         self._init_runtime()
 
     def _init_runtime(self) -> None:
-        self._seeds = itertools.count()
-        # Entries live as long as a handle refers to them; the table only finds them, through plain weak
-        # references (a WeakValueDictionary's set and get cost microseconds per save), the dead ones
-        # purged as the table grows (_remember).
-        self._table: Dict[tuple, weakref.ref] = {}
-        self._purge_at = TABLE_PURGE_MIN
+        cfg = self.config
+        # the quantisation seeds run on from cfg.seed, modulo 2**64 (the kernels read 64 bits unsigned)
+        seed = cfg.seed % (1 << 64)
+        self._saves = _C.SavedTensors(cfg.bits, cfg.group_size, seed - (1 << 64) if seed >= 1 << 63 else seed,
+                                      cfg.stochastic, self)
+        # The hooks pushed while active (benchmarks wrap these to time them): this class's Python rules, the
+        # C++ store's unpack.
+        self._pack_hook, self._unpack_hook = self._pack, self._saves.unpack
         self._local = threading.local()
         self._model_storages: set = set()
 
     # Deep copies and pickles (of a wrapped model) carry the options and hooks, not the live state.
+    _RUNTIME = ("_saves", "_pack_hook", "_unpack_hook", "_local", "_model_storages")
+
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_seeds", "_table", "_local", "_model_storages")}
+        state = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
         state["_names"] = {}
         return state
 
@@ -169,16 +120,9 @@ class ActivationCompressor:
         """Compressed buffers still referred to by some autograd graph."""
         return len(self.live_entries())
 
-    def live_entries(self) -> List["_Entry"]:
+    def live_entries(self) -> List[_C.SavedEntry]:
         """The compressed entries some autograd graph still refers to."""
-        return [e for e in (ref() for ref in self._table.values()) if e is not None]
-
-    def _remember(self, key: tuple, entry: "_Entry") -> None:
-        """The table's entry for key; first the dead ones go, once it has doubled since the last purge."""
-        if len(self._table) >= self._purge_at:
-            self._table = {k: ref for k, ref in self._table.items() if ref() is not None}
-            self._purge_at = max(TABLE_PURGE_MIN, 2 * len(self._table))
-        self._table[key] = weakref.ref(entry)
+        return self._saves.live_entries()
 
     # ---------------------------------------------------------------- entering and leaving
 
@@ -207,7 +151,7 @@ class ActivationCompressor:
         if self._root is not None:
             self._model_storages = {storage_key(t) for t in itertools.chain(
                 self._root.parameters(), self._root.buffers()) if t.device.type != "meta"}
-        contexts = [torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)]
+        contexts = [torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)]
         if self.config.track_exact:
             contexts.append(OutputTracker())
         entered = []
@@ -323,71 +267,28 @@ class ActivationCompressor:
 
     def _store(self, t: Tensor, module: str):
         """t's memory as compressed codes shared by every save of it (or t kept, where that is no gain)."""
-        case = classify(t)
-        if case == OVERLAPPING:
-            return self._keep(t, "overlapping", module)
-        src = t  # the tensor whose memory is compressed: t, or the dense tensor t views
-        if case != DENSE:
-            base = t._base
-            if (base is None or classify(base) != DENSE or base.numel() > MAX_BASE_GROWTH * t.numel()
-                    or base.dtype != t.dtype):
-                return self._keep(t, "strided_view", module)
-            src = base
-        cfg = self.config
-        n, nbytes = src.numel(), src.numel() * src.element_size()
-        g = cfg.group_size
-        rows, cols = (n // g, g) if n % g == 0 else (1, n)
-        if t.dtype != torch.bool and _codec.packed_bytes(rows, cols, cfg.bits, g) >= nbytes:
-            return self._keep(t, "no_gain", module)
-
-        offset = src.storage_offset()
-        handle_args = (tuple(t.shape), t.stride(), t.storage_offset() - offset)
-        # Keyed by the memory covered, so every view of it, in any shape, shares one entry.
-        key = (storage_key(src), src.dtype, src._version, offset, n)
-        ref = self._table.get(key)
-        entry = ref() if ref is not None else None
-        # The first saver must still be alive, or its memory may since hold another tensor.
-        if entry is not None and entry.origin() is not None:
-            entry.saves += 1
+        h = self._saves.store(t)
+        if type(h) is str:  # overlapping, strided_view (a view of a much larger tensor) or no_gain
+            return self._keep(t, h, module)
+        e = h.entry
+        if e.saves > 1:  # a memory stored already (and its storage alive): one entry, one more save
             self.stats.deduplicated += 1
             if self.records is not None:
                 self._note(t, module, "deduplicated")
-            return _Handle(entry, *handle_args)
-
-        detached = src.detach()
-        entry = _Entry()
-        entry.n, entry.dtype, entry.bits, entry.group_size = n, t.dtype, cfg.bits, g
-        # The tensor that owns the memory, not src: src is often a temporary view (the 2-D view
-        # F.linear makes of its input), gone before the next op saves the same memory (k and v's
-        # projections after q's), while the owner lives as long as the memory does.
-        entry.origin = weakref.ref(src._base if src._base is not None else src)
-        entry.restored, entry.saves, entry.unpacked, entry.held, entry.offload = None, 1, 0, None, None
-        entry.counter, entry.version = _version_handle(src), src._version
-        # the memory covered, in memory order, as the flat run (bool) or the [rows, cols] groups it is
-        if t.dtype == torch.bool:
-            flat = detached.as_strided((n,), (1,), offset)
-            entry.codes, entry.stats, entry.rows, entry.cols = _codec.pack_bool(flat), None, 1, n
-            after = entry.codes.numel()
-        else:
-            entry.rows, entry.cols = rows, cols
-            entry.codes, entry.stats = _codec.quantize(
-                detached.as_strided((rows, cols), (cols, 1), offset), bits=cfg.bits, group_size=g,
-                seed=cfg.seed + next(self._seeds), stochastic=cfg.stochastic)
-            after = entry.codes.numel() + entry.stats.numel() * 4
-        self._remember(key, entry)
-        self.stats.record_compressed(dtype_name(t.dtype), module, nbytes, after)
+            return h
+        self.stats.record_compressed(dtype_name(t.dtype), module, e.bytes_before, e.bytes_after)
         if self.records is not None:
             self._note(t, module, "compressed")
-        return _Handle(entry, *handle_args)
+        return h
 
     def _unpack(self, packed):
-        if isinstance(packed, Tensor):  # saved while compiling
+        return self._saves.unpack(packed)
+
+    def _unpack_other(self, packed):
+        """What the C++ unpack hook leaves to Python: saves made while compiling (the tensor itself)."""
+        if isinstance(packed, Tensor):
             return packed
-        if isinstance(packed, _Kept):
-            t = packed.tensor
-            _check_version(t, packed.version, t.dtype, t.shape, t.device)
-            return t
-        return without_grad(_restore, packed)
+        raise TypeError(f"effmem: cannot unpack a saved {type(packed).__name__}")
 
 
 def without_grad(fn, *args):

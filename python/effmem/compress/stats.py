@@ -13,19 +13,19 @@ class Tally:
     bytes_before: int = 0
     bytes_after: int = 0
 
-    def add(self, before: int, after: int) -> None:
-        self.count += 1
+    def add(self, before: int, after: int, count: int = 1) -> None:
+        self.count += count
         self.bytes_before += before
         self.bytes_after += after
 
 
-def _tally(table: Dict[str, Tally], key: str, before: int, after: int) -> None:
-    """table[key].add(before, after), the Tally made only for a new key: this runs for every saved tensor,
-    and a setdefault would build (and drop) a Tally each time."""
+def _tally(table: Dict[str, Tally], key: str, before: int, after: int, count: int = 1) -> None:
+    """table[key].add(before, after, count), the Tally made only for a new key: this runs for every saved
+    tensor, and a setdefault would build (and drop) a Tally each time."""
     t = table.get(key)
     if t is None:
         t = table[key] = Tally()
-    t.add(before, after)
+    t.add(before, after, count)
 
 
 @dataclass
@@ -99,11 +99,24 @@ class CompressionStats:
         if reason not in NOT_ACTIVATIONS:
             self._record(dtype, module, nbytes, nbytes)
 
-    def _record(self, dtype: str, module: str, before: int, after: int) -> None:
+    def _record(self, dtype: str, module: str, before: int, after: int, count: int = 1) -> None:
         self.total_bytes_before += before
         self.total_bytes_after += after
-        _tally(self.by_dtype, dtype, before, after)
-        _tally(self.by_module, module, before, after)
+        _tally(self.by_dtype, dtype, before, after, count)
+        _tally(self.by_module, module, before, after, count)
+
+    def add(self, kind: str, dtype: str, module: str, count: int, before: int, after: int) -> None:
+        """`count` saves at once, as record_compressed ("compressed"), a deduplicated save
+        ("deduplicated") or record_kept (any other kind: the reason) would count them one by one."""
+        if kind == "compressed":
+            self.num_compressed += count
+            self._record(dtype, module, before, after, count)
+        elif kind == "deduplicated":
+            self.deduplicated += count
+        else:
+            _tally(self.skipped, kind, before, after, count)
+            if kind not in NOT_ACTIVATIONS:
+                self._record(dtype, module, before, after, count)
 
     def as_dict(self) -> dict:
         """Plain JSON values: totals, ratio and the three breakdowns."""
