@@ -12,7 +12,6 @@
 namespace py = pybind11;
 
 namespace effmem {
-void bind_saved_version(py::module_& m);
 void bind_saved_hooks(py::module_& m);
 namespace engine {
 void bind_engine(py::module_& m);
@@ -45,6 +44,5 @@ PYBIND11_MODULE(_C, m) {
         "Use the named CPU vector unit (for tests and benchmarks); raises ValueError if unsupported");
   m.def("num_threads", [] { return at::get_num_threads(); }, "Threads the CPU kernels use");
   effmem::engine::bind_engine(m);
-  effmem::bind_saved_version(m);
   effmem::bind_saved_hooks(m);
 }

@@ -35,8 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from effmem import _C
-from effmem.compress.hooks import (ActivationCompressor, _check_version, _Handle, _Kept, _version_handle,
-                                   dtype_name, without_grad)
+from effmem.compress.hooks import ActivationCompressor, _Handle, _Kept, dtype_name
 from effmem.compress import _codec
 from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, value_reason
 from effmem.compress.tracker import storage_key
@@ -64,21 +63,6 @@ def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs, node=None)
         scope.add_recipe(out, fn, inputs, node)
 
 
-class _Recipe:
-    """How to rebuild one output: fn applied to its packed inputs; shared by every save of that output."""
-    __slots__ = ("fn", "inputs", "owner", "shape", "stride", "dtype", "device", "counter", "version", "saves",
-                 "unpacked", "held", "node", "node_key", "__weakref__")
-
-
-class _RecipeHandle:
-    """One save of a rebuildable output: the recipe and this save's view of the output (cast to `cast`, a
-    dtype, for a save of autocast's copy of it)."""
-    __slots__ = ("recipe", "shape", "stride", "offset", "cast")
-
-    def __init__(self, recipe: _Recipe, shape, stride, offset, cast=None):
-        self.recipe, self.shape, self.stride, self.offset, self.cast = recipe, shape, stride, offset, cast
-
-
 class FastCompressor(ActivationCompressor):
     """compress_activations' machinery (dedup, 8-bit entries, statistics) with the rules above."""
 
@@ -87,8 +71,10 @@ class FastCompressor(ActivationCompressor):
         # effmem plan runs layers on meta tensors under this compressor to count what it would store
         # (the kernels' fake implementations give the codes' shapes).
         self.allow_meta = allow_meta
-        self._recipes: Dict[tuple, _Recipe] = {}
-        self._by_node: Dict[int, _Recipe] = {}   # id of the Function node that made a rebuildable output
+        # rebuilt outputs: storage key -> (recipe, weak reference to the output); id of the Function node that
+        # made one -> (recipe, weak reference to the node)
+        self._recipes: Dict[int, tuple] = {}
+        self._by_node: Dict[int, tuple] = {}
         self._external: set = set()
         self._tokens = self._hidden = 0
         self._param_shapes: frozenset = frozenset()
@@ -180,23 +166,16 @@ class FastCompressor(ActivationCompressor):
     # ------------------------------------------------------------ recipes
 
     def add_recipe(self, out: Tensor, fn: Callable[..., Tensor], inputs: Sequence, node=None) -> None:
-        r = _Recipe()
-        r.fn = fn
         # the inputs go through the same rules (and dedup) as any save: an input the function also
         # saves itself is stored once
-        r.inputs = tuple(self._pack_hook(i) if isinstance(i, Tensor) else i for i in inputs)
-        key = storage_key(out)
-        # Forget the recipe when its output dies: its memory may then hold another tensor.
-        r.owner = weakref.ref(out, functools.partial(_drop_recipe, weakref.ref(self), key, weakref.ref(r)))
-        r.shape, r.stride, r.dtype, r.device = tuple(out.shape), out.stride(), out.dtype, out.device
-        r.counter, r.version = _version_handle(out), out._version
-        r.saves, r.unpacked, r.held = 0, 0, None
-        r.node = None if node is None else weakref.ref(node)
-        self._recipes[key] = r
-        self._saves.add_python_key(key)  # the C++ pack hook leaves saves of this memory to _pack
+        packed = [self._pack_hook(i) if isinstance(i, Tensor) else i for i in inputs]
+        r = self._saves.add_recipe(out, fn, packed)  # the C++ store refers to it weakly
+        key, node_key = storage_key(out), None if node is None else id(node)
+        # Held while its output lives: then its memory may hold another tensor, and the recipe goes.
+        owner = weakref.ref(out, functools.partial(_drop_recipe, weakref.ref(self), key, r, node_key))
+        self._recipes[key] = (r, owner)
         if node is not None:
-            self._by_node[id(node)] = r
-            r.node_key = id(node)
+            self._by_node[node_key] = (r, weakref.ref(node))
 
     def _pack(self, t: Tensor):
         # Every rule, in Python: the pack hook with records on, and what the C++ hook leaves otherwise.
@@ -209,18 +188,14 @@ class FastCompressor(ActivationCompressor):
         base = t._base
         if base is not None and type(base) is nn.Parameter:
             return _Kept(t.detach(), t._version)  # weight.t(): nothing to store or count
-        key = storage_key(t)
         if self._recipes:
-            r = self._recipes.get(key)
-            if r is not None and r.version == t._version:
-                owner = r.owner()
-                if owner is not None:
-                    r.saves += 1
-                    self.stats.deduplicated += 1
-                    if self.records is not None:
-                        self._note(t, self._layer_name, "recomputed")
-                    return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - owner.storage_offset())
-        reason = self._reason(t, False, key)
+            h = self._saves.recipe_save(t)  # an output rebuilt in backward (unchanged, alive): nothing stored
+            if h is not None:
+                self.stats.deduplicated += 1
+                if self.records is not None:
+                    self._note(t, self._layer_name, "recomputed")
+                return h
+        reason = self._reason(t, False)
         if reason is not None:
             return self._keep(t, reason, self._layer_name)
         if self._by_node:  # only for what would be stored: kept saves cost nothing to keep
@@ -229,7 +204,7 @@ class FastCompressor(ActivationCompressor):
                 return cast
         return self._store(t, self._layer_name)
 
-    def _cast_of_recipe(self, t: Tensor) -> Optional[_RecipeHandle]:
+    def _cast_of_recipe(self, t: Tensor) -> Optional[_C.RecipeHandle]:
         """A save of autocast's cast of a rebuildable output (a float32 norm output under autocast, cast
         to bf16 by each projection that reads it: q, k and v make three copies): rebuilt from the same
         recipe and cast again in backward, instead of storing each copy."""
@@ -242,52 +217,32 @@ class FastCompressor(ActivationCompressor):
             if prev is None or type(prev).__name__ not in _VIEW_NODES:
                 break
             prev = prev.next_functions[0][0]
-        r = self._by_node.get(id(prev)) if prev is not None else None
-        if r is None or r.node() is not prev or r.owner() is None:
+        got = self._by_node.get(id(prev)) if prev is not None else None
+        if got is None or got[1]() is not prev or not got[0].alive():
             return None
+        r = got[0]
+        shape = tuple(r.shape)
         # the copy holds the output's elements in the output's order: a cast of it, laid out as the copy
-        if tuple(src.shape) != r.shape and not (src.is_contiguous() and src.numel() == math.prod(r.shape)
-                                                and r.stride == _contiguous_strides(r.shape)):
+        if tuple(src.shape) != shape and not (src.is_contiguous() and src.numel() == math.prod(shape)
+                                              and tuple(r.stride) == _contiguous_strides(shape)):
             return None
         r.saves += 1
         self.stats.deduplicated += 1
         if self.records is not None:
             self._note(t, self._layer_name, "recomputed")
-        return _RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - src.storage_offset(), src.dtype)
-
-    def _unpack_other(self, packed):
-        if type(packed) is _RecipeHandle:
-            return without_grad(_rebuild, self, packed)
-        return super()._unpack_other(packed)
+        return _C.RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - src.storage_offset(), src.dtype)
 
 
-def _drop_recipe(comp_ref, key, recipe_ref, _dead) -> None:
-    comp, r = comp_ref(), recipe_ref()
-    if comp is not None and comp._recipes.get(key) is r:
+def _drop_recipe(comp_ref, key, r, node_key, _dead) -> None:
+    comp = comp_ref()
+    if comp is None:
+        return
+    got = comp._recipes.get(key)
+    if got is not None and got[0] is r:
         del comp._recipes[key]
-        comp._saves.drop_python_key(key)
-    if comp is not None and r is not None and r.node is not None and comp._by_node.get(r.node_key) is r:
-        del comp._by_node[r.node_key]
-
-
-def _rebuild(comp: FastCompressor, h: _RecipeHandle) -> Tensor:
-    r = h.recipe
-    if r.counter is not None:
-        _check_version(r.counter, r.version, r.dtype, h.shape, r.device)
-    out = r.held
-    if out is None:
-        out = r.fn(*[comp._unpack_hook(i) if isinstance(i, _PACKED) else i for i in r.inputs])
-        if out.stride() != r.stride:  # the saves view the output's memory: lay it out as the original was
-            out = torch.empty_strided(r.shape, r.stride, dtype=out.dtype, device=out.device).copy_(out)
-    # Held until its last save is unpacked (q, k, v: one rebuild), then let go, as compressed entries are.
-    r.unpacked += 1
-    if r.unpacked < r.saves:
-        r.held = out
-    else:
-        r.held, r.unpacked = None, 0
-    if h.cast is not None:  # autocast's copy, made as forward made it (to() keeps the output's layout)
-        out = out.to(h.cast)
-    return _C.saved_view(out, h.shape, h.stride, out.storage_offset() + h.offset)
+    got = comp._by_node.get(node_key) if node_key is not None else None
+    if got is not None and got[0] is r:
+        del comp._by_node[node_key]
 
 
 # Autograd nodes of views that keep their input's element order (a cast of one is a cast of the output).
@@ -302,8 +257,6 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-# What packed inputs of a recipe can be (the rest, None or numbers, are kept as given).
-_PACKED = (_Kept, _Handle, _RecipeHandle, Tensor)
 # Autograd nodes that only cast or view their input.
 _CAST_OR_VIEW = ("ToCopyBackward", "TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward",
                  "PermuteBackward")

@@ -49,17 +49,16 @@ _Kept = _C.KeptTensor
 _Handle = _C.SavedHandle
 
 
-def _check_version(counter: Tensor, saved: int, dtype: torch.dtype, shape, device: torch.device) -> None:
-    """torch's error for a saved tensor modified in place after it was saved."""
-    now = counter._version
-    if now != saved:
-        kind = str(dtype).replace("torch.", "")
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{kind} {list(shape)} on {device}], saved for backward under effmem's compress_activations, is at "
-            f"version {now}; expected version {saved} instead. Hint: change a copy (t.clone()) instead, or "
-            "enable anomaly detection (torch.autograd.set_detect_anomaly(True)) to find the operation that "
-            "saved it.")
+def _version_error(now: int, saved: int, dtype: torch.dtype, shape, device: torch.device) -> None:
+    """torch's error for a saved tensor modified in place after it was saved (raised by the C++ unpack hook,
+    csrc/saved/store.cpp, which finds the version changed)."""
+    kind = str(dtype).replace("torch.", "")
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{kind} {list(shape)} on {device}], saved for backward under effmem's compress_activations, is at "
+        f"version {now}; expected version {saved} instead. Hint: change a copy (t.clone()) instead, or "
+        "enable anomaly detection (torch.autograd.set_detect_anomaly(True)) to find the operation that "
+        "saved it.")
 
 
 class ActivationCompressor:
@@ -289,23 +288,3 @@ class ActivationCompressor:
         if isinstance(packed, Tensor):
             return packed
         raise TypeError(f"effmem: cannot unpack a saved {type(packed).__name__}")
-
-
-def without_grad(fn, *args):
-    """fn(*args) with grad mode off (a rebuild or restore must not join a create_graph backward's graph). Not
-    `with torch.no_grad()`: that context costs about 2 us, and this runs for every unpacked save; backward
-    has grad mode off already unless create_graph is set."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    torch._C._set_grad_enabled(False)
-    try:
-        return fn(*args)
-    finally:
-        torch._C._set_grad_enabled(True)
-
-
-def _version_handle(t: Tensor) -> Optional[Tensor]:
-    """An empty tensor sharing t's version counter (None for inference tensors, which have none)."""
-    if t.is_inference():
-        return None
-    return _C.version_handle(t)

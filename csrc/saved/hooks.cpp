@@ -1,0 +1,136 @@
+// The saved-tensor hooks (saved.h): the "fast" policy's pack rules
+// (activations/fast.py states them; FastCompressor._pack there decides the
+// cases left to Python) and the unpack hook of every compressor.
+#include "saved/saved.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace effmem::saved {
+namespace {
+
+constexpr int64_t kRowStatMaxLastDim = 2;  // compress/policy.py's ROW_STAT_MAX_LAST_DIM
+constexpr int64_t kStatisticFraction = 8;  // activations/fast.py's STATISTIC_FRACTION
+
+bool is_float(at::ScalarType d) { return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf; }
+
+bool is_parameter_object(PyObject* o) { return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(ParameterClass); }
+
+// t.detach() without the dispatcher (about 1 us a call, more in the middle of a forward): an alias of t's
+// memory sharing its version counter, without autograd history.
+at::Tensor detached(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), impl->allow_tensor_metadata_change()));
+}
+
+// The Python types of the packed saves, looked up once (py::isinstance looks them up by C++ type each time).
+template <typename T>
+bool is_a(py::handle o) {
+  static PyTypeObject* const type = reinterpret_cast<PyTypeObject*>(py::type::of<T>().ptr());
+  return Py_TYPE(o.ptr()) == type;
+}
+
+bool is_parameter(const at::Tensor& t) {
+  py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  return is_parameter_object(obj.ptr());
+}
+
+}  // namespace
+
+const char* const SavedTensors::kReasons[kReasonCount] = {
+    "compressed", "deduplicated", "parameter", "layer_input", "small", "row_statistic", "statistic",
+    "overlapping", "strided_view", "no_gain"};
+
+SavedTensors::Reason SavedTensors::reason_index(const std::string& r) {
+  for (int i = kOverlapping; i < kReasonCount; ++i) {
+    if (r == kReasons[i]) return static_cast<Reason>(i);
+  }
+  TORCH_CHECK(false, "effmem: unknown reason to keep a saved tensor: ", r);
+}
+
+py::object SavedTensors::pack(py::handle obj) {
+  PyObject* o = obj.ptr();
+  auto fallback = [&] { return owner().attr("_pack")(obj); };
+  if (!THPVariable_CheckExact(o)) return fallback();  // a subclass: fake tensors while compiling...
+  const at::Tensor& t = THPVariable_Unpack(o);
+  if (is_parameter_object(o)) return py::cast(KeptTensor{t, t._version()});  // nothing to store or count
+  at::Tensor base;
+  if (t.is_view()) base = at::Tensor(t._base());
+  const bool base_leaf = base.defined() && base.requires_grad() && base.is_leaf();
+  if (base_leaf && is_parameter(base)) return py::cast(KeptTensor{detached(t), t._version()});  // weight.t()
+  if (t.layout() != at::kStrided || t.is_meta() || t.numel() == 0) return fallback();
+  const at::ScalarType dtype = t.scalar_type();
+  if (!recipes_.empty()) {
+    py::object h = recipe_save(t);  // an output the policy rebuilds: nothing stored
+    if (!h.is_none()) {
+      tally(kDeduplicated, dtype, 0, 0);
+      return h;
+    }
+  }
+  if ((t.requires_grad() && t.is_leaf()) || base_leaf) return keep(t, kParameter);
+  if (external_.count(t.storage().unsafeGetStorageImpl())) return keep(t, kLayerInput);
+  if (!is_float(dtype)) return fallback();  // bool masks, integers, float64: Python's rules
+  const int64_t n = t.numel();
+  if (n < min_numel_) return keep(t, kSmall);
+  if (t.dim() == 0 || t.size(-1) <= kRowStatMaxLastDim) return keep(t, kRowStatistic);
+  if (n * kStatisticFraction < token_values_) return keep(t, kStatistic);
+  if (t.dim() == 2 && param_shapes_.count({t.size(0), t.size(1)})) return fallback();  // a weight's copy?
+  const auto& fn = (base.defined() ? base : t).grad_fn();
+  if (fn && fn->name() == "ToCopyBackward0") return fallback();  // autocast's copy of a rebuilt output?
+  py::object stored = store(t);
+  if (py::isinstance<py::str>(stored)) return keep(t, reason_index(stored.cast<std::string>()));
+  const auto& h = stored.cast<const SavedHandle&>();
+  if (h.entry->saves == 1) {
+    tally(kCompressed, dtype, h.entry->bytes_before, h.entry->bytes_after);
+    if (!collect_.is_none()) collect_.attr("append")(h.entry);  // new here: activations.offload takes it
+  } else {
+    tally(kDeduplicated, dtype, 0, 0);
+  }
+  return stored;
+}
+
+py::object SavedTensors::unpack(py::handle packed) {
+  if (is_a<KeptTensor>(packed)) {
+    const auto& k = packed.cast<const KeptTensor&>();
+    if (k.tensor._version() != k.version) {
+      version_error(k.tensor._version(), k.version, k.tensor.scalar_type(), k.tensor.sizes().vec(), k.tensor.device());
+    }
+    return py::cast(k.tensor);
+  }
+  if (is_a<SavedHandle>(packed)) return py::cast(restore(packed.cast<SavedHandle&>()));
+  if (is_a<RecipeHandle>(packed)) return py::cast(rebuild(packed.cast<RecipeHandle&>()));
+  return owner().attr("_unpack_other")(packed);  // a save made while compiling: the tensor itself
+}
+
+py::object SavedTensors::keep(const at::Tensor& t, Reason r) {
+  tally(r, t.scalar_type(), t.numel() * static_cast<int64_t>(t.element_size()), -1);
+  // A detached alias, not t: t may be the op's output, and a packed output holding its own grad_fn would be a
+  // reference cycle. The alias shares t's version counter.
+  return py::cast(KeptTensor{detached(t), t._version()});
+}
+
+void SavedTensors::tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after) {
+  auto& v = tallies_[{static_cast<int>(r), static_cast<int>(dtype)}];
+  v[0] += 1;
+  v[1] += before;
+  v[2] += after < 0 ? before : after;
+}
+
+void SavedTensors::set_layer(const std::vector<int64_t>& external, int64_t token_values,
+                             const std::vector<std::pair<int64_t, int64_t>>& param_shapes) {
+  external_.clear();
+  for (int64_t k : external) external_.insert(reinterpret_cast<const void*>(k));
+  token_values_ = token_values;
+  param_shapes_ = std::set<std::pair<int64_t, int64_t>>(param_shapes.begin(), param_shapes.end());
+}
+
+std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> SavedTensors::take_tallies() {
+  std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> out;
+  for (auto& [k, v] : tallies_) {
+    out.emplace_back(kReasons[k.first], static_cast<at::ScalarType>(k.second), v[0], v[1], v[2]);
+  }
+  tallies_.clear();
+  return out;
+}
+
+}  // namespace effmem::saved

@@ -1,0 +1,177 @@
+// effmem._C.SavedTensors: the saved-tensor hooks of compress_activations and
+// of the "fast" activation policy, in C++.
+//
+// Why C++: a pack hook runs for every tensor autograd saves, and in Python
+// each of its few dozen attribute reads, dict lookups and view ops costs a
+// microsecond or more in the middle of a forward (cold caches): about 30 us
+// per save on a 2-core VM, where issue 10 asks for 10. Here the common cases
+// (a weight kept, a statistic kept, an activation quantised once per memory,
+// an output the policy rebuilds, each restored) never enter Python but for
+// the rebuild's own function; the rare ones (tensor subclasses, meta tensors,
+// bool and integer tensors, autocast copies of weights and of rebuilt outputs)
+// call back into the Python rules (compress/hooks.py, activations/fast.py),
+// which use this same store.
+//
+// store.cpp: the dedup store (quantise once per memory, restore once) and the
+// rebuild recipes; hooks.cpp: the "fast" pack rules and the unpack hook;
+// bindings.cpp: the Python classes.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace effmem::saved {
+
+namespace py = pybind11;
+
+// One compressed stretch of memory, shared by every save of it.
+struct SavedEntry {
+  std::optional<at::Tensor> codes, stats;  // both None while activations.offload holds them on the host
+  int64_t rows = 0, cols = 0, n = 0, bits = 8, group_size = 128;
+  at::ScalarType dtype = at::kFloat;
+  int64_t saves = 1, unpacked = 0;  // saves made / unpacked since the last full round
+  int64_t bytes_before = 0, bytes_after = 0;
+  // The memory's version counter (autograd checks saves for in-place changes only without
+  // saved_tensors_hooks, so restore makes that check) and its value when saved; none for inference tensors.
+  std::optional<c10::VariableVersion> counter;
+  int64_t version = 0;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;  // a hit needs the memory unchanged
+  // The dequantised memory while some restored save still lives, and its tensor's dispatch keys.
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> restored;
+  c10::DispatchKeySet restored_keys;
+  std::optional<at::Tensor> held;  // kept until every save of the memory has been unpacked
+  py::object offload = py::none();  // activations.offload's record while the codes are on the host
+};
+using EntryPtr = std::shared_ptr<SavedEntry>;
+
+// A weak reference to an entry (Python's weakref would refer to its Python wrapper, which goes with the last
+// Python reference while handles keep the entry itself).
+struct SavedEntryRef {
+  std::weak_ptr<SavedEntry> ref;
+};
+
+// What autograd holds for one compressed save: the entry and this save's view of its memory.
+struct SavedHandle {
+  EntryPtr entry;
+  std::vector<int64_t> shape, stride;
+  int64_t offset = 0;
+};
+
+// A save kept as it is: a detached alias (same memory, same version counter) and its version.
+struct KeptTensor {
+  at::Tensor tensor;
+  int64_t version = 0;
+};
+
+// How backward rebuilds an output the "fast" policy does not store (a norm's, SwiGLU's): fn applied to its
+// packed inputs, once for all of the output's saves.
+struct Recipe {
+  py::object fn;
+  std::vector<py::object> inputs;  // packed (KeptTensor, SavedHandle, RecipeHandle) or plain values
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> owner;  // the output
+  int64_t owner_offset = 0;
+  std::vector<int64_t> shape, stride;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  std::optional<c10::VariableVersion> counter;
+  int64_t version = 0, saves = 0, unpacked = 0;
+  std::optional<at::Tensor> held;  // the rebuilt output until its last save is unpacked
+  bool alive() const { return owner && !owner->expired(); }  // a save of its memory must come while it lives
+};
+using RecipePtr = std::shared_ptr<Recipe>;
+
+// One save of a rebuilt output: its view of the output, cast to `cast` for a save of autocast's copy.
+struct RecipeHandle {
+  RecipePtr recipe;
+  std::vector<int64_t> shape, stride;
+  int64_t offset = 0;
+  std::optional<at::ScalarType> cast;
+};
+
+// A tensor over t's memory with the given geometry, made without the dispatcher: a view op through it
+// (as_strided) costs 2 us in a loop and 10 to 25 us in the middle of a backward. Not a view in autograd's
+// sense, which is what autograd makes of an unpacked save anyway (it detaches it).
+at::Tensor view_of(const at::Tensor& t, at::IntArrayRef shape, at::IntArrayRef stride, int64_t offset);
+// t's version counter, which every view of its memory bumps; none for an inference tensor.
+std::optional<c10::VariableVersion> version_counter(const at::Tensor& t);
+
+struct Key {
+  const void* storage;
+  int64_t version, offset, n;
+  int dtype;
+  bool operator==(const Key& o) const {
+    return storage == o.storage && version == o.version && offset == o.offset && n == o.n && dtype == o.dtype;
+  }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const;
+};
+
+class SavedTensors {
+ public:
+  SavedTensors(int64_t bits, int64_t group_size, int64_t seed, bool stochastic, py::object owner);
+
+  // store.cpp: t's memory as codes shared by every save of it: a SavedHandle, or the reason (a str) to keep t.
+  py::object store(const at::Tensor& t);
+  at::Tensor restore(SavedHandle& h);
+  py::list live_entries();
+  RecipePtr add_recipe(const at::Tensor& out, py::object fn, const std::vector<py::object>& inputs);
+  // A save of a rebuilt output's memory (unchanged, the output alive): its handle, else None.
+  py::object recipe_save(const at::Tensor& t);
+  at::Tensor rebuild(RecipeHandle& h);
+
+  // hooks.cpp
+  py::object pack(py::handle obj);
+  py::object unpack(py::handle packed);
+  void set_layer(const std::vector<int64_t>& external, int64_t token_values,
+                 const std::vector<std::pair<int64_t, int64_t>>& param_shapes);
+  std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> take_tallies();
+
+  int64_t min_numel_ = 4096;
+  py::object collect_ = py::none();  // under FastCompressor.collecting(): the list new entries go to
+  // Time inside the quantize and dequantize calls and the calls made: what benchmarks subtract from the hooks'
+  // time, and what tests count to see a memory quantised and dequantised once, an output rebuilt once.
+  int64_t work_ns_ = 0, quantize_calls_ = 0, dequantize_calls_ = 0, rebuild_calls_ = 0;
+
+ private:
+  enum Reason { kCompressed, kDeduplicated, kParameter, kLayerInput, kSmall, kRowStatistic, kStatistic,
+                kOverlapping, kStridedView, kNoGain, kReasonCount };
+  static const char* const kReasons[kReasonCount];
+  static Reason reason_index(const std::string& r);
+
+  py::object keep(const at::Tensor& t, Reason r);
+  void tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after);
+  int64_t packed_bytes(int64_t rows, int64_t cols) const;
+  void remember(const Key& key, const EntryPtr& e);
+  static void count_unpack(SavedEntry& e, at::Tensor flat);
+  py::object owner();
+  [[noreturn]] void version_error(int64_t now, int64_t saved, at::ScalarType dtype,
+                                  const std::vector<int64_t>& shape, at::Device device);
+
+  int64_t bits_, group_size_;
+  uint64_t seed_, next_seed_ = 0;
+  bool stochastic_;
+  py::object owner_;  // a weakref to the Python compressor (which holds this object)
+  std::unordered_map<Key, std::weak_ptr<SavedEntry>, KeyHash> table_;
+  size_t purge_at_;
+  // Rebuilt outputs by storage; the compressor holds each recipe while its output lives.
+  std::unordered_map<const void*, std::weak_ptr<Recipe>> recipes_;
+  std::unordered_set<const void*> external_;
+  int64_t token_values_ = 0;
+  std::set<std::pair<int64_t, int64_t>> param_shapes_;
+  std::map<std::pair<int, int>, std::array<int64_t, 3>> tallies_;
+};
+
+}  // namespace effmem::saved
