@@ -28,7 +28,7 @@ def llama():
 
 def calls(model) -> dict:
     """The quantize and dequantize kernel calls made by model's compressor so far (counted where the C++
-    store makes them, csrc/saved_hooks.cpp)."""
+    store makes them, csrc/saved/store.cpp)."""
     saves = compressor_of(model)._saves
     return {"quantize": saves.quantize_calls, "dequantize": saves.dequantize_calls}
 

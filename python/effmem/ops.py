@@ -149,7 +149,9 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
     check_quant_config(bits, group_size)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
-    return _lib.quantize(x.contiguous(), int(bits), int(group_size), _seed_int64(seed), bool(stochastic))
+    # the overload itself, not the packet: resolving the packet costs about 7 us a call, as much as the op's
+    # own dispatch (these run once per saved activation)
+    return _lib.quantize.default(x.contiguous(), int(bits), int(group_size), _seed_int64(seed), bool(stochastic))
 
 
 def _seed_int64(seed) -> int:
@@ -165,7 +167,7 @@ def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shap
     check_quant_config(bits, group_size)
     shape = tuple(shape)
     last_dim = shape[-1] if shape else 1
-    return _lib.dequantize(codes, stats, int(bits), int(group_size), int(last_dim), dtype).reshape(shape)
+    return _lib.dequantize.default(codes, stats, int(bits), int(group_size), int(last_dim), dtype).reshape(shape)
 
 
 @torch.library.register_fake("effmem::quantize")

@@ -20,9 +20,11 @@ No dispatch mode watches the ops (compress_activations' exact-statistics
 tracker costs 4-8 us per aten op); what a layer saves is classified from the
 tensor alone, and the layer's inputs and parameter shapes are read once per
 layer call. The hooks are C++ (effmem._C.SavedTensors.pack and unpack,
-csrc/saved_hooks.cpp); they hand the cases that need Python (rebuildable
-outputs, autocast's copies, subclasses and meta tensors, bool and integer
-tensors) to FastCompressor._pack here, which states every rule.
+csrc/saved/): every rule above, the store and the rebuilds; they hand the
+cases that need Python (autocast's copies of weights and of rebuilt outputs,
+tensor subclasses and meta tensors, bool and integer tensors) to
+FastCompressor._pack here, which states every rule again and decides alike
+(tests/test_saved_hooks.py).
 """
 import functools
 import math

@@ -6,11 +6,11 @@
         loss = model(x)
     print(ctx.stats.format())
 
-Layout: api.py (entry points), hooks.py (pack/unpack, dedup), policy.py
+Layout: api.py (entry points), hooks.py (the pack hook's rules; the dedup
+store, strides and views, and the unpack hook are C++: csrc/saved/), policy.py
 (what is kept as it is), tracker.py (the dispatch mode that finds exact
-statistics), layout.py (strides and views), stats.py (CompressionStats),
-functions.py (compressed_linear / compressed_gelu and their modules),
-_codec.py (the quantisation kernels).
+statistics), stats.py (CompressionStats), functions.py (compressed_linear /
+compressed_gelu and their modules), _codec.py (the quantisation kernels).
 """
 from effmem.compress.api import compress_activations, compressor_of, remove_compression
 from effmem.compress.functions import CompressedGELU, CompressedLinear, compressed_gelu, compressed_linear

@@ -3,7 +3,7 @@
 The pack hook (torch.autograd.graph.saved_tensors_hooks) decides, from shapes,
 dtypes, storages and what the OutputTracker saw, whether to quantise a saved
 tensor; it never reads tensor values, so it adds no host synchronisation.
-The store behind it is effmem._C.SavedTensors (csrc/saved_hooks.cpp): a
+The store behind it is effmem._C.SavedTensors (csrc/saved/): a
 memory saved by several ops (the input of q, k and v) is quantised once, as
 long as its storage lives; the unpack hook, also there, dequantises it once
 and hands the same buffer to each of those saves, keeping it until the last
