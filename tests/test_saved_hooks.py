@@ -4,13 +4,16 @@ The "fast" policy's pack hook decides in C++ what the Python rules (FastCompress
 compressor with records on uses for every save) would decide: the same statistics, the same stored bytes and
 bit-identical gradients on Hugging Face Llama and GPT-2 models and the demo GPT. A save changed in place
 after it was saved is torch's RuntimeError for each kind of save (kept, compressed, rebuilt), as autograd
-raises it without hooks.
+raises it without hooks. Nested tensors (no single shape or strides) are kept as they are.
 """
+import warnings
+
 import pytest
 import torch
 
 from effmem.activations import activation_stats, apply_activation_policy, fused
 from effmem.activations.fast import FastCompressor
+from effmem.compress import compress_activations
 from effmem.demo_model import ByteGPT, GPTConfig
 from activation_helpers import loss_of, tiny_llama
 
@@ -94,3 +97,28 @@ def test_packed_saves_unpack_unchanged_without_in_place_changes():
     out.backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and w.grad is not None
     assert comp._saves.rebuild_calls == 1
+
+
+@pytest.mark.parametrize("how", ["generic", "generic_records", "fast"])
+def test_nested_tensors_are_kept_as_they_are(how):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        leaf = torch.nested.nested_tensor([torch.randn(300, 80), torch.randn(500, 80)], requires_grad=True)
+
+        def loss():
+            return torch.nested.to_padded_tensor((leaf * 2).sin(), 0.0).sum()
+        loss().backward()
+        want, leaf.grad = leaf.grad, None
+        if how == "fast":
+            comp = FastCompressor(min_numel=0)
+            with comp.layer("layer", torch.randn(800, 80), (), frozenset(), True):
+                out = loss()
+            stats = comp.stats
+        else:
+            with compress_activations(min_numel=0, record=how == "generic_records") as ctx:
+                out = loss()
+            stats = ctx.stats
+        out.backward()
+    assert stats.skipped["unsupported"].count >= 1 and stats.num_compressed == 0, stats
+    for a, b in zip(leaf.grad.unbind(), want.unbind()):
+        assert torch.equal(a, b)

@@ -53,6 +53,7 @@ py::object SavedTensors::pack(py::handle obj) {
   auto fallback = [&] { return owner().attr("_pack")(obj); };
   if (!THPVariable_CheckExact(o)) return fallback();  // a subclass: fake tensors while compiling...
   const at::Tensor& t = THPVariable_Unpack(o);
+  if (t.is_nested()) return fallback();  // no single shape or strides: Python keeps it ("unsupported")
   if (is_parameter_object(o)) return py::cast(KeptTensor{t, t._version()});  // nothing to store or count
   at::Tensor base;
   if (t.is_view()) base = at::Tensor(t._base());

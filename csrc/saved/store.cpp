@@ -113,6 +113,7 @@ SavedTensors::SavedTensors(int64_t bits, int64_t group_size, int64_t seed, bool 
 }
 
 py::object SavedTensors::store(const at::Tensor& t) {
+  if (t.is_nested() || t.layout() != at::kStrided) return py::str("unsupported");
   const Layout layout = classify(t);
   if (layout == Layout::kOverlapping) return py::str("overlapping");
   at::Tensor src = t;  // the tensor whose memory is compressed: t, or the dense tensor t views
@@ -269,6 +270,7 @@ RecipePtr SavedTensors::add_recipe(const at::Tensor& out, py::object fn, const s
 }
 
 py::object SavedTensors::recipe_save(const at::Tensor& t) {
+  if (t.is_nested()) return py::none();  // never a rebuilt output (those are dense)
   auto found = recipes_.find(storage_of(t));
   if (found == recipes_.end()) return py::none();
   RecipePtr r = found->second.lock();

@@ -144,7 +144,8 @@ class FastCompressor(ActivationCompressor):
     def _reason(self, t: Tensor, excluded: bool, key=None) -> Optional[str]:
         # compress.policy's early_reason and value_reason, in the order and form cheapest for one save
         # (this runs for every save in a layer; parameters of type nn.Parameter never get here)
-        if type(t) is not Tensor or t.layout is not torch.strided or (t.is_meta and not self.allow_meta):
+        if (type(t) is not Tensor or t.layout is not torch.strided or t.is_nested
+                or (t.is_meta and not self.allow_meta)):
             return "unsupported"
         base = t._base
         if (t.requires_grad and t.is_leaf) or (base is not None and base.requires_grad and base.is_leaf):

@@ -231,7 +231,9 @@ class ActivationCompressor:
 
     def _note(self, t: Tensor, module: str, decision: str) -> None:
         if self.records is not None:
-            self.records.append({"shape": tuple(t.shape), "stride": tuple(t.stride()), "dtype": t.dtype,
+            nested = t.is_nested  # a nested tensor has no single shape or strides
+            self.records.append({"shape": None if nested else tuple(t.shape),
+                                 "stride": None if nested else tuple(t.stride()), "dtype": t.dtype,
                                  "module": module, "decision": decision,
                                  "storage": None if decision == "unsupported" else storage_key(t)})
 
