@@ -18,10 +18,13 @@
 #   done 2026-11-26 (bench/results/2026-11-26-h100-1cfb2b0): build cuda_tests offload; build activations
 #   done 2026-11-26 (bench/results/2026-11-26-h200-*): build cuda_tests offload + the compress kernels +
 #                                    linear_ce; linear_ce again after its fix
-#   1. build activations             300 + 330 + 130: issue 10 again (per-layer compile fix, loss on text,
-#                                    the "fast" step with the rewritten kernels); after a dequantize change
-#                                    (README: its stores), build kernels first
-#   2. build offload (back to back)  issue 12's device_state row at its new 0.5 share (1.10x target)
+#   1. build cuda_tests              300 + 200: the saved-tensor hooks are C++ since 2026-11-27 (csrc/saved/)
+#                                    and have never run on a GPU: their CUDA tests first (about 220 s)
+#   2. build activations (back to back) 300 + 330 + 130: issue 10 again (per-layer compile fix, loss on text,
+#                                    the "fast" step with the rewritten kernels, hook_us_per_save with the
+#                                    C++ hooks); after a dequantize change (README: its stores), build
+#                                    kernels first
+#   3. build offload (back to back)  issue 12's device_state row at its new 0.5 share (1.10x target)
 #   then, a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
 #   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
