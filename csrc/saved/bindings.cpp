@@ -7,9 +7,6 @@ namespace effmem {
 
 void bind_saved_hooks(py::module_& m) {
   using namespace effmem::saved;
-  m.def("saved_view", &view_of, py::arg("tensor"), py::arg("shape"), py::arg("stride"), py::arg("offset"),
-        "tensor's memory with the given sizes, strides and storage offset, as a tensor that is not a view in "
-        "autograd's sense (made without the dispatcher: for unpack hooks)");
   py::class_<SavedEntry, EntryPtr>(m, "SavedEntry", "One compressed stretch of memory, shared by its saves")
       .def_readwrite("codes", &SavedEntry::codes)
       .def_readwrite("stats", &SavedEntry::stats)

@@ -23,13 +23,6 @@ at::Tensor detached(const at::Tensor& t) {
   return at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), impl->allow_tensor_metadata_change()));
 }
 
-// The Python types of the packed saves, looked up once (py::isinstance looks them up by C++ type each time).
-template <typename T>
-bool is_a(py::handle o) {
-  static PyTypeObject* const type = reinterpret_cast<PyTypeObject*>(py::type::of<T>().ptr());
-  return Py_TYPE(o.ptr()) == type;
-}
-
 bool is_parameter(const at::Tensor& t) {
   py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
   return is_parameter_object(obj.ptr());
@@ -39,14 +32,7 @@ bool is_parameter(const at::Tensor& t) {
 
 const char* const SavedTensors::kReasons[kReasonCount] = {
     "compressed", "deduplicated", "parameter", "layer_input", "small", "row_statistic", "statistic",
-    "overlapping", "strided_view", "no_gain"};
-
-SavedTensors::Reason SavedTensors::reason_index(const std::string& r) {
-  for (int i = kOverlapping; i < kReasonCount; ++i) {
-    if (r == kReasons[i]) return static_cast<Reason>(i);
-  }
-  TORCH_CHECK(false, "effmem: unknown reason to keep a saved tensor: ", r);
-}
+    "overlapping", "strided_view", "no_gain", "unsupported"};
 
 py::object SavedTensors::pack(py::handle obj) {
   PyObject* o = obj.ptr();
@@ -78,16 +64,15 @@ py::object SavedTensors::pack(py::handle obj) {
   if (t.dim() == 2 && param_shapes_.count({t.size(0), t.size(1)})) return fallback();  // a weight's copy?
   const auto& fn = (base.defined() ? base : t).grad_fn();
   if (fn && fn->name() == "ToCopyBackward0") return fallback();  // autocast's copy of a rebuilt output?
-  py::object stored = store(t);
-  if (py::isinstance<py::str>(stored)) return keep(t, reason_index(stored.cast<std::string>()));
-  const auto& h = stored.cast<const SavedHandle&>();
-  if (h.entry->saves == 1) {
-    tally(kCompressed, dtype, h.entry->bytes_before, h.entry->bytes_after);
-    if (!collect_.is_none()) collect_.attr("append")(h.entry);  // new here: activations.offload takes it
+  Reason why = kUnsupported;
+  std::optional<SavedHandle> h = store_memory(t, why);
+  if (!h) return keep(t, why);
+  if (h->entry->saves == 1) {
+    tally(kCompressed, dtype, h->entry->bytes_before, h->entry->bytes_after);
   } else {
     tally(kDeduplicated, dtype, 0, 0);
   }
-  return stored;
+  return py::cast(std::move(*h));
 }
 
 py::object SavedTensors::unpack(py::handle packed) {

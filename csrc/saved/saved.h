@@ -107,6 +107,24 @@ at::Tensor view_of(const at::Tensor& t, at::IntArrayRef shape, at::IntArrayRef s
 // t's version counter, which every view of its memory bumps; none for an inference tensor.
 std::optional<c10::VariableVersion> version_counter(const at::Tensor& t);
 
+// Whether o is a T: the Python type looked up once (py::isinstance looks it up by C++ type each call).
+template <typename T>
+bool is_a(py::handle o) {
+  static PyTypeObject* const type = reinterpret_cast<PyTypeObject*>(py::type::of<T>().ptr());
+  return Py_TYPE(o.ptr()) == type;
+}
+
+// Holds `out` until the last of `saves` is unpacked (one restore or rebuild for q, k and v), then lets go,
+// so that a graph kept with retain_graph=True makes it afresh the next time.
+inline void hold_until_last(int64_t& unpacked, int64_t saves, std::optional<at::Tensor>& held, const at::Tensor& out) {
+  if (++unpacked < saves) {
+    if (!held) held = out;
+  } else {
+    held.reset();
+    unpacked = 0;
+  }
+}
+
 struct Key {
   const void* storage;
   int64_t version, offset, n;
@@ -147,15 +165,15 @@ class SavedTensors {
 
  private:
   enum Reason { kCompressed, kDeduplicated, kParameter, kLayerInput, kSmall, kRowStatistic, kStatistic,
-                kOverlapping, kStridedView, kNoGain, kReasonCount };
+                kOverlapping, kStridedView, kNoGain, kUnsupported, kReasonCount };
   static const char* const kReasons[kReasonCount];
-  static Reason reason_index(const std::string& r);
+
+  // store's work: the handle, or nothing and in `why` the reason to keep t (an entry made here goes to collect_).
+  std::optional<SavedHandle> store_memory(const at::Tensor& t, Reason& why);
 
   py::object keep(const at::Tensor& t, Reason r);
   void tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after);
-  int64_t packed_bytes(int64_t rows, int64_t cols) const;
   void remember(const Key& key, const EntryPtr& e);
-  static void count_unpack(SavedEntry& e, at::Tensor flat);
   py::object owner();
   [[noreturn]] void version_error(int64_t now, int64_t saved, at::ScalarType dtype,
                                   const std::vector<int64_t>& shape, at::Device device);

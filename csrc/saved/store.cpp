@@ -15,6 +15,8 @@
 // as_strided windows) is kept as it is.
 #include "saved/saved.h"
 
+#include "common/checks.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/GradMode.h>
@@ -83,9 +85,7 @@ const c10::TypedOperatorHandle<DequantizeFn>& dequantize_op() {
 
 py::object codec() { return py::module_::import("effmem.compress._codec"); }
 
-bool is_packed(const py::object& o) {
-  return py::isinstance<KeptTensor>(o) || py::isinstance<SavedHandle>(o) || py::isinstance<RecipeHandle>(o);
-}
+bool is_packed(const py::object& o) { return is_a<KeptTensor>(o) || is_a<SavedHandle>(o) || is_a<RecipeHandle>(o); }
 
 }  // namespace
 
@@ -113,23 +113,34 @@ SavedTensors::SavedTensors(int64_t bits, int64_t group_size, int64_t seed, bool 
 }
 
 py::object SavedTensors::store(const at::Tensor& t) {
-  if (t.is_nested() || t.layout() != at::kStrided) return py::str("unsupported");
+  Reason why = kUnsupported;
+  std::optional<SavedHandle> h = store_memory(t, why);
+  return h ? py::cast(std::move(*h)) : py::str(kReasons[why]);
+}
+
+std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reason& why) {
+  auto keep = [&why](Reason r) {
+    why = r;
+    return std::nullopt;
+  };
+  if (t.is_nested() || t.layout() != at::kStrided) return keep(kUnsupported);
   const Layout layout = classify(t);
-  if (layout == Layout::kOverlapping) return py::str("overlapping");
+  if (layout == Layout::kOverlapping) return keep(kOverlapping);
   at::Tensor src = t;  // the tensor whose memory is compressed: t, or the dense tensor t views
   if (layout != Layout::kDense) {
-    if (!t.is_view()) return py::str("strided_view");
+    if (!t.is_view()) return keep(kStridedView);
     const at::Tensor base(t._base());
     if (classify(base) != Layout::kDense || base.numel() > kMaxBaseGrowth * t.numel() ||
         base.scalar_type() != t.scalar_type()) {
-      return py::str("strided_view");
+      return keep(kStridedView);
     }
     src = base;
   }
   const bool is_bool = t.scalar_type() == at::kBool;
   const int64_t n = src.numel(), nbytes = n * static_cast<int64_t>(src.element_size()), g = group_size_;
   const int64_t rows = n % g == 0 ? n / g : 1, cols = n % g == 0 ? g : n;
-  if (!is_bool && packed_bytes(rows, cols) >= nbytes) return py::str("no_gain");
+  const QuantLayout packed = quant_layout(n, cols, bits_, g);
+  if (!is_bool && packed.rows * (packed.row_bytes + packed.groups_per_row * 2 * 4) >= nbytes) return keep(kNoGain);
 
   const int64_t offset = src.storage_offset();
   SavedHandle h{nullptr, t.sizes().vec(), t.strides().vec(), t.storage_offset() - offset};
@@ -142,7 +153,7 @@ py::object SavedTensors::store(const at::Tensor& t) {
     if (e && e->storage && !e->storage->expired()) {
       ++e->saves;
       h.entry = std::move(e);
-      return py::cast(std::move(h));
+      return h;
     }
   }
 
@@ -178,8 +189,9 @@ py::object SavedTensors::store(const at::Tensor& t) {
     }
   }
   remember(key, e);
+  if (!collect_.is_none()) collect_.attr("append")(e);  // new here: activations.offload takes it
   h.entry = std::move(e);
-  return py::cast(std::move(h));
+  return h;
 }
 
 at::Tensor SavedTensors::restore(SavedHandle& h) {
@@ -192,7 +204,7 @@ at::Tensor SavedTensors::restore(SavedHandle& h) {
   if (e.restored) {  // restored already, and some unpacked save of it still lives: the same memory
     if (auto alive = e.restored->lock()) {
       at::Tensor out = over(c10::Storage(std::move(alive)), e.restored_keys, e.dtype, h.shape, h.stride, h.offset);
-      count_unpack(e, out);  // holding any tensor over the memory holds the memory
+      hold_until_last(e.unpacked, e.saves, e.held, out);  // any tensor over the memory holds the memory
       return out;
     }
   }
@@ -211,20 +223,8 @@ at::Tensor SavedTensors::restore(SavedHandle& h) {
   // one storage.
   e.restored = flat.storage().getWeakStorageImpl();
   e.restored_keys = flat.key_set();
-  at::Tensor out = view_of(flat, h.shape, h.stride, h.offset);
-  count_unpack(e, std::move(flat));
-  return out;
-}
-
-// Holds the restored memory until every save of it has been unpacked (one dequantize for q, k and v's
-// inputs), then lets go, so that a graph kept with retain_graph=True restores it afresh the next time.
-void SavedTensors::count_unpack(SavedEntry& e, at::Tensor flat) {
-  if (++e.unpacked < e.saves) {
-    if (!e.held) e.held = std::move(flat);
-  } else {
-    e.held.reset();
-    e.unpacked = 0;
-  }
+  hold_until_last(e.unpacked, e.saves, e.held, flat);
+  return view_of(flat, h.shape, h.stride, h.offset);
 }
 
 py::list SavedTensors::live_entries() {
@@ -233,11 +233,6 @@ py::list SavedTensors::live_entries() {
     if (EntryPtr e = weak.lock()) out.append(py::cast(e));
   }
   return out;
-}
-
-int64_t SavedTensors::packed_bytes(int64_t rows, int64_t cols) const {  // compress/_codec.py's packed_bytes
-  const int64_t groups = (cols + group_size_ - 1) / group_size_;
-  return rows * ((cols * bits_ + 7) / 8) + rows * groups * 2 * 4;
 }
 
 void SavedTensors::remember(const Key& key, const EntryPtr& e) {
@@ -306,13 +301,7 @@ at::Tensor SavedTensors::rebuild(RecipeHandle& h) {
       out = std::move(laid);
     }
   }
-  // Held until its last save is unpacked (q, k and v: one rebuild), then let go, as restored memory is.
-  if (++r.unpacked < r.saves) {
-    r.held = out;
-  } else {
-    r.held.reset();
-    r.unpacked = 0;
-  }
+  hold_until_last(r.unpacked, r.saves, r.held, out);
   if (h.cast) out = out.to(*h.cast);  // autocast's copy, made as forward made it (to() keeps the layout)
   return view_of(out, h.shape, h.stride, out.storage_offset() + h.offset);
 }

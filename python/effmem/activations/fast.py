@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from effmem import _C
-from effmem.compress.hooks import ActivationCompressor, _Handle, _Kept, dtype_name
+from effmem.compress.hooks import ActivationCompressor, _Kept, dtype_name
 from effmem.compress import _codec
 from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, value_reason
 from effmem.compress.tracker import storage_key
@@ -81,7 +81,6 @@ class FastCompressor(ActivationCompressor):
         self._tokens = self._hidden = 0
         self._param_shapes: frozenset = frozenset()
         self._layer_name = ""
-        self._collect: Optional[list] = None  # under collecting(): the entries stored since
 
     def _init_runtime(self) -> None:
         super()._init_runtime()
@@ -125,23 +124,16 @@ class FastCompressor(ActivationCompressor):
     def collecting(self):
         """Yield a list that receives every compressed entry stored inside (a layer whose codes
         activations.offload then moves to host memory)."""
-        prev, self._collect = self._collect, []
-        self._saves.collect = self._collect  # the C++ pack hook's new entries
+        # the store appends each entry it makes (a deduplicated save's entry was collected already)
+        prev, self._saves.collect = self._saves.collect, []
         try:
-            yield self._collect
+            yield self._saves.collect
         finally:
-            self._collect = prev
             self._saves.collect = prev
-
-    def _store(self, t: Tensor, module: str):
-        h = super()._store(t, module)
-        if self._collect is not None and type(h) is _Handle and h.entry.saves == 1:
-            self._collect.append(h.entry)  # new here (a deduplicated save's entry was collected already)
-        return h
 
     # ------------------------------------------------------------ rules
 
-    def _reason(self, t: Tensor, excluded: bool, key=None) -> Optional[str]:
+    def _reason(self, t: Tensor, excluded: bool) -> Optional[str]:
         # compress.policy's early_reason and value_reason, in the order and form cheapest for one save
         # (this runs for every save in a layer; parameters of type nn.Parameter never get here)
         if (type(t) is not Tensor or t.layout is not torch.strided or t.is_nested
@@ -150,7 +142,7 @@ class FastCompressor(ActivationCompressor):
         base = t._base
         if (t.requires_grad and t.is_leaf) or (base is not None and base.requires_grad and base.is_leaf):
             return "parameter"
-        if (key or storage_key(t)) in self._external:
+        if storage_key(t) in self._external:
             return "layer_input"
         dtype = t.dtype
         if dtype not in _codec.FLOAT_DTYPES:

@@ -282,9 +282,6 @@ class ActivationCompressor:
             self._note(t, module, "compressed")
         return h
 
-    def _unpack(self, packed):
-        return self._saves.unpack(packed)
-
     def _unpack_other(self, packed):
         """What the C++ unpack hook leaves to Python: saves made while compiling (the tensor itself)."""
         if isinstance(packed, Tensor):

@@ -91,13 +91,10 @@ class CompressionStats:
         self.skipped.clear()
 
     def record_compressed(self, dtype: str, module: str, before: int, after: int) -> None:
-        self.num_compressed += 1
-        self._record(dtype, module, before, after)
+        self.add("compressed", dtype, module, 1, before, after)
 
     def record_kept(self, reason: str, dtype: str, module: str, nbytes: int) -> None:
-        _tally(self.skipped, reason, nbytes, nbytes)
-        if reason not in NOT_ACTIVATIONS:
-            self._record(dtype, module, nbytes, nbytes)
+        self.add(reason, dtype, module, 1, nbytes, nbytes)
 
     def _record(self, dtype: str, module: str, before: int, after: int, count: int = 1) -> None:
         self.total_bytes_before += before
@@ -106,8 +103,8 @@ class CompressionStats:
         _tally(self.by_module, module, before, after, count)
 
     def add(self, kind: str, dtype: str, module: str, count: int, before: int, after: int) -> None:
-        """`count` saves at once, as record_compressed ("compressed"), a deduplicated save
-        ("deduplicated") or record_kept (any other kind: the reason) would count them one by one."""
+        """`count` saves at once: compressed ("compressed"), deduplicated ("deduplicated") or kept as they are
+        (any other kind: the reason)."""
         if kind == "compressed":
             self.num_compressed += count
             self._record(dtype, module, before, after, count)
