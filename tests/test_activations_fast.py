@@ -279,3 +279,50 @@ def test_plan_offers_and_applies_the_fast_policy():
     assert "apply_activation_policy(model, 'fast')" in code_for(fast_c.config, "cpu")
     m, _ = p.apply(llama(), fast_c.name)
     assert all(layer._effmem_policy == "fast" for layer in m.model.layers)
+
+
+def _rms_inputs(dtype, device="cpu", rows=512, hidden=256):
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, dtype=dtype, device=device) * 3
+    w = torch.rand(hidden, dtype=dtype, device=device) + 0.5
+    g = torch.randn(rows, hidden, dtype=dtype, device=device)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)   # as _RMSNorm's forward keeps it
+    x64, n = x.double(), x.double() * rstd.double()
+    gn = g.double() * w.double()
+    ref = (rstd.double() * (gn - n * (gn * n).mean(-1, keepdim=True)), (g.double() * n).sum(0))
+    return g, x, rstd, w, ref
+
+
+def _rel_err(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_backward_by_aten_matches_the_written_out_formula(dtype):
+    """On a GPU, _RMSNorm's backward is aten's fused kernel: the arguments it passes (rstd with a trailing
+    1, the mask, the order of the results) are checked here through torch's decomposition of that op, which
+    runs on a CPU: both gradients within the written-out formula's own error of a float64 reference."""
+    g, x, rstd, w, ref = _rms_inputs(dtype)
+    dec = torch._decomp.decomposition_table[torch.ops.aten._fused_rms_norm_backward.default]
+    mine = fused._rms_norm_backward([True, True], g, x, rstd, w)[:2]
+    aten = fused._aten_rms_backward(g, x, rstd, w, [True, True], op=dec)
+    for a, b, r in zip(aten, mine, ref):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape
+        assert _rel_err(a, r) <= 2 * _rel_err(b, r) + 1e-6
+    only_w = fused._aten_rms_backward(g, x, rstd, w, [False, True], op=dec)
+    assert only_w[0] is None and torch.equal(only_w[1], aten[1])
+    assert not fused._aten_rms_backward_applies(x, g, w)   # a CPU has no such kernel (torch 2.11-2.14)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_on_cuda_takes_the_fused_kernel(dtype):
+    g, x, rstd, w, ref = _rms_inputs(dtype, "cuda", rows=3 * 1024, hidden=2048)
+    assert fused._aten_rms_backward_applies(x, g, w)
+    xr = x.clone().requires_grad_(True)
+    wr = w.clone().requires_grad_(True)
+    got = torch.autograd.grad(fused.rms_norm(xr, wr, 1e-6), (xr, wr), g)
+    mine = fused._rms_norm_backward([True, True], g, x, rstd, w)[:2]
+    for a, b, r in zip(got, mine, ref):
+        assert a.dtype == dtype
+        assert _rel_err(a, r.cuda()) <= 2 * _rel_err(b, r.cuda()) + 1e-6

@@ -23,6 +23,9 @@ from torch import Tensor
 from effmem.activations.fast import recompute_output
 
 
+_ATEN_RMS_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm_backward", "CUDA")
+
+
 def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
     return weight * (x.float() * rstd).to(x.dtype)
 
@@ -41,15 +44,40 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, rstd, weight = ctx.saved_tensors
-        n = x.float() * rstd
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            gw = grad * n.to(x.dtype)
-            grad_w = gw.sum(dim=tuple(range(gw.dim() - weight.dim()))).to(weight.dtype)
-        gn = (grad * weight).to(x.dtype).float()
-        # d/dx of x * rstd(x): rstd * (g - n * mean(g * n)), with n = x * rstd
-        grad_x = (rstd * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_w, None
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+        if _aten_rms_backward_applies(x, grad, weight):
+            return (*_aten_rms_backward(grad, x, rstd, weight, mask), None)
+        return _rms_norm_backward(mask, grad, x, rstd, weight)
+
+
+def _aten_rms_backward_applies(x: Tensor, grad: Tensor, weight: Tensor) -> bool:
+    """Whether aten's fused RMSNorm backward takes these: CUDA tensors of one floating dtype that keeps its
+    statistics in float32, as the forward computed rstd (aten's kernel is CUDA-only in torch 2.11-2.14)."""
+    return (x.is_cuda and _ATEN_RMS_BACKWARD and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and grad.dtype == weight.dtype == x.dtype and weight.dim() == 1 and x.shape[-1] == weight.numel())
+
+
+def _aten_rms_backward(grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, mask, op=None):
+    """(grad_x, grad_w) by aten's fused kernel: one pass over grad and x where the written-out formula below runs
+    about a dozen kernels over float32 temporaries (about 10 bytes moved per element against some 90, counted
+    from the ops; in the CPU op count of the "fast" policy's backward, the largest non-matmul part). The same
+    gradient up to rounding: grad_w from the float32 x * rstd, not its bf16 rounding (which autograd, too,
+    differentiates as the identity). `op`: the tests pass torch's decomposition of it, which runs on a CPU."""
+    op = op or torch.ops.aten._fused_rms_norm_backward
+    return op(grad.contiguous(), x.contiguous(), list(weight.shape), rstd, weight, mask)
+
+
+def _rms_norm_backward(mask, grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor):
+    """The RMSNorm gradient written out in torch ops (CPU, mixed dtypes, a torch without the fused kernel)."""
+    n = x.float() * rstd
+    grad_w = None
+    if mask[1]:
+        gw = grad * n.to(x.dtype)
+        grad_w = gw.sum(dim=tuple(range(gw.dim() - weight.dim()))).to(weight.dtype)
+    gn = (grad * weight).to(x.dtype).float()
+    # d/dx of x * rstd(x): rstd * (g - n * mean(g * n)), with n = x * rstd
+    grad_x = (rstd * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+    return grad_x, grad_w, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
