@@ -83,6 +83,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   no_kernel("linear_ce_forward_backward", hidden);
 }
 
+at::Tensor swiglu_fallback(const at::Tensor& gate, const at::Tensor& up) {
+  check_swiglu_args(nullptr, gate, up);
+  no_kernel("swiglu", gate);
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_fallback(const at::Tensor& grad, const at::Tensor& gate,
+                                                            const at::Tensor& up) {
+  check_swiglu_args(&grad, gate, up);
+  no_kernel("swiglu_backward", gate);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
@@ -94,6 +105,8 @@ TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("linear_ce_forward", &linear_ce_forward_fallback);
   m.impl("linear_ce_backward", &linear_ce_backward_fallback);
   m.impl("linear_ce_forward_backward", &linear_ce_forward_backward_fallback);
+  m.impl("swiglu", &swiglu_fallback);
+  m.impl("swiglu_backward", &swiglu_backward_fallback);
 }
 
 }  // namespace effmem

@@ -68,6 +68,11 @@ TORCH_LIBRARY(effmem, m) {
       "linear_ce_forward_backward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor grad_scale, "
       "int ignore_index, float label_smoothing, float softcap, int token_chunk, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // SwiGLU, silu(gate) * up, and its gradients (grad_gate, grad_up) for the incoming gradient grad
+  // (common/swiglu_math.h): float32, bfloat16 or float16 tensors of one shape and dtype; results
+  // contiguous, rounded as the torch ops they replace round (F.silu, then the product).
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   // The inverse: a contiguous [rows, last_dim] tensor of dtype.
   m.def(
       "dequantize(Tensor codes, Tensor stats, int bits, int group_size, int last_dim, ScalarType dtype) "

@@ -234,6 +234,20 @@ void check_norm_args(at::TensorList tensors) {
   }
 }
 
+void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK_VALUE(gate.layout() == at::kStrided, "gate must be a dense (strided) tensor, got ", describe(gate));
+  TORCH_CHECK_TYPE(gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16 ||
+                       gate.scalar_type() == at::kHalf,
+                   "gate must be float32, bfloat16 or float16, got ", gate.scalar_type());
+  const auto same = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.scalar_type() == gate.scalar_type() &&
+                          t.sizes() == gate.sizes() && t.device() == gate.device(),
+                      name, " must match gate (", describe(gate), "), got ", describe(t));
+  };
+  same(up, "up");
+  if (grad != nullptr) same(*grad, "grad");
+}
+
 void check_quant_config(int64_t bits, int64_t group_size) {
   TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,

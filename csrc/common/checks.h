@@ -47,6 +47,10 @@ void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size);
 void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
                            int64_t last_dim, at::ScalarType dtype);
 
+// Validates swiglu's gate and up (and swiglu_backward's grad when not null): strided float32, bfloat16 or
+// float16 tensors of one shape, dtype and device.
+void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at::Tensor& up);
+
 // Layout of quantised data for x viewed as [rows, last_dim].
 struct QuantLayout {
   int64_t rows, last_dim, groups_per_row, row_bytes;

@@ -185,3 +185,39 @@ def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
     _one_device("dequantize", [("codes", codes), ("stats", stats)])
     torch._check(last_dim >= 0, lambda: f"last_dim must be >= 0, got {last_dim}")
     return codes.new_empty((codes.shape[0], last_dim), dtype=dtype)
+
+
+SWIGLU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up in one pass, rounded as ``F.silu(gate) * up`` rounds (csrc/common/swiglu_math.h):
+    float32, bfloat16 or float16 tensors of one shape, dtype and device; the same bits on CPU and CUDA."""
+    return _lib.swiglu.default(gate, up)
+
+
+def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:
+    """(grad_gate, grad_up) of silu(gate) * up for the incoming gradient ``grad``, in one pass."""
+    return _lib.swiglu_backward.default(grad, gate, up)
+
+
+def _swiglu_fake_check(op: str, named) -> Tensor:
+    _one_device(op, named)
+    gate = named[-2][1]
+    torch._check(gate.dtype in SWIGLU_DTYPES, lambda: f"gate must be float32, bfloat16 or float16, got {gate.dtype}")
+    for name, t in named:
+        torch._check(t.dtype == gate.dtype and t.shape == gate.shape,
+                     lambda: f"{name} must match gate ({gate.dtype} {tuple(gate.shape)}), got {t.dtype} {tuple(t.shape)}")
+    return gate
+
+
+@torch.library.register_fake("effmem::swiglu")
+def _swiglu_fake(gate, up):
+    return torch.empty_like(_swiglu_fake_check("swiglu", [("gate", gate), ("up", up)]),
+                            memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("effmem::swiglu_backward")
+def _swiglu_backward_fake(grad, gate, up):
+    g = _swiglu_fake_check("swiglu_backward", [("grad", grad), ("gate", gate), ("up", up)])
+    return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(g, memory_format=torch.contiguous_format)

@@ -1,0 +1,109 @@
+// SwiGLU, silu(gate) * up, and its gradients, one element at a time, written
+// once for host and device (effmem::swiglu and effmem::swiglu_backward).
+//
+// Why a kernel: backward of the "fast" activation policy's SwiGLU rebuilds
+// silu(gate) * up and then needs both gradients; in torch ops that is five
+// elementwise passes (about 32 bytes moved per element in bf16), here two
+// (6 bytes to rebuild the output, 10 for both gradients).
+//
+// The formulas keep the roundings of the torch ops they replace, so results
+// stay within a unit in the last place of them (T: the storage dtype, rT:
+// rounding to it, identity for float32; all arithmetic in float32):
+//   s     = rT(g / (1 + e^-g))              F.silu(gate)
+//   out   = rT(s * u)                       F.silu(gate) * up
+//   du    = rT(dy * s)                      grad * F.silu(gate)
+//   d     = rT(dy * u)                      grad * up
+//   sig   = 1 / (1 + e^-g)
+//   dg    = rT(d * sig * (1 + g * (1 - sig)))   aten's silu_backward(d, gate)
+// The one difference is e^x: exp_f() below, a polynomial of plain float
+// operations (the build forbids contraction into FMAs on both devices), so
+// that the CPU and CUDA kernels give the same bits; the libraries' expf
+// implementations differ from each other in the last place.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "float_bits.h"
+#include "hd.h"
+
+namespace effmem {
+
+// e^x within a few units in the last place: x = k ln2 + r (Cody-Waite, ln2 in
+// two parts, k * the high part exact), e^r by its Taylor series to r^7 on
+// |r| <= ln2 / 2 (truncation under 2^-26), times 2^k built in the exponent
+// bits. Below -87 it returns 0 and above 88 +inf (e^x leaves the normal
+// range, and 1 + e^x already rounds to 1 or overflows there); NaN stays NaN.
+EFFMEM_HD float exp_f(float x) {
+  // selects, no branches: the CPU loops vectorise (NaN takes the -87 side, then the last line)
+  const float xc = x >= -87.0f ? (x <= 88.0f ? x : 88.0f) : -87.0f;
+  const float t = xc * 1.44269504088896341f;
+  // round to nearest: adding 1.5 * 2^23 leaves no fraction bits (|t| < 2^22)
+  const float k = (t + 12582912.0f) - 12582912.0f;
+  const float r = (xc - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // k is in [-126, 127] here, so 2^k is a normal float
+  const float e = p * float_of(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
+  return x > 88.0f ? float_of(0x7f800000u) : (x < -87.0f ? 0.0f : (x != x ? x : e));
+}
+
+// Rounding a float result to the storage type T (float, bf16_t, f16_t) and back.
+template <class T>
+EFFMEM_HD float round_to(float x) {
+  if constexpr (sizeof(T) == 4) {
+    return x;
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return float_from_bf16(bf16_from_float(x));
+  } else {
+    return float_from_f16(f16_from_float(x));
+  }
+}
+
+// Loads and stores of T as float; a stored value is already rounded to T, so the store is exact.
+template <class T>
+EFFMEM_HD float load_as_float(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return *p;
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return float_from_bf16(p->bits);
+  } else {
+    return float_from_f16(p->bits);
+  }
+}
+
+template <class T>
+EFFMEM_HD void store_float(T* p, float x) {
+  if constexpr (sizeof(T) == 4) {
+    *p = x;
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    p->bits = bf16_from_float(x);
+  } else {
+    p->bits = f16_from_float(x);
+  }
+}
+
+template <class T>
+EFFMEM_HD float swiglu_value(float g, float u) {
+  const float s = round_to<T>(g / (1.0f + exp_f(-g)));
+  return round_to<T>(s * u);
+}
+
+// The two gradients for the incoming gradient dy (each rounded to T).
+template <class T>
+EFFMEM_HD void swiglu_grads(float dy, float g, float u, float* dg, float* du) {
+  const float e = exp_f(-g);
+  const float s = round_to<T>(g / (1.0f + e));
+  const float sig = 1.0f / (1.0f + e);
+  const float d = round_to<T>(dy * u);
+  *du = round_to<T>(dy * s);
+  *dg = round_to<T>(d * sig * (1.0f + g * (1.0f - sig)));
+}
+
+}  // namespace effmem
