@@ -21,8 +21,11 @@
 #   done 2026-11-27 (bench/results/2026-11-27-h100-c77a38c): build cuda_tests (the C++ saved-tensor
 #                                    hooks pass); offload and activations' first run (device_state 1.062x;
 #                                    hooks 9.2 us per save)
-#   1. build kernels activations     about 80 + 90 + 330 s: after a change to the dequantize kernel's stores
-#                                    (README); else build activations for issue 10's step time
+#   1. build cuda_tests              about 80 + 150 s: the "fast" policy's CUDA kernels added on 2026-11-27
+#                                    (aten's fused RMSNorm backward, effmem::swiglu/swiglu_backward) have
+#                                    never run on a GPU: their tests (test_swiglu.py, test_activations_fast.py)
+#   2. activations (back to back)    330 + 130 s: issue 10's step time with them ("fast" 1.130x, "min" 1.293x
+#                                    before); after a dequantize change (README: its stores), kernels first
 #   then, a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
 #   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.

@@ -27,6 +27,11 @@
 #include "float_bits.h"
 #include "hd.h"
 
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
 namespace effmem {
 
 // e^x within a few units in the last place: x = k ln2 + r (Cody-Waite, ln2 in
@@ -54,19 +59,31 @@ EFFMEM_HD float exp_f(float x) {
   return x > 88.0f ? float_of(0x7f800000u) : (x < -87.0f ? 0.0f : (x != x ? x : e));
 }
 
-// Rounding a float result to the storage type T (float, bf16_t, f16_t) and back.
+// Rounding a float result to the storage type T (float, bf16_t, f16_t) and back. On a GPU the
+// hardware conversion (one instruction, round to nearest even like float_bits.h's) replaces the bit
+// arithmetic: the kernels round four times per element. NaN comes back as some NaN; store_float gives
+// every NaN the same bits on both devices.
 template <class T>
 EFFMEM_HD float round_to(float x) {
   if constexpr (sizeof(T) == 4) {
     return x;
   } else if constexpr (std::is_same_v<T, bf16_t>) {
+#if defined(__CUDA_ARCH__)
+    return __bfloat162float(__float2bfloat16_rn(x));
+#else
     return float_from_bf16(bf16_from_float(x));
+#endif
   } else {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__float2half_rn(x));
+#else
     return float_from_f16(f16_from_float(x));
+#endif
   }
 }
 
-// Loads and stores of T as float; a stored value is already rounded to T, so the store is exact.
+// Loads and stores of T as float. A stored value is already rounded to T (round_to), so the store is
+// exact: for bf16 its top half, a NaN as float_bits.h's canonical one.
 template <class T>
 EFFMEM_HD float load_as_float(const T* p) {
   if constexpr (sizeof(T) == 4) {
@@ -83,9 +100,13 @@ EFFMEM_HD void store_float(T* p, float x) {
   if constexpr (sizeof(T) == 4) {
     *p = x;
   } else if constexpr (std::is_same_v<T, bf16_t>) {
-    p->bits = bf16_from_float(x);
+    p->bits = x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits_of(x) >> 16);
   } else {
+#if defined(__CUDA_ARCH__)
+    p->bits = x != x ? f16_from_float(x) : __half_as_ushort(__float2half_rn(x));
+#else
     p->bits = f16_from_float(x);
+#endif
   }
 }
 
