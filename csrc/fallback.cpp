@@ -94,6 +94,11 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_fallback(const at::Tensor& gr
   no_kernel("swiglu_backward", gate);
 }
 
+at::Tensor rms_norm_apply_fallback(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& weight) {
+  check_rms_norm_apply_args(x, rstd, weight);
+  no_kernel("rms_norm_apply", x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
@@ -107,6 +112,7 @@ TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("linear_ce_forward_backward", &linear_ce_forward_backward_fallback);
   m.impl("swiglu", &swiglu_fallback);
   m.impl("swiglu_backward", &swiglu_backward_fallback);
+  m.impl("rms_norm_apply", &rms_norm_apply_fallback);
 }
 
 }  // namespace effmem

@@ -73,6 +73,9 @@ TORCH_LIBRARY(effmem, m) {
   // contiguous, rounded as the torch ops they replace round (F.silu, then the product).
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // weight * (x * rstd) with rstd (float32) one value per row of x, rounded as Hugging Face's RMSNorm
+  // rounds it (common/rms_norm_math.h): the elementwise end of that norm in one pass.
+  m.def("rms_norm_apply(Tensor x, Tensor rstd, Tensor weight) -> Tensor");
   // The inverse: a contiguous [rows, last_dim] tensor of dtype.
   m.def(
       "dequantize(Tensor codes, Tensor stats, int bits, int group_size, int last_dim, ScalarType dtype) "

@@ -248,6 +248,21 @@ void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at:
   if (grad != nullptr) same(*grad, "grad");
 }
 
+void check_rms_norm_apply_args(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(x.layout() == at::kStrided && x.dim() >= 1 && x.size(-1) >= 1,
+                    "x must be a dense (strided) tensor with a last dimension of at least 1, got ", describe(x));
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(weight.layout() == at::kStrided && weight.dim() == 1 && weight.size(0) == x.size(-1) &&
+                        weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
+                    "weight must be a 1-D tensor of x's last size, dtype and device (", describe(x), "), got ",
+                    describe(weight));
+  TORCH_CHECK_VALUE(rstd.layout() == at::kStrided && rstd.scalar_type() == at::kFloat &&
+                        rstd.numel() * x.size(-1) == x.numel() && rstd.device() == x.device(),
+                    "rstd must be float32 with one value per row of x (", x.numel() / x.size(-1),
+                    ") on x's device, got ", describe(rstd));
+}
+
 void check_quant_config(int64_t bits, int64_t group_size) {
   TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,

@@ -51,6 +51,10 @@ void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int
 // float16 tensors of one shape, dtype and device.
 void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at::Tensor& up);
 
+// Validates rms_norm_apply's arguments: x strided float32, bfloat16 or float16 with a last dimension of
+// at least 1; weight 1-D of x's last size and x's dtype; rstd float32 with one value per row of x; one device.
+void check_rms_norm_apply_args(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& weight);
+
 // Layout of quantised data for x viewed as [rows, last_dim].
 struct QuantLayout {
   int64_t rows, last_dim, groups_per_row, row_bytes;

@@ -22,15 +22,10 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "float_bits.h"
 #include "hd.h"
-
-#if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#endif
+#include "storage.h"
 
 namespace effmem {
 
@@ -57,57 +52,6 @@ EFFMEM_HD float exp_f(float x) {
   // k is in [-126, 127] here, so 2^k is a normal float
   const float e = p * float_of(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
   return x > 88.0f ? float_of(0x7f800000u) : (x < -87.0f ? 0.0f : (x != x ? x : e));
-}
-
-// Rounding a float result to the storage type T (float, bf16_t, f16_t) and back. On a GPU the
-// hardware conversion (one instruction, round to nearest even like float_bits.h's) replaces the bit
-// arithmetic: the kernels round four times per element. NaN comes back as some NaN; store_float gives
-// every NaN the same bits on both devices.
-template <class T>
-EFFMEM_HD float round_to(float x) {
-  if constexpr (sizeof(T) == 4) {
-    return x;
-  } else if constexpr (std::is_same_v<T, bf16_t>) {
-#if defined(__CUDA_ARCH__)
-    return __bfloat162float(__float2bfloat16_rn(x));
-#else
-    return float_from_bf16(bf16_from_float(x));
-#endif
-  } else {
-#if defined(__CUDA_ARCH__)
-    return __half2float(__float2half_rn(x));
-#else
-    return float_from_f16(f16_from_float(x));
-#endif
-  }
-}
-
-// Loads and stores of T as float. A stored value is already rounded to T (round_to), so the store is
-// exact: for bf16 its top half, a NaN as float_bits.h's canonical one.
-template <class T>
-EFFMEM_HD float load_as_float(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return *p;
-  } else if constexpr (std::is_same_v<T, bf16_t>) {
-    return float_from_bf16(p->bits);
-  } else {
-    return float_from_f16(p->bits);
-  }
-}
-
-template <class T>
-EFFMEM_HD void store_float(T* p, float x) {
-  if constexpr (sizeof(T) == 4) {
-    *p = x;
-  } else if constexpr (std::is_same_v<T, bf16_t>) {
-    p->bits = x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits_of(x) >> 16);
-  } else {
-#if defined(__CUDA_ARCH__)
-    p->bits = x != x ? f16_from_float(x) : __half_as_ushort(__float2half_rn(x));
-#else
-    p->bits = f16_from_float(x);
-#endif
-  }
 }
 
 template <class T>

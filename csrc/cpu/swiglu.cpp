@@ -8,35 +8,16 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <tuple>
 
 #include "common/checks.h"
 #include "common/swiglu_math.h"
-#include "common/thread_pool.h"
+#include "cpu/elementwise.h"
 
 namespace effmem::cpu {
 namespace {
 
 constexpr int64_t kSpan = 1 << 15;
-
-template <class Fn>
-void for_spans(int64_t n, Fn&& fn) {
-  const int64_t spans = (n + kSpan - 1) / kSpan;
-  if (spans <= 1) {
-    fn(0, n);
-    return;
-  }
-  intra_op_pool()->run(spans, [&](int64_t k) { fn(k * kSpan, std::min(n, (k + 1) * kSpan)); });
-}
-
-// Calls fn(T{}) with the storage tag of a float32, bfloat16 or float16 tensor (checked before).
-template <class Fn>
-void with_storage(at::ScalarType t, Fn&& fn) {
-  if (t == at::kFloat) return fn(float{});
-  if (t == at::kBFloat16) return fn(bf16_t{});
-  return fn(f16_t{});
-}
 
 at::Tensor swiglu_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
   check_swiglu_args(nullptr, gate_in, up_in);
@@ -47,7 +28,7 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
     const T* g = static_cast<const T*>(gate.data_ptr());
     const T* u = static_cast<const T*>(up.data_ptr());
     T* o = static_cast<T*>(out.data_ptr());
-    for_spans(gate.numel(), [&](int64_t begin, int64_t end) {
+    for_spans(gate.numel(), kSpan, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         store_float(o + i, swiglu_value<T>(load_as_float(g + i), load_as_float(u + i)));
       }
@@ -69,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_in
     const T* u = static_cast<const T*>(up.data_ptr());
     T* dg = static_cast<T*>(dgate.data_ptr());
     T* du = static_cast<T*>(dup.data_ptr());
-    for_spans(gate.numel(), [&](int64_t begin, int64_t end) {
+    for_spans(gate.numel(), kSpan, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         float a, b;
         swiglu_grads<T>(load_as_float(dy + i), load_as_float(g + i), load_as_float(u + i), &a, &b);

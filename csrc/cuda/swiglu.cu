@@ -16,17 +16,12 @@
 #include "common/checks.h"
 #include "common/swiglu_math.h"
 #include "cuda/dtype_dispatch.cuh"
+#include "cuda/elementwise.cuh"
 
 namespace effmem::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <class T>
-struct alignas(16) Vec {
-  static constexpr int kN = 16 / sizeof(T);
-  T v[kN];
-};
 
 // Applies op(i, k) to every element: the 16-byte path (op sees Vec loads) where `vec`, then the
 // remainder one element at a time.
@@ -93,11 +88,6 @@ template <class T>
 int blocks_for(int64_t n) {
   const int64_t per_block = static_cast<int64_t>(kThreads) * Vec<T>::kN;
   return static_cast<int>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, 1 << 20));
-}
-
-template <class... Ptr>
-bool all_aligned(Ptr... p) {
-  return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
 }
 
 at::Tensor swiglu_cuda(const at::Tensor& gate_in, const at::Tensor& up_in) {

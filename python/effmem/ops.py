@@ -187,7 +187,8 @@ def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
     return codes.new_empty((codes.shape[0], last_dim), dtype=dtype)
 
 
-SWIGLU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the dtypes of the elementwise kernels (swiglu, rms_norm_apply)
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -204,7 +205,7 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Ten
 def _swiglu_fake_check(op: str, named) -> Tensor:
     _one_device(op, named)
     gate = named[-2][1]
-    torch._check(gate.dtype in SWIGLU_DTYPES, lambda: f"gate must be float32, bfloat16 or float16, got {gate.dtype}")
+    torch._check(gate.dtype in ELEMENTWISE_DTYPES, lambda: f"gate must be float32, bfloat16 or float16, got {gate.dtype}")
     for name, t in named:
         torch._check(t.dtype == gate.dtype and t.shape == gate.shape,
                      lambda: f"{name} must match gate ({gate.dtype} {tuple(gate.shape)}), got {t.dtype} {tuple(t.shape)}")
@@ -221,3 +222,23 @@ def _swiglu_fake(gate, up):
 def _swiglu_backward_fake(grad, gate, up):
     g = _swiglu_fake_check("swiglu_backward", [("grad", grad), ("gate", gate), ("up", up)])
     return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+def rms_norm_apply(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """weight * (x * rstd) in one pass, rounded as ``weight * (x.float() * rstd).to(x.dtype)`` rounds (Hugging
+    Face's Llama-family RMSNorm after its statistics; csrc/common/rms_norm_math.h): x float32, bfloat16 or
+    float16; weight 1-D of x's last size and dtype; rstd float32, one value per row of x. Same bits on CPU
+    and CUDA."""
+    return _lib.rms_norm_apply.default(x, rstd, weight)
+
+
+@torch.library.register_fake("effmem::rms_norm_apply")
+def _rms_norm_apply_fake(x, rstd, weight):
+    _one_device("rms_norm_apply", [("x", x), ("rstd", rstd), ("weight", weight)])
+    torch._check(x.dtype in ELEMENTWISE_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    torch._check(x.dim() >= 1 and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.dtype == x.dtype,
+                 lambda: f"weight must be a 1-D tensor of x's last size and dtype, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    torch._check(rstd.dtype == torch.float32 and rstd.numel() * x.shape[-1] == x.numel(),
+                 lambda: "rstd must be float32 with one value per row of x")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

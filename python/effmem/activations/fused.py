@@ -14,11 +14,13 @@ GELU), so the forward and the loss are unchanged; backwards use the
 derivative formulas autograd would (aten's silu/gelu/layer-norm backward, the
 RMSNorm gradient written out), evaluated at the restored inputs. On CUDA two
 of them run as single kernels, since in eager mode each elementwise pass
-reads and writes whole activations (float32 temporaries among them): RMSNorm's backward is aten's fused
-kernel (about 10 bytes moved per element, against 88 for the formula in torch
-ops and 96 for autograd of Hugging Face's module), and SwiGLU's rebuild and
-its two gradients are effmem::swiglu and effmem::swiglu_backward (6 and 10
-bytes per element in bf16, against 10 and 22).
+reads and writes whole activations (float32 temporaries among them): RMSNorm's
+backward is aten's fused kernel (about 10 bytes moved per element, against 88
+for the formula in torch ops and 96 for autograd of Hugging Face's module),
+its forward's end and backward's rebuild, weight * (x * rstd), are
+effmem::rms_norm_apply (4 bytes against 24, the same bits), and SwiGLU's
+rebuild and its two gradients are effmem::swiglu and effmem::swiglu_backward
+(6 and 10 bytes per element in bf16, against 10 and 22).
 """
 from typing import Callable, Optional
 
@@ -34,16 +36,19 @@ _ATEN_RMS_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fuse
 
 
 def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """weight * (x.float() * rstd).to(x.dtype): on CUDA one pass of effmem::rms_norm_apply, the same bits
+    (4 bytes moved per element in bf16 against 24); the forward's end and backward's rebuild."""
+    if x.is_cuda and x.dtype in ops.ELEMENTWISE_DTYPES and weight.dtype == x.dtype and weight.dim() == 1:
+        return ops.rms_norm_apply(x, rstd, weight)
     return weight * (x.float() * rstd).to(x.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        # Hugging Face's LlamaRMSNorm, operation for operation
-        xf = x.to(torch.float32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = weight * (xf * rstd).to(x.dtype)
+        # Hugging Face's LlamaRMSNorm, operation for operation (its end in one kernel on CUDA, same bits)
+        rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        y = _rms_norm_out(x, rstd, weight)
         ctx.save_for_backward(x, rstd, weight)
         recompute_output(y, _rms_norm_out, x, rstd, weight, node=ctx)
         return y
@@ -144,7 +149,7 @@ def _swiglu_kernel_applies(*tensors: Tensor) -> bool:
     CPU the torch ops below are faster than the kernel's scalar loop (1.6x to 11x on this project's 2-core
     VM), and the CPU kernel serves as the CUDA kernel's bit-exact reference in the tests."""
     first = tensors[0]
-    return first.is_cuda and first.dtype in ops.SWIGLU_DTYPES and all(
+    return first.is_cuda and first.dtype in ops.ELEMENTWISE_DTYPES and all(
         t.dtype == first.dtype and t.shape == first.shape for t in tensors[1:])
 
 
