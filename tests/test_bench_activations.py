@@ -98,3 +98,18 @@ def test_every_row_trains_from_the_same_start_on_the_same_batches(result):
         # only gradients), and after 12 steps every row is still close to plain.
         assert r["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-5), r["name"]
         assert math.isfinite(r["final_loss"]) and abs(r["loss_vs_plain"]) < 0.05, r["name"]
+
+
+def test_activation_traffic_counts_fewer_bytes_with_the_cuda_kernels(tmp_path):
+    """bench/activation_traffic.py: the "fast" policy's elementwise bytes as CUDA runs it (effmem's swiglu and
+    rms_norm_apply kernels, aten's fused RMSNorm backward) are below plain training's, where the torch-op
+    paths it takes on a CPU move more than plain's (recomputation)."""
+    path = BENCH.parent / "activation_traffic.py"
+    spec = importlib.util.spec_from_file_location("activation_traffic", path)
+    traffic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traffic)
+    out = tmp_path / "traffic.json"
+    assert traffic.main(["--hidden", "128", "--layers", "1", "--tokens", "256",
+                         "--rows", "plain,effmem_fast,effmem_fast_cuda_paths", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["non_matmul_bytes"]
+    assert rows["effmem_fast_cuda_paths"] < rows["plain"] < rows["effmem_fast"]

@@ -35,20 +35,26 @@ from effmem.activations.fast import recompute_output
 _ATEN_RMS_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm_backward", "CUDA")
 
 
-def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+def _rms_apply_kernel_applies(x: Tensor, weight: Tensor) -> bool:
+    return x.is_cuda and x.dtype in ops.ELEMENTWISE_DTYPES and weight.dtype == x.dtype and weight.dim() == 1
+
+
+def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor, xf: Optional[Tensor] = None) -> Tensor:
     """weight * (x.float() * rstd).to(x.dtype): on CUDA one pass of effmem::rms_norm_apply, the same bits
-    (4 bytes moved per element in bf16 against 24); the forward's end and backward's rebuild."""
-    if x.is_cuda and x.dtype in ops.ELEMENTWISE_DTYPES and weight.dtype == x.dtype and weight.dim() == 1:
+    (4 bytes moved per element in bf16 against 24); the forward's end (xf: its float32 x) and backward's
+    rebuild."""
+    if _rms_apply_kernel_applies(x, weight):
         return ops.rms_norm_apply(x, rstd, weight)
-    return weight * (x.float() * rstd).to(x.dtype)
+    return weight * ((x.float() if xf is None else xf) * rstd).to(x.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         # Hugging Face's LlamaRMSNorm, operation for operation (its end in one kernel on CUDA, same bits)
-        rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
-        y = _rms_norm_out(x, rstd, weight)
+        xf = x.to(torch.float32)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = _rms_norm_out(x, rstd, weight, xf)
         ctx.save_for_backward(x, rstd, weight)
         recompute_output(y, _rms_norm_out, x, rstd, weight, node=ctx)
         return y
