@@ -130,6 +130,10 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             layer._effmem_policy = policy
         return model
     for layer in layers:
+        if policy == "min":
+            # "fast" inside the recomputed layer where it pays: the fused norms and MLP product recompute
+            # the same forward with fewer passes and run their one-pass backwards (activations.fused)
+            layer._effmem_patched = paths.patch(layer)
         checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size,
                          selective=policy == "selective")
     return model

@@ -18,7 +18,8 @@ reads and writes whole activations (float32 temporaries among them): RMSNorm's
 backward is aten's fused kernel (about 10 bytes moved per element, against 88
 for the formula in torch ops and 96 for autograd of Hugging Face's module),
 its forward's end and backward's rebuild, weight * (x * rstd), are
-effmem::rms_norm_apply (4 bytes against 24, the same bits), and SwiGLU's
+effmem::rms_norm_apply (4 bytes against 24, the same bits; on the CPU too,
+where it is faster than the torch ops), and SwiGLU's
 rebuild and its two gradients are effmem::swiglu and effmem::swiglu_backward
 (6 and 10 bytes per element in bf16, against 10 and 22).
 """
@@ -36,13 +37,15 @@ _ATEN_RMS_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fuse
 
 
 def _rms_apply_kernel_applies(x: Tensor, weight: Tensor) -> bool:
-    return x.is_cuda and x.dtype in ops.ELEMENTWISE_DTYPES and weight.dtype == x.dtype and weight.dim() == 1
+    """CPU or CUDA tensors of one float32/bf16/fp16 dtype (on the CPU too: 0.17x the torch ops' time for a
+    bf16 8192 x 1024 on this project's 2-core VM, the same bits)."""
+    return (x.device.type in ("cpu", "cuda") and x.dtype in ops.ELEMENTWISE_DTYPES and weight.dtype == x.dtype
+            and weight.dim() == 1)
 
 
 def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor, xf: Optional[Tensor] = None) -> Tensor:
-    """weight * (x.float() * rstd).to(x.dtype): on CUDA one pass of effmem::rms_norm_apply, the same bits
-    (4 bytes moved per element in bf16 against 24); the forward's end (xf: its float32 x) and backward's
-    rebuild."""
+    """weight * (x.float() * rstd).to(x.dtype): one pass of effmem::rms_norm_apply, the same bits (4 bytes
+    moved per element in bf16 against 24); the forward's end (xf: its float32 x) and backward's rebuild."""
     if _rms_apply_kernel_applies(x, weight):
         return ops.rms_norm_apply(x, rstd, weight)
     return weight * ((x.float() if xf is None else xf) * rstd).to(x.dtype)
