@@ -287,7 +287,7 @@ def _rms_inputs(dtype, device="cpu", rows=512, hidden=256):
     w = torch.rand(hidden, dtype=dtype, device=device) + 0.5
     g = torch.randn(rows, hidden, dtype=dtype, device=device)
     rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)   # as _RMSNorm's forward keeps it
-    x64, n = x.double(), x.double() * rstd.double()
+    n = x.double() * rstd.double()
     gn = g.double() * w.double()
     ref = (rstd.double() * (gn - n * (gn * n).mean(-1, keepdim=True)), (g.double() * n).sum(0))
     return g, x, rstd, w, ref

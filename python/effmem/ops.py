@@ -203,12 +203,15 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Ten
 
 
 def _swiglu_fake_check(op: str, named) -> Tensor:
+    """The fake kernels' checks of swiglu's and swiglu_backward's tensors (named: [("grad", t)], gate, up)."""
     _one_device(op, named)
-    gate = named[-2][1]
-    torch._check(gate.dtype in ELEMENTWISE_DTYPES, lambda: f"gate must be float32, bfloat16 or float16, got {gate.dtype}")
+    gate = dict(named)["gate"]
+    torch._check(gate.dtype in ELEMENTWISE_DTYPES,
+                 lambda: f"gate must be float32, bfloat16 or float16, got {gate.dtype}")
     for name, t in named:
         torch._check(t.dtype == gate.dtype and t.shape == gate.shape,
-                     lambda: f"{name} must match gate ({gate.dtype} {tuple(gate.shape)}), got {t.dtype} {tuple(t.shape)}")
+                     lambda: f"{name} must match gate ({gate.dtype} {tuple(gate.shape)}), got {t.dtype} "
+                             f"{tuple(t.shape)}")
     return gate
 
 
@@ -221,7 +224,8 @@ def _swiglu_fake(gate, up):
 @torch.library.register_fake("effmem::swiglu_backward")
 def _swiglu_backward_fake(grad, gate, up):
     g = _swiglu_fake_check("swiglu_backward", [("grad", grad), ("gate", gate), ("up", up)])
-    return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(g, memory_format=torch.contiguous_format)
+    return (torch.empty_like(g, memory_format=torch.contiguous_format),
+            torch.empty_like(g, memory_format=torch.contiguous_format))
 
 
 def rms_norm_apply(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:

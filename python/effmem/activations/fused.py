@@ -12,16 +12,16 @@ Forwards compute with the same operations as the modules they replace
 (Hugging Face's RMSNorm, torch's layer norm, SiLU times up, the module's own
 GELU), so the forward and the loss are unchanged; backwards use the
 derivative formulas autograd would (aten's silu/gelu/layer-norm backward, the
-RMSNorm gradient written out), evaluated at the restored inputs. On CUDA two
-of them run as single kernels, since in eager mode each elementwise pass
-reads and writes whole activations (float32 temporaries among them): RMSNorm's
+RMSNorm gradient written out), evaluated at the restored inputs. On CUDA
+RMSNorm and SwiGLU run as single kernels, since in eager mode each elementwise
+pass reads and writes whole activations (float32 temporaries among them): RMSNorm's
 backward is aten's fused kernel (about 10 bytes moved per element, against 88
 for the formula in torch ops and 96 for autograd of Hugging Face's module),
 its forward's end and backward's rebuild, weight * (x * rstd), are
 effmem::rms_norm_apply (4 bytes against 24, the same bits; on the CPU too,
-where it is faster than the torch ops), and SwiGLU's
-rebuild and its two gradients are effmem::swiglu and effmem::swiglu_backward
-(6 and 10 bytes per element in bf16, against 10 and 22).
+where it is faster than the torch ops), and SwiGLU's rebuild and its two
+gradients are effmem::swiglu and effmem::swiglu_backward (6 and 10 bytes per
+element in bf16, against 10 and 22).
 """
 from typing import Callable, Optional
 
@@ -54,7 +54,7 @@ def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor, xf: Optional[Tensor] 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        # Hugging Face's LlamaRMSNorm, operation for operation (its end in one kernel on CUDA, same bits)
+        # Hugging Face's LlamaRMSNorm, operation for operation (its end in one kernel, same bits)
         xf = x.to(torch.float32)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         y = _rms_norm_out(x, rstd, weight, xf)
@@ -80,10 +80,10 @@ def _aten_rms_backward_applies(x: Tensor, grad: Tensor, weight: Tensor) -> bool:
 
 def _aten_rms_backward(grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, mask, op=None):
     """(grad_x, grad_w) by aten's fused kernel: one pass over grad and x where the written-out formula below runs
-    about a dozen kernels over float32 temporaries (about 10 bytes moved per element against some 90, counted
-    from the ops; in the CPU op count of the "fast" policy's backward, the largest non-matmul part). The same
-    gradient up to rounding: grad_w from the float32 x * rstd, not its bf16 rounding (which autograd, too,
-    differentiates as the identity). `op`: the tests pass torch's decomposition of it, which runs on a CPU."""
+    about a dozen kernels over float32 temporaries (about 10 bytes moved per element against 88, counted from
+    the ops on a CPU). The same gradient up to rounding: grad_w from the float32 x * rstd, not its bf16
+    rounding (which autograd, too, differentiates as the identity). `op`: the tests pass torch's decomposition
+    of it, which runs on a CPU."""
     op = op or torch.ops.aten._fused_rms_norm_backward
     return op(grad.contiguous(), x.contiguous(), list(weight.shape), rstd, weight, mask)
 
@@ -183,7 +183,7 @@ class _SwiGLU(torch.autograd.Function):
         if _swiglu_kernel_applies(grad, gate, up):
             # both gradients in one pass: 10 bytes per element in bf16, where the ops below move 22
             grad_gate, grad_up = ops.swiglu_backward(grad, gate, up)
-            return (grad_gate if ctx.needs_input_grad[0] else None), (grad_up if ctx.needs_input_grad[1] else None)
+            return grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
         grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up
