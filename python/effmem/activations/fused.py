@@ -33,7 +33,14 @@ from effmem import ops
 from effmem.activations.fast import recompute_output
 
 
-_ATEN_RMS_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm_backward", "CUDA")
+def _has_cuda_kernel(op: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    except RuntimeError:   # a torch without the op
+        return False
+
+
+_ATEN_RMS_BACKWARD = _has_cuda_kernel("aten::_fused_rms_norm_backward")
 
 
 def _rms_apply_kernel_applies(x: Tensor, weight: Tensor) -> bool:

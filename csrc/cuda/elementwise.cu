@@ -1,7 +1,10 @@
-// CUDA implementation of effmem::swiglu and effmem::swiglu_backward: the
-// per-element math of common/swiglu_math.h (the CPU kernel's, bit for bit),
-// 16 bytes of each tensor per thread and iteration where every pointer is
-// 16-byte aligned, element by element otherwise and for the tail.
+// CUDA implementations of the "fast" activation policy's elementwise ops (the math of
+// common/swiglu_math.h and common/rms_norm_math.h, the CPU kernels' bits):
+//   effmem::swiglu, effmem::swiglu_backward: flat over the elements, 16 bytes of each tensor per thread
+//     and iteration where every pointer is 16-byte aligned, element by element otherwise and for the tail;
+//   effmem::rms_norm_apply: a block per row (grid-stride over rows), 16 bytes per thread and iteration
+//     where rows and weight allow it.
+// One translation unit: each .cu file costs the build a minute of nvcc over torch's headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
@@ -14,17 +17,29 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/rms_norm_math.h"
 #include "common/swiglu_math.h"
 #include "cuda/dtype_dispatch.cuh"
-#include "cuda/elementwise.cuh"
 
 namespace effmem::cuda {
 namespace {
 
+// 16 bytes of a storage type: one load or store instruction
+template <class T>
+struct alignas(16) Vec {
+  static constexpr int kN = 16 / sizeof(T);
+  T v[kN];
+};
+
+template <class... Ptr>
+bool all_aligned(Ptr... p) {
+  return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
+}
+
 constexpr int kThreads = 256;
 
-// Applies op(i, k) to every element: the 16-byte path (op sees Vec loads) where `vec`, then the
-// remainder one element at a time.
+// vec_op(i) for the first index i of every whole 16-byte pack where `vec` (all pointers aligned), then
+// one_op(i) for each element left (all of them otherwise), grid-stride.
 template <class T, class VecOp, class OneOp>
 __device__ __forceinline__ void each(int64_t n, bool vec, VecOp vec_op, OneOp one_op) {
   constexpr int kN = Vec<T>::kN;
@@ -132,11 +147,61 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_i
   return {dgate, dup};
 }
 
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_apply_kernel(const T* x, const float* rstd, const T* w, T* y, int64_t rows, int64_t h, bool vec) {
+  constexpr int kN = Vec<T>::kN;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float rs = rstd[r];
+    const T* xr = x + r * h;
+    T* yr = y + r * h;
+    if (vec) {
+      for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < h; j += kThreads * kN) {
+        const Vec<T> xv = *reinterpret_cast<const Vec<T>*>(xr + j);
+        const Vec<T> wv = *reinterpret_cast<const Vec<T>*>(w + j);
+        Vec<T> yv;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          store_float(&yv.v[k], rms_norm_value<T>(load_as_float(&xv.v[k]), rs, load_as_float(&wv.v[k])));
+        }
+        *reinterpret_cast<Vec<T>*>(yr + j) = yv;
+      }
+    } else {
+      for (int64_t j = threadIdx.x; j < h; j += kThreads) {
+        store_float(yr + j, rms_norm_value<T>(load_as_float(xr + j), rs, load_as_float(w + j)));
+      }
+    }
+  }
+}
+
+at::Tensor rms_norm_apply_cuda(const at::Tensor& x_in, const at::Tensor& rstd_in, const at::Tensor& weight_in) {
+  check_rms_norm_apply_args(x_in, rstd_in, weight_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), rstd = rstd_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() == 0) return out;
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  dispatch_float_dtype(x.scalar_type(), "x", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    const T* wp = static_cast<const T*>(weight.data_ptr());
+    T* yp = static_cast<T*>(out.data_ptr());
+    // every row starts on a 16-byte boundary when the first does and a row is a whole number of packs
+    const bool vec = h % Vec<T>::kN == 0 && all_aligned(xp, wp, yp);
+    const int blocks = static_cast<int>(std::min<int64_t>(rows, 1 << 20));
+    rms_norm_apply_kernel<T><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        xp, rstd.data_ptr<float>(), wp, yp, rows, h, vec);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(effmem, CUDA, m) {
   m.impl("swiglu", &swiglu_cuda);
   m.impl("swiglu_backward", &swiglu_backward_cuda);
+  m.impl("rms_norm_apply", &rms_norm_apply_cuda);
 }
 
 }  // namespace effmem::cuda
