@@ -24,7 +24,7 @@
 #   1. build cuda_tests              about 80 + 150 s: the "fast" policy's CUDA kernels added on 2026-11-27
 #                                    (aten's fused RMSNorm backward, effmem::swiglu/swiglu_backward) have
 #                                    never run on a GPU: their tests (test_swiglu.py, test_activations_fast.py)
-#   2. activations (back to back)    330 + 130 s: issue 10's step time with them ("fast" 1.130x, "min" 1.293x
+#   2. activations (back to back)    15 + 330 + 130 s: the kernels' bandwidth, issue 10's step time with them ("fast" 1.130x, "min" 1.293x
 #                                    before); after a dequantize change (README: its stores), kernels first
 #   then, a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
 #   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
@@ -129,6 +129,8 @@ for part in "${parts[@]}"; do
       # rows, on text (the progressions are learnt by step 200: every row ended near 0.0073 on 2026-11-26,
       # where 0.5% is noise). Each JSON is written after every row, so a run cut off by its limit keeps
       # what it measured.
+      # the "fast" policy's elementwise kernels against the torch ops they replace (about 15 s)
+      limit 60 "$PY" bench/bench_elementwise.py --device cuda --json "$OUT/gpu_elementwise.json" || status=1
       limit 330 "$PY" bench/bench_activations.py --device cuda --steps 12 \
         --json "$OUT/gpu_activations.json" || status=1
       limit 130 "$PY" bench/bench_activations.py --device cuda --layers 4 --seq 1024 --steps 200 --no-compile \

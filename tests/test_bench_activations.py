@@ -113,3 +113,18 @@ def test_activation_traffic_counts_fewer_bytes_with_the_cuda_kernels(tmp_path):
                          "--rows", "plain,effmem_fast,effmem_fast_cuda_paths", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["non_matmul_bytes"]
     assert rows["effmem_fast_cuda_paths"] < rows["plain"] < rows["effmem_fast"]
+
+
+def test_bench_elementwise_times_each_kernel_against_its_torch_ops(tmp_path):
+    """bench/bench_elementwise.py on the CPU (the GPU run is in gpu_check.sh's activations part): a row per
+    kernel with its time, the torch ops' time, bytes and the ratio; aten's fused RMSNorm backward is CUDA's."""
+    spec = importlib.util.spec_from_file_location("bench_elementwise", BENCH.parent / "bench_elementwise.py")
+    ew = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ew)
+    out = tmp_path / "ew.json"
+    assert ew.main(["--device", "cpu", "--tokens", "64", "--hidden", "256", "--intermediate", "512",
+                    "--repeat", "2", "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"swiglu", "swiglu_backward", "rms_apply"}
+    assert rows["swiglu"]["bytes"] == 3 * 64 * 512 * 2 and rows["rms_apply"]["bytes"] == 2 * 64 * 256 * 2 + 64 * 4
+    assert all(r["effmem_ms"] > 0 and r["torch_ms"] > 0 and r["speedup_vs_torch"] > 0 for r in rows.values())
