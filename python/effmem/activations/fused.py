@@ -162,8 +162,9 @@ def layer_norm(x: Tensor, shape, weight: Optional[Tensor], bias: Optional[Tensor
 
 def _swiglu_kernel_applies(*tensors: Tensor) -> bool:
     """Whether effmem's SwiGLU kernels take these: CUDA tensors of one shape and float32/bf16/fp16 dtype. On a
-    CPU the torch ops below are faster than the kernel's scalar loop (1.6x to 11x on this project's 2-core
-    VM), and the CPU kernel serves as the CUDA kernel's bit-exact reference in the tests."""
+    CPU the kernel was not reliably faster than the torch ops below (bf16 at TinyLlama's MLP width: 0.4x to
+    2.4x their time, by size, on this project's 2-core VM, `bench/bench_elementwise.py --device cpu`), so
+    the CPU keeps them; the CPU kernel is the CUDA kernel's bit-exact reference in the tests."""
     first = tensors[0]
     return first.is_cuda and first.dtype in ops.ELEMENTWISE_DTYPES and all(
         t.dtype == first.dtype and t.shape == first.shape for t in tensors[1:])
