@@ -345,5 +345,8 @@ print(peak() - base)
         out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         extra[mode] = int(out.stdout.split()[-1])
-    assert extra["unfused"] > 2 * 4096 * 32768 * 4   # the measurement sees at least two float32 [N, V] tensors
+    # the measurement sees the unfused path's float32 [N, V] tensors: at least one (it holds two or three at
+    # once, but the allocator can place part of them in pages the process had already made resident: a
+    # clean-clone CI run of 2026-11-27 measured 690 MB, 1.3 of them, where runs alone measure more)
+    assert extra["unfused"] > 4096 * 32768 * 4
     assert extra["fused"] <= 0.03 * extra["unfused"], extra
