@@ -6,8 +6,8 @@ An eager step spends its non-matmul time in elementwise passes that each read an
 so their bytes are what a GPU pays for them. This counts, with a dispatch mode, the bytes every aten op
 reads and writes (inputs plus outputs; views, allocations and the matmul/attention kernels left out) in one
 forward and backward of a bf16 transformers Llama, for plain training, HF checkpointing, torch SAC and the
-effmem policies; and for "fast" once more as CUDA runs it (`fast_cuda_paths`): effmem's swiglu and
-rms_norm_apply kernels forced on (they have CPU kernels and are counted as they run) and aten's fused
+effmem policies; and for "fast" once more as CUDA runs it (`fast_cuda_paths`): effmem's swiglu kernels
+forced on (rms_norm_apply runs on the CPU anyway; both are counted as they run) and aten's fused
 RMSNorm backward, which has no CPU kernel, replaced by the written-out formula run uncounted and booked at
 10 bytes per element (read grad and x twice, write the gradient). A model of GPU memory traffic, not a
 timing: it says nothing about kernels' bandwidth.
@@ -58,17 +58,15 @@ def cuda_paths(counter: CountBytes):
         counter.bytes["aten_fused_rms_norm_backward (booked)"] += 10 * x.numel()
         return out
 
-    saved = (fused._aten_rms_backward_applies, fused._aten_rms_backward, fused._swiglu_kernel_applies,
-             fused._rms_apply_kernel_applies)
+    # (rms_norm_apply needs nothing: the CPU takes it already)
+    saved = (fused._aten_rms_backward_applies, fused._aten_rms_backward, fused._swiglu_kernel_applies)
     fused._aten_rms_backward_applies = lambda x, g, w: x.dtype == g.dtype == w.dtype
     fused._aten_rms_backward = aten_rms_backward
     fused._swiglu_kernel_applies = lambda *ts: all(t.dtype == ts[0].dtype and t.shape == ts[0].shape for t in ts)
-    fused._rms_apply_kernel_applies = lambda x, w: x.dtype == w.dtype and w.dim() == 1
     try:
         yield
     finally:
-        (fused._aten_rms_backward_applies, fused._aten_rms_backward, fused._swiglu_kernel_applies,
-         fused._rms_apply_kernel_applies) = saved
+        fused._aten_rms_backward_applies, fused._aten_rms_backward, fused._swiglu_kernel_applies = saved
 
 
 def count(row: str, args) -> int:
