@@ -21,12 +21,12 @@
 #   done 2026-11-27 (bench/results/2026-11-27-h100-c77a38c): build cuda_tests (the C++ saved-tensor
 #                                    hooks pass); offload and activations' first run (device_state 1.062x;
 #                                    hooks 9.2 us per save)
-#   1. build cuda_tests              about 80 + 150 s: the "fast" policy's CUDA kernels added on 2026-11-27
-#                                    (aten's fused RMSNorm backward, effmem::swiglu/swiglu_backward) have
-#                                    never run on a GPU: their tests (test_swiglu.py, test_activations_fast.py)
-#   2. activations (back to back)    15 + 330 + 130 s: the kernels' bandwidth, issue 10's step time with them ("fast" 1.130x, "min" 1.293x
-#                                    before); after a dequantize change (README: its stores), kernels first
-#   then, a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
+#   done 2026-11-27 (bench/results/2026-11-27-h100-ad52e0c): build, cuda_tests (4 workers, 92 s), the
+#                                    kernels and activations ("fast" 0.910x, "min" 1.097x: targets met),
+#                                    bench/profile_activations.py eager and compiled
+#   next: profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost
+#   1.179x where compiled it cost nothing), then
+#   a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
 #   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
@@ -59,7 +59,10 @@ for part in "${parts[@]}"; do
     cuda_tests)
       # Only what behaves differently with a GPU: the tests marked cuda, and those that look for one.
       # (-m filters every file named, so the two that look for a GPU run without it)
-      OMP_NUM_THREADS=2 limit 200 "$PY" -m pytest -v -rfEs --timeout 120 -m cuda tests/ \
+      # Four workers share the GPU: 92 s on 2026-11-27 against 150 s in one process.
+      par=()
+      "$PY" -c "import xdist" 2>/dev/null && par=(-n 4 -p no:benchmark)
+      OMP_NUM_THREADS=2 limit 200 "$PY" -m pytest -v -rfEs --timeout 120 -m cuda "${par[@]}" tests/ \
         --junitxml="$OUT/cuda_tests.xml" >"$OUT/cuda_tests.txt" 2>&1
       [ $? -eq 0 ] || status=1
       OMP_NUM_THREADS=2 limit 150 "$PY" -m pytest -v -rfEs --timeout 120 tests/test_build.py tests/test_cli.py \

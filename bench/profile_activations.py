@@ -52,13 +52,15 @@ def kernel_times(name, base, args, device):
     for ev in prof.events():
         # device events are the kernels and copies; on the CPU, the aten ops at the top of the stack
         on_device = ev.device_type == torch.autograd.DeviceType.CUDA
+        if on_device and getattr(ev, "is_user_annotation", False):
+            continue  # a range such as Optimizer.step#FusedAdam.step spans kernels counted already
         if on_device or (device.type == "cpu" and ev.cpu_parent is None):
             us = ev.time_range.elapsed_us() if on_device else ev.cpu_time_total
             times[ev.name[:90]] += us / RECORDED
     return times
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", default="plain,effmem_fast,effmem_min")
@@ -67,7 +69,7 @@ def main():
     ap.add_argument("--seq", type=int)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     args.batch = args.batch or (8 if cuda else 2)
@@ -98,7 +100,8 @@ def main():
                                "config": {"shape": shape, "batch": args.batch, "seq": args.seq,
                                           "recorded_steps": RECORDED},
                                "rows": {n: dict(r.most_common()) for n, r in rows.items()}})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -67,6 +67,8 @@ def test_every_row_is_measured_and_the_json_keeps_the_contract(result):
     assert {t["name"].split(":")[0] for t in result["targets"]} >= {"effmem_fast", "effmem_min",
                                                                       "effmem_min_compiled"}
     assert all(isinstance(t["met"], bool) and "bound" in t for t in result["targets"])
+    # checkpointing and SAC keep plain's math: on the CPU's deterministic kernels they end where plain ends
+    assert result["loss_noise_floor"] is not None and result["loss_noise_floor"] < 1e-3
 
 
 @pytest.mark.slow
@@ -128,3 +130,18 @@ def test_bench_elementwise_times_each_kernel_against_its_torch_ops(tmp_path):
     assert set(rows) == {"swiglu", "swiglu_backward", "rms_apply"}
     assert rows["swiglu"]["bytes"] == 3 * 64 * 512 * 2 and rows["rms_apply"]["bytes"] == 2 * 64 * 256 * 2 + 64 * 4
     assert all(r["effmem_ms"] > 0 and r["torch_ms"] > 0 and r["speedup_vs_torch"] > 0 for r in rows.values())
+
+
+def test_profile_activations_names_the_kernels_a_policy_adds(tmp_path):
+    """bench/profile_activations.py on the CPU (top-level ops there, kernels on a GPU): the "fast" policy's own
+    autograd functions appear in its row and not in plain's, and the JSON keeps a row per policy."""
+    spec = importlib.util.spec_from_file_location("profile_activations", BENCH.parent / "profile_activations.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    out = tmp_path / "prof.json"
+    assert prof.main(["--device", "cpu", "--rows", "plain,effmem_fast", "--layers", "1", "--batch", "1",
+                      "--seq", "32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"plain", "effmem_fast"}
+    assert any("_SwiGLU" in k for k in rows["effmem_fast"]) and not any("_SwiGLU" in k for k in rows["plain"])
+    assert all(us >= 0 for r in rows.values() for us in r.values())

@@ -315,6 +315,23 @@ def forward_s(m: Model, r: Rates, precision: str) -> float:
     return (m.matmul_flops + m.attention_flops) / matmul_rate(m, r, precision)
 
 
+# The time the "fast" and "min" policies' fused functions save on a GPU, in units of the traffic of the
+# layers' elementwise ops (Model.selective_recompute_bytes at the copy bandwidth: 33 ms for TinyLlama at batch
+# 8 x 2048). From bench/results/2026-11-27-h100-ad52e0c/gpu_profile.json, plain minus each policy: "fast"
+# ran 63.2 ms less of torch's elementwise kernels and 16.5 ms of its own (46.7 ms: 1.41 units); "min" 36.4 ms
+# less and 11.1 of its own (25.3 ms: 0.77 units; its recompute runs them too, and keeps fewer saves to fuse).
+POLICY_FUSED_SAVING = {"fast": 1.41, "fast_offload": 1.41, "checkpoint8": 0.77}
+
+
+def fused_saving(cfg: Config, m: Model, r: Rates) -> float:
+    """Seconds a policy's fused kernels save against autograd's ops: 0 where they do not run (a CPU), and
+    for fp32 weights under autocast, where it has not been measured (the measurement above is bf16). A model
+    the trace could not run has no elementwise traffic counted, so none either."""
+    if not r.policy_codec_bw or cfg.precision != "bf16":
+        return 0.0
+    return POLICY_FUSED_SAVING.get(cfg.activations, 0.0) * m.selective_recompute_bytes / r.memory_bw
+
+
 def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     """Seconds per optimizer step, by part."""
     rate = matmul_rate(m, r, cfg.precision)
@@ -329,13 +346,16 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
         extra = saved / r.compress_bw
     elif cfg.activations in ("fast", "fast_offload"):
-        # Its saves quantised and restored; the rebuilt norm and activation outputs are elementwise and
-        # left out. fast_offload's copies are hidden (offloaded_codes offloads no more than that).
-        extra = m.fast_compressed / r.compress_bw
+        # Its saves quantised and restored, and, where its CUDA kernels run, the one-pass norms and SwiGLU
+        # in place of autograd's elementwise ops: time saved (POLICY_FUSED_SAVING). fast_offload's copies
+        # are hidden (offloaded_codes offloads no more than that).
+        extra = m.fast_compressed / (r.policy_codec_bw or r.compress_bw) - fused_saving(cfg, m, r)
     elif cfg.activations == "checkpoint8":
-        # One quantisation and one dequantisation of each layer's input.
+        # One quantisation and one dequantisation of each layer's input; the recomputed layers run "fast"'s
+        # fused functions.
         kept = m.activations["checkpoint"]
-        extra = (sum(kept.values()) - kept.get("logits", 0)) / r.compress_bw
+        inputs = sum(kept.values()) - kept.get("logits", 0)
+        extra = inputs / (r.policy_codec_bw or r.compress_bw) - fused_saving(cfg, m, r)
     elif cfg.activations == "save_on_cpu":
         # save_on_cpu copies each saved tensor off and back, on the compute stream.
         extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")

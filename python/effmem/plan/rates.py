@@ -26,6 +26,9 @@ class Rates:
     interconnect_bw: float      # all-reduce bus bandwidth between GPUs, B/s
     half_rate_tokens: float     # tokens per micro-batch at which matmuls run at half their large-size rate
     source: str                 # where the numbers come from
+    # Plain bytes/s that the "fast" and "min" policies' own quantize + dequantize kernels turn into codes and
+    # back in a training step; 0 where they do not run (a CPU): compress_bw then.
+    policy_codec_bw: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -40,8 +43,12 @@ class Rates:
 # NVLink 4's all-reduce bus bandwidth as NVIDIA quotes it (not measured here: one GPU). half_rate_tokens:
 # small micro-batches leave an H100 idle between kernels; 600 puts the capacity rows of
 # gpu_offload_capacity.json (1.3B and 3B at 2,048 tokens per step) within 20% (tests/test_plan_h100.py).
+# policy_codec_bw: the kernel profile of a TinyLlama step in bench/results/2026-11-27-h100-ad52e0c
+# (gpu_profile.json): effmem's quantize and dequantize kernels ran 18.5 ms for the 14.4 GB of plain saves that
+# the plan's trace says "fast" quantises at batch 8 x 2048: 7.8e11 B/s.
 H100 = Rates("NVIDIA H100 80GB HBM3", 5.4e14, 4.9e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 600.0,
-             "bench/results/gpu_*.json (H100, commit 30c4269)")
+             "bench/results/gpu_*.json (H100, commit 30c4269; policy kernels: 2026-11-27-h100-ad52e0c)",
+             policy_codec_bw=7.8e11)
 # This 2-core AVX2 development machine (effmem plan --calibrate, 2026-11-23).
 CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 1.0e9, 16.0,
                     "2-core AVX2 defaults; interconnect: gloo over loopback, assumed")
@@ -117,7 +124,7 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
     rates = Rates(name, flops[torch.bfloat16], fp32, memory_bw, link_bw, host_adam,
                   base.compress_bw, base.interconnect_bw, base.half_rate_tokens,
                   f"effmem plan --calibrate on this machine, {time.strftime('%Y-%m-%d')} (compress and "
-                  f"interconnect: {base.source})")
+                  f"interconnect: {base.source})", policy_codec_bw=base.policy_codec_bw if cuda else 0.0)
     if write:
         data = _cached()
         data[name] = rates.as_dict()
