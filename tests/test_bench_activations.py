@@ -18,9 +18,17 @@ import torch
 pytest.importorskip("transformers")
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_activations.py"
-spec = importlib.util.spec_from_file_location("bench_activations", BENCH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+
+
+def load_bench(name: str):
+    """A script of bench/ as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench("bench_activations")
 
 CONTRACT = {"plain", "plain_compiled", "hf_checkpointing", "torch_sac", "compile_budget", "effmem_fast",
             "effmem_min", "effmem_min_compiled"}
@@ -106,10 +114,7 @@ def test_activation_traffic_counts_fewer_bytes_with_the_cuda_kernels(tmp_path):
     """bench/activation_traffic.py: the "fast" policy's elementwise bytes as CUDA runs it (effmem's swiglu and
     rms_norm_apply kernels, aten's fused RMSNorm backward) are below plain training's, where the torch-op
     paths it takes on a CPU move more than plain's (recomputation)."""
-    path = BENCH.parent / "activation_traffic.py"
-    spec = importlib.util.spec_from_file_location("activation_traffic", path)
-    traffic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(traffic)
+    traffic = load_bench("activation_traffic")
     out = tmp_path / "traffic.json"
     assert traffic.main(["--hidden", "128", "--layers", "1", "--tokens", "256",
                          "--rows", "plain,effmem_fast,effmem_fast_cuda_paths", "--json", str(out)]) == 0
@@ -120,9 +125,7 @@ def test_activation_traffic_counts_fewer_bytes_with_the_cuda_kernels(tmp_path):
 def test_bench_elementwise_times_each_kernel_against_its_torch_ops(tmp_path):
     """bench/bench_elementwise.py on the CPU (the GPU run is in gpu_check.sh's activations part): a row per
     kernel with its time, the torch ops' time, bytes and the ratio; aten's fused RMSNorm backward is CUDA's."""
-    spec = importlib.util.spec_from_file_location("bench_elementwise", BENCH.parent / "bench_elementwise.py")
-    ew = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ew)
+    ew = load_bench("bench_elementwise")
     out = tmp_path / "ew.json"
     assert ew.main(["--device", "cpu", "--tokens", "64", "--hidden", "256", "--intermediate", "512",
                     "--repeat", "2", "--json", str(out)]) == 0
@@ -135,9 +138,7 @@ def test_bench_elementwise_times_each_kernel_against_its_torch_ops(tmp_path):
 def test_profile_activations_names_the_kernels_a_policy_adds(tmp_path):
     """bench/profile_activations.py on the CPU (top-level ops there, kernels on a GPU): the "fast" policy's own
     autograd functions appear in its row and not in plain's, and the JSON keeps a row per policy."""
-    spec = importlib.util.spec_from_file_location("profile_activations", BENCH.parent / "profile_activations.py")
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+    prof = load_bench("profile_activations")
     out = tmp_path / "prof.json"
     assert prof.main(["--device", "cpu", "--rows", "plain,effmem_fast", "--layers", "1", "--batch", "1",
                       "--seq", "32", "--json", str(out)]) == 0
