@@ -24,8 +24,9 @@
 #   done 2026-11-27 (bench/results/2026-11-27-h100-ad52e0c): build, cuda_tests (4 workers, 92 s), the
 #                                    kernels and activations ("fast" 0.910x, "min" 1.097x: targets met),
 #                                    bench/profile_activations.py eager and compiled
-#   next: profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost
-#   1.179x where compiled it cost nothing), then
+#   next: build kernels (the flat dequantize kernel of 2026-11-27, never run on a GPU: its CUDA tests and
+#   its bandwidth, 58% of the copy's before), profile_activations.py --rows effmem_fast,effmem_budget (the
+#   budget row's eager offload cost 1.179x where compiled it cost nothing), then
 #   a session each: build plan bench (issue 11; the kernels' GPT step); build capacity (issue 12,
 #   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.

@@ -136,13 +136,15 @@ def count_instructions(sass: str) -> Dict[str, int]:
 
 
 def describe(mangled: str) -> Optional[dict]:
-    """quantize_kernel<bf16_t, 8, true> -> {"kernel": "quantize", "dtype": "bf16", "bits": 8, "vector": True}."""
-    m = re.search(r"(de)?quantize_kernelI(f|NS_5f16_tE|NS_6bf16_tE)Li(\d)ELb(\d)E", mangled)
+    """quantize_kernel<bf16_t, 8, true> -> {"kernel": "quantize", "dtype": "bf16", "bits": 8, "vector": True,
+    "path": "groups"}; dequantize_flat_kernel<bf16_t, 8> (whole groups, split by stores) -> path "flat", vector."""
+    m = re.search(r"(de)?quantize_(flat_)?kernelI(f|NS_5f16_tE|NS_6bf16_tE)Li(\d)E(?:Lb(\d)E)?", mangled)
     if m is None:
         return None
-    dtype = {"f": "fp32", "NS_5f16_tE": "fp16", "NS_6bf16_tE": "bf16"}[m.group(2)]
-    return {"kernel": "dequantize" if m.group(1) else "quantize", "dtype": dtype, "bits": int(m.group(3)),
-            "vector": m.group(4) == "1"}
+    dtype = {"f": "fp32", "NS_5f16_tE": "fp16", "NS_6bf16_tE": "bf16"}[m.group(3)]
+    flat = m.group(2) is not None
+    return {"kernel": "dequantize" if m.group(1) else "quantize", "dtype": dtype, "bits": int(m.group(4)),
+            "vector": flat or m.group(5) == "1", "path": "flat" if flat else "groups"}
 
 
 def measure(arch: str = "sm_90") -> List[dict]:
@@ -158,7 +160,7 @@ def measure(arch: str = "sm_90") -> List[dict]:
         info = describe(mangled)
         if info is not None:
             rows.append({**info, "instructions": n, "per_element": round(n / per_thread, 2)})
-    return sorted(rows, key=lambda r: (r["kernel"], r["dtype"], r["bits"], r["vector"]))
+    return sorted(rows, key=lambda r: (r["kernel"], r["dtype"], r["bits"], r["vector"], r["path"]))
 
 
 def main(argv=None) -> int:
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
     rows = measure(args.arch)
     print(f"{'kernel':<11}{'dtype':<6}{'bits':>5}{'path':>8}{'instr/thread':>14}{'instr/element':>15}")
     for r in rows:
-        print(f"{r['kernel']:<11}{r['dtype']:<6}{r['bits']:>5}{'16-byte' if r['vector'] else 'scalar':>8}"
+        print(f"{r['kernel']:<11}{r['dtype']:<6}{r['bits']:>5}{('flat' if r['path'] == 'flat' else '16-byte') if r['vector'] else 'scalar':>8}"
               f"{r['instructions']:>14}{r['per_element']:>15}")
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Round-to-nearest error bound in steps: half a step, plus 1/512 for the grid 256x finer than the step
 # that codes are rounded on first (quant_math.h).
 NEAREST = 0.5 + 1 / 512
-SHAPES = [(1,), (3,), (5, 300), (2, 3, 257), (4097,), (64, 128)]
+# (64, 128), (3, 2048), (33, 160): rows of whole groups take CUDA's flat dequantize kernel (33 x 160 ends in
+# a part warp and, at group sizes 128 and 256, in part groups: the group-mapped kernel); the rest the others
+SHAPES = [(1,), (3,), (5, 300), (2, 3, 257), (4097,), (64, 128), (3, 2048), (33, 160)]
 
 
 def unpack(codes, bits, last_dim):

@@ -282,9 +282,10 @@ EFFMEM_HD bool dequant_is_plain(float stat0, float stat1) {
   return (bits_of(stat1) >> 31) == 0u && stat1 <= kQuantHugeScale && (stat0 < 0.0f ? -stat0 : stat0) < 0x1p127f;
 }
 
-// dequantize_value() for a plain group: (lo + (q - 0) * scale) * 1.
+// dequantize_value() for a plain group: (lo + (q - 0) * scale) * 1, from the code as a float (exact: q < 2^8).
+EFFMEM_HD float dequantize_plain_of(float q, float lo, float scale) { return lo + q * scale; }
 EFFMEM_HD float dequantize_plain(uint32_t q, float lo, float scale) {
-  return lo + static_cast<float>(static_cast<int32_t>(q)) * scale;
+  return dequantize_plain_of(static_cast<float>(static_cast<int32_t>(q)), lo, scale);
 }
 
 }  // namespace effmem

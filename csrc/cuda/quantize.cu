@@ -89,8 +89,24 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& stats, int
   const QuantShape s = make_shape(l, group_size);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool vec = vector_path(s, out.data_ptr(), codes.data_ptr());
+  // Whole groups (the common case: hidden sizes are multiples of the group size): the flat kernel, whose
+  // warps store contiguous bytes; rows ending in a part group keep the group-mapped kernel.
+  const bool flat = vec && last_dim % group_size == 0;
   dispatch_float_dtype(dtype, "dtype", [&](auto tag) {
     using T = typename decltype(tag)::type;
+    if (flat) {
+      const int64_t numel = l.rows * last_dim;
+      const int64_t per_block = int64_t{kQuantThreads} * kQuantPerThread;
+      const auto blocks = static_cast<unsigned>((numel + per_block - 1) / per_block);
+      const auto log2g = static_cast<uint32_t>(__builtin_ctzll(static_cast<uint64_t>(group_size)));
+      const auto launch = [&](auto kernel) {
+        kernel<<<blocks, kQuantThreads, 0, stream>>>(codes.data_ptr<uint8_t>(), stats.data_ptr<float>(),
+                                                     static_cast<T*>(out.data_ptr()), numel, log2g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      bits == 8 ? launch(dequantize_flat_kernel<T, 8>) : launch(dequantize_flat_kernel<T, 4>);
+      return;
+    }
     const auto run = [&](auto kernel) {
       kernel<<<num_blocks(s), kQuantThreads, 0, stream>>>(codes.data_ptr<uint8_t>(), stats.data_ptr<float>(),
                                                            static_cast<T*>(out.data_ptr()), s);
