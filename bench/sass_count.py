@@ -171,8 +171,8 @@ def main(argv=None) -> int:
     rows = measure(args.arch)
     print(f"{'kernel':<11}{'dtype':<6}{'bits':>5}{'path':>8}{'instr/thread':>14}{'instr/element':>15}")
     for r in rows:
-        print(f"{r['kernel']:<11}{r['dtype']:<6}{r['bits']:>5}{('flat' if r['path'] == 'flat' else '16-byte') if r['vector'] else 'scalar':>8}"
-              f"{r['instructions']:>14}{r['per_element']:>15}")
+        path = ("flat" if r["path"] == "flat" else "16-byte") if r["vector"] else "scalar"
+        print(f"{r['kernel']:<11}{r['dtype']:<6}{r['bits']:>5}{path:>8}{r['instructions']:>14}{r['per_element']:>15}")
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import git_commit

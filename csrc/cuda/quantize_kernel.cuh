@@ -418,13 +418,16 @@ __global__ void __launch_bounds__(kQuantThreads)
   constexpr int kStride = 32 * kSlice;                      // values between a lane's windows
   // 64-bit arithmetic once per thread; per window only 32-bit offsets from the warp's first value, which is
   // a multiple of 1024 and so of every group size.
-  const int64_t warp_first = (static_cast<int64_t>(blockIdx.x) * kQuantThreads + threadIdx.x) / 32 * 32 * kQuantPerThread;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kQuantThreads + threadIdx.x) / 32;
+  const int64_t warp_first = warp * 32 * kQuantPerThread;
   const uint32_t lane_first = (threadIdx.x % 32) * kSlice;
   const int64_t first = warp_first + lane_first;
   // Window w is in range where w * kStride < room (numel is a multiple of 32, so a slice is all in or all
   // out): one 32-bit compare per window.
   const int64_t left = numel - first;
-  const uint32_t room = left <= 0 ? 0u : left > kWindows * kStride ? uint32_t{kWindows * kStride} : static_cast<uint32_t>(left);
+  const uint32_t room = left <= 0                   ? 0u
+                        : left > kWindows * kStride ? uint32_t{kWindows * kStride}
+                                                    : static_cast<uint32_t>(left);
   const uint8_t* src = codes + first * kBits / 8;  // first is a multiple of kSlice: a whole byte
   // the warp's first group's stats, as an address: each window adds 8 bytes per group in one wide multiply-add
   const uint64_t st = reinterpret_cast<uintptr_t>(stats + 2 * (warp_first >> group_log2));
