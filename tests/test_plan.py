@@ -435,11 +435,18 @@ def test_formula_stands_in_where_the_trace_fails(model, monkeypatch):
     assert any("could not be traced" in n for n in fb.notes)
     assert {c.config.activations for c in fb.candidates} == {"none", "checkpoint", "checkpoint8", "save_on_cpu"}
     assert {(c.config.precision, c.config.loss) for c in fb.candidates} == {("bf16", "standard")}
+    # The formula counts no elementwise traffic, so its forward is shorter and async OffloadAdam keeps a
+    # different share of state on the GPU (device_state): those candidates have no twin of the same name.
+    compared = 0
     for c in fb.candidates:
+        if c.config.device_state:
+            continue
         t = traced.candidate(c.name)
+        compared += 1
         assert abs(c.cost.peak_bytes / t.cost.peak_bytes - 1) < 1e-4, c.name
-        if c.config.activations != "checkpoint8":  # the trace also counts what "min"'s fused kernels save
-            assert abs(c.step_time_s / t.step_time_s - 1) < 0.02, c.name  # FLOPs: 2 per weight per token
+        # products and attention: 2 FLOPs per matmul weight per token against torch's formulas
+        assert abs(c.time_parts["compute"] / t.time_parts["compute"] - 1) < 0.02, c.name
+    assert compared >= 10
     assert fb.best is not None
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="no meta kernel for mylib::op"):

@@ -43,7 +43,8 @@ def test_device_state_candidates_count_what_they_keep_and_time_the_host_share_on
     assert f"device_state={used})" in code_for(kept.config) and "opt.attach(model)" in code_for(kept.config)
     assert p.as_dict()["candidates"][p.candidates.index(kept)]["device_state"] == used
     # no more than the forward needs: the host's share fits behind it, one tensor fewer kept would not
-    fwd = kept.time_parts["compute"] / (3 * kept.config.accumulation)   # backward: two forwards, all trained
+    # backward: two forwards (products and elementwise ops alike), all trained
+    fwd = (kept.time_parts["compute"] + kept.time_parts["elementwise"]) / (3 * kept.config.accumulation)
     per = costs.host_adam_s(kept.config, p.rates, 1) + 2 / p.rates.link_bw
     last = numels[[sum(numels[:k + 1]) for k in range(len(numels))].index(n)]
     assert (p.trainable_params - n) * per <= fwd < (p.trainable_params - n + last) * per
@@ -99,7 +100,7 @@ def test_apply_gives_offload_adam_the_planned_device_state():
                         rates=base)
     c0 = next(c for c in probe.candidates if c.config.optimizer == "offload_async" and not c.config.device_state
               and c.config.precision == "bf16" and c.config.activations == "none" and c.config.micro_batch == 4)
-    fwd = c0.time_parts["compute"] / 3   # backward: two forwards, every weight trained
+    fwd = (c0.time_parts["compute"] + c0.time_parts["elementwise"]) / 3   # backward: two forwards, all trained
     # a host whose update of half the trained parameters (and their upload) takes one forward
     per = fwd / (probe.trainable_params / 2)
     rates = dataclasses.replace(base, host_adam=1 / (per - 2 / base.link_bw))

@@ -105,9 +105,9 @@ def _measured_step_s():
 
 def test_predicted_step_times_and_the_pick_against_the_h100(predictions):
     """Step time within 25% on every row (median within 10%), and per shape the predicted fastest of the
-    measured configurations within 10% of the measured fastest. The rates were taken from two of these
-    rows (rates.py: the FusedAdam and plain OffloadAdam step rows) and half_rate_tokens fitted to the
-    capacity rows, so this checks the model's shape across sizes and modes, not independent rates."""
+    measured configurations within 10% of the measured fastest. The host Adam rate was taken from one of
+    these rows (rates.py: the plain OffloadAdam step row), the GPU's from a TinyLlama step's kernel profile,
+    and half_rate_tokens fitted to the capacity rows: a check of the model's shape across sizes and modes."""
     measured = _measured_step_s()
     ratios, groups = [], {}
     for row, c in predictions.items():
@@ -127,9 +127,11 @@ def test_predicted_step_times_and_the_pick_against_the_h100(predictions):
 
 def test_activation_strategies_against_the_h100_activation_run():
     """TinyLlama at batch 8 x 2048, bf16, FusedAdam (bench/results/2026-11-27-h100-ad52e0c/gpu_activations.json):
-    each strategy's step relative to plain's as measured, predicted within 12% (the "fast"/"min" kernels'
-    rates come from the same run's kernel profile; the rest of the model does not), and in the measured order
-    where the measured steps differ by more than 10%: "fast" under plain, "min" under checkpointing."""
+    plain's step within 5% and each strategy's step relative to plain's within 6% of what was measured, and in
+    the measured order where the measured steps differ by more than 10%: "fast" under plain, "min" under
+    checkpointing. Not independent: the H100 rates (products, attention, elementwise passes) and the
+    policies' kernel terms come from the same run's kernel profile; what it checks is that the trace's
+    counts turn into the measured steps of the other strategies (checkpointing's recompute, SAC's)."""
     run = json.loads((RESULTS / "2026-11-27-h100-ad52e0c" / "gpu_activations.json").read_text())
     step = {r["name"]: r["step_ms"] for r in run["rows"]}
     p = effmem.plan("tinyllama-1.1b", batch=8, seq=2048, accum=1, gpu_memory="80GB", host_memory="128GB",
@@ -138,7 +140,8 @@ def test_activation_strategies_against_the_h100_activation_run():
             for a in ("none", "fast", "checkpoint8", "selective", "checkpoint")}
     rows = {"fast": "effmem_fast", "checkpoint8": "effmem_min", "selective": "torch_sac",
             "checkpoint": "hf_checkpointing"}
+    assert abs(pred["none"] * 1e3 / step["plain"] - 1) <= 0.05, (pred["none"], step["plain"])
     for a, row in rows.items():
         predicted, measured = pred[a] / pred["none"], step[row] / step["plain"]
-        assert abs(predicted / measured - 1) <= 0.12, (a, predicted, measured)
+        assert abs(predicted / measured - 1) <= 0.06, (a, predicted, measured)
     assert pred["fast"] < pred["none"] < pred["checkpoint"] and pred["checkpoint8"] < pred["checkpoint"]

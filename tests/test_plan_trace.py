@@ -231,3 +231,29 @@ def test_autocast_trace_equals_real_saved_bytes(cfg, fused):
     plain = sum(trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu", fused_loss=fused)
                 .activations("none").values())
     assert predicted == counted and plain != counted
+
+
+def test_elementwise_traffic_and_layer_flops_are_counted_op_by_op():
+    """The step model's memory-bound time comes from the bytes every op but the products and attention reads
+    and writes: here a product, then x * 2 and + 1 (each reads and writes [8, 64, 32] float32), a view
+    (nothing) and a sum over the last dimension; FLOPs inside a block (nothing here is one) are apart."""
+    from effmem.plan.trace import trace_module
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 32, bias=False)
+
+        def forward(self, x):
+            y = self.proj(x) * 2 + 1
+            return y.view(-1).view(8, 64, 32).sum(-1).mean()
+
+    def inputs(b, s, device):
+        return (torch.zeros(b, s, 16, device=device, requires_grad=True),), {}
+    with torch.device("meta"):
+        toy = Toy()
+    tr = trace_module(toy, 8, 64, torch.float32, "cuda", inputs)
+    act = 8 * 64 * 32 * 4
+    expected = 2 * act + 2 * act + (act + 8 * 64 * 4) + (8 * 64 * 4 + 4)  # mul, add, sum, mean
+    assert tr.elementwise_bytes == expected, (tr.elementwise_bytes, expected)
+    assert tr.matmul_flops == 2 * 8 * 64 * 16 * 32 and tr.block_matmul_flops == 0

@@ -132,6 +132,8 @@ class Model:
     offload_buckets: tuple = ()              # elements per OffloadAdam bucket, in the engine's order (the planner
                                              # sets it; none: device_accumulation keeps nothing)
     selective_recompute_bytes: float = 0.0   # memory traffic of the ops selective checkpointing recomputes
+    elementwise_bytes: float = 0.0           # memory traffic of the forward's ops but products and attention
+    block_matmul_flops: float = 0.0          # of matmul_flops, the decoder layers' (0: unknown, all of them)
     head_recompute_flops: float = 0.0        # the fused loss's logits product, made again in backward
     state_blocks: int = 0                    # 8-bit Adam's blocks over the trained tensors (ModelSpec.state_blocks)
     trainable_numels: tuple = ()             # trained elements per tensor, the optimizer's order (device_state)
@@ -310,17 +312,32 @@ def matmul_rate(m: Model, r: Rates, precision: str) -> float:
     return rate * m.tokens / (m.tokens + r.half_rate_tokens)
 
 
+def products_s(m: Model, r: Rates, precision: str, matmul_flops: float, attention_flops: float) -> float:
+    """Seconds of these products and attention FLOPs (attention at its own rate where one is known)."""
+    rate = matmul_rate(m, r, precision)
+    attention_rate = rate * r.attention_flops / r.matmul_flops if r.attention_flops else rate
+    return matmul_flops / rate + attention_flops / attention_rate
+
+
+def elementwise_s(m: Model, r: Rates, traffic: float) -> float:
+    """Seconds of the memory-bound ops of a forward that moves `traffic` bytes, and of their backward:
+    r.elementwise_passes times that traffic at the copy bandwidth (0 where the rates fold them into the
+    matmul rate). A third of it is the forward's."""
+    return r.elementwise_passes * traffic / r.memory_bw
+
+
 def forward_s(m: Model, r: Rates, precision: str) -> float:
-    """Seconds of one micro-batch's forward (the trace's FLOPs are per micro-batch)."""
-    return (m.matmul_flops + m.attention_flops) / matmul_rate(m, r, precision)
+    """Seconds of one micro-batch's forward (the trace's FLOPs and traffic are per micro-batch)."""
+    return products_s(m, r, precision, m.matmul_flops, m.attention_flops) + elementwise_s(m, r, m.elementwise_bytes) / 3
 
 
 # The time the "fast" and "min" policies' fused functions save on a GPU, in units of the traffic of the
-# layers' elementwise ops (Model.selective_recompute_bytes at the copy bandwidth: 33 ms for TinyLlama at batch
-# 8 x 2048). From bench/results/2026-11-27-h100-ad52e0c/gpu_profile.json, plain minus each policy: "fast"
-# ran 63.2 ms less of torch's elementwise kernels and 16.5 ms of its own (46.7 ms: 1.41 units); "min" 36.4 ms
-# less and 11.1 of its own (25.3 ms: 0.77 units; its recompute runs them too, and keeps fewer saves to fuse).
-POLICY_FUSED_SAVING = {"fast": 1.41, "fast_offload": 1.41, "checkpoint8": 0.77}
+# layers' elementwise ops (Model.selective_recompute_bytes once at the copy bandwidth: 33 ms for TinyLlama at
+# batch 8 x 2048), from bench/results/2026-11-27-h100-ad52e0c: "fast" ran 63.2 ms less of torch's elementwise
+# kernels than plain and 16.5 ms of its own (gpu_profile.json: 46.7 ms, 1.41 units); "min" took 360.6 ms
+# where transformers' checkpointing took 411.8 and its codes 1.9 more (gpu_activations.json: 53.1 ms, 1.61
+# units: the recomputed forward runs the fused functions too).
+POLICY_FUSED_SAVING = {"fast": 1.41, "fast_offload": 1.41, "checkpoint8": 1.61}
 
 
 def fused_saving(cfg: Config, m: Model, r: Rates) -> float:
@@ -333,14 +350,28 @@ def fused_saving(cfg: Config, m: Model, r: Rates) -> float:
 
 
 def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
-    """Seconds per optimizer step, by part."""
-    rate = matmul_rate(m, r, cfg.precision)
-    fwd = forward_s(m, r, cfg.precision)
-    bwd = (m.matmul_flops * (1 + m.trainable_matmul_share) + 2 * m.attention_flops + m.head_recompute_flops) / rate
-    recompute = fwd if cfg.activations in ("checkpoint", "checkpoint8") else 0.0
+    """Seconds per optimizer step, by part: products and attention ("compute"), the memory-bound ops
+    ("elementwise"), what the activation strategy adds, the optimizer, communication."""
+    fwd = forward_s(m, r, cfg.precision)   # its elementwise third included: what the offload modes hide behind
+    elementwise = elementwise_s(m, r, m.elementwise_bytes)
+    bwd_products = products_s(m, r, cfg.precision,
+                              m.matmul_flops * (1 + m.trainable_matmul_share) + m.head_recompute_flops,
+                              2 * m.attention_flops)
+    bwd = bwd_products + elementwise * 2 / 3
+    recompute = 0.0
+    if cfg.activations in ("checkpoint", "checkpoint8"):
+        # The decoder layers' forward again: their products and attention, and their elementwise ops (what
+        # selective checkpointing would recompute: all of a layer's but the products). Without layer counts
+        # (the closed form) the whole forward.
+        if m.block_matmul_flops:
+            recompute = (products_s(m, r, cfg.precision, m.block_matmul_flops, m.attention_flops)
+                         + elementwise_s(m, r, m.selective_recompute_bytes) / 3)
+        else:
+            recompute = fwd
     if cfg.activations == "selective":
-        # No product runs again: the norms and elementwise ops do, at the device's memory bandwidth.
-        recompute = m.selective_recompute_bytes / r.memory_bw
+        # No product runs again: the norms and elementwise ops do (one pass at the copy bandwidth where the
+        # rates do not count elementwise passes).
+        recompute = elementwise_s(m, r, m.selective_recompute_bytes) / 3 or m.selective_recompute_bytes / r.memory_bw
     extra = 0.0
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
@@ -359,7 +390,8 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     elif cfg.activations == "save_on_cpu":
         # save_on_cpu copies each saved tensor off and back, on the compute stream.
         extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")
-    out = {"compute": cfg.accumulation * (fwd + bwd + recompute), "activations": cfg.accumulation * extra}
+    out = {"compute": cfg.accumulation * (fwd + bwd - elementwise), "elementwise": cfg.accumulation * elementwise,
+           "recompute": cfg.accumulation * recompute, "activations": cfg.accumulation * extra}
     w_b, g_b, master_b, _ = PRECISIONS[cfg.precision]
     shard = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
     t = m.trainable // shard

@@ -125,9 +125,11 @@ class _Activity:
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
+            block_matmul_flops=lin(lambda t: t.block_matmul_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
             fast_compressed=lin(lambda t: t.fast_compressed()), fast_codes=lin(lambda t: t.fast_codes()),
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
+            elementwise_bytes=lin(lambda t: t.elementwise_bytes),
             head_recompute_flops=lin(lambda t: t.head_recompute_flops), tokens=micro * self.seq,
             fused_ce_transient=costs.fused_ce_buffers(micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
 
@@ -167,6 +169,7 @@ class _FormulaActivity:
             block_bytes=tokens * c.layer, largest_logits=tokens * 4 * self.vocab,
             largest_block=tokens * max(4 * h, 2 * c.intermediate),
             matmul_flops=2.0 * tokens * self.matmul_params, attention_flops=2.0 * micro * self.seq ** 2 * h * c.layers,
+            block_matmul_flops=2.0 * tokens * (self.matmul_params - self.vocab * h),  # all but the output layer
             trainable_matmul_share=trainable_share, layers=max(1, c.layers), tokens=tokens)
 
 

@@ -29,26 +29,35 @@ class Rates:
     # Plain bytes/s that the "fast" and "min" policies' own quantize + dequantize kernels turn into codes and
     # back in a training step; 0 where they do not run (a CPU): compress_bw then.
     policy_codec_bw: float = 0.0
+    attention_flops: float = 0.0     # attention kernels' FLOP/s (0: matmul_flops)
+    # The memory-bound ops (norms, activations, casts, the loss's softmax) of a forward and its backward take
+    # this many passes of the forward's traffic at memory_bw; 0 where matmul_flops is an effective rate
+    # that includes them (the CPU defaults).
+    elementwise_passes: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-# H100 80GB HBM3 (bench/results, commit 30c4269, torch 2.11): copy bandwidth from gpu_adam.json (3.00 TB/s);
-# the link from gpu_offload.json (transfer: 54.0 GB/s); matmul from the same file's FusedAdam row (1.3B
-# Llama, 65,536 tokens per step in 1,061 ms of forward and backward at 6 FLOPs per parameter per token plus
-# attention: 5.4e14 FLOP/s); host Adam from its plain OffloadAdam row (292 ms for 1.35e9 parameters, less
-# the 49 ms weight upload: 5.5e9 parameters/s on 16 cores); compress from the TinyLlama run in
-# gpu-runs/2026-11-23-h100 (117 ms more per step for about 36 GB saved: 3.1e11 B/s). The interconnect is
-# NVLink 4's all-reduce bus bandwidth as NVIDIA quotes it (not measured here: one GPU). half_rate_tokens:
-# small micro-batches leave an H100 idle between kernels; 600 puts the capacity rows of
+# H100 80GB HBM3 (bench/results, torch 2.11): copy bandwidth from gpu_adam.json (3.00 TB/s); the link from
+# gpu_offload.json (transfer: 54.0 GB/s); host Adam from its plain OffloadAdam row (292 ms for 1.35e9
+# parameters, less the 49 ms weight upload: 5.5e9 parameters/s on 16 cores); compress from the TinyLlama run
+# in gpu-runs/2026-11-23-h100 (117 ms more per step for about 36 GB saved: 3.1e11 B/s). The interconnect is
+# NVLink 4's all-reduce bus bandwidth as NVIDIA quotes it (not measured here: one GPU).
+# Products, attention and elementwise ops from the kernel profile of a TinyLlama step (batch 8 x 2048, bf16,
+# 2026-11-27-h100-ad52e0c/gpu_profile.json): the GEMM kernels ran 130.5 ms for the trace's 101.7 TFLOP
+# (7.8e14 FLOP/s), attention 28.2 ms for 9.1 TFLOP (3.2e14), the other kernels (norms, casts, the fp32 loss,
+# adds) 153.1 ms where the trace counts 109.7 GB of forward traffic: 4.2 passes at the copy bandwidth. Checked
+# on another model: bench/llama.py's 1.3B (its own blocks, no fp32 loss upcast; gpu_offload.json's FusedAdam
+# row, 1,061 ms of forward and backward for 4 micro-batches) is predicted at 259 ms per micro-batch against
+# 265 measured. fp32 weights under autocast: 0.9 of the bf16 rate (bf16 products and the casts).
+# half_rate_tokens: small micro-batches leave an H100 idle between kernels; 600 puts the capacity rows of
 # gpu_offload_capacity.json (1.3B and 3B at 2,048 tokens per step) within 20% (tests/test_plan_h100.py).
-# policy_codec_bw: the kernel profile of a TinyLlama step in bench/results/2026-11-27-h100-ad52e0c
-# (gpu_profile.json): effmem's quantize and dequantize kernels ran 18.5 ms for the 14.4 GB of plain saves that
-# the plan's trace says "fast" quantises at batch 8 x 2048: 7.8e11 B/s.
-H100 = Rates("NVIDIA H100 80GB HBM3", 5.4e14, 4.9e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 600.0,
-             "bench/results/gpu_*.json (H100, commit 30c4269; policy kernels: 2026-11-27-h100-ad52e0c)",
-             policy_codec_bw=7.8e11)
+# policy_codec_bw: the same profile: effmem's quantize and dequantize kernels ran 18.5 ms for the 14.4 GB of
+# plain saves that the plan's trace says "fast" quantises at batch 8 x 2048: 7.8e11 B/s.
+H100 = Rates("NVIDIA H100 80GB HBM3", 7.8e14, 7.0e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 600.0,
+             "bench/results/gpu_*.json (H100, commit 30c4269) and 2026-11-27-h100-ad52e0c/gpu_profile.json",
+             policy_codec_bw=7.8e11, attention_flops=3.2e14, elementwise_passes=4.2)
 # This 2-core AVX2 development machine (effmem plan --calibrate, 2026-11-23).
 CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 1.0e9, 16.0,
                     "2-core AVX2 defaults; interconnect: gloo over loopback, assumed")
@@ -124,7 +133,12 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
     rates = Rates(name, flops[torch.bfloat16], fp32, memory_bw, link_bw, host_adam,
                   base.compress_bw, base.interconnect_bw, base.half_rate_tokens,
                   f"effmem plan --calibrate on this machine, {time.strftime('%Y-%m-%d')} (compress and "
-                  f"interconnect: {base.source})", policy_codec_bw=base.policy_codec_bw if cuda else 0.0)
+                  f"interconnect: {base.source})", policy_codec_bw=base.policy_codec_bw if cuda else 0.0,
+                  # the attention kernels' rate in proportion to the products' as the base measured it;
+                  # passes: a property of the kernels and the bandwidth they reach, kept from the base
+                  attention_flops=(base.attention_flops / base.matmul_flops * flops[torch.bfloat16]
+                                   if cuda and base.attention_flops else 0.0),
+                  elementwise_passes=base.elementwise_passes if cuda else 0.0)
     if write:
         data = _cached()
         data[name] = rates.as_dict()

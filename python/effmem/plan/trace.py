@@ -104,6 +104,7 @@ class Trace:
     records: Dict[int, Record] = field(default_factory=dict)
     num_blocks: int = 0
     matmul_flops: float = 0.0     # forward FLOPs of everything but attention
+    block_matmul_flops: float = 0.0  # of those, the decoder layers'
     attention_flops: float = 0.0  # forward FLOPs of attention scores and weighted sums
     # The same forward under effmem's "fast" policy (trace_module(fast=True)): its records hold what was
     # saved outside the decoder layers, the policy's compressor counted what the layers stored.
@@ -112,6 +113,7 @@ class Trace:
     fast_compressed_bytes: int = 0   # plain bytes of what it quantised (the work of its kernels)
     fast_codes_bytes: int = 0        # what that became: codes and statistics (what "offload" moves to the host)
     selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
+    elementwise_bytes: float = 0.0  # read + written by every forward op but products and attention
     head_recompute_flops: float = 0.0  # the fused loss's logits product, made again in backward (recompute path)
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
@@ -314,8 +316,10 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         for h in handles:
             h.remove()
     tr.matmul_flops = float(counter.flops)
+    tr.block_matmul_flops = float(counter.block_flops)
     tr.attention_flops = flops.attention
     tr.selective_recompute_bytes = flops.recompute_bytes
+    tr.elementwise_bytes = flops.elementwise_bytes
     tr.head_recompute_flops = counter.head_recompute_flops
     return tr
 
@@ -400,6 +404,10 @@ class Extrapolated:
         return self._lin(lambda t: t.selective_recompute_bytes)
 
     @property
+    def elementwise_bytes(self) -> float:
+        return self._lin(lambda t: t.elementwise_bytes)
+
+    @property
     def has_fast(self) -> bool:
         return (all(t.fast is not None for t in (self.one, self.two) if t is not None)
                 and (self.step is None or self.step.has_fast))
@@ -422,6 +430,10 @@ class Extrapolated:
     @property
     def matmul_flops(self) -> float:
         return self._lin(lambda t: t.matmul_flops)
+
+    @property
+    def block_matmul_flops(self) -> float:
+        return self._lin(lambda t: t.block_matmul_flops)
 
     @property
     def attention_flops(self) -> float:

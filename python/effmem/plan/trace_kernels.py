@@ -56,6 +56,9 @@ class _Flops:
     keep: Optional[Callable[[Tensor], None]] = None
     in_block: Callable[[], bool] = lambda: False
     recompute_bytes: float = 0.0
+    # what every op of the forward but the products and attention reads and writes (the step model's
+    # memory-bound time: norms, activations, rotary, casts, residual adds, the loss's softmax)
+    elementwise_bytes: float = 0.0
 
 
 class _FusedRmsNorm(torch.autograd.Function):
@@ -100,8 +103,9 @@ def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocas
         return out
 
     def rms_norm(input, normalized_shape, weight=None, eps=None):
+        flops.elementwise_bytes += 2 * input.nbytes  # one fused kernel: read the input, write the output
         if flops.in_block():
-            flops.recompute_bytes += 2 * input.nbytes  # one fused kernel: read the input, write the output
+            flops.recompute_bytes += 2 * input.nbytes
         return _FusedRmsNorm.apply(input, weight, len(tuple(normalized_shape)))
 
     F.scaled_dot_product_attention = sdpa
@@ -194,6 +198,7 @@ class _Counter(TorchDispatchMode):
     def __init__(self, target: str, sel: Optional[_Flops] = None):
         super().__init__()
         self.flops = 0.0
+        self.block_flops = 0.0  # of those, the decoder layers' (what checkpointing runs again)
         self.head_recompute_flops = 0.0  # products the fused loss's backward runs again (see below)
         self.target = target
         self.sel = sel  # where selective checkpointing's keeps and recompute traffic are counted
@@ -206,11 +211,21 @@ class _Counter(TorchDispatchMode):
         if out is None:
             out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if self.sel is not None and self.sel.in_block():
-            self._selective(packet, args, out)
+        if self.sel is not None:
+            if self.sel.in_block():
+                self._selective(packet, args, out)
+            if packet not in flop_registry and packet is not torch.ops.aten._grouped_mm and packet not in _FUSED_CE:
+                self.sel.elementwise_bytes += _traffic(packet, args, out)
         if (self.target == "cpu" and packet is torch.ops.aten.native_layer_norm
                 and args[0].dtype in (torch.bfloat16, torch.float16)):
             return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
+        before = self.flops
+        self._count(packet, args, kwargs, out)
+        if self.sel is not None and self.sel.in_block():
+            self.block_flops += self.flops - before
+        return out
+
+    def _count(self, packet, args, kwargs, out) -> None:
         if packet in flop_registry:
             self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
         elif packet is torch.ops.aten._grouped_mm:
@@ -225,7 +240,6 @@ class _Counter(TorchDispatchMode):
             self.flops += product
             if packet is torch.ops.effmem.linear_ce_forward:
                 self.head_recompute_flops += product
-        return out
 
     def _selective(self, packet, args, out) -> None:
         outs = [t for t in _tensors(out)]
@@ -233,18 +247,28 @@ class _Counter(TorchDispatchMode):
             for t in outs:
                 self.sel.keep(t)
             return
-        # Any other op that makes new memory runs again in the recompute: its inputs read, its output
-        # written. Views make none, and the empty tensors of the kernel stand-ins above cost nothing.
-        ins = [t for t in _tensors(args)]
-        if not ins or "empty" in packet.__name__:
-            return
-        inputs = {_storage_id(t) for t in ins}
-        new = [t for t in outs if _storage_id(t) not in inputs]
-        if new:
-            self.sel.recompute_bytes += sum(t.nbytes for t in new) + sum(t.nbytes for t in ins)
+        # Any other op that makes new memory runs again in the recompute.
+        self.sel.recompute_bytes += _traffic(packet, args, out)
 
 
 _FUSED_CE = (torch.ops.effmem.linear_ce_forward, torch.ops.effmem.linear_ce_forward_backward)
+
+
+def _traffic(packet, args, out) -> float:
+    """Bytes an op that makes new memory moves: its inputs read, its outputs written. Views and in-place ops
+    make none (counted as nothing), nor do the empty tensors of the kernel stand-ins above; an embedding
+    reads only the rows it gathers."""
+    ins = list(_tensors(args))
+    if not ins or "empty" in packet.__name__:
+        return 0.0
+    inputs = {_storage_id(t) for t in ins}
+    new = [t for t in _tensors(out) if _storage_id(t) not in inputs]
+    if not new:
+        return 0.0
+    written = sum(t.nbytes for t in new)
+    if packet is torch.ops.aten.embedding:
+        return 2.0 * written
+    return written + sum(t.nbytes for t in ins)
 
 
 def _storage_id(t: Tensor) -> int:
