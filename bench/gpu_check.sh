@@ -28,8 +28,9 @@
 #   its bandwidth, 58% of the copy's before), profile_activations.py --rows effmem_fast,effmem_budget (the
 #   budget row's eager offload cost 1.179x where compiled it cost nothing), then
 #   a session each: build plan bench (issue 11: the step model of 2026-11-27, products + attention +
-#   4.2 passes of the traced elementwise traffic, against 36 measured configurations; the kernels' GPT step); build capacity (issue 12,
-#   7B: the plan may pick device_state now); build offload capacity_13b; build tests demo (the whole suite).
+#   4.2 passes of the traced elementwise traffic, against 36 measured configurations; the kernels' GPT
+#   step); build capacity (issue 12, 7B: the plan may pick device_state now); build offload capacity_13b;
+#   build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
