@@ -48,7 +48,6 @@ TRACED = tuple(a for a in ACTIVATIONS if a != "fast_offload")  # fast_offload is
 # measurement of a layer's bytes may differ a little; where it is tighter it would put a layer under "min").
 OFFLOAD_BUDGET_SLACK = 1.05
 LAYER_KINDS = ("attention", "mlp", "norm", "block")  # trace kinds that decoder layers' saves fall under
-LOSS_NAMES = {"standard": "", "fused": "fused-ce", "fused_gif": "fused-ce-grad-in-fwd"}  # Config.loss, named
 RECOMPUTED = ("selective", "checkpoint", "checkpoint8")  # layers run again in backward
 OPTIMIZERS = ("gpu", "offload", "offload_overlap", "offload_async")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
@@ -84,10 +83,7 @@ class Config:
     sharding: str = "none"
     micro_batch: int = 1
     accumulation: int = 1
-    # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits (its default way: logits made again in
-    # backward for a trained bf16 head), or "fused_gif": the same with grad_in_forward=True (gradients made in
-    # forward: one product fewer, a float32 buffer of the head's size while they are)
-    loss: str = "standard"
+    loss: str = "standard"   # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits
     state_bits: int = 32     # Adam's moments: 32 (float32) or 8 (FusedAdam/OffloadAdam(state_bits=8))
     # OffloadAdam(device_accumulation=BYTES): gradients of whole buckets, up to these bytes, summed on the GPU
     # over the micro-batches and sent once per step (only with accumulation; 0: every micro-batch sends all).
@@ -101,7 +97,7 @@ class Config:
         parts = [self.precision, self.activations if self.activations != "none" else "",
                  {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap",
                   "offload_async": "offload-adam-async"}[self.optimizer],
-                 self.sharding if self.sharding != "none" else "", LOSS_NAMES[self.loss],
+                 self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
                  "adam8" if self.state_bits == 8 else "", self._device_accumulation_name(),
                  f"state-on-gpu{self.device_state / 1e9:.1f}GB" if self.device_state else "",
                  f"mb{self.micro_batch}x{self.accumulation}"]
@@ -209,7 +205,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
         host += m.offloaded
     # The loss's backward: the gradient of the logits beside them (about 2x the largest logits tensor),
     # or the fused loss's chunk buffers.
-    transient = max(m.fused_ce_transient if cfg.loss != "standard" else 2 * m.largest_logits,
+    transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
                     (m.block_bytes if cfg.activations in RECOMPUTED else 0)
                     + 2 * m.largest_block)
     # Under accumulation, the start of the last backward holds what earlier micro-batches left: the
@@ -308,22 +304,6 @@ def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
     fit = (128 << 20) // (4 * max(tokens, 1)) // 128 * 128
     chunk = max(1, min(vocab, max(256, vocab // 64 // 128 * 128), max(128, fit)))
     return 2 * 4 * tokens * chunk + 4 * tokens * hidden
-
-
-def fused_ce_gif_buffers(tokens: int, vocab: int, hidden: int, target: str) -> int:
-    """What effmem.linear_cross_entropy(grad_in_forward=True) holds at the end of a bf16 model's forward
-    beyond the gradients it keeps for backward (those the trace counts): the weight gradient's float32 sum
-    (4 B per head element) while the bf16 gradient is made from it, or, during the chunks, that sum less the
-    bf16 gradient not made yet, and one chunk's float32 logits and their gradient (bf16 on CUDA, float32 on
-    the CPU), tb tokens wide (token_chunk_size in csrc/common/linear_ce.cpp). An H200 measured 2.45 GiB of
-    extra peak at 16k tokens x 128k x 4096, where this gives 2.63 GB (2.45 GiB)."""
-    fit = max(8, (128 << 20) // (4 * max(vocab, 1)) // 8 * 8)
-    tb = min(max(128, tokens // 32 // 8 * 8), fit)
-    if target == "cuda":   # the float32 sum's traffic, not the products, would set the time of thin chunks
-        tb = max(tb, min(2048, hidden // 2 // 8 * 8))
-    tb = max(1, min(tokens, tb))
-    chunk = tb * vocab * (4 + (2 if target == "cuda" else 4))
-    return max(4 * vocab * hidden, 2 * vocab * hidden + chunk)
 
 
 def matmul_rate(m: Model, r: Rates, precision: str) -> float:

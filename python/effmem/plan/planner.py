@@ -99,24 +99,17 @@ class _Activity:
     """A model's activations and FLOPs at any micro-batch, from traces at micro-batch 1 and 2 (affine in it)."""
 
     def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn],
-                 loss: str = "standard", layers_from: Optional["_Activity"] = None,
-                 fast_from: Optional["_Activity"] = None):
-        """loss: a costs.Config.loss. layers_from: the same model's activity with another loss, whose decoder
-        layers this one shares (trace_spec's layers_from). fast_from: the same model's activity with another
-        fused loss, traced under the "fast" policy: this one is not (two traces fewer: a 70B plan stays
-        under 2 s), and its "fast" counts are that one's with the loss's own saves put in (model())."""
+                 fused_loss: bool = False, layers_from: Optional["_Activity"] = None):
+        """layers_from: the same model's activity with the other loss, whose decoder layers this one shares
+        (trace_spec's layers_from)."""
         amp = costs.under_autocast("bf16" if dtype == torch.bfloat16 else "fp32", target)
-        self.one, self.two = (trace_spec(spec, micro, seq, dtype, target, inputs=inputs,
-                                         fused_loss=loss != "standard",
-                                         grad_in_forward=True if loss == "fused_gif" else None,
-                                         autocast=amp, layers_from=getattr(layers_from, attr, None),
-                                         fast=fast_from is None)
+        self.one, self.two = (trace_spec(spec, micro, seq, dtype, target, inputs=inputs, fused_loss=fused_loss,
+                                         autocast=amp, layers_from=getattr(layers_from, attr, None))
                               for micro, attr in ((1, "one"), (2, "two")))
-        self.loss, self.target, self.fast_from = loss, target, fast_from
-        self.fused_loss = loss != "standard"
+        self.fused_loss = fused_loss
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
-        self.has_fast = fast_from.has_fast if fast_from is not None else self.one.has_fast and self.two.has_fast
+        self.has_fast = self.one.has_fast and self.two.has_fast
         self.strategies = tuple(a for a in costs.ACTIVATIONS if not a.startswith("fast") or self.has_fast)
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
@@ -125,34 +118,20 @@ class _Activity:
             if isinstance(a, dict):
                 return {k: a[k] + (micro - 1) * (b[k] - a[k]) for k in a}
             return a + (micro - 1) * (b - a)
-        acts = {s: lin(lambda t, s=s: t.activations(s)) for s in self.strategies
-                if s in costs.TRACED and not (s == "fast" and self.fast_from is not None)}
-        fast_compressed, fast_codes = lin(lambda t: t.fast_compressed()), lin(lambda t: t.fast_codes())
-        if self.fast_from is not None and self.has_fast:
-            # The policy acts on the decoder layers only: what the other loss's forward kept under it, with
-            # that loss's own saves (logits, gradients made in forward) replaced by this one's.
-            other = self.fast_from.model(spec, micro, trainable_share)
-            acts["fast"] = dict(other.activations["fast"], **{k: acts["none"][k] for k in ("logits", "grads")})
-            fast_compressed, fast_codes = other.fast_compressed, other.fast_codes
         return costs.Model(
             params=spec.num_params, trainable=spec.num_trainable, state_blocks=spec.state_blocks,
-            activations=acts,
+            activations={s: lin(lambda t, s=s: t.activations(s)) for s in self.strategies if s in costs.TRACED},
             offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
             block_matmul_flops=lin(lambda t: t.block_matmul_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
-            fast_compressed=fast_compressed, fast_codes=fast_codes,
+            fast_compressed=lin(lambda t: t.fast_compressed()), fast_codes=lin(lambda t: t.fast_codes()),
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
             elementwise_bytes=lin(lambda t: t.elementwise_bytes),
             head_recompute_flops=lin(lambda t: t.head_recompute_flops), tokens=micro * self.seq,
-            fused_ce_transient=self._fused_ce_transient(spec, micro * self.seq))
-
-    def _fused_ce_transient(self, spec: ModelSpec, tokens: int) -> int:
-        if self.loss == "fused_gif":
-            return costs.fused_ce_gif_buffers(tokens, *_vocab_hidden(spec), self.target)
-        return costs.fused_ce_buffers(tokens, *_vocab_hidden(spec)) if self.fused_loss else 0
+            fused_ce_transient=costs.fused_ce_buffers(micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
 
 
 class _FormulaActivity:
@@ -356,17 +335,13 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
         raise ValueError(f"seq: {seq} tokens is more than this model's learned positions ({limit[1]} = "
                          f"{limit[0]}) cover")
     activity: Dict[tuple, _Activity] = {}
-    # fused_gif for bf16 weights only: a float32 head already makes its gradients in forward by default
-    losses = ["standard", "fused", "fused_gif"] if _fusable(spec) else ["standard"]
+    losses = ["standard", "fused"] if _fusable(spec) else ["standard"]
     for precision, loss in itertools.product(costs.PRECISIONS, losses):
-        if loss == "fused_gif" and precision != "bf16":
-            continue
         try:
-            standard, fused = activity.get((precision, "standard")), activity.get((precision, "fused"))
+            standard = activity.get((precision, "standard"))
             activity[precision, loss] = _Activity(
-                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss,
-                layers_from=standard if isinstance(standard, _Activity) else None,
-                fast_from=fused if loss == "fused_gif" and isinstance(fused, _Activity) else None)
+                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss == "fused",
+                layers_from=standard if isinstance(standard, _Activity) else None)
         except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             if (precision, loss) == ("bf16", "standard"):
