@@ -369,9 +369,12 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         else:
             recompute = fwd
     if cfg.activations == "selective":
-        # No product runs again: the norms and elementwise ops do (one pass at the copy bandwidth where the
-        # rates do not count elementwise passes).
-        recompute = elementwise_s(m, r, m.selective_recompute_bytes) / 3 or m.selective_recompute_bytes / r.memory_bw
+        # No product runs again: the norms and elementwise ops do, as the forward ran them; where the rates
+        # count no elementwise passes (they fold them into the matmul rate), one pass at the copy bandwidth.
+        if r.elementwise_passes:
+            recompute = elementwise_s(m, r, m.selective_recompute_bytes) / 3
+        else:
+            recompute = m.selective_recompute_bytes / r.memory_bw
     extra = 0.0
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)

@@ -212,10 +212,18 @@ class _Counter(TorchDispatchMode):
             out = func(*args, **kwargs)
         packet = func._overloadpacket
         if self.sel is not None:
-            if self.sel.in_block():
-                self._selective(packet, args, out)
-            if packet not in flop_registry and packet is not torch.ops.aten._grouped_mm and packet not in _FUSED_CE:
-                self.sel.elementwise_bytes += _traffic(packet, args, out)
+            matmul = packet in flop_registry or packet is torch.ops.aten._grouped_mm or packet in _FUSED_CE
+            kept = self.sel.in_block() and packet in SAVED_PACKETS
+            recomputed = self.sel.in_block() and not kept
+            # one count of the op's bytes serves both uses (views and ops that make no memory move none)
+            traffic = _traffic(packet, args, out) if recomputed or not matmul else 0.0
+            if kept:   # selective checkpointing keeps this op's outputs
+                for t in _tensors(out):
+                    self.sel.keep(t)
+            elif recomputed:   # any other op that makes new memory runs again in the recompute
+                self.sel.recompute_bytes += traffic
+            if not matmul:
+                self.sel.elementwise_bytes += traffic
         if (self.target == "cpu" and packet is torch.ops.aten.native_layer_norm
                 and args[0].dtype in (torch.bfloat16, torch.float16)):
             return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
@@ -240,15 +248,6 @@ class _Counter(TorchDispatchMode):
             self.flops += product
             if packet is torch.ops.effmem.linear_ce_forward:
                 self.head_recompute_flops += product
-
-    def _selective(self, packet, args, out) -> None:
-        outs = [t for t in _tensors(out)]
-        if packet in SAVED_PACKETS:
-            for t in outs:
-                self.sel.keep(t)
-            return
-        # Any other op that makes new memory runs again in the recompute.
-        self.sel.recompute_bytes += _traffic(packet, args, out)
 
 
 _FUSED_CE = (torch.ops.effmem.linear_ce_forward, torch.ops.effmem.linear_ce_forward_backward)
