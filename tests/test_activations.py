@@ -17,7 +17,7 @@ import effmem
 from effmem.activations import apply_activation_policy, remove_activation_policy
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import find_blocks, model_spec
-from effmem.plan.trace import trace_spec
+from effmem.plan.extrapolate import trace_spec
 from effmem.plan.verify import bytes_in_use
 from activation_helpers import LLAMA as LLAMA_DEFAULTS, held_after_forward, loss_of, pattern, tiny_llama, train
 

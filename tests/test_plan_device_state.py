@@ -108,7 +108,7 @@ def test_apply_gives_offload_adam_the_planned_device_state():
     c = next(c for c in p.candidates if c.config.device_state and c.config.precision == "bf16"
              and c.config.state_bits == 32 and c.config.optimizer == "offload_async")
     p.device = "cpu"
-    from test_plan import real_tiny
+    from test_plan_apply import real_tiny
     model, opt = p.apply(real_tiny(TINY).to(torch.bfloat16), c.name)
     assert isinstance(opt, effmem.OffloadAdam) and opt._device_state == c.config.device_state
     kept = opt.counters()["device_state_params"]

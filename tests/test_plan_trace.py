@@ -13,7 +13,8 @@ import effmem
 from effmem.compress import compress_activations
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import model_spec
-from effmem.plan.trace import held_for_backward, trace_spec
+from effmem.plan.extrapolate import trace_spec
+from effmem.plan.trace import held_for_backward
 from effmem.plan.verify import bytes_in_use
 from activation_helpers import hf_checkpointing
 

@@ -1,5 +1,5 @@
 // CUDA implementations of effmem::quantize / effmem::dequantize: argument
-// checks and the launch (kernels in cuda/quantize_kernel.cuh, math in
+// checks and the launch (kernels in cuda/quantize_kernel.cuh and cuda/dequantize_flat_kernel.cuh, math in
 // common/quant_math.h, shared with the CPU kernels). One read of x, one write
 // of codes and stats; dequantisation is one read of codes and stats, one
 // write of the output.
@@ -14,6 +14,7 @@
 
 #include "common/checks.h"
 #include "cuda/dtype_dispatch.cuh"
+#include "cuda/dequantize_flat_kernel.cuh"
 #include "cuda/quantize_kernel.cuh"
 
 namespace effmem::cuda {

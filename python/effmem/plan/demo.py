@@ -10,7 +10,7 @@ def demo_plan(configs, settings: dict) -> Tuple[str, List[dict]]:
     """The plan for the demo's GPT on this machine, and per demo configuration what it predicts."""
     from effmem import demo_model
     from effmem.plan.planner import plan
-    from effmem.plan.trace import trace_spec
+    from effmem.plan.extrapolate import trace_spec
     gcfg = demo_model.GPTConfig(seq_len=settings["seq_len"], n_layer=settings["layers"],
                                 d_model=settings["d_model"], n_head=settings["heads"])
     with torch.device("meta"):

@@ -12,7 +12,8 @@ from effmem.optim._validate import whole
 from effmem.plan import costs, offload_room
 from effmem.plan.model import ModelArg, ModelSpec, model_spec
 from effmem.plan.rates import Rates, rates_for
-from effmem.plan.trace import InputsFn, trace_spec
+from effmem.plan.extrapolate import trace_spec
+from effmem.plan.trace import InputsFn
 
 GB = 10 ** 9
 HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory

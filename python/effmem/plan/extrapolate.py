@@ -1,0 +1,141 @@
+"""A whole model's trace from traces of its first decoder layers (plan/trace.py records one trace).
+
+A config's model is traced with 1 and 2 decoder layers on the meta device,
+and every count is extrapolated linearly to all of them: quick for a 70B
+preset, and exact where every layer saves the same tensors.
+"""
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from effmem.plan.model import ModelSpec, find_blocks
+from effmem.plan.trace import _LAYER_KINDS, InputsFn, Trace, trace_module
+
+
+def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target: str,
+               inputs: Optional[InputsFn] = None, fused_loss: bool = False, autocast: bool = False,
+               layers_from: Optional["Extrapolated"] = None) -> "Extrapolated":
+    """Trace a model; for a config, trace 1 and 2 decoder layers and extrapolate to all of them.
+
+    fused_loss: with the training loss computed by effmem.linear_cross_entropy
+    (effmem.fuse_linear_cross_entropy; a user's module is unfused again afterwards). autocast: see
+    trace_module. layers_from: a trace of the same model, batch, dtype and autocast with the other loss;
+    then only 1 layer is traced and each further layer adds what it adds there (the loss runs after the
+    last layer and changes nothing in them), a quarter fewer traces for effmem plan."""
+    from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
+
+    def run(model: nn.Module, fresh: bool) -> Trace:
+        if fused_loss:
+            fuse_linear_cross_entropy(model)
+        try:
+            t = trace_module(model, batch, seq, dtype, target, inputs, autocast=autocast)
+            if getattr(model, "_effmem_fast", None) is None and all(
+                    getattr(b, "_effmem_policy", None) is None for b in find_blocks(model)[1]):
+                # the same forward under the "fast" activation policy (a module that has a policy of its
+                # own already is traced as it is, without the candidate)
+                t.fast = trace_module(model, batch, seq, dtype, target, inputs, fast=True, autocast=autocast)
+            return t
+        finally:
+            if fused_loss and not fresh:
+                unfuse_linear_cross_entropy(model)
+
+    if spec.module is not None:
+        t = run(spec.module, fresh=False)
+        return Extrapolated(t, None, t.num_blocks)
+    if layers_from is not None and layers_from.two is not None:
+        return Extrapolated(run(spec.build_layers(1), True), None, spec.num_layers, step=layers_from)
+    return Extrapolated(run(spec.build_layers(1), True), run(spec.build_layers(2), True), spec.num_layers)
+
+
+class Extrapolated:
+    """Per-strategy bytes of an L-layer model from traces of 1 and 2 layers: T(L) = T(1) + (L-1)(T(2)-T(1)).
+
+    Exact when every layer saves the same tensors, which holds for the
+    decoder stacks of these models; tensors shared by all layers (rotary
+    tables) appear in T(1) and T(2) alike, so they are counted once. With
+    `step` (another Extrapolated of the same layers), T(2)-T(1) is taken
+    from it: T(L) = T(1) + (L-1)(step's T(2) - T(1))."""
+
+    def __init__(self, one: Trace, two: Optional[Trace], layers: int, step: Optional["Extrapolated"] = None):
+        self.one, self.two, self.layers, self.step = one, two, layers, step
+        self.method = "traced" if two is None and step is None else "traced (1 and 2 layers, extrapolated)"
+
+    def _lin(self, f):
+        a = f(self.one)
+        if self.step is not None:
+            return _add(a, self.step._increment(f), self.layers - 1)
+        if self.two is None:
+            return a
+        return _add(a, _diff(f(self.two), a), self.layers - 1)
+
+    def _increment(self, f):
+        """What one more decoder layer adds to f."""
+        return _diff(f(self.two), f(self.one))
+
+    def activations(self, strategy: str) -> Dict[str, int]:
+        return self._lin(lambda t: t.activations(strategy))
+
+    def saved_bytes(self, strategy: str) -> int:
+        return self._lin(lambda t: t.saved_bytes(strategy))
+
+    def offloaded_bytes(self) -> int:
+        return self._lin(lambda t: t.offloaded_bytes())
+
+    def fast_compressed(self) -> int:
+        return self._lin(lambda t: t.fast_compressed())
+
+    def fast_codes(self) -> int:
+        return self._lin(lambda t: t.fast_codes())
+
+    @property
+    def selective_recompute_bytes(self) -> float:
+        return self._lin(lambda t: t.selective_recompute_bytes)
+
+    @property
+    def elementwise_bytes(self) -> float:
+        return self._lin(lambda t: t.elementwise_bytes)
+
+    @property
+    def has_fast(self) -> bool:
+        return (all(t.fast is not None for t in (self.one, self.two) if t is not None)
+                and (self.step is None or self.step.has_fast))
+
+    def block_bytes(self) -> int:
+        """The largest decoder layer's internally saved bytes."""
+        if self.step is not None:
+            return self.step.block_bytes()
+        src = self.two if self.two is not None else self.one
+        return max(src.block_bytes(), default=0)
+
+    def largest(self, kind: Optional[str] = None) -> int:
+        if self.step is not None:
+            # the decoder layers' kinds as the other loss's trace of two layers saw them; the rest as here
+            inside = max((self.step.largest(k) for k in _LAYER_KINDS if kind in (None, k)), default=0)
+            return max(self.one.largest(kind), inside)
+        src = self.two if self.two is not None else self.one
+        return src.largest(kind)
+
+    @property
+    def matmul_flops(self) -> float:
+        return self._lin(lambda t: t.matmul_flops)
+
+    @property
+    def block_matmul_flops(self) -> float:
+        return self._lin(lambda t: t.block_matmul_flops)
+
+    @property
+    def attention_flops(self) -> float:
+        return self._lin(lambda t: t.attention_flops)
+
+    @property
+    def head_recompute_flops(self) -> float:
+        return self._lin(lambda t: t.head_recompute_flops)
+
+
+def _diff(b, a):
+    return {k: b[k] - a[k] for k in a} if isinstance(a, dict) else b - a
+
+
+def _add(a, d, times: int):
+    return {k: a[k] + times * d[k] for k in a} if isinstance(a, dict) else a + times * d
