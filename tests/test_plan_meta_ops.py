@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from effmem.plan import meta_ops
 from effmem.plan.meta_ops import fast_meta
 
 aten = torch.ops.aten
@@ -107,3 +108,61 @@ def test_what_it_does_not_know_goes_to_torch():
     assert fast_meta(aten.mean.dim, (f, [2]), {}) is None
     assert fast_meta(aten.mul_.Tensor, (f, f), {}) is None
     assert fast_meta(aten.div.Tensor, (f, f), {}) is None
+
+
+def outputs(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+@pytest.mark.parametrize("channels_last_test", ["torch's", "contiguity"])
+def test_loss_mask_and_rotary_ops_match_torch(channels_last_test, monkeypatch):
+    """log_softmax, nll_loss, cumsum, all and cat (a loss's, Hugging Face's packed-sequence check's and
+    rotate_half's): torch's shapes, dtypes and row-major outputs, in every layout it gives them; channels-last
+    inputs go to torch's function (found by torch's suggest_memory_format, or without it by contiguity)."""
+    if channels_last_test == "contiguity":
+        monkeypatch.setattr(meta_ops, "_suggest_memory_format", None)
+    rng = random.Random(3)
+    checked = 0
+    for shape, dtype in itertools.product(SHAPES, DTYPES + [torch.int64, torch.bool, torch.uint8]):
+        for a in layouts(shape, dtype, rng):
+            cases = [(aten.all.default, (a,))]
+            for dim in range(-a.dim(), max(a.dim(), 1)):
+                cases.append((aten.cumsum.default, (a, dim)))
+                if dtype.is_floating_point:
+                    cases += [(aten._log_softmax.default, (a, dim, dtype == torch.float16))]
+                if a.dim() > 0:
+                    cases += [(aten.cat.default, ([a, a.clone()], dim)), (aten.cat.default, ([a[..., :1], a], dim))]
+            for op, args in cases:
+                try:
+                    want = op(*args)
+                except RuntimeError:   # shapes torch refuses: nothing to compare
+                    continue
+                got = fast_meta(op, args, {})
+                if got is None:
+                    assert a.dim() in (4, 5), (op, a.shape, a.stride())
+                    continue
+                for g, w in zip(outputs(got), outputs(want), strict=True):
+                    same_layout(g, w)
+                checked += 1
+    for n, c, dtype, reduction in itertools.product((1, 7), (1, 5), DTYPES, (0, 1, 2)):
+        target = torch.empty(n, dtype=torch.long, device=META)
+        for x in layouts((n, c), dtype, rng):
+            args = (x, target, None, reduction, -100)
+            for g, w in zip(fast_meta(aten.nll_loss_forward.default, args, {}),
+                            aten.nll_loss_forward.default(*args), strict=True):
+                same_layout(g, w)
+                checked += 1
+        x1 = torch.empty(c, dtype=dtype, device=META)
+        args = (x1, torch.empty((), dtype=torch.long, device=META), None, reduction, -100)
+        for g, w in zip(fast_meta(aten.nll_loss_forward.default, args, {}), aten.nll_loss_forward.default(*args)):
+            same_layout(g, w)
+    assert checked > 1500, checked
+    # what it leaves to torch: a channels-last input, mixed dtypes, a class weight, a CPU tensor
+    cl = torch.empty(2, 3, 4, 5, device=META).to(memory_format=torch.channels_last)
+    assert fast_meta(aten.cat.default, ([cl, cl], 1), {}) is None
+    assert fast_meta(aten._log_softmax.default, (cl, 1, False), {}) is None
+    f = torch.empty(3, 4, device=META)
+    assert fast_meta(aten.cat.default, ([f, f.bfloat16()], 0), {}) is None
+    assert fast_meta(aten.nll_loss_forward.default, (f, torch.empty(3, dtype=torch.long, device=META),
+                                                     torch.empty(4, device=META), 1, -100), {}) is None
+    assert fast_meta(aten.cumsum.default, (torch.empty(3, 4), 0), {}) is None

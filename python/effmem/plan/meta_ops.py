@@ -53,6 +53,8 @@ def fast_meta(func, args, kwargs) -> Optional[Tensor]:
         return _empty((a.shape[0], b.shape[1]), a.dtype)   # a new row-major matrix, whatever the inputs' strides
     if func is aten.mean.dim:
         return _mean(*args, **kwargs)
+    if func in _OTHER:
+        return _OTHER[func](*args, **kwargs)
     return None
 
 
@@ -196,3 +198,82 @@ def _mean(a, dim=None, keepdim=False, *, dtype=None) -> Optional[Tensor]:
         return None
     shape = [1 if i in reduced else n for i, n in enumerate(a.shape) if keepdim or i not in reduced]
     return _empty(shape, dtype or a.dtype)
+
+
+try:
+    from torch._prims_common import suggest_memory_format as _suggest_memory_format
+except ImportError:   # a torch without it: the channels-last test is left to torch's functions
+    _suggest_memory_format = None
+
+# The ops of a loss and of Hugging Face's mask and rotary code whose Python meta functions cost 0.4-2 ms a call
+# (a cross-entropy's log_softmax and nll_loss, the packed-sequence check's cumsum and all, rotate_half's cat).
+# Their outputs are contiguous whatever the inputs' order, except in channels-last order, which runs torch's.
+def _plain(*tensors) -> bool:
+    """Meta tensors that torch's functions treat as row-major: no 4-D or 5-D one laid out channels-last (by
+    torch's own test, where this torch has it; else only those contiguous in row-major order alone)."""
+    for t in tensors:
+        if not isinstance(t, Tensor) or t.device != _META:
+            return False
+        if t.dim() not in (4, 5):
+            continue
+        if _suggest_memory_format is not None:
+            if _suggest_memory_format(t) != torch.contiguous_format:   # a contiguous (2, 1, 4, 1) is channels-last too
+                return False
+        elif not t.is_contiguous() or t.is_contiguous(
+                memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d):
+            return False
+    return True
+
+
+def _dim_ok(t: Tensor, dim) -> bool:
+    return isinstance(dim, int) and -max(t.dim(), 1) <= dim < max(t.dim(), 1)
+
+
+def _log_softmax(x, dim, half_to_float) -> Optional[Tensor]:
+    if not _plain(x) or not x.dtype.is_floating_point or not _dim_ok(x, dim):
+        return None
+    if half_to_float and x.dtype != torch.float16:
+        return None   # torch's function raises
+    return _empty(x.shape, torch.float32 if half_to_float else x.dtype)
+
+
+def _nll_loss_forward(x, target, weight, reduction, ignore_index):
+    if weight is not None or not _plain(x, target) or not x.dtype.is_floating_point or target.dtype != torch.long:
+        return None
+    if not ((x.dim() == 2 and target.shape == x.shape[:1]) or (x.dim() == 1 and target.dim() == 0)):
+        return None
+    out_shape = x.shape[:1] if reduction == 0 and x.dim() == 2 else ()
+    return _empty(out_shape, x.dtype), _empty((), x.dtype)
+
+
+def _cumsum(x, dim, *, dtype=None) -> Optional[Tensor]:
+    if not _plain(x) or not _dim_ok(x, dim) or x.is_complex():
+        return None
+    if dtype is None:
+        dtype = x.dtype if x.dtype.is_floating_point else torch.long
+    return _empty(x.shape, dtype)
+
+
+def _all(x) -> Optional[Tensor]:
+    if not _plain(x):
+        return None
+    return _empty((), torch.uint8 if x.dtype == torch.uint8 else torch.bool)
+
+
+def _cat(tensors, dim=0) -> Optional[Tensor]:
+    if not isinstance(tensors, (list, tuple)) or not tensors or not _plain(*tensors):
+        return None
+    first = tensors[0]
+    if (first.dim() == 0 or not _dim_ok(first, dim)
+            or any(t.dtype != first.dtype or t.dim() != first.dim() for t in tensors)):
+        return None   # promotion, legacy empty 1-D inputs and errors: torch's function
+    d = dim % first.dim()
+    if any(t.shape[:d] != first.shape[:d] or t.shape[d + 1:] != first.shape[d + 1:] for t in tensors):
+        return None
+    shape = list(first.shape)
+    shape[d] = sum(t.shape[d] for t in tensors)
+    return _empty(shape, first.dtype)
+
+
+_OTHER = {aten._log_softmax.default: _log_softmax, aten.nll_loss_forward.default: _nll_loss_forward,
+          aten.cumsum.default: _cumsum, aten.all.default: _all, aten.cat.default: _cat}
