@@ -1,6 +1,7 @@
 """effmem plan: the classic worked examples, the JSON contract, the command, the candidates (apply() and verify()
 in test_plan_apply.py)."""
 import dataclasses
+import gc
 import json
 import time
 
@@ -167,6 +168,18 @@ def test_bad_arguments_name_themselves(bad, match):
     kw.update(bad)
     with pytest.raises(ValueError, match=match):
         effmem.plan(kw.pop("model"), **kw)
+    assert gc.isenabled()   # the collector, paused while planning, is back on after an error too
+
+
+def test_plan_leaves_the_collector_as_it_found_it():
+    gc.disable()
+    try:
+        effmem.plan("gpt2", batch=1, seq=64)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    effmem.plan("gpt2", batch=1, seq=64)
+    assert gc.isenabled()
 
 
 def test_defaults_come_from_the_machine():
