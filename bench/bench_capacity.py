@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from effmem.plan.planner import machine
+    from effmem.plan.machine import machine
     here = machine()
     # The plan's memory figures, fixed here and passed to every worker so that they plan the same.
     args.gpu_memory = args.gpu_memory or here["gpu_memory"] or here["host_memory"]

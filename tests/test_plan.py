@@ -11,9 +11,9 @@ import torch
 import effmem
 from effmem.cli import main
 from effmem.demo_model import ByteGPT, GPTConfig
-from effmem.plan import costs
+from effmem.plan import costs, loss_buffers
 from effmem.plan.model import preset_names
-from effmem.plan.planner import parse_bytes
+from effmem.plan.machine import parse_bytes
 from effmem.plan.report import code_for
 
 pytest.importorskip("transformers")
@@ -226,6 +226,27 @@ def test_png_chart_draws_the_progression_and_the_pick(tmp_path):
         write_chart(p, str(tmp_path / "plan.pdf"))
 
 
+def test_fused_loss_with_gradients_in_forward_is_a_candidate_of_its_own():
+    """For bf16 weights on a GPU, effmem.fuse_linear_cross_entropy(model, grad_in_forward=True): one
+    product fewer than the default fused loss (which makes the logits again in backward), a float32 sum of
+    the head's gradient and a chunk of logits in forward (loss_buffers.fused_ce_gif_buffers), and the head's
+    gradients kept from forward to backward. A float32 head makes them in forward by default: no twin."""
+    cfg = dict(TINY, vocab_size=32000)
+    p = effmem.plan(cfg, batch=8, seq=512, accum=1, gpu_memory="80GB", host_memory="64GB", device="cuda")
+    gif, fused = (pick_of(p, precision="bf16", activations="none", optimizer="gpu", micro_batch=8, loss=loss)
+                  for loss in ("fused_gif", "fused"))
+    assert "fused-ce-grad-in-fwd" in gif.name and not any(
+        c.config.loss == "fused_gif" for c in p.candidates if c.config.precision == "fp32")
+    tokens, hidden, vocab = 8 * 512, cfg["hidden_size"], cfg["vocab_size"]
+    head_s = gif.time_parts["compute"] / fused.time_parts["compute"]
+    assert gif.step_time_s < fused.step_time_s and head_s < 1
+    assert gif.cost.parts["temporary"] >= loss_buffers.fused_ce_gif_buffers(tokens, vocab, hidden, "cuda")
+    assert gif.cost.parts["grads"] - fused.cost.parts["grads"] >= 2 * vocab * hidden   # the head's bf16 gradient
+    assert "grad_in_forward=True" in code_for(gif.config) and "grad_in_forward" not in code_for(fused.config)
+    # the H200's measurement at 16k tokens x 128k x 4096: 2.446 GiB of extra peak
+    assert loss_buffers.fused_ce_gif_buffers(16384, 128256, 4096, "cuda") / 2 ** 30 == pytest.approx(2.446, rel=0.01)
+
+
 @pytest.mark.parametrize("preset", ["llama-7b", "mistral-7b", "llama3-8b", "gpt2"])
 def test_trace_agrees_with_the_closed_form_count(preset):
     """plan/formula.py, written from reading the modules, against the trace: two derivations, one number."""
@@ -373,3 +394,22 @@ def test_formula_stands_in_where_the_trace_fails(model, monkeypatch):
     with pytest.raises(RuntimeError, match="no meta kernel for mylib::op"):
         effmem.plan(ByteGPT(GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=2)), batch=2, seq=32, device="cpu")
 
+
+
+@pytest.mark.parametrize("cfg", [TINY, dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                            vocab_size=512)], ids=["llama", "gpt2"])
+def test_fused_loss_made_in_forward_takes_the_fast_counts_of_the_default_fused_loss(cfg):
+    """The fused-ce-grad-in-fwd activity is not traced under the "fast" policy (a 70B plan stays under 2 s): its
+    "fast" counts are the default fused loss's with its own loss saves put in, the same as tracing it."""
+    from effmem.plan.model import model_spec
+    from effmem.plan.planner import _Activity
+    spec = model_spec(cfg)
+    standard = _Activity(spec, 64, torch.bfloat16, "cuda", None)
+    fused = _Activity(spec, 64, torch.bfloat16, "cuda", None, "fused", layers_from=standard)
+    derived = _Activity(spec, 64, torch.bfloat16, "cuda", None, "fused_gif", layers_from=standard, fast_from=fused)
+    traced = _Activity(spec, 64, torch.bfloat16, "cuda", None, "fused_gif", layers_from=standard)
+    assert derived.one.one.fast is None and traced.one.one.fast is not None and derived.has_fast
+    for micro in (1, 3):
+        d, t = derived.model(spec, micro, 1.0), traced.model(spec, micro, 1.0)
+        assert d.activations == t.activations and d.activations["fast"]["grads"] > 0
+        assert (d.fast_compressed, d.fast_codes) == (t.fast_compressed, t.fast_codes)

@@ -81,6 +81,19 @@ def test_fused_loss_trace_equals_real_saved_bytes(cfg):
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_fused_loss_made_in_forward_trace_equals_real_saved_bytes(cfg):
+    """grad_in_forward=True on a bf16 model: the gradients the loss makes in forward are what it keeps for
+    backward (the trace counts them under "grads"), the logits and the loss's inputs are not."""
+    batch, seq = 2, 64
+    tr = trace_spec(model_spec(cfg), batch, seq, torch.bfloat16, "cpu", fused_loss=True, grad_in_forward=True)
+    m = effmem.fuse_linear_cross_entropy(real_model(cfg, torch.bfloat16), grad_in_forward=True)
+    kept = tr.activations("none")
+    assert sum(kept.values()) == counted_saved_bytes(m, lambda: hf_call(m, batch, seq))
+    hidden, vocab = cfg.get("hidden_size", cfg.get("n_embd")), cfg["vocab_size"]
+    assert kept["grads"] >= 2 * (vocab * hidden + batch * seq * hidden)  # bf16 weight and hidden gradients
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_fused_loss_shares_the_standard_traces_layers(cfg, target):
     """effmem plan traces the fused loss on one layer and takes each further layer from the standard loss's
@@ -104,15 +117,18 @@ def test_fused_loss_shares_the_standard_traces_layers(cfg, target):
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
-@pytest.mark.parametrize("target,dtype,recomputed", [("cuda", torch.bfloat16, True), ("cpu", torch.float32, False)])
-def test_fused_loss_counts_the_head_s_products(cfg, target, dtype, recomputed):
+@pytest.mark.parametrize("target,dtype,gif,recomputed", [("cuda", torch.bfloat16, None, True),
+                                                         ("cuda", torch.bfloat16, True, False),
+                                                         ("cpu", torch.float32, None, False)])
+def test_fused_loss_counts_the_head_s_products(cfg, target, dtype, gif, recomputed):
     """The fused loss's logits product counts as the unfused head's does (the custom op is no aten matmul the
     FLOP counter knows), and where its backward recomputes the logits (a trained bf16 head on a GPU) that
-    product is counted once more; made in forward with the gradients (a float32 head), it is not."""
+    product is counted once more; made in forward with the gradients (a float32 head, or grad_in_forward=True:
+    effmem plan's fused-ce-grad-in-fwd candidates), it is not."""
     spec = model_spec(cfg)
     batch, seq = 2, 64
     standard = trace_spec(spec, batch, seq, dtype, target)
-    fused = trace_spec(spec, batch, seq, dtype, target, fused_loss=True)
+    fused = trace_spec(spec, batch, seq, dtype, target, fused_loss=True, grad_in_forward=gif)
     hidden, vocab = cfg.get("hidden_size", cfg.get("n_embd")), cfg["vocab_size"]
     head = 2.0 * batch * seq * hidden * vocab
     assert fused.matmul_flops == pytest.approx(standard.matmul_flops, rel=1e-9)

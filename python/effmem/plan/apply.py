@@ -40,8 +40,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
 
     Moves and casts the model (bf16 weights, or fp32 ones to run under autocast), freezes what the
     plan's ``trainable`` leaves frozen, checkpoints, compresses or offloads activations, computes the
-    loss with effmem.linear_cross_entropy (a "fused-ce" pick), and builds
-    FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
+    loss with effmem.linear_cross_entropy (a "fused-ce" pick; "fused-ce-grad-in-fwd": grad_in_forward=True),
+    and builds FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
     ``micro_batch`` sequences per optimizer step (``plan.pick.config``), each inside
     ``plan.micro_batch(opt, j, accumulation)``.
     """
@@ -77,8 +77,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
     elif cfg.activations == "save_on_cpu":
         model._effmem_save_on_cpu = _SaveOnCpu(model, pin=device.type == "cuda")
-    if cfg.loss == "fused":
-        fuse_linear_cross_entropy(model)
+    if cfg.loss != "standard":
+        fuse_linear_cross_entropy(model, grad_in_forward=True if cfg.loss == "fused_gif" else None)
     if cfg.sharding in ("zero2", "zero3"):
         _fully_shard(model, reshard=cfg.sharding == "zero3", device=device)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -48,6 +48,7 @@ TRACED = tuple(a for a in ACTIVATIONS if a != "fast_offload")  # fast_offload is
 # measurement of a layer's bytes may differ a little; where it is tighter it would put a layer under "min").
 OFFLOAD_BUDGET_SLACK = 1.05
 LAYER_KINDS = ("attention", "mlp", "norm", "block")  # trace kinds that decoder layers' saves fall under
+LOSS_NAMES = {"standard": "", "fused": "fused-ce", "fused_gif": "fused-ce-grad-in-fwd"}  # Config.loss, named
 RECOMPUTED = ("selective", "checkpoint", "checkpoint8")  # layers run again in backward
 OPTIMIZERS = ("gpu", "offload", "offload_overlap", "offload_async")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
@@ -83,7 +84,10 @@ class Config:
     sharding: str = "none"
     micro_batch: int = 1
     accumulation: int = 1
-    loss: str = "standard"   # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits
+    # or "fused": effmem.linear_cross_entropy, no [tokens, vocab] logits (its default way: logits made again in
+    # backward for a trained bf16 head), or "fused_gif": the same with grad_in_forward=True (gradients made in
+    # forward: one product fewer, a float32 buffer of the head's size while they are)
+    loss: str = "standard"
     state_bits: int = 32     # Adam's moments: 32 (float32) or 8 (FusedAdam/OffloadAdam(state_bits=8))
     # OffloadAdam(device_accumulation=BYTES): gradients of whole buckets, up to these bytes, summed on the GPU
     # over the micro-batches and sent once per step (only with accumulation; 0: every micro-batch sends all).
@@ -97,7 +101,7 @@ class Config:
         parts = [self.precision, self.activations if self.activations != "none" else "",
                  {"gpu": "", "offload": "offload-adam", "offload_overlap": "offload-adam-overlap",
                   "offload_async": "offload-adam-async"}[self.optimizer],
-                 self.sharding if self.sharding != "none" else "", "fused-ce" if self.loss == "fused" else "",
+                 self.sharding if self.sharding != "none" else "", LOSS_NAMES[self.loss],
                  "adam8" if self.state_bits == 8 else "", self._device_accumulation_name(),
                  f"state-on-gpu{self.device_state / 1e9:.1f}GB" if self.device_state else "",
                  f"mb{self.micro_batch}x{self.accumulation}"]
@@ -205,7 +209,7 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
         host += m.offloaded
     # The loss's backward: the gradient of the logits beside them (about 2x the largest logits tensor),
     # or the fused loss's chunk buffers.
-    transient = max(m.fused_ce_transient if cfg.loss == "fused" else 2 * m.largest_logits,
+    transient = max(m.fused_ce_transient if cfg.loss != "standard" else 2 * m.largest_logits,
                     (m.block_bytes if cfg.activations in RECOMPUTED else 0)
                     + 2 * m.largest_block)
     # Under accumulation, the start of the last backward holds what earlier micro-batches left: the
@@ -295,15 +299,6 @@ def gpu_adam_s(cfg: Config, r: Rates, n: int) -> float:
     weight_bytes = w_b + 2 * master_b if master_b else 2 * w_b
     moment_bytes = 2 * 2 * 4 if cfg.state_bits == 32 else 2 * 2
     return n * (g_b + weight_bytes + moment_bytes) / r.memory_bw
-
-
-def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
-    """Backward buffers of effmem.linear_cross_entropy: one chunk's float32 logits and their gradient
-    (chunk_size in csrc/common/linear_ce.cpp: 1/64 of the vocabulary in multiples of 128, at least 256,
-    at most 128 MB of logits), and the float32 hidden gradient it sums into."""
-    fit = (128 << 20) // (4 * max(tokens, 1)) // 128 * 128
-    chunk = max(1, min(vocab, max(256, vocab // 64 // 128 * 128), max(128, fit)))
-    return 2 * 4 * tokens * chunk + 4 * tokens * hidden
 
 
 def matmul_rate(m: Model, r: Rates, precision: str) -> float:

@@ -15,22 +15,25 @@ from effmem.plan.trace import _LAYER_KINDS, InputsFn, Trace, trace_module
 
 def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target: str,
                inputs: Optional[InputsFn] = None, fused_loss: bool = False, autocast: bool = False,
-               layers_from: Optional["Extrapolated"] = None) -> "Extrapolated":
+               layers_from: Optional["Extrapolated"] = None,
+               grad_in_forward: Optional[bool] = None, fast: bool = True) -> "Extrapolated":
     """Trace a model; for a config, trace 1 and 2 decoder layers and extrapolate to all of them.
 
     fused_loss: with the training loss computed by effmem.linear_cross_entropy
-    (effmem.fuse_linear_cross_entropy; a user's module is unfused again afterwards). autocast: see
-    trace_module. layers_from: a trace of the same model, batch, dtype and autocast with the other loss;
+    (effmem.fuse_linear_cross_entropy with grad_in_forward; a user's module is unfused again afterwards).
+    autocast: see trace_module. layers_from: a trace of the same model, batch, dtype and autocast with another
+    loss;
     then only 1 layer is traced and each further layer adds what it adds there (the loss runs after the
-    last layer and changes nothing in them), a quarter fewer traces for effmem plan."""
+    last layer and changes nothing in them), a quarter fewer traces for effmem plan. fast=False: without the
+    trace under the "fast" policy (effmem plan derives it from another loss's, see planner._Activity)."""
     from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 
     def run(model: nn.Module, fresh: bool) -> Trace:
         if fused_loss:
-            fuse_linear_cross_entropy(model)
+            fuse_linear_cross_entropy(model, grad_in_forward=grad_in_forward)
         try:
             t = trace_module(model, batch, seq, dtype, target, inputs, autocast=autocast)
-            if getattr(model, "_effmem_fast", None) is None and all(
+            if fast and getattr(model, "_effmem_fast", None) is None and all(
                     getattr(b, "_effmem_policy", None) is None for b in find_blocks(model)[1]):
                 # the same forward under the "fast" activation policy (a module that has a policy of its
                 # own already is traced as it is, without the candidate)

@@ -2,8 +2,6 @@
 import contextlib
 import gc
 import itertools
-import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
@@ -11,52 +9,15 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from effmem.optim._validate import whole
-from effmem.plan import costs, offload_room
+from effmem.plan import costs, loss_buffers, offload_room
 from effmem.plan.model import ModelArg, ModelSpec, model_spec
 from effmem.plan.rates import Rates, rates_for
 from effmem.plan.extrapolate import trace_spec
+from effmem.plan.machine import machine, parse_bytes
 from effmem.plan.trace import InputsFn
 
 GB = 10 ** 9
 HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory
-
-
-def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
-    """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
-    if text is None or (isinstance(text, (int, float)) and not isinstance(text, bool)):
-        if text is not None and int(text) < 1:
-            raise ValueError(f"{what}: expected a positive size, got {text!r}")
-        return None if text is None else int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r}")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1}
-    for i, p in enumerate("KMGT", start=1):
-        scale[f"{p}B"], scale[f"{p}IB"] = 10 ** (3 * i), 1 << (10 * i)
-    n = int(float(m.group(1)) * scale[unit])
-    if n < 1:   # '0.5B': not a size (and 0 would read as 'not given')
-        raise ValueError(f"{what}: expected a positive size, got {text!r} ({n} bytes)")
-    return n
-
-
-def machine() -> Dict[str, object]:
-    """What this machine has: GPU count and memory (of GPU 0), host memory."""
-    host = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    host = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if host is None:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus:
-        props = torch.cuda.get_device_properties(0)
-        return dict(gpus=gpus, gpu_memory=props.total_memory, gpu_name=props.name, host_memory=host)
-    return dict(gpus=0, gpu_memory=None, gpu_name=None, host_memory=host)
 
 
 @dataclass
@@ -102,17 +63,24 @@ class _Activity:
     """A model's activations and FLOPs at any micro-batch, from traces at micro-batch 1 and 2 (affine in it)."""
 
     def __init__(self, spec: ModelSpec, seq: int, dtype: torch.dtype, target: str, inputs: Optional[InputsFn],
-                 fused_loss: bool = False, layers_from: Optional["_Activity"] = None):
-        """layers_from: the same model's activity with the other loss, whose decoder layers this one shares
-        (trace_spec's layers_from)."""
+                 loss: str = "standard", layers_from: Optional["_Activity"] = None,
+                 fast_from: Optional["_Activity"] = None):
+        """loss: a costs.Config.loss. layers_from: the same model's activity with another loss, whose decoder
+        layers this one shares (trace_spec's layers_from). fast_from: the same model's activity with another
+        fused loss, traced under the "fast" policy: this one is not (two traces fewer: a 70B plan stays
+        under 2 s), and its "fast" counts are that one's with the loss's own saves put in (model())."""
         amp = costs.under_autocast("bf16" if dtype == torch.bfloat16 else "fp32", target)
-        self.one, self.two = (trace_spec(spec, micro, seq, dtype, target, inputs=inputs, fused_loss=fused_loss,
-                                         autocast=amp, layers_from=getattr(layers_from, attr, None))
+        self.one, self.two = (trace_spec(spec, micro, seq, dtype, target, inputs=inputs,
+                                         fused_loss=loss != "standard",
+                                         grad_in_forward=True if loss == "fused_gif" else None,
+                                         autocast=amp, layers_from=getattr(layers_from, attr, None),
+                                         fast=fast_from is None)
                               for micro, attr in ((1, "one"), (2, "two")))
-        self.fused_loss = fused_loss
+        self.loss, self.target, self.fast_from = loss, target, fast_from
+        self.fused_loss = loss != "standard"
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
-        self.has_fast = self.one.has_fast and self.two.has_fast
+        self.has_fast = fast_from.has_fast if fast_from is not None else self.one.has_fast and self.two.has_fast
         self.strategies = tuple(a for a in costs.ACTIVATIONS if not a.startswith("fast") or self.has_fast)
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
@@ -121,20 +89,34 @@ class _Activity:
             if isinstance(a, dict):
                 return {k: a[k] + (micro - 1) * (b[k] - a[k]) for k in a}
             return a + (micro - 1) * (b - a)
+        acts = {s: lin(lambda t, s=s: t.activations(s)) for s in self.strategies
+                if s in costs.TRACED and not (s == "fast" and self.fast_from is not None)}
+        fast_compressed, fast_codes = lin(lambda t: t.fast_compressed()), lin(lambda t: t.fast_codes())
+        if self.fast_from is not None and self.has_fast:
+            # The policy acts on the decoder layers only: what the other loss's forward kept under it, with
+            # that loss's own saves (logits, gradients made in forward) replaced by this one's.
+            other = self.fast_from.model(spec, micro, trainable_share)
+            acts["fast"] = dict(other.activations["fast"], **{k: acts["none"][k] for k in ("logits", "grads")})
+            fast_compressed, fast_codes = other.fast_compressed, other.fast_codes
         return costs.Model(
             params=spec.num_params, trainable=spec.num_trainable, state_blocks=spec.state_blocks,
-            activations={s: lin(lambda t, s=s: t.activations(s)) for s in self.strategies if s in costs.TRACED},
+            activations=acts,
             offloaded=lin(lambda t: t.offloaded_bytes()), block_bytes=lin(lambda t: t.block_bytes()),
             largest_logits=lin(lambda t: t.largest("logits")), largest_block=lin(lambda t: max(
                 t.largest(k) for k in ("attention", "mlp", "norm", "block"))),
             matmul_flops=lin(lambda t: t.matmul_flops), attention_flops=lin(lambda t: t.attention_flops),
             block_matmul_flops=lin(lambda t: t.block_matmul_flops),
             trainable_matmul_share=trainable_share, layers=max(1, spec.num_layers),
-            fast_compressed=lin(lambda t: t.fast_compressed()), fast_codes=lin(lambda t: t.fast_codes()),
+            fast_compressed=fast_compressed, fast_codes=fast_codes,
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
             elementwise_bytes=lin(lambda t: t.elementwise_bytes),
             head_recompute_flops=lin(lambda t: t.head_recompute_flops), tokens=micro * self.seq,
-            fused_ce_transient=costs.fused_ce_buffers(micro * self.seq, *_vocab_hidden(spec)) if self.fused_loss else 0)
+            fused_ce_transient=self._fused_ce_transient(spec, micro * self.seq))
+
+    def _fused_ce_transient(self, spec: ModelSpec, tokens: int) -> int:
+        if self.loss == "fused_gif":
+            return loss_buffers.fused_ce_gif_buffers(tokens, *_vocab_hidden(spec), self.target)
+        return loss_buffers.fused_ce_buffers(tokens, *_vocab_hidden(spec)) if self.fused_loss else 0
 
 
 class _FormulaActivity:
@@ -360,13 +342,17 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         raise ValueError(f"seq: {seq} tokens is more than this model's learned positions ({limit[1]} = "
                          f"{limit[0]}) cover")
     activity: Dict[tuple, _Activity] = {}
-    losses = ["standard", "fused"] if _fusable(spec) else ["standard"]
+    # fused_gif for bf16 weights only: a float32 head already makes its gradients in forward by default
+    losses = ["standard", "fused", "fused_gif"] if _fusable(spec) else ["standard"]
     for precision, loss in itertools.product(costs.PRECISIONS, losses):
+        if loss == "fused_gif" and precision != "bf16":
+            continue
         try:
-            standard = activity.get((precision, "standard"))
+            standard, fused = activity.get((precision, "standard")), activity.get((precision, "fused"))
             activity[precision, loss] = _Activity(
-                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss == "fused",
-                layers_from=standard if isinstance(standard, _Activity) else None)
+                spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss,
+                layers_from=standard if isinstance(standard, _Activity) else None,
+                fast_from=fused if loss == "fused_gif" and isinstance(fused, _Activity) else None)
         except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             if (precision, loss) == ("bf16", "standard"):

@@ -76,6 +76,9 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         out.append("# run forward inside: with torch.autograd.graph.save_on_cpu(pin_memory=True):")
     if cfg.loss == "fused":
         out.append("model = effmem.fuse_linear_cross_entropy(model)   # the labels= loss without logits")
+    elif cfg.loss == "fused_gif":
+        out.append("model = effmem.fuse_linear_cross_entropy(model, grad_in_forward=True)   # no logits; "
+                   "gradients made in forward")
     if cfg.sharding in ("ddp", "zero1"):   # ZeRO-1: DDP's gradients, the optimizer state sharded
         out.append("model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)")
     elif cfg.sharding in ("zero2", "zero3"):

@@ -1,0 +1,45 @@
+"""What effmem plan reads from the machine and from the user's sizes: GPU count and memory, host memory, and
+sizes such as 80GB or 80GiB."""
+import os
+import re
+from typing import Dict, Optional, Union
+
+import torch
+
+
+def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
+    if text is None or (isinstance(text, (int, float)) and not isinstance(text, bool)):
+        if text is not None and int(text) < 1:
+            raise ValueError(f"{what}: expected a positive size, got {text!r}")
+        return None if text is None else int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1}
+    for i, p in enumerate("KMGT", start=1):
+        scale[f"{p}B"], scale[f"{p}IB"] = 10 ** (3 * i), 1 << (10 * i)
+    n = int(float(m.group(1)) * scale[unit])
+    if n < 1:   # '0.5B': not a size (and 0 would read as 'not given')
+        raise ValueError(f"{what}: expected a positive size, got {text!r} ({n} bytes)")
+    return n
+
+
+def machine() -> Dict[str, object]:
+    """What this machine has: GPU count and memory (of GPU 0), host memory."""
+    host = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    host = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if host is None:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        props = torch.cuda.get_device_properties(0)
+        return dict(gpus=gpus, gpu_memory=props.total_memory, gpu_name=props.name, host_memory=host)
+    return dict(gpus=0, gpu_memory=None, gpu_name=None, host_memory=host)
