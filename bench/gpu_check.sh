@@ -25,8 +25,9 @@
 #                                    kernels and activations ("fast" 0.910x, "min" 1.097x: targets met),
 #                                    bench/profile_activations.py eager and compiled
 #   next: build kernels (the flat dequantize kernel of 2026-11-27, never run on a GPU, only emulated on the
-#   host by tests/test_cuda_emulated.py: its CUDA tests and its bandwidth, 58% of the copy's before), profile_activations.py --rows effmem_fast,effmem_budget (the
-#   budget row's eager offload cost 1.179x where compiled it cost nothing), then
+#   host by tests/test_cuda_emulated.py: its CUDA tests and its bandwidth, 58% of the copy's before),
+#   profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost 1.179x
+#   where compiled it cost nothing), then
 #   a session each: build plan bench (issue 11: the step model of 2026-11-27, products + attention +
 #   4.2 passes of the traced elementwise traffic, against 36 measured configurations; the kernels' GPT
 #   step); build capacity (issue 12, 7B: the plan may pick device_state now); build offload capacity_13b;
