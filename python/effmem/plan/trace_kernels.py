@@ -211,10 +211,11 @@ class _Counter(TorchDispatchMode):
         if out is None:
             out = func(*args, **kwargs)
         packet = func._overloadpacket
+        in_block = self.sel is not None and self.sel.in_block()   # asked once per op: this runs for every op
         if self.sel is not None:
             matmul = packet in flop_registry or packet is torch.ops.aten._grouped_mm or packet in _FUSED_CE
-            kept = self.sel.in_block() and packet in SAVED_PACKETS
-            recomputed = self.sel.in_block() and not kept
+            kept = in_block and packet in SAVED_PACKETS
+            recomputed = in_block and not kept
             # one count of the op's bytes serves both uses (views and ops that make no memory move none)
             traffic = _traffic(packet, args, out) if recomputed or not matmul else 0.0
             if kept:   # selective checkpointing keeps this op's outputs
@@ -229,7 +230,7 @@ class _Counter(TorchDispatchMode):
             return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
         before = self.flops
         self._count(packet, args, kwargs, out)
-        if self.sel is not None and self.sel.in_block():
+        if in_block:
             self.block_flops += self.flops - before
         return out
 
