@@ -47,7 +47,8 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity capacity_13b capacity_small linear_ce plan activations)
+[ ${#parts[@]} -eq 0 ] && parts=(build tests bench demo offload capacity capacity_13b capacity_small linear_ce plan
+  activations)
 
 limit() { timeout -k 10 "$@"; }
 
@@ -140,11 +141,11 @@ for part in "${parts[@]}"; do
       limit 60 "$PY" bench/bench_elementwise.py --device cuda --json "$OUT/gpu_elementwise.json" || status=1
       limit 330 "$PY" bench/bench_activations.py --device cuda --steps 12 \
         --json "$OUT/gpu_activations.json" || status=1
-      limit 130 "$PY" bench/bench_activations.py --device cuda --layers 4 --seq 1024 --steps 200 --no-compile \
-        --data text --json "$OUT/gpu_activations_loss.json" || status=1 ;;
+      limit 130 "$PY" bench/bench_activations.py --device cuda --layers 4 --seq 1024 --steps 200 \
+        --no-compile --data text --json "$OUT/gpu_activations_loss.json" || status=1 ;;
     *)
-      echo "unknown part: $part (expected build cuda_tests tests bench demo offload capacity capacity_13b capacity_small"\
-           "linear_ce plan activations kernels)"; exit 2 ;;
+      echo "unknown part: $part (expected build cuda_tests tests bench demo offload capacity capacity_13b"\
+           "capacity_small linear_ce plan activations kernels)"; exit 2 ;;
   esac
 done
 exit $status
