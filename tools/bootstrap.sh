@@ -4,7 +4,7 @@
 #
 # transformers and matplotlib are test dependencies: the tests build Hugging Face
 # models from configs, with random weights (no downloads), and draw effmem plan's
-# PNG chart.
+# PNG chart. pytest-xdist runs the README's test command on two workers.
 #
 # Settings (environment): PYTHON (default python3), EFFMEM_TORCH (the torch
 # requirement, default torch==2.14.1), CUDA_HOME (the CUDA toolkit's folder;
@@ -18,7 +18,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy pytest pytest-timeout pytest-benchmark hypothesis transformers matplotlib \
+python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy \
+  pytest pytest-timeout pytest-xdist pytest-benchmark hypothesis transformers matplotlib \
   "scikit-build-core>=0.10" "cmake>=3.25" ninja
 
 # CUDA_HOME must name the toolkit's own folder: an nvcc on PATH may be a
