@@ -16,8 +16,15 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+# The same torch, its files hard-linked from .venv (tools/link_torch.py: 5 s, where pip unpacking the
+# wheels again took 100 s); where that cannot be done, a new venv and pip.
 "${PYTHON:-python3}" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install --quiet "torch==$torch_version" numpy pytest pytest-timeout
+if ! .venv/bin/python tools/link_torch.py "$work/venv/bin/python"; then
+  rm -rf "$work/venv"
+  "${PYTHON:-python3}" -m venv "$work/venv"
+  "$work/venv/bin/python" -m pip install --quiet "torch==$torch_version"
+fi
+"$work/venv/bin/python" -m pip install --quiet numpy pytest pytest-timeout
 
 # Installs the wheel in $1 into the fresh venv and checks it there.
 check_installed() {
