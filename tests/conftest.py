@@ -10,7 +10,8 @@ import torch
 # module's fixtures are built once). Tests of multithreaded code set their thread counts themselves.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _share = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _share = max(1, _cores // _WORKERS)
     if torch.get_num_threads() > _share:
         os.environ["OMP_NUM_THREADS"] = str(_share)
         torch.set_num_threads(_share)
