@@ -42,16 +42,22 @@ def closure(root: str):
     return list(found.values())
 
 
+def installed_files(dist):
+    """(file, path relative to site-packages) for each file of dist's RECORD that exists under site-packages:
+    console scripts under ../../bin and RECORD entries with no file behind them are left out."""
+    base = Path(dist.locate_file("")).resolve()
+    for rel in dist.files or []:
+        src = Path(dist.locate_file(rel)).resolve()
+        if src.is_file() and base in src.parents:
+            yield src, src.relative_to(base)
+
+
 def link_tree(dists, dest: Path) -> int:
     """Links (or copies) each distribution's files into dest; returns how many files it placed."""
     placed = 0
     for dist in dists:
-        base = Path(dist.locate_file("")).resolve()
-        for rel in dist.files or []:
-            src = Path(dist.locate_file(rel)).resolve()
-            if not src.is_file() or base not in src.parents:
-                continue   # a console script under ../../bin, or a RECORD entry with no file behind it
-            out = dest / src.relative_to(base)
+        for src, rel in installed_files(dist):
+            out = dest / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             if out.exists():
                 out.unlink()
