@@ -34,6 +34,9 @@ Sizes run in the order given (default: the targets' sizes first). Host memory is
 configuration that needs more than 90% of it is not predicted to fit and is not run. The JSON is
 written after every run, so a run cut off by the device's time limit keeps what it measured.
 
+A --gpu-memory smaller than the GPU's caps each run's allocator there
+(torch.cuda.set_per_process_memory_fraction), so that an H200 measures what fits an H100.
+
 Targets on one H100 80 GB (MET / NOT MET at the end): 7B full-parameter AdamW (fp32 master and
 moments, exact math) at MFU >= 0.35; 13B trains with state_bits=8 on a host with 128 GB; and, per
 size, the plan's pick measured within 10% of the fastest measured configuration.
@@ -109,6 +112,19 @@ def choose(plan, per_size: int):
     return out
 
 
+def cap_gpu_memory(device: torch.device, gpu_memory) -> None:
+    """Hold this process to --gpu-memory where the GPU has more, so that a larger card (an H200's 141 GB)
+    answers for a smaller one (an H100's 80 GB) with real out-of-memory errors: the plan is told the same
+    size. The CUDA context lies outside the allocator's fraction, as it lies inside the smaller card's
+    total, so it is taken off (the plan's own figure for it)."""
+    from effmem.plan.costs import CUDA_CONTEXT
+    from effmem.plan.machine import parse_bytes
+    total = torch.cuda.get_device_properties(device).total_memory
+    want = parse_bytes(gpu_memory, "--gpu-memory")
+    if want is not None and want < total:
+        torch.cuda.set_per_process_memory_fraction(max(want - CUDA_CONTEXT, 0) / total, device)
+
+
 def plan_for(size_model, args):
     import effmem
     return effmem.plan(size_model, batch=args.batch, seq=args.seq, device=args.device,
@@ -124,6 +140,8 @@ def worker(args) -> None:
     from effmem.plan.verify import model_for
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if cuda:
+        cap_gpu_memory(device, args.gpu_memory)
     sizes = SMOKE_SIZES if args.smoke else SIZES
     plan = plan_for(sizes[args.size], args)
     cand = plan.candidate(args.candidate)
@@ -240,7 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first allocates state)")
     ap.add_argument("--per-size", type=int, default=4, help="runs per size at most")
     ap.add_argument("--timeout", type=int, default=240, help="seconds allowed to each run")
-    ap.add_argument("--gpu-memory", default=None, help="as effmem plan's (default: this GPU's)")
+    ap.add_argument("--gpu-memory", default=None, help="as effmem plan's (default: this GPU's); less than this "
+                    "GPU's holds each run to it")
     ap.add_argument("--host-memory", default=None, help="as effmem plan's (default: this machine's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: runs the loop, no targets")

@@ -1,13 +1,13 @@
 """effmem plan's predictions against measurements on a GPU: peak memory per configuration, and the pick.
 
-    python bench/bench_plan.py [--json PATH] [--steps 3]
+    python bench/bench_plan.py [--json PATH] [--steps 3] [--warmup 2]
     python bench/bench_plan.py --smoke      # the same loop on the CPU with a tiny model (tests run it)
 
 For 36 configurations (three Llama-shaped models from transformers, random init, no download; two
 batch shapes; six strategies: bf16 with FusedAdam plain, with selective checkpointing (the "selective"
 policy), with per-layer checkpointing, with checkpointing of 8-bit layer inputs (apply_activation_policy
 "min"), with 8-bit compressed activations, and with OffloadAdam) it asks effmem.plan for its prediction,
-trains `steps` steps of that configuration (plan.apply, effmem.plan.verify) and records the
+trains `warmup` + `steps` steps of that configuration (plan.apply, effmem.plan.verify) and records the
 predicted allocated peak against torch.cuda.max_memory_allocated, and the predicted step time
 against the measured median. Targets (issue 11): median peak error <= 5%, worst <= 10%; per
 model and batch shape, the plan's pick among the four never runs out of memory and its measured
@@ -46,7 +46,8 @@ SMOKE_STRATEGIES = [("fp32", "none", "gpu"), ("fp32", "checkpoint8", "gpu")]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration (their median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: runs the loop, no targets")
     args = ap.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -75,7 +76,7 @@ def main() -> int:
                        "predicted_parts": {k: v for k, v in cand.cost.parts.items() if k != "activations_by_kind"},
                        "predicted_step_s": cand.step_time_s}
                 try:
-                    r = verify(plan, candidates=[cand.name], steps=args.steps)[0]
+                    r = verify(plan, candidates=[cand.name], steps=args.steps, warmup=args.warmup)[0]
                     # GPU: the peak; CPU (smoke): what forward leaves alive, counted by the allocator.
                     got = r.get("measured_max_allocated_bytes", r["measured_activation_bytes"])
                     want = r.get("predicted_allocated_bytes", r["predicted_activation_bytes"])

@@ -24,14 +24,12 @@
 #   done 2026-11-27 (bench/results/2026-11-27-h100-ad52e0c): build, cuda_tests (4 workers, 92 s), the
 #                                    kernels and activations ("fast" 0.910x, "min" 1.097x: targets met),
 #                                    bench/profile_activations.py eager and compiled
-#   next: build kernels (the flat dequantize kernel of 2026-11-27, never run on a GPU, only emulated on the
-#   host by tests/test_cuda_emulated.py: its CUDA tests and its bandwidth, 58% of the copy's before),
-#   profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost 1.179x
-#   where compiled it cost nothing), then
-#   a session each: build plan bench (issue 11: the step model of 2026-11-27, products + attention +
-#   4.2 passes of the traced elementwise traffic, against 36 measured configurations; the kernels' GPT
-#   step); build capacity (issue 12, 7B: the plan may pick device_state now); build offload capacity_13b;
-#   build tests demo (the whole suite).
+#   done 2026-11-27 (bench/results/2026-11-27-h200-68edd28): build kernels plan (268 s: the flat dequantize
+#                                    kernel 94%; plan's 36 configurations); 7B capacity on the H200's 141 GB
+#   next: build plan (the compress8 peaks counted since: worst 3.4% predicted on this CPU from that run);
+#   build capacity (7B held to an H100's memory by --gpu-memory below); build offload capacity_13b;
+#   profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost 1.179x where
+#   compiled it cost nothing); build tests demo (the whole suite).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
@@ -112,14 +110,15 @@ for part in "${parts[@]}"; do
       # For each size the fastest configuration that trains, its tokens/s, MFU, GPU peak and host memory,
       # against FusedAdam and torch AdamW + AMP (each run its own process): 7B, the MFU target. A 7B run
       # pins about 100 GB of host memory and takes minutes, so 13B has a part of its own.
-      limit 540 "$PY" bench/bench_capacity.py --sizes 7b --per-size 3 --timeout 170 \
+      # --gpu-memory: an H100 80GB HBM3's total_memory, so that an H200 (141 GB) answers for one.
+      limit 540 "$PY" bench/bench_capacity.py --sizes 7b --per-size 3 --timeout 170 --gpu-memory 85017362432 \
         --json "$OUT/gpu_capacity.json" || status=1 ;;
     capacity_13b)
       # 13B with state_bits=8 in 128 GB of host memory: the plan's pick only.
-      limit 270 "$PY" bench/bench_capacity.py --sizes 13b --per-size 1 --timeout 250 \
+      limit 270 "$PY" bench/bench_capacity.py --sizes 13b --per-size 1 --timeout 250 --gpu-memory 85017362432 \
         --json "$OUT/gpu_capacity_13b.json" || status=1 ;;
     capacity_small)
-      limit 330 "$PY" bench/bench_capacity.py --sizes 3b,1.3b --timeout 120 \
+      limit 330 "$PY" bench/bench_capacity.py --sizes 3b,1.3b --timeout 120 --gpu-memory 85017362432 \
         --json "$OUT/gpu_capacity_small.json" || status=1 ;;
     linear_ce)
       # Fused linear cross-entropy at 16k tokens x 128k vocabulary x 4096, bf16, against the

@@ -76,3 +76,21 @@ def test_targets_read_the_rows():
     assert t["13B"]["met"] is False
     pick7 = next(x for x in bench.targets(rows, smoke=False) if x["target"].startswith("7b:"))
     assert pick7["met"] is False and abs(pick7["value"] - 100 / 120) < 1e-12
+
+
+def test_a_smaller_gpu_memory_caps_the_allocator_there(monkeypatch):
+    """--gpu-memory 80GB on a 141 GB card: the allocator's fraction is 80 GB less the CUDA context over the
+    card's total; as large as the card or unset: no cap."""
+    import torch
+    from effmem.plan.costs import CUDA_CONTEXT
+    total = 150_000_000_000
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: argparse.Namespace(total_memory=total))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f))
+    bench.cap_gpu_memory(torch.device("cuda"), "80GB")
+    assert calls == [(80e9 - CUDA_CONTEXT) / total]
+    for same in (None, str(total), "200GB"):
+        bench.cap_gpu_memory(torch.device("cuda"), same)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="--gpu-memory"):
+        bench.cap_gpu_memory(torch.device("cuda"), "lots")

@@ -47,6 +47,23 @@ def test_apply_and_verify_on_cpu(act, loss, precision):
     assert (out.logits is None) == (loss != "standard") and torch.isfinite(out.loss)
 
 
+def test_verify_times_the_steps_after_its_warmup():
+    """warmup steps run (and count for the peak) but are not timed; a bad count is refused by name."""
+    p = effmem.plan(TINY, batch=2, seq=64, device="cpu", host_memory="8GB")
+    c = pick_of(p, precision="fp32", activations="none", micro_batch=2, loss="standard")
+    forwards = []
+
+    def counted():
+        m = real_tiny()
+        m.register_forward_hook(lambda *_: forwards.append(1))
+        return m
+    r = verify(p, candidates=[c.name], steps=2, warmup=3, make_model=counted)[0]
+    assert len(forwards) == 5 and (r["steps"], r["warmup"]) == (2, 3)
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="warmup"):
+            verify(p, candidates=[c.name], steps=1, warmup=bad, make_model=counted)
+
+
 def test_apply_refuses_what_it_cannot_do():
     p = effmem.plan(TINY, batch=4, seq=64, gpus=2, gpu_memory="80GB")
     with pytest.raises(ValueError, match="after torch.distributed.init_process_group"):

@@ -34,6 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--verify", nargs="?", const="best", choices=("best", "all"), default=None,
                    help="train a few steps of the pick (or of every candidate that fits) and compare")
     p.add_argument("--steps", type=int, default=3, help="steps per verified candidate (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's rates first and keep them for later plans")
     p.set_defaults(subparser=p)
@@ -56,6 +57,8 @@ def cmd_plan(args) -> int:
     # what can be refused before planning is refused before planning
     if args.steps < 1:
         args.subparser.error(f"--steps: expected an int >= 1, got {args.steps}")
+    if args.warmup < 0:
+        args.subparser.error(f"--warmup: expected an int >= 0, got {args.warmup}")
     if args.chart:
         try:
             check_chart_path(args.chart)
@@ -75,7 +78,7 @@ def cmd_plan(args) -> int:
         data["code"] = code_for(plan.pick.config, plan.device, plan.pick.cost.activation_budget)
     if args.verify:
         names = [c.name for c in plan.candidates if c.fits] if args.verify == "all" else None
-        data["verify"] = verify(plan, candidates=names, steps=args.steps)
+        data["verify"] = verify(plan, candidates=names, steps=args.steps, warmup=args.warmup)
     if args.json == "-":
         print(json.dumps(data, indent=1))
     else:

@@ -208,8 +208,10 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     if cfg.activations == "save_on_cpu":
         host += m.offloaded
     # The loss's backward: the gradient of the logits beside them (about 2x the largest logits tensor),
-    # or the fused loss's chunk buffers.
-    transient = max(m.fused_ce_transient if cfg.loss != "standard" else 2 * m.largest_logits,
+    # or the fused loss's chunk buffers. Compressed, the saved log-probabilities come back as a third full
+    # copy beside those two (the H200 run of 2026-11-27 measured 4 B per token per vocabulary entry more).
+    restored = 3 if cfg.activations.startswith("compress") else 2
+    transient = max(m.fused_ce_transient if cfg.loss != "standard" else restored * m.largest_logits,
                     (m.block_bytes if cfg.activations in RECOMPUTED else 0)
                     + 2 * m.largest_block)
     # Under accumulation, the start of the last backward holds what earlier micro-batches left: the

@@ -79,9 +79,13 @@ def model_for(plan, dtype: Optional[torch.dtype] = None) -> nn.Module:
 
 
 def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[str]] = None, steps: int = 3,
-           make_model: Optional[Callable[[], nn.Module]] = None, inputs=None) -> List[dict]:
-    """Train `steps` steps of each named candidate (default: the pick) and measure it. One dict per candidate."""
+           make_model: Optional[Callable[[], nn.Module]] = None, inputs=None, warmup: int = 1) -> List[dict]:
+    """Train `warmup` + `steps` steps of each named candidate (default: the pick) and measure it: the peak over
+    all of them, the step time as the median of the last `steps` (the first steps make the optimizer's state
+    and grow the allocator's cache; on the H200 of 2026-11-27 a first configuration timed with its first step
+    counted measured 1.16x slower than one doing more work). One dict per candidate."""
     whole(steps, "steps", 1)
+    whole(warmup, "warmup", 0)
     names = candidates or ([plan.best] if plan.best else [])
     rows = []
     for name in names:
@@ -90,14 +94,14 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
             plan, torch.bfloat16 if c.config.precision == "bf16" else torch.float32))
         m, opt = plan.apply(m, name)
         try:
-            rows.append(_measure(c, m, opt, steps, plan.seq, inputs))
+            rows.append(_measure(c, m, opt, steps, plan.seq, inputs, warmup))
         finally:   # an OffloadAdam left open would refuse the next candidate over the same model
             if hasattr(opt, "close"):
                 opt.close()
     return rows
 
 
-def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
+def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs, warmup: int = 0) -> dict:
     """`steps` training steps of candidate c, applied as m and opt: what they measured beside what c predicted."""
     device = next(m.parameters()).device
     cfg = c.config
@@ -107,7 +111,8 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     measured_act = None
     t_steps = []
-    for step in range(steps):
+    total = warmup + steps
+    for step in range(total):
         t0 = time.perf_counter()
         for micro in range(cfg.accumulation):
             with micro_batch(opt, micro, cfg.accumulation):
@@ -115,11 +120,11 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
                 with autocast:
                     out = m(*args, **kwargs)
                 after = bytes_in_use(device)
-                if step == steps - 1 and micro == cfg.accumulation - 1 and before is not None:
+                if step == total - 1 and micro == cfg.accumulation - 1 and before is not None:
                     measured_act = after - before
                 _loss_of(out).backward()
                 del out
-        last = step == steps - 1   # measured on the last step alone: the other steps time nothing else
+        last = step == total - 1   # measured on the last step alone: the other steps time nothing else
         grads = _state_bytes(m, opt, device)["grads"] if last else None   # alive until zero_grad
         opt.step()
         if last:   # the optimizer's state as the step leaves it (the first step makes it)
@@ -127,8 +132,9 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs) -> dict:
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t_steps.append(time.perf_counter() - t0)
-    row = {"name": c.name, "device": str(device), "steps": steps,
+        if step >= warmup:
+            t_steps.append(time.perf_counter() - t0)
+    row = {"name": c.name, "device": str(device), "steps": steps, "warmup": warmup,
            "predicted_activation_bytes": c.cost.forward_alive,
            "measured_activation_bytes": measured_act,
            "predicted_state_bytes": c.cost.states, "measured_state_bytes": measured_states,
@@ -166,7 +172,7 @@ def format_verify(rows: List[dict]) -> str:
     lines = ["verify: predicted against measured (GB = 1e9 bytes; the measured activations include autograd's "
              "own graph)"]
     for r in rows:
-        lines.append(f"  {r['name']} on {r['device']}, {r['steps']} steps:")
+        lines.append(f"  {r['name']} on {r['device']}, {r['steps']} steps timed after {r.get('warmup', 0)} more:")
         lines.append(f"    activations alive after forward: predicted {gb(r['predicted_activation_bytes'])}, "
                      f"measured {gb(r['measured_activation_bytes'])}")
         for k, v in r["predicted_state_bytes"].items():
