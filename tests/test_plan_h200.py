@@ -63,3 +63,25 @@ def test_predicted_steps_where_the_gpu_dominates(predicted):
     assert len(ratios) == 12
     assert all(0.65 <= x <= 1.35 for x in ratios), ratios
     assert statistics.median(abs(x - 1) for x in ratios) <= 0.15, ratios
+
+
+def test_the_7b_capacity_rows_match_the_h200():
+    """bench_capacity.py's two 7B runs of the same H200 (batch 32 x 2048 per step, the plan's pick and its
+    fastest with 8-bit moments, gpu_capacity.json): the plan, made again with the run's memory figures,
+    predicts each GPU peak within 5% (measured -2.0% and -1.1%) and each step within 10% (0.96x both)."""
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_capacity", ROOT / "bench" / "bench_capacity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = json.loads((ROOT / "bench" / "results" / "2026-11-27-h200-68edd28" / "gpu_capacity.json").read_text())
+    cfg = run["config"]
+    args = argparse.Namespace(batch=cfg["batch"], seq=cfg["seq"], device="cuda", gpu_memory=cfg["gpu_memory"],
+                              host_memory=cfg["host_memory"])
+    plan = bench.plan_for(bench.SIZES["7b"], args)
+    assert len(run["rows"]) == 2 and plan.best == run["rows"][0]["candidate"]
+    for r in run["rows"]:
+        c = plan.candidate(r["candidate"])
+        assert r["status"] == "ok" and c.fits
+        assert abs(c.cost.allocated_bytes / r["gpu_peak_bytes"] - 1) <= 0.05, (r["candidate"], c.cost.allocated_bytes)
+        assert abs(c.step_time_s / statistics.median(r["step_s"]) - 1) <= 0.10, (r["candidate"], c.step_time_s)
