@@ -304,13 +304,4 @@ void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int
                     last_dim, " in groups of ", group_size, " needs ", l.groups_per_row);
 }
 
-QuantLayout quant_layout(int64_t numel, int64_t last_dim, int64_t bits, int64_t group_size) {
-  QuantLayout l;
-  l.last_dim = last_dim;
-  l.rows = last_dim > 0 ? numel / last_dim : 0;
-  l.groups_per_row = (last_dim + group_size - 1) / group_size;
-  l.row_bytes = (last_dim * bits + 7) / 8;
-  return l;
-}
-
 }  // namespace effmem

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "common/quant_layout.h"
+
 namespace effmem {
 
 // Storage format index used by the kernels (see cpu/dispatch.h DType).
@@ -54,11 +56,5 @@ void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at:
 // Validates rms_norm_apply's arguments: x strided float32, bfloat16 or float16 with a last dimension of
 // at least 1; weight 1-D of x's last size and x's dtype; rstd float32 with one value per row of x; one device.
 void check_rms_norm_apply_args(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& weight);
-
-// Layout of quantised data for x viewed as [rows, last_dim].
-struct QuantLayout {
-  int64_t rows, last_dim, groups_per_row, row_bytes;
-};
-QuantLayout quant_layout(int64_t numel, int64_t last_dim, int64_t bits, int64_t group_size);
 
 }  // namespace effmem

@@ -16,39 +16,14 @@
 #include "cuda/dtype_dispatch.cuh"
 #include "cuda/dequantize_flat_kernel.cuh"
 #include "cuda/quantize_kernel.cuh"
+#include "cuda/quantize_launch.h"
 
 namespace effmem::cuda {
 namespace {
 
-FastDiv make_fast_div(uint32_t d) {
-  uint32_t shift = 0;
-  while ((uint64_t{1} << shift) < d) ++shift;
-  const uint64_t mul = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
-  return {static_cast<uint32_t>(mul), shift};
-}
-
-// Threads index groups and elements in 32 bits: far beyond any tensor one GPU holds.
-QuantShape make_shape(const QuantLayout& l, int64_t group_size) {
-  const int64_t groups = l.rows * l.groups_per_row;
-  int lanes_log2 = 0;
-  while ((int64_t{kQuantPerThread} << lanes_log2) < group_size) ++lanes_log2;
-  TORCH_CHECK(groups < (int64_t{1} << (31 - lanes_log2)), "quantize: ", groups, " groups of ", group_size,
+void check_one_launch(const QuantLayout& l, int64_t group_size) {
+  TORCH_CHECK(fits_one_launch(l, group_size), "quantize: ", l.rows * l.groups_per_row, " groups of ", group_size,
               " are more than one launch indexes; quantise the tensor in parts");
-  return {l.last_dim, l.row_bytes, static_cast<uint32_t>(group_size), static_cast<uint32_t>(l.groups_per_row),
-          static_cast<uint32_t>(groups), static_cast<uint32_t>(lanes_log2),
-          make_fast_div(static_cast<uint32_t>(l.groups_per_row))};
-}
-
-unsigned num_blocks(const QuantShape& s) {
-  const uint64_t threads = static_cast<uint64_t>(s.total_groups) << s.lanes_log2;
-  return static_cast<unsigned>((threads + kQuantThreads - 1) / kQuantThreads);
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// The 16-byte path: whole 16-element chunks (rows of a multiple of 16) and 16-byte aligned rows.
-bool vector_path(const QuantShape& s, const void* values, const void* codes) {
-  return s.last_dim % kQuantPerThread == 0 && aligned16(values) && aligned16(codes);
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bits, int64_t group_size,
@@ -60,6 +35,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bi
   at::Tensor codes = at::empty({l.rows, l.row_bytes}, x.options().dtype(at::kByte));
   at::Tensor stats = at::empty({l.rows, l.groups_per_row, 2}, x.options().dtype(at::kFloat));
   if (l.rows * l.groups_per_row == 0) return {codes, stats};
+  check_one_launch(l, group_size);
   const QuantShape s = make_shape(l, group_size);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool vec = vector_path(s, x.data_ptr(), codes.data_ptr());
@@ -87,6 +63,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& stats, int
   const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);
   at::Tensor out = at::empty({l.rows, last_dim}, codes.options().dtype(dtype));
   if (l.rows * l.groups_per_row == 0) return out;
+  check_one_launch(l, group_size);
   const QuantShape s = make_shape(l, group_size);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool vec = vector_path(s, out.data_ptr(), codes.data_ptr());
@@ -97,8 +74,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& stats, int
     using T = typename decltype(tag)::type;
     if (flat) {
       const int64_t numel = l.rows * last_dim;
-      const int64_t per_block = int64_t{kQuantThreads} * kQuantPerThread;
-      const auto blocks = static_cast<unsigned>((numel + per_block - 1) / per_block);
+      const unsigned blocks = flat_blocks(numel);
       const auto log2g = static_cast<uint32_t>(__builtin_ctzll(static_cast<uint64_t>(group_size)));
       const auto launch = [&](auto kernel) {
         kernel<<<blocks, kQuantThreads, 0, stream>>>(codes.data_ptr<uint8_t>(), stats.data_ptr<float>(),
