@@ -138,13 +138,15 @@ def count_instructions(sass: str) -> Dict[str, int]:
 def describe(mangled: str) -> Optional[dict]:
     """quantize_kernel<bf16_t, 8, true> -> {"kernel": "quantize", "dtype": "bf16", "bits": 8, "vector": True,
     "path": "groups"}; dequantize_flat_kernel<bf16_t, 8> (whole groups, split by stores) -> path "flat", vector."""
-    m = re.search(r"(de)?quantize_(flat_)?kernelI(f|NS_5f16_tE|NS_6bf16_tE)Li(\d)E(?:Lb(\d)E)?", mangled)
+    m = re.search(r"(de)?quantize_(flat_)?kernelI(f|NS_5f16_tE|NS_6bf16_tE)Li(\d)E(?:Lb(\d)E)?(?:Li(\d+)E)?",
+                  mangled)
     if m is None:
         return None
     dtype = {"f": "fp32", "NS_5f16_tE": "fp16", "NS_6bf16_tE": "bf16"}[m.group(3)]
     flat = m.group(2) is not None
     return {"kernel": "dequantize" if m.group(1) else "quantize", "dtype": dtype, "bits": int(m.group(4)),
-            "vector": flat or m.group(5) == "1", "path": "flat" if flat else "groups"}
+            "vector": flat or m.group(5) == "1", "path": "flat" if flat else "groups",
+            "per_thread": int(m.group(6)) if m.group(6) else elements_per_thread()}
 
 
 def measure(arch: str = "sm_90") -> List[dict]:
@@ -155,12 +157,12 @@ def measure(arch: str = "sm_90") -> List[dict]:
         compile_cubin(arch, cubin)
         sass = subprocess.run([find_cuobjdump(), "-sass", cubin], check=True, capture_output=True,
                               text=True).stdout
-    rows, per_thread = [], elements_per_thread()
+    rows = []
     for mangled, n in count_instructions(sass).items():
         info = describe(mangled)
         if info is not None:
-            rows.append({**info, "instructions": n, "per_element": round(n / per_thread, 2)})
-    return sorted(rows, key=lambda r: (r["kernel"], r["dtype"], r["bits"], r["vector"], r["path"]))
+            rows.append({**info, "instructions": n, "per_element": round(n / info["per_thread"], 2)})
+    return sorted(rows, key=lambda r: (r["kernel"], r["dtype"], r["bits"], r["vector"], r["path"], r["per_thread"]))
 
 
 def main(argv=None) -> int:
@@ -169,17 +171,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     rows = measure(args.arch)
-    print(f"{'kernel':<11}{'dtype':<6}{'bits':>5}{'path':>8}{'instr/thread':>14}{'instr/element':>15}")
+    print(f"{'kernel':<11}{'dtype':<6}{'bits':>5}{'path':>8}{'values':>7}{'instr/thread':>14}{'instr/element':>15}")
     for r in rows:
         path = ("flat" if r["path"] == "flat" else "16-byte") if r["vector"] else "scalar"
-        print(f"{r['kernel']:<11}{r['dtype']:<6}{r['bits']:>5}{path:>8}{r['instructions']:>14}{r['per_element']:>15}")
+        print(f"{r['kernel']:<11}{r['dtype']:<6}{r['bits']:>5}{path:>8}{r['per_thread']:>7}{r['instructions']:>14}"
+              f"{r['per_element']:>15}")
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import git_commit
         import torch
         payload = {"arch": args.arch, "torch": torch.__version__, **git_commit(),
                    "note": "instructions on the longest path of the common-path build (EFFMEM_SASS_COMMON_PATH) "
-                        f"/ {elements_per_thread()} elements per thread",
+                           "/ the elements a thread takes (per_thread)",
                    "rows": rows}
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

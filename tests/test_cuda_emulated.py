@@ -95,10 +95,11 @@ PART_SHAPES = [(5, 100), (3, 300), (2, 40)]
 
 @pytest.mark.parametrize("dtype", list(CODES))
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group_size", [32, 128, 256])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 def test_quantize_kernel_matches_the_cpu_bit_for_bit(emulator, tmp_path, dtype, bits, group_size):
-    """Codes and stats, stochastic and round-to-nearest, on the 16-byte path, on the guarded path that rows
-    of other lengths take, and on the guarded path forced where the 16-byte one would run."""
+    """Codes and stats, stochastic and round-to-nearest, on the 16-byte path (4-bit: 64 values a thread where
+    groups and rows allow), on the guarded path that rows of other lengths take, and on the guarded path
+    forced where the 16-byte one would run."""
     shapes = [s for s in SHAPES if s != (40, 4096)] + PART_SHAPES
     for i, shape in enumerate(shapes):
         x = sample(shape, dtype, group_size)

@@ -36,22 +36,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bi
   at::Tensor stats = at::empty({l.rows, l.groups_per_row, 2}, x.options().dtype(at::kFloat));
   if (l.rows * l.groups_per_row == 0) return {codes, stats};
   check_one_launch(l, group_size);
-  const QuantShape s = make_shape(l, group_size);
+  const bool vec = vector_path(make_shape(l, group_size), x.data_ptr(), codes.data_ptr());
+  const int per_thread = quantize_per_thread(bits, group_size, last_dim, vec);
+  const QuantShape s = make_shape(l, group_size, per_thread);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool vec = vector_path(s, x.data_ptr(), codes.data_ptr());
   dispatch_float_dtype(x.scalar_type(), "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const auto run = [&](auto kernel) {
+    with_quantize_kernel<T>(bits, vec, per_thread, [&](auto kernel) {
       kernel<<<num_blocks(s), kQuantThreads, 0, stream>>>(static_cast<const T*>(x.data_ptr()),
                                                            codes.data_ptr<uint8_t>(), stats.data_ptr<float>(), s,
                                                            static_cast<uint64_t>(seed), stochastic);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (bits == 8) {
-      vec ? run(quantize_kernel<T, 8, true>) : run(quantize_kernel<T, 8, false>);
-    } else {
-      vec ? run(quantize_kernel<T, 4, true>) : run(quantize_kernel<T, 4, false>);
-    }
+    });
   });
   return {codes, stats};
 }

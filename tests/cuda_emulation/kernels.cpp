@@ -62,7 +62,7 @@ template <class T, int kBits>
 int run(const Args& a) {
   const effmem::QuantLayout l = effmem::quant_layout(a.rows * a.last_dim, a.last_dim, kBits, a.group_size);
   if (!fits_one_launch(l, a.group_size)) return 5;
-  const QuantShape s = make_shape(l, a.group_size);
+  const QuantShape s = make_shape(l, a.group_size);  // the dequantize kernels' (32 values a thread)
   const size_t numel = static_cast<size_t>(a.rows * a.last_dim);
   const size_t n_codes = static_cast<size_t>(l.rows * l.row_bytes), n_stats = static_cast<size_t>(2 * l.rows *
                                                                                                  l.groups_per_row);
@@ -73,9 +73,11 @@ int run(const Args& a) {
     std::vector<uint8_t> codes(n_codes);
     std::vector<float> stats(n_stats);
     const bool vec = !scalar && vector_path(s, x.data(), codes.data());
-    emu_launch(num_blocks(s), kQuantThreads, [&] {
-      (vec ? quantize_kernel<T, kBits, true> : quantize_kernel<T, kBits, false>)(x.data(), codes.data(),
-                                                                                 stats.data(), s, seed, stochastic);
+    const int per_thread = quantize_per_thread(kBits, a.group_size, a.last_dim, vec);
+    const QuantShape qs = make_shape(l, a.group_size, per_thread);
+    with_quantize_kernel<T>(kBits, vec, per_thread, [&](auto kernel) {
+      emu_launch(num_blocks(qs), kQuantThreads,
+                 [&] { kernel(x.data(), codes.data(), stats.data(), qs, seed, stochastic); });
     });
     return write_file(a.rest[4], codes) && write_file(a.rest[5], stats) ? 0 : 3;
   }
