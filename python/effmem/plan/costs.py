@@ -139,6 +139,8 @@ class Model:
     elementwise_bytes: float = 0.0           # memory traffic of the forward's ops but products and attention
     block_matmul_flops: float = 0.0          # of matmul_flops, the decoder layers' (0: unknown, all of them)
     head_recompute_flops: float = 0.0        # the fused loss's logits product, made again in backward
+    forward_ops: float = 0.0                 # aten ops of a forward (0: not traced; no host time counted)
+    block_ops: float = 0.0                   # of those, the decoder layers'
     state_blocks: int = 0                    # 8-bit Adam's blocks over the trained tensors (ModelSpec.state_blocks)
     trainable_numels: tuple = ()             # trained elements per tensor, the optimizer's order (device_state)
 
@@ -346,6 +348,31 @@ def fused_saving(cfg: Config, m: Model, r: Rates) -> float:
     return POLICY_FUSED_SAVING.get(cfg.activations, 0.0) * m.selective_recompute_bytes / r.memory_bw
 
 
+# Backward issues about 1.8 aten ops for each of the forward's: Hugging Face Llamas of 12 and 24 layers, bf16,
+# counted with a dispatch mode on 2026-11-27 (1741 for 973, 3445 for 1897).
+BACKWARD_OPS = 1.8
+# Selective checkpointing runs its policy in a Python dispatch mode for every op of the layers, in forward and
+# in the recompute: 3 plain ops' host time each, from the two host-bound selective rows of
+# 2026-11-27-h200-68edd28/gpu_plan.json (160M and 410M at batch 4 x 1024: 129 and 312 ms, where the layers'
+# ops issued twice at 15 us leave 71 and 197 ms for 960 and 1,920 ops, twice each: 37 and 51 us an op).
+SAC_OP_COST = 3.0
+
+
+def host_s(cfg: Config, m: Model, r: Rates) -> float:
+    """Seconds the host takes to issue one micro-batch's ops in eager mode: the forward's ops, backward's
+    (BACKWARD_OPS per forward op) and, where layers are recomputed, their forward's again; selective
+    checkpointing's policy on each of the layers' ops, in forward and recompute (SAC_OP_COST). 0 where the
+    rates count no host time (a CPU: its rates are effective ones, host work included) or the trace counted
+    no ops (the closed form). Not counted: the saved-tensor hooks of compress_activations, per saved
+    tensor."""
+    if not r.host_op_s or not m.forward_ops:
+        return 0.0
+    ops = m.forward_ops * (1 + BACKWARD_OPS) + (m.block_ops if cfg.activations in RECOMPUTED else 0.0)
+    if cfg.activations == "selective":
+        ops += 2 * SAC_OP_COST * m.block_ops
+    return ops * r.host_op_s
+
+
 def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     """Seconds per optimizer step, by part: products and attention ("compute"), the memory-bound ops
     ("elementwise"), what the activation strategy adds, the optimizer, communication."""
@@ -392,6 +419,16 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")
     out = {"compute": cfg.accumulation * (fwd + bwd - elementwise), "elementwise": cfg.accumulation * elementwise,
            "recompute": cfg.accumulation * recompute, "activations": cfg.accumulation * extra}
+    # Eager PyTorch issues every op from the host, ahead of the device; where a micro-batch's device work
+    # takes less time than issuing it (small models, few tokens), the device waits for the host.
+    # The forward and backward that hide OffloadAdam's and communication's work below then last longer, in
+    # proportion (so the windows join the device-bound ones where the host's time meets the device's; a
+    # negative extra, the fused kernels' saving, shortens the device's work only).
+    device, host = fwd + bwd + recompute + extra, host_s(cfg, m, r)
+    out["host"] = cfg.accumulation * max(0.0, host - device)
+    if host > device > 0:
+        stretch = host / max(device, fwd + bwd)
+        fwd, bwd = fwd * stretch, bwd * stretch
     w_b, g_b, master_b, _ = PRECISIONS[cfg.precision]
     shard = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
     t = m.trainable // shard

@@ -76,6 +76,15 @@ class Extrapolated:
         """What one more decoder layer adds to f."""
         return _diff(f(self.two), f(self.one))
 
+    # The traces' scalar counts, each extrapolated over the layers as _lin does: FLOPs, traffic, op counts.
+    _LINEAR = ("selective_recompute_bytes", "elementwise_bytes", "matmul_flops", "block_matmul_flops",
+               "attention_flops", "head_recompute_flops", "forward_ops", "block_ops")
+
+    def __getattr__(self, name: str):
+        if name in Extrapolated._LINEAR:
+            return self._lin(lambda t: getattr(t, name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def activations(self, strategy: str) -> Dict[str, int]:
         return self._lin(lambda t: t.activations(strategy))
 
@@ -90,14 +99,6 @@ class Extrapolated:
 
     def fast_codes(self) -> int:
         return self._lin(lambda t: t.fast_codes())
-
-    @property
-    def selective_recompute_bytes(self) -> float:
-        return self._lin(lambda t: t.selective_recompute_bytes)
-
-    @property
-    def elementwise_bytes(self) -> float:
-        return self._lin(lambda t: t.elementwise_bytes)
 
     @property
     def has_fast(self) -> bool:
@@ -118,22 +119,6 @@ class Extrapolated:
             return max(self.one.largest(kind), inside)
         src = self.two if self.two is not None else self.one
         return src.largest(kind)
-
-    @property
-    def matmul_flops(self) -> float:
-        return self._lin(lambda t: t.matmul_flops)
-
-    @property
-    def block_matmul_flops(self) -> float:
-        return self._lin(lambda t: t.block_matmul_flops)
-
-    @property
-    def attention_flops(self) -> float:
-        return self._lin(lambda t: t.attention_flops)
-
-    @property
-    def head_recompute_flops(self) -> float:
-        return self._lin(lambda t: t.head_recompute_flops)
 
 
 def _diff(b, a):

@@ -34,6 +34,9 @@ class Rates:
     # this many passes of the forward's traffic at memory_bw; 0 where matmul_flops is an effective rate
     # that includes them (the CPU defaults).
     elementwise_passes: float = 0.0
+    # Seconds of the host's time per aten op of an eager training step (Python, dispatch, launch): the floor
+    # of a step whose device work is shorter (plan/costs.py host_s); 0: not counted (a CPU).
+    host_op_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,9 +58,13 @@ class Rates:
 # gpu_offload_capacity.json (1.3B and 3B at 2,048 tokens per step) within 20% (tests/test_plan_h100.py).
 # policy_codec_bw: the same profile: effmem's quantize and dequantize kernels ran 18.5 ms for the 14.4 GB of
 # plain saves that the plan's trace says "fast" quantises at batch 8 x 2048: 7.8e11 B/s.
+# host_op_s: the two host-bound rows of bench_plan's first run (2026-11-27-h200-68edd28/gpu_plan.json, the same
+# 16-core hosts): Hugging Face Llamas of 160M and 410M, plain bf16 at batch 4 x 1024, 39 and 89 ms for the
+# 2,831 and 5,519 ops the trace counts (13.8 and 16.1 us each).
 H100 = Rates("NVIDIA H100 80GB HBM3", 7.8e14, 7.0e14, 3.0e12, 5.4e10, 5.5e9, 3.1e11, 3.6e11, 600.0,
-             "bench/results/gpu_*.json (H100, commit 30c4269) and 2026-11-27-h100-ad52e0c/gpu_profile.json",
-             policy_codec_bw=7.8e11, attention_flops=3.2e14, elementwise_passes=4.2)
+             "bench/results/gpu_*.json (H100, commit 30c4269), 2026-11-27-h100-ad52e0c/gpu_profile.json and "
+             "2026-11-27-h200-68edd28/gpu_plan.json", policy_codec_bw=7.8e11, attention_flops=3.2e14,
+             elementwise_passes=4.2, host_op_s=15e-6)
 # This 2-core AVX2 development machine (effmem plan --calibrate, 2026-11-23).
 CPU_DEFAULT = Rates("cpu", 1.0e10, 6.0e10, 1.0e10, 0.0, 3.0e8, 2.0e9, 1.0e9, 16.0,
                     "2-core AVX2 defaults; interconnect: gloo over loopback, assumed")
@@ -93,6 +100,43 @@ def _median_time(fn, repeat: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def _host_op_s(device: torch.device) -> float:
+    """Host seconds per aten op of an eager training step: a tiny Hugging Face Llama (its Python is what a
+    user's model runs; a stack of torch modules where transformers is missing) whose tensors are too small
+    for the device's work to matter, its forward and backward ops counted by a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    try:
+        import transformers
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=128)
+        model = transformers.LlamaForCausalLM(cfg).to(device)
+        ids = torch.randint(0, 128, (2, 16), device=device)
+        step = lambda: model(input_ids=ids, labels=ids).loss.backward()  # noqa: E731
+    except ImportError:
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128),
+                                                          torch.nn.SiLU(), torch.nn.Linear(128, 64))
+                                      for _ in range(8)]).to(device)
+        x = torch.randn(2, 16, 64, device=device)
+        step = lambda: model(x).square().mean().backward()  # noqa: E731
+    with Count():
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run():
+        step()
+        sync()
+    return _median_time(run) / Count.ops
 
 
 def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rates:
@@ -138,7 +182,8 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
                   # passes: a property of the kernels and the bandwidth they reach, kept from the base
                   attention_flops=(base.attention_flops / base.matmul_flops * flops[torch.bfloat16]
                                    if cuda and base.attention_flops else 0.0),
-                  elementwise_passes=base.elementwise_passes if cuda else 0.0)
+                  elementwise_passes=base.elementwise_passes if cuda else 0.0,
+                  host_op_s=_host_op_s(device) if cuda else 0.0)
     if write:
         data = _cached()
         data[name] = rates.as_dict()

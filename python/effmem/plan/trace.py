@@ -115,6 +115,8 @@ class Trace:
     selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
     elementwise_bytes: float = 0.0  # read + written by every forward op but products and attention
     head_recompute_flops: float = 0.0  # the fused loss's logits product, made again in backward (recompute path)
+    forward_ops: int = 0   # aten ops of the forward (each issued by the host in eager mode)
+    block_ops: int = 0     # of those, the decoder layers'
 
     def _kept(self, strategy: str) -> List[Tuple[Record, bool]]:
         """(record, counts as saved activation) pairs that stay alive until backward under a strategy."""
@@ -321,4 +323,5 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     tr.selective_recompute_bytes = flops.recompute_bytes
     tr.elementwise_bytes = flops.elementwise_bytes
     tr.head_recompute_flops = counter.head_recompute_flops
+    tr.forward_ops, tr.block_ops = counter.ops, counter.block_ops
     return tr

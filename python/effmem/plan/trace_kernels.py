@@ -200,6 +200,8 @@ class _Counter(TorchDispatchMode):
         self.flops = 0.0
         self.block_flops = 0.0  # of those, the decoder layers' (what checkpointing runs again)
         self.head_recompute_flops = 0.0  # products the fused loss's backward runs again (see below)
+        self.ops = 0        # aten ops the forward ran: each one the host issues in eager mode
+        self.block_ops = 0  # of those, the decoder layers' (what checkpointing issues again)
         self.target = target
         self.sel = sel  # where selective checkpointing's keeps and recompute traffic are counted
 
@@ -230,8 +232,10 @@ class _Counter(TorchDispatchMode):
             return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
         before = self.flops
         self._count(packet, args, kwargs, out)
+        self.ops += 1
         if in_block:
             self.block_flops += self.flops - before
+            self.block_ops += 1
         return out
 
     def _count(self, packet, args, kwargs, out) -> None:
