@@ -51,6 +51,9 @@ parts=("$@")
   activations)
 
 limit() { timeout -k 10 "$@"; }
+# An H100 80GB HBM3's total_memory: the capacity parts plan for it and hold their runs to it (bench_capacity.py
+# --gpu-memory), so that an H200 (141 GB) answers for one.
+H100_MEMORY=85017362432
 
 for part in "${parts[@]}"; do
   echo "== $part ($(date -u +%H:%M:%S))"
@@ -112,15 +115,14 @@ for part in "${parts[@]}"; do
       # For each size the fastest configuration that trains, its tokens/s, MFU, GPU peak and host memory,
       # against FusedAdam and torch AdamW + AMP (each run its own process): 7B, the MFU target. A 7B run
       # pins about 100 GB of host memory and takes minutes, so 13B has a part of its own.
-      # --gpu-memory: an H100 80GB HBM3's total_memory, so that an H200 (141 GB) answers for one.
-      limit 540 "$PY" bench/bench_capacity.py --sizes 7b --per-size 3 --timeout 170 --gpu-memory 85017362432 \
+      limit 540 "$PY" bench/bench_capacity.py --sizes 7b --per-size 3 --timeout 170 --gpu-memory $H100_MEMORY \
         --json "$OUT/gpu_capacity.json" || status=1 ;;
     capacity_13b)
       # 13B with state_bits=8 in 128 GB of host memory: the plan's pick only.
-      limit 270 "$PY" bench/bench_capacity.py --sizes 13b --per-size 1 --timeout 250 --gpu-memory 85017362432 \
+      limit 270 "$PY" bench/bench_capacity.py --sizes 13b --per-size 1 --timeout 250 --gpu-memory $H100_MEMORY \
         --json "$OUT/gpu_capacity_13b.json" || status=1 ;;
     capacity_small)
-      limit 330 "$PY" bench/bench_capacity.py --sizes 3b,1.3b --timeout 120 --gpu-memory 85017362432 \
+      limit 330 "$PY" bench/bench_capacity.py --sizes 3b,1.3b --timeout 120 --gpu-memory $H100_MEMORY \
         --json "$OUT/gpu_capacity_small.json" || status=1 ;;
     linear_ce)
       # Fused linear cross-entropy at 16k tokens x 128k vocabulary x 4096, bf16, against the

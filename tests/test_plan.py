@@ -112,7 +112,7 @@ def test_a_smaller_gpu_rejects_what_does_not_fit_and_says_by_how_much():
 def test_step_time_grows_with_the_tokens_in_every_mode():
     """Twice the tokens at the same micro-batch is never faster: backward hides OffloadAdam's downloads
     and (overlap) its updates once, not once each (the overlap mode's time fell with longer sequences).
-    Where the shorter step waits for the host issuing ops (costs.host_s), the windows that hide the offload
+    Where the shorter step waits for the host issuing ops (step_model.host_s), the windows that hide the offload
     work are the device's stretched to the host's time, whose shares of forward and backward move a little
     with the tokens: there 2% (1.1% seen), and never more than 1e-12 elsewhere."""
     def times(seq):
@@ -281,7 +281,7 @@ def test_calibrate_measures_this_machine_and_later_plans_use_it(tmp_path, monkey
 
 def test_small_steps_wait_for_the_host_issuing_ops():
     """On a GPU, a micro-batch whose device work is shorter than the host's issuing of its ops takes the
-    host's time (plan/costs.py host_s): TinyLlama at 1 x 128 tokens, not at 8 x 2048; selective
+    host's time (plan/step_model.py host_s): TinyLlama at 1 x 128 tokens, not at 8 x 2048; selective
     checkpointing's policy costs host time per op, full checkpointing only the recomputed layers' ops.
     A CPU's rates count no host time."""
     small = effmem.plan("tinyllama-1.1b", batch=1, seq=128, device="cuda", gpu_memory="80GB", host_memory="128GB")

@@ -9,7 +9,7 @@ import torch
 
 import effmem
 from effmem.optim._offload_resident import resident_bytes
-from effmem.plan import costs
+from effmem.plan import costs, step_model
 from effmem.plan.rates import rates_for
 from effmem.plan.report import code_for
 
@@ -45,7 +45,7 @@ def test_device_state_candidates_count_what_they_keep_and_time_the_host_share_on
     # no more than the forward needs: the host's share fits behind it, one tensor fewer kept would not
     # backward: two forwards (products and elementwise ops alike), all trained
     fwd = (kept.time_parts["compute"] + kept.time_parts["elementwise"]) / (3 * kept.config.accumulation)
-    per = costs.host_adam_s(kept.config, p.rates, 1) + 2 / p.rates.link_bw
+    per = step_model.host_adam_s(kept.config, p.rates, 1) + 2 / p.rates.link_bw
     last = numels[[sum(numels[:k + 1]) for k in range(len(numels))].index(n)]
     assert (p.trainable_params - n) * per <= fwd < (p.trainable_params - n + last) * per
 
@@ -71,8 +71,8 @@ def test_modes_that_wait_for_the_whole_update_keep_what_the_room_holds():
     n = (kept.cost.allocated_bytes - base.cost.allocated_bytes) // 14
     nxt = numels[[sum(numels[:k + 1]) for k in range(len(numels))].index(n) + 1]
     assert kept.fits and kept.cost.peak_bytes <= budget < kept.cost.peak_bytes + 14 * nxt * (1 + costs.FRAGMENTATION)
-    saved = costs.host_adam_s(kept.config, p.rates, n) + 2 * n / p.rates.link_bw - costs.gpu_adam_s(kept.config,
-                                                                                                    p.rates, n)
+    saved = (step_model.host_adam_s(kept.config, p.rates, n) + 2 * n / p.rates.link_bw
+             - step_model.gpu_adam_s(kept.config, p.rates, n))
     assert base.time_parts["optimizer"] - kept.time_parts["optimizer"] == pytest.approx(saved, rel=1e-6)
 
 

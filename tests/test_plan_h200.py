@@ -5,7 +5,7 @@ The peaks are predicted again here, on the CPU, from the same configs traced on 
 issue 11's targets: median |error| <= 5%, worst <= 10%. The run itself measured the plan of its commit
 (median 0.87%, worst 16.3%: the compress8 rows, 4 bytes per token per vocabulary entry short); the plan
 has counted the loss's restored log-probabilities since, which is what this checks. The run's small steps
-(4 x 1024) waited for the host issuing ops, which the plan has counted since (plan/costs.py host_s, its rates
+(4 x 1024) waited for the host issuing ops, which the plan has counted since (plan/step_model.py host_s, its rates
 from four rows of this run): the steps are checked with it.
 """
 import json
@@ -57,12 +57,12 @@ def test_predicted_peaks_match_the_h200(predicted):
 
 def test_predicted_steps_with_the_hosts_time(predicted):
     """Every row but compress8's within 0.65x-1.35x of its measured step (0.70-1.14 measured), median within
-    15% (10.7%). Small steps wait for the host issuing ops (plan/costs.py host_s): its per-op time and
+    15% (10.7%). Small steps wait for the host issuing ops (plan/step_model.py host_s): its per-op time and
     selective checkpointing's policy cost were taken from four of these rows (160M and 410M at 4 x 1024,
     plain and selective); the selective rows it did not see were predicted at 0.36x (TinyLlama, 4 x 1024),
     0.57x and 0.72x (160M and 410M, 8 x 2048) without it and at 0.95x, 1.06x and 1.08x with it (TinyLlama
-    at 8 x 2048, where the GPU's work dominates, 1.13x either way). compress_activations' per-tensor hooks and kernels are not
-    modelled: its rows measured 1.1-2.3x the prediction at 4 x 1024."""
+    at 8 x 2048, where the GPU's work dominates, 1.13x either way). compress_activations' per-tensor hooks
+    and kernels are not modelled: its rows measured 1.1-2.3x the prediction at 4 x 1024."""
     ratios = [c.step_time_s / r["measured_step_s"] for r, c in predicted if "compress8" not in r["candidate"]]
     assert len(ratios) == 30
     assert all(0.65 <= x <= 1.35 for x in ratios), sorted(ratios)
@@ -74,10 +74,7 @@ def test_the_7b_capacity_rows_match_the_h200():
     fastest with 8-bit moments, gpu_capacity.json): the plan, made again with the run's memory figures,
     predicts each GPU peak within 5% (measured -2.0% and -1.1%) and each step within 10% (0.96x both)."""
     import argparse
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_capacity", ROOT / "bench" / "bench_capacity.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import bench_capacity as bench
     run = json.loads((ROOT / "bench" / "results" / "2026-11-27-h200-68edd28" / "gpu_capacity.json").read_text())
     cfg = run["config"]
     args = argparse.Namespace(batch=cfg["batch"], seq=cfg["seq"], device="cuda", gpu_memory=cfg["gpu_memory"],

@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bi
   at::Tensor stats = at::empty({l.rows, l.groups_per_row, 2}, x.options().dtype(at::kFloat));
   if (l.rows * l.groups_per_row == 0) return {codes, stats};
   check_one_launch(l, group_size);
-  const bool vec = vector_path(make_shape(l, group_size), x.data_ptr(), codes.data_ptr());
+  const bool vec = vector_path(last_dim, x.data_ptr(), codes.data_ptr());
   const int per_thread = quantize_per_thread(bits, group_size, last_dim, vec);
   const QuantShape s = make_shape(l, group_size, per_thread);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -62,7 +62,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& stats, int
   check_one_launch(l, group_size);
   const QuantShape s = make_shape(l, group_size);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool vec = vector_path(s, out.data_ptr(), codes.data_ptr());
+  const bool vec = vector_path(last_dim, out.data_ptr(), codes.data_ptr());
   // Whole groups (the common case: hidden sizes are multiples of the group size): the flat kernel, whose
   // warps store contiguous bytes; rows ending in a part group keep the group-mapped kernel.
   const bool flat = vec && last_dim % group_size == 0;

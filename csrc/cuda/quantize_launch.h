@@ -44,8 +44,8 @@ inline unsigned num_blocks(const QuantShape& s) {
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The 16-byte path: whole 32-element chunks (rows of a multiple of 32) and 16-byte aligned rows.
-inline bool vector_path(const QuantShape& s, const void* values, const void* codes) {
-  return s.last_dim % kQuantPerThread == 0 && aligned16(values) && aligned16(codes);
+inline bool vector_path(int64_t last_dim, const void* values, const void* codes) {
+  return last_dim % kQuantPerThread == 0 && aligned16(values) && aligned16(codes);
 }
 
 // Values a quantize thread takes: 64 for 4-bit codes on the 16-byte path where groups and rows hold whole

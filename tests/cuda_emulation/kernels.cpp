@@ -72,7 +72,7 @@ int run(const Args& a) {
     const std::vector<T> x = read_as<T>(a.rest[3], numel);
     std::vector<uint8_t> codes(n_codes);
     std::vector<float> stats(n_stats);
-    const bool vec = !scalar && vector_path(s, x.data(), codes.data());
+    const bool vec = !scalar && vector_path(a.last_dim, x.data(), codes.data());
     const int per_thread = quantize_per_thread(kBits, a.group_size, a.last_dim, vec);
     const QuantShape qs = make_shape(l, a.group_size, per_thread);
     with_quantize_kernel<T>(kBits, vec, per_thread, [&](auto kernel) {
@@ -87,13 +87,13 @@ int run(const Args& a) {
   const std::vector<float> stats = read_as<float>(a.rest[at + 1], n_stats);
   std::vector<T> out(numel);
   if (flat) {
-    if (a.last_dim % a.group_size != 0 || !vector_path(s, out.data(), codes.data())) return 6;  // not its case
+    if (a.last_dim % a.group_size != 0 || !vector_path(a.last_dim, out.data(), codes.data())) return 6;  // not its case
     const auto log2g = static_cast<uint32_t>(__builtin_ctzll(static_cast<uint64_t>(a.group_size)));
     emu_launch(flat_blocks(static_cast<int64_t>(numel)), kQuantThreads, [&] {
       dequantize_flat_kernel<T, kBits>(codes.data(), stats.data(), out.data(), static_cast<int64_t>(numel), log2g);
     });
   } else {
-    const bool vec = a.rest[0] != "1" && vector_path(s, out.data(), codes.data());
+    const bool vec = a.rest[0] != "1" && vector_path(a.last_dim, out.data(), codes.data());
     emu_launch(num_blocks(s), kQuantThreads, [&] {
       (vec ? dequantize_kernel<T, kBits, true> : dequantize_kernel<T, kBits, false>)(codes.data(), stats.data(),
                                                                                      out.data(), s);

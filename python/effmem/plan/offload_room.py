@@ -4,7 +4,7 @@ trained tensors' step state kept and stepped there)."""
 import dataclasses
 from typing import List
 
-from effmem.plan import costs
+from effmem.plan import costs, step_model
 
 
 def variants(cfg: costs.Config, cost: costs.Cost, budget: float, m: costs.Model, rates) -> List[costs.Config]:
@@ -44,8 +44,8 @@ def _device_state(cfg: costs.Config, room: int, m: costs.Model, rates) -> int:
         return 0
     need = 0   # no bound but the room's
     if cfg.optimizer == "offload_async":
-        per_param = costs.host_adam_s(cfg, rates, 1) + costs.PRECISIONS[cfg.precision][0] / rates.link_bw
-        need = m.trainable - int(costs.forward_s(m, rates, cfg.precision) / per_param)   # what fwd cannot hide
+        per_param = step_model.host_adam_s(cfg, rates, 1) + costs.PRECISIONS[cfg.precision][0] / rates.link_bw
+        need = m.trainable - int(step_model.forward_s(m, rates, cfg.precision) / per_param)   # what fwd cannot hide
         if need <= 0:
             return 0
     kept_t, _, used = costs.resident(dataclasses.replace(cfg, device_state=room), m, enough=need)

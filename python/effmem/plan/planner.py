@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from effmem.optim._validate import whole
-from effmem.plan import costs, loss_buffers, offload_room
+from effmem.plan import costs, loss_buffers, offload_room, step_model
 from effmem.plan.model import ModelArg, ModelSpec, model_spec
 from effmem.plan.rates import Rates, rates_for
 from effmem.plan.extrapolate import trace_spec
@@ -391,7 +391,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
             and (not a.startswith("fast") or all(t.has_fast for t in activity.values()))]
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
-        m.fast_offloaded = costs.offloaded_codes(m, rates, precision)
+        m.fast_offloaded = step_model.offloaded_codes(m, rates, precision)
         m.offload_buckets = buckets
         m.trainable_numels = numels
         known = [a for a in activity[precision, loss].strategies if a != "fast_offload" or m.fast_offloaded]
@@ -401,10 +401,10 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
                 continue  # OffloadAdam shards with FSDP2 (zero3) or offloads everything under DDP
             cfg = costs.Config(precision, act, opt, shard, micro, batch // world // micro, loss, bits)
             cost = costs.memory(cfg, m, world, device == "cuda")
-            cands.append(Candidate(cfg, cost, costs.step_time(cfg, m, rates, world)))
+            cands.append(Candidate(cfg, cost, step_model.step_time(cfg, m, rates, world)))
             for v in offload_room.variants(cfg, cost, budget, m, rates):
                 cands.append(Candidate(v, costs.memory(v, m, world, device == "cuda"),
-                                       costs.step_time(v, m, rates, world)))
+                                       step_model.step_time(v, m, rates, world)))
     for c in cands:
         over = c.cost.peak_bytes - budget
         host_over = c.cost.host_bytes - host_mem * 0.9

@@ -35,7 +35,7 @@ class Rates:
     # that includes them (the CPU defaults).
     elementwise_passes: float = 0.0
     # Seconds of the host's time per aten op of an eager training step (Python, dispatch, launch): the floor
-    # of a step whose device work is shorter (plan/costs.py host_s); 0: not counted (a CPU).
+    # of a step whose device work is shorter (plan/step_model.py host_s); 0: not counted (a CPU).
     host_op_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -112,7 +112,7 @@ def _host_op_s(device: torch.device) -> float:
         ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
+            self.ops += 1
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
@@ -129,14 +129,15 @@ def _host_op_s(device: torch.device) -> float:
                                       for _ in range(8)]).to(device)
         x = torch.randn(2, 16, 64, device=device)
         step = lambda: model(x).square().mean().backward()  # noqa: E731
-    with Count():
+    count = Count()
+    with count:
         step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run():
         step()
         sync()
-    return _median_time(run) / Count.ops
+    return _median_time(run) / count.ops
 
 
 def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rates:
