@@ -109,6 +109,22 @@ def test_a_smaller_gpu_rejects_what_does_not_fit_and_says_by_how_much():
     assert big.pick.step_time_s <= small.pick.step_time_s
 
 
+def test_when_nothing_fits_the_closest_is_the_fewest_bytes_short():
+    """70B over 8 x 80 GB with 25 GB of host memory: nothing fits. The lowest GPU peak belongs to an offload
+    candidate over 1 TB short of host memory; the closest is one 17 GB over the GPU budget (8-bit moments
+    sharded over the GPUs), and the report says so."""
+    from effmem.plan.report import format_plan
+    p = effmem.plan("llama-70b", batch=8, seq=2048, gpus=8, gpu_memory="80GB", host_memory="25GB", device="cuda")
+    assert p.pick is None and all(c.short_bytes > 0 for c in p.candidates)
+    closest = p.candidates[0]
+    assert closest.short_bytes == min(c.short_bytes for c in p.candidates)
+    lowest_peak = min(p.candidates, key=lambda c: c.cost.peak_bytes)
+    assert lowest_peak.short_bytes > 10 * closest.short_bytes, (lowest_peak.name, closest.name)
+    assert closest.config.state_bits == 8 and closest.short_bytes < 20 * GB
+    assert f"Nothing fits. Closest: {closest.name}: " in format_plan(p)
+    assert p.as_dict()["candidates"][0]["short_bytes"] == closest.short_bytes
+
+
 def test_step_time_grows_with_the_tokens_in_every_mode():
     """Twice the tokens at the same micro-batch is never faster: backward hides OffloadAdam's downloads
     and (overlap) its updates once, not once each (the overlap mode's time fell with longer sequences).

@@ -27,6 +27,9 @@ class Candidate:
     time_parts: Dict[str, float]
     fits: bool = False
     why: str = ""
+    # bytes over the GPU budget plus bytes over the host's 90% (0 where it fits, or fails for another
+    # reason): what orders the candidates that do not fit, and names the closest when nothing does
+    short_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -48,7 +51,7 @@ class Candidate:
                 "loss": c.loss, "state_bits": c.state_bits, "device_accumulation": c.device_accumulation,
                 "device_state": c.device_state,
                 "activation_budget": self.cost.activation_budget,
-                "why": self.why}
+                "short_bytes": self.short_bytes, "why": self.why}
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -408,6 +411,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     for c in cands:
         over = c.cost.peak_bytes - budget
         host_over = c.cost.host_bytes - host_mem * 0.9
+        c.short_bytes = int(max(0.0, over) + max(0.0, host_over))
         if over > 0:
             c.why = (f"does not fit: needs {c.cost.peak_bytes / GB:.1f} GB, {over / GB:.1f} GB over the "
                      f"{budget / GB:.1f} GB budget ({gpu_mem / GB:.1f} GB less {headroom:.0%} headroom)")
@@ -426,7 +430,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         c.why = f"fits, {c.step_time_s / best.step_time_s - 1:.1%} slower than the pick"
     if best is not None:
         best.why = "the pick: fastest that fits"
-    cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else c.cost.peak_bytes))
+    cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else (c.short_bytes, c.cost.peak_bytes)))
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
                 rates, cands, best.name if best else None, base.method,
                 time.perf_counter() - t0, spec, notes, cross_check)

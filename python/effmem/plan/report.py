@@ -22,7 +22,9 @@ def format_plan(plan, max_rows: int = 14) -> str:
         lines.append(f"note: {note}")
     pick = plan.pick
     if pick is None:
-        closest = min(plan.candidates, key=lambda c: c.cost.peak_bytes)
+        # the fewest bytes short, GPU and host together (candidates are sorted so; a candidate ruled out for
+        # another reason, such as overlap with clipping, is short of nothing and comes first)
+        closest = plan.candidates[0]
         lines.append(f"\nNothing fits. Closest: {closest.name}: {closest.why}")
     else:
         lines.append(f"\npick: {pick.name}  (peak {_gb(pick.cost.peak_bytes)} GB, "
