@@ -12,7 +12,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "plan", help="predict where training memory goes and pick the fastest configuration that fits",
         description="Predict each candidate configuration's peak memory (parts: weights, gradients, master, "
         "optimizer state, activations traced from the model on meta tensors, logits, temporaries, reserve) "
-        "and step time, and pick the fastest that fits. MODEL: a preset (" + ", ".join(preset_names()) +
+        "and step time, and pick the fastest that fits (the most exact of those within 3%). MODEL: a preset ("
+        + ", ".join(preset_names()) +
         ") or a Hugging Face config.json (file or folder). Sizes: 80GB (1e9 bytes) or 80GiB (2^30).")
     p.add_argument("model", nargs="?", help="preset name or config.json path")
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step, all GPUs (default 8)")

@@ -45,6 +45,7 @@ OFFLOAD_BUDGET_SLACK = 1.05
 LAYER_KINDS = ("attention", "mlp", "norm", "block")  # trace kinds that decoder layers' saves fall under
 LOSS_NAMES = {"standard": "", "fused": "fused-ce", "fused_gif": "fused-ce-grad-in-fwd"}  # Config.loss, named
 RECOMPUTED = ("selective", "checkpoint", "checkpoint8")  # layers run again in backward
+LOSSY_ACTIVATIONS = ("fast", "fast_offload", "checkpoint8", "compress8", "compress4")  # saves kept in 8/4 bits
 OPTIMIZERS = ("gpu", "offload", "offload_overlap", "offload_async")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3")
 OFFLOAD_BUCKET = 1 << 23        # OffloadAdam's default bucket (elements); two are in flight on the GPU
@@ -90,6 +91,12 @@ class Config:
     # OffloadAdam(device_state=BYTES): the step state (master, moments, gradient) of the first trained tensors
     # kept on the GPU and stepped there, up to these bytes (0: all of it on the host).
     device_state: int = 0
+
+    @property
+    def approximations(self) -> int:
+        """How many of its techniques change the numbers against plain training: activations kept in 8 or 4
+        bits, 8-bit moments (each measured within 1% of the exact loss, but not the same bits)."""
+        return int(self.activations in LOSSY_ACTIVATIONS) + int(self.state_bits == 8)
 
     @property
     def name(self) -> str:

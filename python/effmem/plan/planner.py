@@ -18,6 +18,12 @@ from effmem.plan.trace import InputsFn
 
 GB = 10 ** 9
 HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory
+# Candidates predicted within this fraction of the fastest one's step count as equally fast (the step model
+# is good to about 10%): among them the pick is the one that changes the numbers least (Config.approximations),
+# then one that needs no host memory, then the fastest; between equally fast ones, the one holding least in
+# host memory, then on the GPU. A few percent do not pay for 8-bit moments, or for an offload engine, that the
+# model does not need.
+PICK_TOLERANCE = 0.03
 
 
 @dataclass
@@ -52,6 +58,28 @@ class Candidate:
                 "device_state": c.device_state,
                 "activation_budget": self.cost.activation_budget,
                 "short_bytes": self.short_bytes, "why": self.why}
+
+
+def _pick(fitting: List[Candidate]) -> Optional[Candidate]:
+    """The fastest candidate that fits, or, among those within PICK_TOLERANCE of it, the most exact, then one
+    without host memory, then the fastest, then the one holding least in host memory."""
+    if not fitting:
+        return None
+    fastest = min(c.step_time_s for c in fitting)
+    near = [c for c in fitting if c.step_time_s <= fastest * (1 + PICK_TOLERANCE)]
+    return min(near, key=lambda c: (c.config.approximations, c.cost.host_bytes > 0, c.step_time_s,
+                                    c.cost.host_bytes, c.cost.peak_bytes))
+
+
+def _why_not(c: Candidate, best: Candidate) -> str:
+    """Why a candidate that fits is not the pick."""
+    slower = c.step_time_s / best.step_time_s - 1
+    if slower > 0:
+        return f"fits, {slower:.1%} slower than the pick"
+    reason = ("changes the numbers more (8-bit moments or activations)"
+              if c.config.approximations > best.config.approximations else "holds more in host memory"
+              if c.cost.host_bytes > best.cost.host_bytes else "holds more on the GPU")
+    return f"fits, {-slower:.1%} faster than the pick (within {PICK_TOLERANCE:.0%}) but {reason}"
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -424,13 +452,14 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
             c.why = "not possible here (no host link)"
         else:
             c.fits = True
-    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.step_time_s, c.cost.peak_bytes))
-    best = fitting[0] if fitting else None
-    for c in fitting[1:]:
-        c.why = f"fits, {c.step_time_s / best.step_time_s - 1:.1%} slower than the pick"
+    best = _pick([c for c in cands if c.fits])
+    for c in cands:
+        if c.fits and c is not best:
+            c.why = _why_not(c, best)
     if best is not None:
         best.why = "the pick: fastest that fits"
-    cands.sort(key=lambda c: (not c.fits, c.step_time_s if c.fits else (c.short_bytes, c.cost.peak_bytes)))
+    cands.sort(key=lambda c: (not c.fits, c is not best,
+                              c.step_time_s if c.fits else (c.short_bytes, c.cost.peak_bytes)))
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
                 rates, cands, best.name if best else None, base.method,
                 time.perf_counter() - t0, spec, notes, cross_check)
