@@ -133,6 +133,9 @@ def test_when_nothing_fits_the_closest_is_the_fewest_bytes_short():
     assert closest.config.state_bits == 8 and closest.short_bytes < 20 * GB
     assert f"Nothing fits. Closest: {closest.name}: " in format_plan(p)
     assert p.as_dict()["candidates"][0]["short_bytes"] == closest.short_bytes
+    # short of both: the reason names both
+    both = next(c for c in p.candidates if c.config.optimizer != "gpu" and c.cost.peak_bytes > 0.95 * 80 * GB)
+    assert "GB over the 76.0 GB budget" in both.why and "of host memory" in both.why, both.why
 
 
 def test_step_time_grows_with_the_tokens_in_every_mode():

@@ -440,12 +440,15 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         over = c.cost.peak_bytes - budget
         host_over = c.cost.host_bytes - host_mem * 0.9
         c.short_bytes = int(max(0.0, over) + max(0.0, host_over))
+        short = []
         if over > 0:
-            c.why = (f"does not fit: needs {c.cost.peak_bytes / GB:.1f} GB, {over / GB:.1f} GB over the "
-                     f"{budget / GB:.1f} GB budget ({gpu_mem / GB:.1f} GB less {headroom:.0%} headroom)")
-        elif host_over > 0:
-            c.why = (f"does not fit: needs {c.cost.host_bytes / GB:.1f} GB of host memory, "
-                     f"{host_over / GB:.1f} GB over 90% of {host_mem / GB:.1f} GB")
+            short.append(f"needs {c.cost.peak_bytes / GB:.1f} GB, {over / GB:.1f} GB over the {budget / GB:.1f} GB "
+                         f"budget ({gpu_mem / GB:.1f} GB less {headroom:.0%} headroom)")
+        if host_over > 0:
+            short.append(f"needs {c.cost.host_bytes / GB:.1f} GB of host memory, {host_over / GB:.1f} GB over 90% "
+                         f"of {host_mem / GB:.1f} GB")
+        if short:
+            c.why = "does not fit: " + "; and ".join(short)
         elif clipping and c.config.optimizer == "offload_overlap":
             c.why = "overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
         elif c.step_time_s == float("inf"):
