@@ -8,6 +8,7 @@ held after forward is what effmem plan predicts and less than checkpointing's, a
 restores the model.
 """
 import copy
+import io
 import inspect
 
 import pytest
@@ -145,21 +146,47 @@ def test_a_refused_apply_changes_nothing_and_remove_turns_the_cache_back_on():
     assert m(input_ids=x, labels=x).past_key_values is not None
 
 
-@pytest.mark.parametrize("policy", ["checkpoint", "selective", "min"])
-def test_a_cache_in_training_is_turned_off_or_refused(policy):
-    """A checkpointed layer given a key/value cache would add its keys and values twice (recompute): a
-    training forward asked for one runs without (a warning says so, as transformers' own gradient
-    checkpointing does); a cache passed in is refused."""
-    m = apply_activation_policy(llama(), policy)
+@pytest.mark.parametrize("policy", ["checkpoint", "selective", "min", "budget"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_cache_with_gradients_is_turned_off_or_refused(policy, training):
+    """A checkpointed layer given a key/value cache would add its keys and values twice (recompute), and so
+    would memory_budget's probes at a new shape: a forward with gradients asked for one runs without (a warning
+    says so, as transformers' own gradient checkpointing does), in training mode or in eval mode (dropout off,
+    gradients on: refused with "got a key/value cache" before); a cache passed in is refused."""
+    m = llama(use_cache=True).train(training)
+    m = apply_activation_policy(m, memory_budget=0.5) if policy == "budget" else apply_activation_policy(m, policy)
     x = ids()
-    want = m(input_ids=x, labels=x).loss
-    with pytest.warns(UserWarning, match="use_cache=True in a training forward"):
+    plain = llama(use_cache=True).train(training)
+    want = plain(input_ids=x, labels=x, use_cache=False).loss
+    out = m(input_ids=x, labels=x)   # the config's use_cache=True
+    assert out.past_key_values is None and torch.equal(out.loss, want)
+    out.loss.backward()
+    with pytest.warns(UserWarning, match="use_cache=True in a forward with gradients"):
         out = m(input_ids=x, labels=x, use_cache=True)
     assert out.past_key_values is None and torch.equal(out.loss, want)
     # transformers 5.24 renamed past_key_values to cache
     name = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
+    cache = transformers.DynamicCache(config=m.config)
     with pytest.raises(TypeError, match="got a key/value cache"):
-        m(input_ids=x, labels=x, **{name: transformers.DynamicCache(config=m.config)})
+        m(input_ids=ids(seed=1), labels=x, **{name: cache})
+    assert cache.get_seq_length() == 0   # refused before any layer (or probe) wrote to it
+    with torch.no_grad():   # inference keeps its cache
+        assert m(input_ids=x).past_key_values.get_seq_length() == x.shape[1]
+
+
+@pytest.mark.parametrize("policy", ["fast", "min", "selective", "budget"])
+def test_a_model_under_a_policy_pickles(policy):
+    """torch.save(model) of a model under a policy (its hooks were a local closure: "Can't pickle local
+    object"), loaded back with the policy still applied and the same loss."""
+    m = llama()
+    m = apply_activation_policy(m, memory_budget=0.5) if policy == "budget" else apply_activation_policy(m, policy)
+    x = ids()
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert back.model.layers[0]._effmem_policy == {"min": "checkpoint8"}.get(policy, policy)
+    assert torch.equal(back(input_ids=x, labels=x).loss, m(input_ids=x, labels=x).loss)
 
 
 def mixtral():

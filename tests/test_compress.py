@@ -291,3 +291,20 @@ def test_user_exclusions_by_module_name_type_and_predicate(corpus):
         compress_activations(exclude_modules=["blocks.0"])   # names need a model
     with pytest.raises(ValueError, match="exclude_modules"):
         compress_activations(exclude_modules=[3])
+    with pytest.raises(ValueError, match="stochastic must be True or False"):
+        compress_activations(small_gpt(), stochastic="no")
+
+
+def test_one_excluded_name_is_one_pattern_not_its_characters(corpus):
+    """exclude_modules="blocks.*.mlp" (a string, not a list): one pattern. Taken a character at a time, its
+    lone "*" excluded every module and nothing was compressed."""
+    x, y = batch(corpus)
+    decisions = {}
+    for spec in (["blocks.*.mlp"], "blocks.*.mlp", nn.GELU, [nn.GELU]):
+        model = compress_activations(small_gpt(), exclude_modules=spec, record=True)
+        model(x, y)
+        decisions[str(spec)] = [(r["module"], r["decision"]) for r in compressor_of(model).records]
+    assert decisions["['blocks.*.mlp']"] == decisions["blocks.*.mlp"]
+    assert any(d == "compressed" for _, d in decisions["blocks.*.mlp"])
+    assert all(d != "compressed" for m, d in decisions["blocks.*.mlp"] if ".mlp" in m)
+    assert decisions[str(nn.GELU)] == decisions[str([nn.GELU])]

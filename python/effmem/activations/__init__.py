@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from effmem.activations import paths
-from effmem.activations.cache import no_training_cache, restore_training_cache
+from effmem.activations.cache import no_training_cache, refuse_cache, restore_training_cache
 from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.budget import BudgetPolicy, check_budget
@@ -196,6 +196,7 @@ def _compiled_budget_layer(*args, **kwargs):
 def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, index: int, name: str, shapes,
                       *args, **kwargs):
     hidden, others = _layer_inputs(args, kwargs)
+    refuse_cache(layer, args, kwargs)   # the first forward of a shape runs layer 0 more times (the probes)
     return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled=compiled)
 
 

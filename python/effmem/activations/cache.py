@@ -3,9 +3,10 @@
 A recomputed layer would append its keys and values to the cache a second time, and a cache made in a
 training forward holds every layer's keys and values until the output is dropped. transformers turns the
 cache off for checkpointed training itself; for ours, a forward pre-hook on each module that takes a
-`use_cache` argument passes use_cache=False while training with gradients. Not config.use_cache=False: the
-user's config stays as it was (save_pretrained writes it), and inference or generate() under the policy
-keeps its cache."""
+`use_cache` argument passes use_cache=False in every forward with gradients (in training mode or not: an
+eval-mode forward with gradients, dropout off, is recomputed all the same). Not config.use_cache=False: the
+user's config stays as it was (save_pretrained writes it), and inference or generate() (no gradients) under
+the policy keeps its cache."""
 import inspect
 import warnings
 
@@ -28,19 +29,36 @@ def _position(module: nn.Module):
     return -1
 
 
-def _pre_hook(position):
-    def hook(module, args, kwargs):
-        if not (module.training and torch.is_grad_enabled()):
+class _NoCache:
+    """The forward pre-hook: use_cache=False where forward takes it at `position` (None: by keyword). A class,
+    not a closure, so that a model under a policy pickles (torch.save(model))."""
+
+    def __init__(self, position):
+        self.position = position
+
+    def __call__(self, module, args, kwargs):
+        if not torch.is_grad_enabled():
             return None
+        position = self.position
         positional = position is not None and position < len(args)
         if (args[position] if positional else kwargs.get("use_cache")) is True:
-            warnings.warn(f"{type(module).__name__}: use_cache=True in a training forward under an activation "
-                          "policy is turned off (a recomputed layer would add its keys and values to the cache "
-                          "again), as transformers' own gradient checkpointing does", stacklevel=2)
+            warnings.warn(f"{type(module).__name__}: use_cache=True in a forward with gradients under an "
+                          "activation policy is turned off (a recomputed layer would add its keys and values to "
+                          "the cache again), as transformers' own gradient checkpointing does", stacklevel=2)
         if positional:
             return (*args[:position], False, *args[position + 1:]), kwargs
         return args, {**kwargs, "use_cache": False}
-    return hook
+
+
+def refuse_cache(layer: nn.Module, args, kwargs) -> None:
+    """A cache object given to a layer that will run again, in a forward with gradients: refused (a recomputed
+    layer, or the budget's probes, would add its keys and values again; use_cache=False alone does not stop a
+    layer from updating a cache it is handed)."""
+    if any(type(a).__name__.endswith("Cache") for a in (*args, *kwargs.values())):
+        raise TypeError(f"{type(layer).__name__}: got a key/value cache in a forward with gradients; this "
+                        "activation policy runs the layer again ('min', 'checkpoint' and 'selective' in backward, "
+                        "memory_budget's probes at a new shape), which would add to the cache again. Pass no "
+                        "past_key_values when training (use_cache=False is passed for you), or use 'fast'")
 
 
 def no_training_cache(model: nn.Module) -> None:
@@ -51,7 +69,7 @@ def no_training_cache(model: nn.Module) -> None:
     for m in model.modules():
         position = _position(m)
         if position != -1:
-            handles.append(m.register_forward_pre_hook(_pre_hook(position), with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(_NoCache(position), with_kwargs=True))
     model.__dict__[_HOOKS] = handles
 
 

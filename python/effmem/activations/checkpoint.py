@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from effmem.activations.cache import refuse_cache
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.selective import context as selective_context
 from effmem.compress import _codec
@@ -185,7 +186,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         raise TypeError(f"{type(layer).__name__}: compressed checkpointing ('min'): the hidden state must be a "
                         f"float32, bfloat16 or float16 tensor, got "
                         f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
-    _refuse_cache(layer, rest, kwargs)
+    refuse_cache(layer, rest, kwargs)
     leaves, spec = tree_flatten((rest, kwargs))
     grad_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -234,17 +235,10 @@ def buffers_kept(buffers):
                 b.copy_(value)
 
 
-def _refuse_cache(layer: nn.Module, args, kwargs) -> None:
-    if any(type(a).__name__.endswith("Cache") for a in (*args, *kwargs.values())):
-        raise TypeError(f"{type(layer).__name__}: got a key/value cache; recomputing a layer would add to it "
-                        "a second time. Train with use_cache=False (apply_activation_policy passes it to "
-                        "each module that takes use_cache)")
-
-
 def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):
     """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        _refuse_cache(layer, args, kwargs)
+        refuse_cache(layer, args, kwargs)
     context = {"context_fn": selective_context} if selective else {}
     return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
 

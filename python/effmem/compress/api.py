@@ -91,7 +91,7 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     compressed only if backward runs inside the ``with`` block.
     """
     config = CompressConfig(bits=bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
-                            seed=seed, exclude_modules=tuple(exclude_modules), exclude=exclude,
+                            seed=seed, exclude_modules=exclude_modules, exclude=exclude,
                             pack_bool_masks=pack_bool_masks, track_exact=track_exact, record=record)
     if module is None:
         if names_from is None and config.exclude_modules:

@@ -34,7 +34,13 @@ class CompressConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.exclude is not None and not callable(self.exclude):
             raise ValueError(f"exclude must be a callable taking a tensor, got {self.exclude!r}")
-        specs = tuple(self.exclude_modules)
+        for flag in ("stochastic", "pack_bool_masks", "track_exact", "record"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        # one name or type alone is one entry (a string would otherwise be taken a character at a time, and
+        # a lone "*" among them excludes every module)
+        one = isinstance(self.exclude_modules, (str, type))
+        specs = (self.exclude_modules,) if one else tuple(self.exclude_modules)
         for spec in specs:
             if not isinstance(spec, str) and not (isinstance(spec, type) and issubclass(spec, nn.Module)):
                 raise ValueError(f"exclude_modules entries must be module names (glob patterns) or nn.Module "
