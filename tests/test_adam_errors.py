@@ -30,6 +30,53 @@ def test_bad_hyperparameters(kwargs, match):
         effmem.FusedAdam([param(3)], **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(overlap="False"), "overlap: expected True or False"),      # a non-empty string: True, taken as such
+    (dict(delay="no"), "delay: expected True or False"),
+    (dict(async_step=1), "async_step: expected True or False"),
+    (dict(pin_state=None), "pin_state: expected True or False"),
+    (dict(stream_grads="False"), "stream_grads: expected True, False or None"),
+])
+def test_offload_mode_flags_are_booleans(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        effmem.OffloadAdam([param(3)], **kwargs)
+
+
+def test_step_scale_arguments():
+    """step(inv_scale=, found_inf=) as GradScaler's attributes are: a Python number is a one-element tensor
+    (it failed with "'float' object has no attribute 'to'"), a tensor of several values is refused by name."""
+    ref, p = param(4), param(4)
+    with torch.no_grad():
+        p.copy_(ref)
+    for q, kw in ((ref, dict(inv_scale=torch.tensor(0.5), found_inf=torch.tensor(0.0))),
+                  (p, dict(inv_scale=0.5, found_inf=0))):
+        q.grad = torch.ones_like(q)
+        effmem.FusedAdam([q], lr=0.1).step(**kw)
+    assert torch.equal(ref, p)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    effmem.FusedAdam([p], lr=0.1).step(found_inf=1.0)   # a step skipped
+    assert torch.equal(p, before)
+    for kw, match in ((dict(found_inf=torch.tensor([0.0, 1.0])), "found_inf: expected a one-element floating"),
+                      (dict(inv_scale="2"), "inv_scale: expected a one-element floating"),
+                      (dict(inv_scale=torch.tensor(1)), "inv_scale: expected a one-element floating")):
+        with pytest.raises(TypeError, match=match):
+            effmem.FusedAdam([p], lr=0.1).step(**kw)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+def test_grad_scaler_with_offload_adam_is_refused_with_a_reason():
+    """OffloadAdam's gradients leave during backward, before a GradScaler could unscale or check them; torch's
+    own message was "No inf checks were recorded for this optimizer"."""
+    p = param(4)
+    opt = effmem.OffloadAdam([p])
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(p.sum()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler is not supported"):
+        scaler.step(opt)
+    opt.close()
+
+
 def test_bad_hyperparameters_in_a_later_group():
     opt = effmem.FusedAdam([param(3)])
     with pytest.raises(ValueError, match="eps"):

@@ -118,3 +118,42 @@ def test_a_failed_backward_without_overlap_is_left_to_the_caller():
     model(*batches(1)[0])[1].backward()
     opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("change", ["clear", "assign_tensor", "assign_entry", "del", "new_entry"])
+def test_assigning_into_opt_state_is_refused_not_ignored(change):
+    """opt.state's tensors are views of the engine's host memory: a reset by assignment or clear() (FusedAdam
+    and torch honour it) never reached the engine, and the next step went on from the old moments (0.12 off
+    torch's AdamW after a clear()). Refused at the next step() or state_dict(); in-place changes act, and
+    load_state_dict() makes opt.state the engine's again."""
+    model = tiny_gpt(torch.float32)
+    unused = torch.nn.Parameter(torch.zeros(8))   # no gradient ever: no entry in opt.state
+    opt = OffloadAdam([*model.parameters(), unused], **HP)
+    data = batches(3)
+    model(*data[0])[1].backward()
+    opt.step()
+    opt.zero_grad()
+    saved = opt.state_dict()
+    saved = {"state": {k: {n: t.clone() for n, t in s.items()} for k, s in saved["state"].items()},
+             "param_groups": saved["param_groups"]}
+    params = list(model.parameters())
+    p = params[0]
+    if change == "clear":
+        opt.state.clear()
+    elif change == "assign_tensor":
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    elif change == "assign_entry":
+        opt.state[p] = {k: v.clone() for k, v in opt.state[p].items()}
+    elif change == "del":
+        del opt.state[p]
+    else:
+        opt.state[unused] = {"exp_avg": torch.ones_like(unused)}
+    for call in (opt.step, opt.state_dict):
+        with pytest.raises(RuntimeError, match=r"opt.state was changed by assignment, del or clear\(\)"):
+            call()
+    opt.load_state_dict(saved)
+    opt.state[p]["exp_avg"].zero_()   # in place: reaches the engine
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], torch.zeros_like(p))
+    model(*data[1])[1].backward()
+    opt.step()
+    opt.close()

@@ -100,6 +100,7 @@ class OffloadBuild:
         for i in indices:
             if not self.state.get(self._params[i]):
                 self.state[self._params[i]] = self._state_of(i)
+        self._note_state()
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]

@@ -18,6 +18,7 @@ class OffloadCheckpoint:
         Parameters that have not been stepped yet have no entry.
         """
         self._check_open()
+        self._check_state()
         self._engine.synchronize()
         self._sync_state()
         sd = super().state_dict()
@@ -74,5 +75,7 @@ class OffloadCheckpoint:
             else:
                 self.state.pop(p, None)
         self._step_count = int(max((step for _, _, step in plan), default=0))
-        # A consistent state again: a failed overlap backward is behind us.
-        self._broken, self._open_task = None, None
+        # A consistent state again: a failed overlap backward is behind us, opt.state is the engine's.
+        self._broken = None
+        self._open_tasks.clear()
+        self._note_state()

@@ -13,35 +13,44 @@ from effmem.optim import _validate
 class OffloadGuards:
     def _track_backward(self) -> None:
         """Overlap and delay mode upload weights during backward (and overlap updates buckets).
-        Once per backward, queue a callback for its end that orders the caller's stream after
-        the uploads, so that the next forward (say of the next micro-batch, with no step() in
-        between) reads whole weights, and that marks the backward as finished: autograd runs
-        it only when backward completes, so a backward whose callback never ran raised midway.
+        Once per backward (autograd graph task), queue a callback for its end that orders the caller's
+        stream after the uploads, so that the next forward (say of the next micro-batch, with no step() in
+        between) reads whole weights, and that marks the task as finished: autograd runs it only when the
+        task completes, so a task whose callback never ran raised midway.
+
+        A new task while another is open is not judged here: it may be nested in the open one (reentrant
+        checkpointing runs its recompute's backward as a graph task of its own, inside the outer one),
+        which is fine, or follow one that raised. The tasks still open when no backward runs (step(),
+        zero_grad(), the next backward's start) are the ones that raised: _note_unfinished_backward.
+        Judged here, a nested task was taken for a failure: overlap refused a backward that had not failed,
+        and delay installed weights that the running backward still had to read (wrong gradients).
         Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook fences instead."""
         task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._open_task:
+        if task == -1 or task in self._open_tasks:
             return
-        self._check_consistent()  # notes a previous backward that never finished
-        self._open_task = task
-        self._updates_at_open = self._engine.param_updates
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        if not self._open_tasks:
+            self._updates_at_open = self._engine.param_updates
+        self._open_tasks.add(task)
         engine, ref = self._engine, weakref.ref(self)
 
         def finished():
             opt = ref()
-            if opt is not None and opt._open_task == task:
-                opt._open_task = None
+            if opt is not None:
+                opt._open_tasks.discard(task)
             if not engine.closed:
                 engine.fence()
 
         torch.autograd.Variable._execution_engine.queue_callback(finished)
 
     def _note_unfinished_backward(self) -> None:
-        """A backward that never reached its end: with overlap=True, buckets it completed were
-        already updated with its gradients. The state no longer matches any sequence of whole
-        steps, so further steps are refused until the caller chooses (see _check_consistent)."""
-        if self._open_task is None:
+        """Backwards that never reached their end (called where none runs): with overlap=True, buckets they
+        completed were already updated with their gradients. The state no longer matches any sequence of
+        whole steps, so further steps are refused until the caller chooses (see _check_consistent)."""
+        if not self._open_tasks:
             return
-        self._open_task = None
+        self._open_tasks.clear()
         # Bucket updates run on the engine's workers: wait for those the failed backward queued,
         # or they would be missed by the count below (seen as a rare flaky test).
         self._engine.synchronize()
@@ -64,12 +73,35 @@ class OffloadGuards:
         are (the buckets it completed keep their update), dropping its other gradients."""
         self._check_open()
         self._broken = None
-        self._open_task = None
+        self._open_tasks.clear()
         self._engine.zero_grad()
         self._sync_state()   # the buckets the failed backward completed were updated
         self._in_backward = False
         self._streamed.clear()
         self._queued.clear()
+
+    def _note_state(self) -> None:
+        """Remember opt.state's entries as the optimizer made them (views of the engine's memory), for
+        _check_state: after each change the optimizer makes to them."""
+        self._state_seen = {p: (e, tuple(e.items())) for p, e in self.state.items() if e}
+
+    def _check_state(self) -> None:
+        """opt.state's tensors are views of the engine's host memory (FusedAdam's inner state for
+        device_state's parameters). An entry assigned, replaced, deleted or cleared would not reach the
+        engine: the next step would go on from the state the caller meant to change, silently. Refuse."""
+        seen = self._state_seen
+        changed = [p for p, (e, items) in seen.items()
+                   if self.state.get(p) is not e or len(e) != len(items)
+                   or any(e.get(k) is not v for k, v in items)]
+        changed += [p for p, e in self.state.items() if e and p not in seen]
+        if changed:
+            i = next(k for k, q in enumerate(self._all_params) if q is changed[0])
+            raise RuntimeError(
+                f"OffloadAdam: opt.state was changed by assignment, del or clear() ({len(changed)} parameter(s), "
+                f"the first is parameter {i}). Its tensors are views of the optimizer's host memory, which an "
+                "assignment does not reach: the change would be ignored. Change them in place "
+                "(opt.state[p]['exp_avg'].zero_()), load a state with opt.load_state_dict(...) (which also "
+                "clears this), or build a new OffloadAdam to start afresh.")
 
     def _check_params(self) -> None:
         """The engine updates the memory each parameter had when the optimizer was built. A

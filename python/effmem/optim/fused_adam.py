@@ -156,9 +156,12 @@ class FusedAdam(AdamBase):
 
         Args:
             closure: re-evaluates the model and returns the loss (optional).
-            inv_scale: float32 one-element tensor multiplying every gradient.
-            found_inf: float32 one-element tensor; nonzero skips the step (and
-                does not advance the step count), decided on the device.
+            inv_scale: float32 one-element tensor multiplying every gradient (a
+                Python number is taken as one); its value is not read on the
+                host (no sync), so a negative or NaN one is the caller's.
+            found_inf: float32 one-element tensor (or a number); nonzero skips
+                the step (and does not advance the step count), decided on the
+                device.
         """
         loss = None
         if closure is not None:
@@ -171,6 +174,7 @@ class FusedAdam(AdamBase):
             inv_scale = self.grad_scale.double().reciprocal().float()
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        inv_scale, found_inf = _one_value(inv_scale, "inv_scale"), _one_value(found_inf, "found_inf")
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
         if pending and self._pending_outside_capture and _capturing():
             raise RuntimeError("FusedAdam.step is being captured in a CUDA graph while a clip from "
@@ -317,6 +321,16 @@ def _lr_and_advance(lr, device: torch.device, inf: Optional[Tensor]):
         lr_ok = torch.isfinite(lr_tensor) & (lr_tensor >= 0)
         advance = lr_ok if advance is None else advance & lr_ok
     return lr, lr_tensor, None if advance is None else advance.to(torch.float32).reshape(())
+
+
+def _one_value(t, name: str) -> Optional[Tensor]:
+    """inv_scale / found_inf as step() takes them: None, a number, or a one-element floating tensor."""
+    if t is None or isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point():
+        return t
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        return torch.tensor(float(t), dtype=torch.float32)
+    got = f"a {tuple(t.shape)} {t.dtype} tensor" if isinstance(t, Tensor) else repr(t)
+    raise TypeError(f"{name}: expected a one-element floating tensor (or a number), got {got}")
 
 
 def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:

@@ -3,7 +3,7 @@ import contextlib
 import math
 import os
 import threading
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -95,7 +95,12 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             works. Before reading the parameters outside training
             (evaluation, saving the model) call ``flush()``;
             ``state_dict()``, ``load_state_dict()`` and ``close()`` flush
-            too.
+            too. A flush installs the pending weights at once, so the step
+            after it reads them and is exact rather than one step stale: a
+            run that saves checkpoints takes slightly different steps from
+            one that does not (a run resumed from a checkpoint takes the
+            same steps as the one that saved it). A saved model and
+            optimizer state always belong to the same step.
         async_step: ``step()`` queues the CPU update and returns at once, and
             the next forward waits, module by module, for the new weights of
             the parameters it reads: exact math (no stale gradients, clipping
@@ -191,6 +196,12 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         device_state: int = 0,
         _host_delay_us: float = 0.0,
     ):
+        for flag, value in (("overlap", overlap), ("delay", delay), ("async_step", async_step),
+                            ("pin_state", pin_state)):
+            if not isinstance(value, bool):   # "False" would be taken for True
+                raise ValueError(f"{flag}: expected True or False, got {value!r}")
+        if stream_grads is not None and not isinstance(stream_grads, bool):
+            raise ValueError(f"stream_grads: expected True, False or None (the default), got {stream_grads!r}")
         _validate.whole(bucket_size, "bucket_size", 1, "elements")
         num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
                                       "num_threads", 1)
@@ -225,9 +236,10 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
         self._clip_scale = 1.0
-        self._open_task: Optional[int] = None  # the backward (graph task) under way, until its end callback
+        self._open_tasks: Set[int] = set()  # backward graph tasks under way (nested ones too), until their end
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
+        self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_grads = _dist.stream_grads_choice(stream_grads)
         self._pid = os.getpid()   # the process whose engine threads these are (a fork has none)
@@ -350,9 +362,17 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
 
     # ------------------------------------------------------------------ step
 
+    # torch.amp.GradScaler calls step(grad_scaler=...) on an optimizer that says it scales itself: refused
+    # below with a reason, where GradScaler's own check failed with "No inf checks were recorded"
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scaler=None):
         """Updates every parameter with a pending gradient; returns the closure's loss, if any."""
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("OffloadAdam: torch.amp.GradScaler is not supported (the gradients leave the GPU "
+                               "during backward, before it could unscale or check them). Train in bf16, which "
+                               "needs no loss scaling, or use FusedAdam for fp16 with a grad scaler")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -363,6 +383,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
                                "call opt.attach(model) once before the first step")
         self._check_consistent()
         self._check_params()
+        self._check_state()
         self._init_masters()
         self._take_leftover_grads()
         self._sync_groups()
