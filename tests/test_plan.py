@@ -196,6 +196,10 @@ def test_presets_all_plan():
     (dict(batch=3, gpus=2, gpu_memory="80GB"), "do not split evenly"),
     (dict(trainable="nothing_matches_this"), "matches no parameter"),
     (dict(trainable="layers#2:1"), "after '#' expected a:b"),
+    (dict(trainable=r"ln_f\.bias#0:1000"), r"selects experts of a stacked parameter.*ln_f.bias has shape \(768,\)"),
+    (dict(trainable=r"transformer\.h\.#0:2"), "selects experts of a stacked parameter"),
+    (dict(model="mixtral-8x7b", trainable=r"model\.layers\.0\.mlp\.experts\.#0:9"),
+     "asks for rows up to 9 of model.layers.0.mlp.experts.gate_up_proj, which has 8"),
     (dict(accum=3, batch=4), "accum: 3 does not divide"),
     (dict(device="tpu"), "device: expected 'cuda' or 'cpu'"),
 ])
@@ -205,6 +209,26 @@ def test_bad_arguments_name_themselves(bad, match):
     with pytest.raises(ValueError, match=match):
         effmem.plan(kw.pop("model"), **kw)
     assert gc.isenabled()   # the collector, paused while planning, is back on after an error too
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_attention_heads=5), "not a multiple of the number of attention heads"),
+    (dict(hidden_size="64"), "hidden_size"),
+    (dict(intermediate_size=-1), "negative dimension"),
+    (dict(pad_token_id=32000), "Padding_idx"),
+])
+def test_a_config_transformers_refuses_is_one_line_naming_the_model(tmp_path, capsys, change, match):
+    """transformers' own validation raised its own exception types (a traceback from the command); now a
+    ValueError naming the model argument, and the command's one-line error."""
+    cfg = dict(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256), **change)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"model: transformers cannot build this 'llama' config: .*{match}"):
+        effmem.plan(str(tmp_path), batch=2, seq=32, device="cpu")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(tmp_path), "--device", "cpu"])
+    assert exit_.value.code == 2
+    assert "effmem plan: error: model: transformers cannot build" in capsys.readouterr().err
 
 
 def test_plan_leaves_the_collector_as_it_found_it():
@@ -230,6 +254,10 @@ def test_defaults_come_from_the_machine():
 def test_parse_bytes_units():
     assert parse_bytes("80GB", "x") == 80 * 10 ** 9 and parse_bytes("80GiB", "x") == 80 << 30
     assert parse_bytes("1.5TB", "x") == 1_500_000_000_000 and parse_bytes(1024, "x") == 1024
+    assert parse_bytes("80000000000", "x") == 80 * 10 ** 9 and parse_bytes("512B", "x") == 512
+    with pytest.raises(ValueError, match=r"gpu_memory: '80' is 80 bytes, less than a MiB: give a unit \(for example "
+                                         r"80GB\)"):
+        parse_bytes("80", "gpu_memory")   # from the command line: 80GB meant
 
 
 def test_command_writes_json_chart_and_code(tmp_path, capsys):
@@ -473,3 +501,14 @@ def test_fused_loss_made_in_forward_takes_the_fast_counts_of_the_default_fused_l
         d, t = derived.model(spec, micro, 1.0), traced.model(spec, micro, 1.0)
         assert d.activations == t.activations and d.activations["fast"]["grads"] > 0
         assert (d.fast_compressed, d.fast_codes) == (t.fast_compressed, t.fast_codes)
+
+
+def test_on_a_cpu_eight_bit_moments_step_at_the_cpu_kernels_rate():
+    """Training on a CPU, FusedAdam runs its CPU kernel, where 8-bit moments are compute-bound (0.57x the
+    float32 moments' rate, bench/results/cpu_adam_avx2.json): the plan counted the GPU kernel's bytes instead,
+    found 8-bit moments faster, and picked them for a model that needed no memory saved."""
+    p = effmem.plan(TINY, batch=2, seq=64, device="cpu", host_memory="8GB")
+    exact = pick_of(p, precision="fp32", activations="none", state_bits=32, loss="standard")
+    eight = pick_of(p, precision="fp32", activations="none", state_bits=8, loss="standard")
+    assert eight.time_parts["optimizer"] == pytest.approx(2 * exact.time_parts["optimizer"])
+    assert p.pick.config.state_bits == 32

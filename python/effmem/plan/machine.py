@@ -23,6 +23,8 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     n = int(float(m.group(1)) * scale[unit])
     if n < 1:   # '0.5B': not a size (and 0 would read as 'not given')
         raise ValueError(f"{what}: expected a positive size, got {text!r} ({n} bytes)")
+    if m.group(2) is None and n < 1 << 20:   # '--gpu-memory 80': 80 bytes, where 80GB was meant
+        raise ValueError(f"{what}: {text!r} is {n} bytes, less than a MiB: give a unit (for example {text}GB)")
     return n
 
 

@@ -76,19 +76,30 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
         config = transformers.AutoConfig.for_model(model_type, **cfg)
     except ValueError as e:
         if "Unrecognized model" not in str(e):
-            raise
+            raise _refused(model_type, e) from None
         raise ValueError(f"model: model_type {model_type!r} is not one transformers {transformers.__version__} "
                          "knows (a newer transformers, or a typo in config.json?)") from None
+    except Exception as e:   # transformers' own validation (hidden size not a multiple of the heads...)
+        raise _refused(model_type, e) from None
     config.use_cache = False
     with torch.device("meta"):
         try:
             return transformers.AutoModelForCausalLM.from_config(config)
         except ValueError as e:
             if "Unrecognized configuration class" not in str(e):
-                raise
+                raise _refused(model_type, e) from None
             raise ValueError(f"model: effmem plan models causal language models (AutoModelForCausalLM); "
                              f"model_type {model_type!r} has none (an encoder-decoder or encoder-only model?)"
                              ) from None
+        except Exception as e:   # a config that builds but not its model (a negative size, a pad id past vocab)
+            raise _refused(model_type, e) from None
+
+
+def _refused(model_type: str, e: Exception) -> ValueError:
+    """A config transformers refuses, as one line naming the model argument."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return ValueError(f"model: transformers cannot build this {model_type!r} config: {type(e).__name__}: {text}")
 
 
 def config_layers(cfg: dict) -> int:
@@ -183,8 +194,14 @@ class Trainable:
             if pattern.search(name):
                 if rows is None:
                     return total
-                first = shape[0] if shape else 1
-                take = max(0, min(rows[1], first) - rows[0])
+                if len(shape) < 3:   # a matrix's rows are not experts: a pattern meant for whole layers?
+                    raise ValueError(f"trainable: '#{rows[0]}:{rows[1]}' selects experts of a stacked parameter "
+                                     f"(3 or more dimensions, experts first); {name} has shape {tuple(shape)}")
+                first = shape[0]
+                if rows[1] > first:
+                    raise ValueError(f"trainable: '#{rows[0]}:{rows[1]}' asks for rows up to {rows[1]} of {name}, "
+                                     f"which has {first} along its first dimension")
+                take = rows[1] - rows[0]
                 best = max(best, total // max(first, 1) * take)
         return best
 

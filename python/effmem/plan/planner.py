@@ -79,6 +79,8 @@ def _why_not(c: Candidate, best: Candidate) -> str:
     reason = ("changes the numbers more (8-bit moments or activations)"
               if c.config.approximations > best.config.approximations else "holds more in host memory"
               if c.cost.host_bytes > best.cost.host_bytes else "holds more on the GPU")
+    if -slower < 0.0005:
+        return f"fits, as fast as the pick but {reason}"
     return f"fits, {-slower:.1%} faster than the pick (within {PICK_TOLERANCE:.0%}) but {reason}"
 
 

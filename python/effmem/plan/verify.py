@@ -80,10 +80,11 @@ def model_for(plan, dtype: Optional[torch.dtype] = None) -> nn.Module:
 
 def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[str]] = None, steps: int = 3,
            make_model: Optional[Callable[[], nn.Module]] = None, inputs=None, warmup: int = 1) -> List[dict]:
-    """Train `warmup` + `steps` steps of each named candidate (default: the pick) and measure it: the peak over
-    all of them, the step time as the median of the last `steps` (the first steps make the optimizer's state
-    and grow the allocator's cache; on the H200 of 2026-11-27 a first configuration timed with its first step
-    counted measured 1.16x slower than one doing more work). One dict per candidate."""
+    """Train `warmup` + `steps` + 1 steps of each named candidate (default: the pick) and measure it: the step
+    time as the median of the `steps` after the warm-up (the first steps make the optimizer's state and grow
+    the allocator's cache; on the H200 of 2026-11-27 a first configuration timed with its first step counted
+    measured 1.16x slower than one doing more work), the memory in the last, untimed, and the peak over all.
+    One dict per candidate."""
     whole(steps, "steps", 1)
     whole(warmup, "warmup", 0)
     names = candidates or ([plan.best] if plan.best else [])
@@ -112,27 +113,30 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs, warmup: int = 0
     measured_act = None
     t_steps = []
     total = warmup + steps
-    for step in range(total):
+    # One more step after the timed ones measures memory (activations alive after forward, model states),
+    # untimed: bytes_in_use synchronizes the GPU (so the host could not issue backward while the device ran
+    # forward) and, on a CPU, runs the garbage collector (about 0.2 s with transformers imported, where the
+    # step it timed took 5 ms).
+    for step in range(total + 1):
+        measuring = step == total
         t0 = time.perf_counter()
         for micro in range(cfg.accumulation):
             with micro_batch(opt, micro, cfg.accumulation):
-                before = bytes_in_use(device)
+                before = bytes_in_use(device) if measuring and micro == cfg.accumulation - 1 else None
                 with autocast:
                     out = m(*args, **kwargs)
-                after = bytes_in_use(device)
-                if step == total - 1 and micro == cfg.accumulation - 1 and before is not None:
-                    measured_act = after - before
+                if before is not None:
+                    measured_act = bytes_in_use(device) - before
                 _loss_of(out).backward()
                 del out
-        last = step == total - 1   # measured on the last step alone: the other steps time nothing else
-        grads = _state_bytes(m, opt, device)["grads"] if last else None   # alive until zero_grad
+        grads = _state_bytes(m, opt, device)["grads"] if measuring else None   # alive until zero_grad
         opt.step()
-        if last:   # the optimizer's state as the step leaves it (the first step makes it)
+        if measuring:   # the optimizer's state as the step leaves it (the first step makes it)
             measured_states = dict(_state_bytes(m, opt, device), grads=grads)
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if step >= warmup:
+        if warmup <= step < total:
             t_steps.append(time.perf_counter() - t0)
     row = {"name": c.name, "device": str(device), "steps": steps, "warmup": warmup,
            "predicted_activation_bytes": c.cost.forward_alive,
