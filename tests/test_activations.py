@@ -197,6 +197,33 @@ def mixtral():
     return transformers.MixtralForCausalLM(cfg).train()
 
 
+def test_min_recomputes_a_mixture_of_experts_from_its_exact_input():
+    """A layer that routes tokens keeps its input as it is under "min": recomputed from 8-bit codes, layer 0's
+    router sent 1 token of 240 to other experts than the forward did, and the experts' gradients were 7.5% off
+    (the router's 18%). Now the recompute routes as the forward did: the gradients are plain training's, and
+    the plan counts that input's bytes in full."""
+    from effmem.activations.checkpoint import routes_tokens
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)
+    m = transformers.MixtralForCausalLM(cfg).train()
+    x = torch.randint(0, 128, (3, 80))
+    assert routes_tokens(m.model.layers[0]) and not routes_tokens(llama().model.layers[0])
+
+    def grads():
+        m.zero_grad(set_to_none=True)
+        m(input_ids=x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+    want = grads()
+    apply_activation_policy(m, "min")
+    got = grads()
+    for n, g in want.items():
+        assert torch.allclose(got[n], g, rtol=1e-5, atol=1e-7), n
+    from effmem.plan.extrapolate import trace_spec
+    tr = trace_spec(model_spec(transformers.MixtralForCausalLM(cfg)), 2, 32, torch.bfloat16, "cpu")
+    assert tr.routed and tr.activations("checkpoint8")["block"] == tr.activations("checkpoint")["block"]
+
+
 def test_a_budget_leaves_the_outputs_alone_and_min_refuses_router_losses():
     """memory_budget's probes run layer 0 again at each new shape: the router logits transformers records
     (and the auxiliary loss made from them) are those of the model's own forward. "min" cannot backpropagate

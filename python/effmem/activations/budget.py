@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept
+from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept, routes_tokens
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.activations.offload import Offloader, _parts, aligned_bytes
@@ -179,7 +179,8 @@ class BudgetPolicy:
         rows, cols = (n // g, g) if n % g == 0 else (1, n)
         nbytes = {"plain": plain, "fast": probe.stats.total_bytes_after,
                   "offload": probe.stats.total_bytes_after - codes,
-                  "min": _codec.packed_bytes(rows, cols, self.bits, g)}
+                  "min": (hidden.numel() * hidden.element_size() if routes_tokens(layer)   # kept as it is
+                          else _codec.packed_bytes(rows, cols, self.bits, g))}
         link = _link_rate(hidden.device)
         max_offload = hidden_layers(self.layers, layer_s, codes, link)
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)

@@ -101,6 +101,10 @@ class Extrapolated:
         return self._lin(lambda t: t.fast_codes())
 
     @property
+    def routed(self) -> bool:
+        return self.one.routed
+
+    @property
     def has_fast(self) -> bool:
         return (all(t.fast is not None for t in (self.one, self.two) if t is not None)
                 and (self.step is None or self.step.has_fast))

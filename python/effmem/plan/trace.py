@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from effmem.compress._codec import packed_bytes
 from effmem.compress.policy import CompressConfig, value_reason
+from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
 from effmem.plan.trace_kernels import _Counter, _device_kernels, _Flops, _MetaAutocast, _tensors
 
@@ -103,6 +104,7 @@ class Trace:
     """The records of one forward, and the FLOPs it took."""
     records: Dict[int, Record] = field(default_factory=dict)
     num_blocks: int = 0
+    routed: bool = False   # the layers route tokens to experts: "min" keeps their inputs as they are
     matmul_flops: float = 0.0     # forward FLOPs of everything but attention
     block_matmul_flops: float = 0.0  # of those, the decoder layers'
     attention_flops: float = 0.0  # forward FLOPs of attention scores and weighted sums
@@ -153,8 +155,9 @@ class Trace:
                 bits = int(strategy[len("compress"):])
                 n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(
                     n // r.elem_size // r.last_dim, r.last_dim, bits, cfg.group_size)
-            if strategy == "checkpoint8" and r.block_input and not r.saved_outside:
-                # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows.
+            if strategy == "checkpoint8" and r.block_input and not r.saved_outside and not self.routed:
+                # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows (as it is for a
+                # layer that routes tokens to experts: routes_tokens).
                 n = packed_bytes(n // r.elem_size // r.last_dim, r.last_dim, 8, cfg.group_size)
             if strategy == "save_on_cpu" and not r.output and r.kind != "grads":
                 n = 0
@@ -249,6 +252,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     tr = Trace()
     blocks = find_blocks(model)[1]
     tr.num_blocks = len(blocks)
+    tr.routed = bool(blocks) and routes_tokens(blocks[0])
     block_index = {id(m): i for i, m in enumerate(blocks)}
     head = _output_head(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
