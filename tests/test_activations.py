@@ -146,6 +146,36 @@ def test_a_refused_apply_changes_nothing_and_remove_turns_the_cache_back_on():
     assert m(input_ids=x, labels=x).past_key_values is not None
 
 
+@pytest.mark.parametrize("policy", ["fast", "min"])
+def test_a_layer_listed_twice_or_transformers_checkpointing_is_refused_before_any_change(policy):
+    """A layer used twice (tied, looped) was wrapped twice ("fast") or refused halfway ("min", its first copy
+    already wrapped), and remove_activation_policy left its norms and MLP patched; transformers' own
+    checkpointing under a policy ran each layer again for nothing. Both refused, the model as it was."""
+    m = llama()
+    m.model.layers[1] = m.model.layers[0]
+    with pytest.raises(ValueError, match=r"model.layers.1 is the same module as model.layers.0"):
+        apply_activation_policy(m, policy)
+    m = llama()
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="transformers' gradient checkpointing is on"):
+        apply_activation_policy(m, policy)
+    for mod in (m, *m.modules()):
+        assert "forward" not in mod.__dict__ and not any(k.startswith("_effmem") for k in mod.__dict__)
+    m.gradient_checkpointing_disable()
+    apply_activation_policy(m, policy)
+
+
+def test_odd_but_meaningful_arguments():
+    """numpy numbers as budgets; bits and group_size checked under every policy; remove() names its argument."""
+    np = pytest.importorskip("numpy")
+    for budget in (np.int64(10 ** 6), np.float32(0.5)):
+        apply_activation_policy(llama(), memory_budget=budget)
+    with pytest.raises(ValueError, match="bits"):
+        apply_activation_policy(llama(), "checkpoint", bits=3)
+    with pytest.raises(TypeError, match="model: expected an nn.Module, got str"):
+        remove_activation_policy("x")
+
+
 @pytest.mark.parametrize("policy", ["checkpoint", "selective", "min", "budget"])
 @pytest.mark.parametrize("training", [True, False])
 def test_a_cache_with_gradients_is_turned_off_or_refused(policy, training):

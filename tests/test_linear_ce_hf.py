@@ -109,6 +109,24 @@ def test_grad_in_forward_is_passed_to_every_loss(monkeypatch, grad_in_forward):
         effmem.fuse_linear_cross_entropy(FAMILIES["llama"](), grad_in_forward="yes")
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_labels_given_by_position_are_fused_too(family):
+    """forward(input_ids, None, ..., labels): the fused loss looked for labels by name only, so a positional one
+    made the full logits (correct loss, memory not saved)."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(model))
+    x, y = batch()
+    names = list(inspect.signature(model.forward).parameters)
+    at = names.index("labels")
+    args = [x] + [None] * (at - 1) + [y]
+    ref, got = model(*args), fused(*args)
+    assert got.logits is None and ref.logits is not None
+    assert abs(got.loss.item() - ref.loss.item()) <= 1e-6 * abs(ref.loss.item())
+    with pytest.raises(TypeError):   # labels twice: the model's own error
+        fused(*args, labels=y)
+
+
 def test_num_items_in_batch_and_inference_untouched():
     model = FAMILIES["llama"]()
     fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(model))

@@ -126,12 +126,27 @@ class _FusedForward:
 
     def __init__(self, model: nn.Module, original, head: nn.Module):
         self.model, self.original, self.head = model, original, head
+        # where labels sits among the positional parameters (None: keyword only or absent): labels given by
+        # position were not seen, and the loss was made from full logits
+        params = list(inspect.signature(original).parameters.values())
+        self.names = [p.name for p in params]
+        self.labels_at = next((i for i, p in enumerate(params) if p.name == "labels"
+                               and p.kind == p.POSITIONAL_OR_KEYWORD), None)
+        if self.labels_at is not None and any(p.kind != p.POSITIONAL_OR_KEYWORD
+                                              for p in params[:self.labels_at + 1]):
+            self.labels_at = None
 
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.original)
 
     def __call__(self, *args, **kwargs):
+        if self.labels_at is not None and len(args) > self.labels_at:
+            # labels (and what follows it) by position: by name, where the fused loss looks for it
+            named = dict(zip(self.names[self.labels_at:], args[self.labels_at:]))
+            if len(named) < len(args) - self.labels_at or named.keys() & kwargs.keys():
+                return self.original(*args, **kwargs)   # more positionals than names, or a clash: its own error
+            args, kwargs = args[:self.labels_at], {**kwargs, **named}
         if kwargs.get("labels") is not None and self.model.get_output_embeddings() is not self.head:
             raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
                                "fused (replaced or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on "

@@ -84,8 +84,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         policy = "fast"
     elif policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(repr(p) for p in POLICIES)}, got {policy!r}")
-    if policy in ("fast", "min", "budget"):
-        _codec.check_config(bits, group_size)
+    _codec.check_config(bits, group_size)   # every policy: a bad value is a mistake, used or not
     stacks = layer_stacks(model)
     if not stacks:
         raise ValueError(f"model: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
@@ -99,6 +98,18 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     if any(getattr(layer, "_effmem_policy", None) is not None for layer in layers):
         raise ValueError("model: an activation policy is already applied; remove_activation_policy(model) first")
     # Every check before the first change: a refused call leaves the model as it was.
+    first_name = {}
+    for name, layer in named:
+        if id(layer) in first_name:   # tied or looped layers: wrapped twice, then unwrapped once
+            raise ValueError(f"model: {name} is the same module as {first_name[id(layer)]} (a layer used more "
+                             "than once); a policy wraps each layer once, so it cannot apply to this stack")
+        first_name[id(layer)] = name
+    if getattr(model, "is_gradient_checkpointing", False) or any(
+            getattr(layer, "gradient_checkpointing", False) is True for layer in layers):
+        raise ValueError("model: transformers' gradient checkpointing is on (gradient_checkpointing_enable()); "
+                         "under a policy each layer would run again besides, and \"fast\" would keep its saves "
+                         "all the same. Call model.gradient_checkpointing_disable() first ('checkpoint' is the "
+                         "policy that checkpoints)")
     for name, layer in named:
         if "forward" in layer.__dict__:
             raise ValueError(f"{type(layer).__name__} ({name}): its forward is already replaced (by "
@@ -233,6 +244,8 @@ def activation_stats(model: nn.Module):
 
 def remove_activation_policy(model: nn.Module) -> nn.Module:
     """Undo apply_activation_policy: every layer's own forward again."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     for layer in (layer for _, layers in layer_stacks(model) for layer in layers):
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)

@@ -27,6 +27,7 @@ The budget is a fraction of the layers' plain saved bytes (a float in (0, 1], as
 activation_memory_budget) or a number of bytes (an int) for the decoder layers at the current shape.
 """
 import contextlib
+import numbers
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -49,6 +50,10 @@ COST = {"plain": 0.0, "fast": 0.05, "offload": 0.06, "min": 0.36}
 
 
 def check_budget(budget) -> Union[float, int]:
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+        budget = int(budget)          # numpy's integers too
+    elif isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+        budget = float(budget)        # numpy's float32 too
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"memory_budget: expected a fraction in (0, 1] (float) or a number of bytes (int), "
                         f"got {type(budget).__name__}")
