@@ -303,3 +303,31 @@ def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_
     want = torch.autograd.grad(used(x[1]).sum(), used[0].weight)[0]
     assert torch.equal(got["g"], want)
     opt.close()
+
+
+def test_overlap_backward_after_one_that_raised_before_any_update_steps_as_torch_would():
+    """overlap: a backward that raised midway, after the last block's gradients were handed over but before any
+    bucket was updated (one bucket), then a whole one without zero_grad(): the step is FusedAdam's on what
+    torch's .grad would hold (the failed backward's partial gradients plus the whole one's), not refused
+    for the updates the second backward made (charged to the failed one while it stayed open)."""
+    data = batches(3)
+    ref = tiny_gpt(torch.float32)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), **HP)
+    off = OffloadAdam(model.parameters(), bucket_size=1 << 20, overlap=True, **HP)
+    train(ref, fused, data[:2])
+    train(model, off, data[:2])
+
+    def fail(g):
+        raise ValueError("a user hook failed")
+    for m, opt in ((ref, fused), (model, off)):
+        handle = m.blocks[0].register_forward_hook(lambda mod, args, out: out.register_hook(fail) and None)
+        _, loss = m(*data[2])
+        handle.remove()
+        with pytest.raises(ValueError, match="a user hook failed"):
+            loss.backward()
+        m(*data[2])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert_same_training(ref, model, fused, off)
+    off.close()

@@ -3,11 +3,34 @@
 A backward that raised midway under overlap=True has already updated the buckets it completed;
 a parameter given new memory after the optimizer was built would no longer be trained.
 """
+import sys
+import threading
 import weakref
+from typing import Tuple
 
 import torch
 
 from effmem.optim import _validate
+
+
+# The Python frame of every backward() and grad() call (torch 2.3 and later); None: nesting not judged.
+_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+
+
+def _backward_depth() -> int:
+    """How many backward() / grad() calls are under way on this thread's Python stack. A reentrant backward
+    (torch.utils.checkpoint's, a Function whose backward calls backward) runs inside the node of the
+    outer one, on the same thread, one call deeper."""
+    n, frame = 0, sys._getframe(1)
+    while frame is not None and _ENGINE_RUN is not None:
+        n += frame.f_code is _ENGINE_RUN
+        frame = frame.f_back
+    return n
+
+
+def _nested(where: Tuple[int, int], outer: Tuple[int, int]) -> bool:
+    """Whether a graph task opened at `where` (thread, depth) runs inside one opened at `outer`."""
+    return _ENGINE_RUN is None or (where[0] == outer[0] and where[1] > outer[1])
 
 
 class OffloadGuards:
@@ -18,27 +41,34 @@ class OffloadGuards:
         between) reads whole weights, and that marks the task as finished: autograd runs it only when the
         task completes, so a task whose callback never ran raised midway.
 
-        A new task while another is open is not judged here: it may be nested in the open one (reentrant
-        checkpointing runs its recompute's backward as a graph task of its own, inside the outer one),
-        which is fine, or follow one that raised. The tasks still open when no backward runs (step(),
-        zero_grad(), the next backward's start) are the ones that raised: _note_unfinished_backward.
-        Judged here, a nested task was taken for a failure: overlap refused a backward that had not failed,
-        and delay installed weights that the running backward still had to read (wrong gradients).
+        A new task while another is open may be nested in it (reentrant checkpointing runs its recompute's
+        backward as a graph task of its own, inside the outer one, on the same thread one backward() call
+        deeper: _nested), which is fine, or follow one that raised. Taken for a failure, a nested task made
+        overlap refuse a backward that had not failed, and delay install weights that the running backward
+        still had to read (wrong gradients). Overlap judges a task that is not nested at once; delay leaves
+        it to step() and zero_grad(), where no backward runs and the tasks still open are the ones that
+        raised (_note_unfinished_backward).
         Outside a backward (DDP's comm hooks) attach_ddp's forward pre-hook fences instead."""
         task = torch._C._current_graph_task_id()
         if task == -1 or task in self._open_tasks:
             return
+        where = (threading.get_ident(), _backward_depth())
+        if self._overlap and self._open_tasks and not _nested(where, self._open_tasks[max(self._open_tasks)]):
+            # overlap: a backward after one that raised, judged at once (its updates counted apart from this
+            # one's, and this one refused if they broke the state). Not delay: noting installs the pending
+            # weights, which this backward may still have to read.
+            self._note_unfinished_backward()
         if self._broken is not None:
             raise RuntimeError(self._broken)
         if not self._open_tasks:
             self._updates_at_open = self._engine.param_updates
-        self._open_tasks.add(task)
+        self._open_tasks[task] = where
         engine, ref = self._engine, weakref.ref(self)
 
         def finished():
             opt = ref()
             if opt is not None:
-                opt._open_tasks.discard(task)
+                opt._open_tasks.pop(task, None)
             if not engine.closed:
                 engine.fence()
 

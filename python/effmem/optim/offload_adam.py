@@ -3,7 +3,7 @@ import contextlib
 import math
 import os
 import threading
-from typing import Iterator, Optional, Set, Tuple, Union
+from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -236,7 +236,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
         self._clip_scale = 1.0
-        self._open_tasks: Set[int] = set()  # backward graph tasks under way (nested ones too), until their end
+        # backward graph tasks under way (nested ones too), until their end: (thread, backward depth) at open
+        self._open_tasks: Dict[int, Tuple[int, int]] = {}
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
