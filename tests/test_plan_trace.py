@@ -68,6 +68,20 @@ def test_config_trace_equals_real_saved_bytes(cfg, dtype, batch, seq):
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, batch, seq))
 
 
+MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
+               num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixture_of_experts_trace_equals_real_saved_bytes(dtype):
+    """A Mixtral's expert products (torch._grouped_mm) traced for a CPU in float32 too: torch's meta function
+    takes bf16 only, and the plan had no float32 candidates for a mixture of experts on a CPU."""
+    predicted = trace_spec(model_spec(MIXTRAL), 2, 64, dtype, "cpu").activations("none")
+    m = real_model(MIXTRAL, dtype)
+    assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 64))
+
+
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
 def test_fused_loss_trace_equals_real_saved_bytes(cfg):
     """With effmem.fuse_linear_cross_entropy the trace runs the fused op too, and the logits are gone."""

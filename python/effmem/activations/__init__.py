@@ -104,8 +104,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             raise ValueError(f"model: {name} is the same module as {first_name[id(layer)]} (a layer used more "
                              "than once); a policy wraps each layer once, so it cannot apply to this stack")
         first_name[id(layer)] = name
-    if getattr(model, "is_gradient_checkpointing", False) or any(
-            getattr(layer, "gradient_checkpointing", False) is True for layer in layers):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):   # transformers' flag
         raise ValueError("model: transformers' gradient checkpointing is on (gradient_checkpointing_enable()); "
                          "under a policy each layer would run again besides, and \"fast\" would keep its saves "
                          "all the same. Call model.gradient_checkpointing_disable() first ('checkpoint' is the "

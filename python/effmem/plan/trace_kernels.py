@@ -210,9 +210,11 @@ class _Counter(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             return True if args[0].dtype == torch.bool else 0
         out = fast_meta(func, args, kwargs)
+        packet = func._overloadpacket
+        if out is None and packet is torch.ops.aten._grouped_mm and self.target == "cpu":
+            out = _grouped_mm_cpu(*args, **kwargs)
         if out is None:
             out = func(*args, **kwargs)
-        packet = func._overloadpacket
         in_block = self.sel is not None and self.sel.in_block()   # asked once per op: this runs for every op
         if self.sel is not None:
             matmul = packet in flop_registry or packet is torch.ops.aten._grouped_mm or packet in _FUSED_CE
@@ -256,6 +258,17 @@ class _Counter(TorchDispatchMode):
 
 
 _FUSED_CE = (torch.ops.effmem.linear_ce_forward, torch.ops.effmem.linear_ce_forward_backward)
+
+
+def _grouped_mm_cpu(a: Tensor, b: Tensor, offs=None, bias=None, out_dtype=None) -> Optional[Tensor]:
+    """torch._grouped_mm (a mixture of experts' products in transformers) on meta tensors for a CPU, where it
+    takes float32 too; torch's meta function refuses all but bf16 (as CUDA's kernel does: on a GPU a float32
+    MoE has no candidates). [tokens, k] x [experts, k, n] -> [tokens, n]; [g, m, k] x [g, k, n] -> [g, m, n].
+    None: another case, left to torch."""
+    if a.device.type != "meta" or a.dtype != torch.float32 or b.dim() != 3 or a.dim() not in (2, 3):
+        return None
+    shape = (a.shape[0], b.shape[-1]) if a.dim() == 2 else (a.shape[0], a.shape[1], b.shape[-1])
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
 
 
 def _traffic(packet, args, out) -> float:
