@@ -91,6 +91,9 @@ def test_json_contract_and_pick_is_fastest_that_fits():
         assert set(c["parts"]) >= {"weights", "grads", "master", "optimizer", "activations", "logits",
                                    "temporary", "reserve"}
         assert c["peak_bytes"] == sum(c["parts"].values())
+        # no part of a step negative (the fused kernels' saving was "activations" < 0): off "elementwise"
+        assert all(v >= 0 for v in c["time_parts"].values()), c["time_parts"]
+        assert c["step_time_s"] == pytest.approx(sum(c["time_parts"].values()))
         assert c["why"]
     fits = [c for c in d["candidates"] if c["fits"]]
     # Of those within 3% of the fastest, the one that changes the numbers least (8-bit activations or moments),

@@ -132,6 +132,9 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         else:
             recompute = m.selective_recompute_bytes / r.memory_bw
     extra = 0.0
+    # what the policies' fused kernels save in place of autograd's elementwise ops: taken off "elementwise"
+    # (so that no part of the step is negative), and off the device's time with it
+    saving = fused_saving(cfg, m, r) if cfg.activations in POLICY_FUSED_SAVING else 0.0
     if cfg.activations.startswith("compress"):
         saved = sum(m.activations["none"].values()) - m.activations["none"].get("logits", 0)
         extra = saved / r.compress_bw
@@ -139,24 +142,25 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
         # Its saves quantised and restored, and, where its CUDA kernels run, the one-pass norms and SwiGLU
         # in place of autograd's elementwise ops: time saved (POLICY_FUSED_SAVING). fast_offload's copies
         # are hidden (offloaded_codes offloads no more than that).
-        extra = m.fast_compressed / (r.policy_codec_bw or r.compress_bw) - fused_saving(cfg, m, r)
+        extra = m.fast_compressed / (r.policy_codec_bw or r.compress_bw)
     elif cfg.activations == "checkpoint8":
         # One quantisation and one dequantisation of each layer's input; the recomputed layers run "fast"'s
         # fused functions.
         kept = m.activations["checkpoint"]
         inputs = sum(kept.values()) - kept.get("logits", 0)
-        extra = inputs / (r.policy_codec_bw or r.compress_bw) - fused_saving(cfg, m, r)
+        extra = inputs / (r.policy_codec_bw or r.compress_bw)
     elif cfg.activations == "save_on_cpu":
         # save_on_cpu copies each saved tensor off and back, on the compute stream.
         extra = 2 * m.offloaded / r.link_bw if r.link_bw else float("inf")
-    out = {"compute": cfg.accumulation * (fwd + bwd - elementwise), "elementwise": cfg.accumulation * elementwise,
+    out = {"compute": cfg.accumulation * (fwd + bwd - elementwise),
+           "elementwise": cfg.accumulation * (elementwise - saving),
            "recompute": cfg.accumulation * recompute, "activations": cfg.accumulation * extra}
     # Eager PyTorch issues every op from the host, ahead of the device; where a micro-batch's device work
     # takes less time than issuing it (small models, few tokens), the device waits for the host.
     # The forward and backward that hide OffloadAdam's and communication's work below then last longer, in
-    # proportion (so the windows join the device-bound ones where the host's time meets the device's; a
-    # negative extra, the fused kernels' saving, shortens the device's work only).
-    device, host = fwd + bwd + recompute + extra, host_s(cfg, m, r)
+    # proportion (so the windows join the device-bound ones where the host's time meets the device's; the
+    # fused kernels' saving shortens the device's work only).
+    device, host = fwd + bwd + recompute + extra - saving, host_s(cfg, m, r)
     out["host"] = cfg.accumulation * max(0.0, host - device)
     if host > device > 0:
         stretch = host / max(device, fwd + bwd)
