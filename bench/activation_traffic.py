@@ -15,7 +15,6 @@ timing: it says nothing about kernels' bandwidth.
 import argparse
 import collections
 import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from activation_measure import SacCaches  # noqa: E402
 import bench_activations  # noqa: E402
+import common  # noqa: E402
 
 FREE = {"view", "_unsafe_view", "reshape", "transpose", "t", "expand", "permute", "slice", "select", "unsqueeze",
         "squeeze", "as_strided", "alias", "detach", "split", "unbind", "split_with_sizes", "_reshape_alias",
@@ -90,18 +90,23 @@ def count(row: str, args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--hidden", type=common.count, default=512, help="a multiple of 64 (the heads are 64 wide)")
+    ap.add_argument("--layers", type=common.count, default=2)
+    ap.add_argument("--tokens", type=common.count, default=1024, help="a multiple of 256 (sequences of 256)")
     ap.add_argument("--rows", default="plain,hf_checkpointing,torch_sac,effmem_fast,effmem_fast_cuda_paths,effmem_min")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.hidden % 64:
+        ap.error(f"--hidden: a multiple of 64 (heads of 64), got {args.hidden}")
+    if args.tokens % 256:
+        ap.error(f"--tokens: a multiple of 256 (sequences of 256), got {args.tokens}")
     rows = {r: count(r, args) for r in args.rows.split(",")}
     base = rows.get("plain")
     for r, b in rows.items():
         print(f"{r:26s} {b / 1e6:9.1f} MB" + (f"  {b / base:.2f}x plain" if base else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "non_matmul_bytes": rows}, indent=1))
+        common.write_json(args.json, {"benchmark": "activation_traffic", "env": common.environment(torch.device("cpu")),
+                                      "config": vars(args), "non_matmul_bytes": rows})
     return 0
 
 

@@ -179,16 +179,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--numel", type=int, help="parameters in all (default 32M on CPU, 256M on CUDA)")
-    parser.add_argument("--repeat", type=int, default=15, help="timed steps per row (median reported)")
+    parser.add_argument("--numel", type=common.count, help="parameters in all (default 32M on CPU, 256M on CUDA)")
+    parser.add_argument("--repeat", type=common.count, default=15, help="timed steps per row (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row first")
     parser.add_argument("--isa", choices=["scalar", "avx2", "avx512"], help="effmem CPU vector unit")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (effmem follows it)")
+    parser.add_argument("--threads", type=common.count, help="torch.set_num_threads (effmem follows it)")
     parser.add_argument("--json", help="write metadata and rows to this file")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     numel = args.numel or DEFAULT_NUMEL[device.type]
+    try:
+        param_shapes(numel)
+    except ValueError as e:
+        parser.error(f"--numel: {e}")
     if args.isa:
         effmem._C.set_cpu_isa(args.isa)
     if args.threads:

@@ -171,9 +171,9 @@ def gpt_step_bench(device, n_layer, d_model, seq_len, max_batch, repeat, warmup,
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--numel", type=int, help="elements (default 16M on CPU, 256M on CUDA)")
+    parser.add_argument("--numel", type=common.count, help="elements (default 16M on CPU, 256M on CUDA)")
     parser.add_argument("--bits", type=int, choices=[4, 8], default=8)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=common.count, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--json", help="write metadata and rows to this file")

@@ -50,7 +50,7 @@ def cases(device, tokens: int, hidden: int, inter: int, dtype=torch.bfloat16):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int)
+    ap.add_argument("--tokens", type=common.count)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--repeat", type=int, default=20)

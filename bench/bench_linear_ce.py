@@ -101,8 +101,8 @@ def extra_peak(row, args, device) -> int:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--tokens", type=common.count, default=None)
+    parser.add_argument("--vocab", type=common.count, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
     parser.add_argument("--repeat", type=int, default=7)

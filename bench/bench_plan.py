@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TINY_LLAMA, environment, write_json  # noqa: E402
+from common import TINY_LLAMA, count, environment, write_json  # noqa: E402
 
 import effmem  # noqa: E402
 from effmem.plan.verify import verify  # noqa: E402
@@ -46,7 +46,7 @@ SMOKE_STRATEGIES = [("fp32", "none", "gpu"), ("fp32", "checkpoint8", "gpu")]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration (their median)")
+    ap.add_argument("--steps", type=count, default=3, help="timed steps per configuration (their median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: runs the loop, no targets")
     args = ap.parse_args()

@@ -118,8 +118,13 @@ def test_activation_traffic_counts_fewer_bytes_with_the_cuda_kernels(tmp_path):
     out = tmp_path / "traffic.json"
     assert traffic.main(["--hidden", "128", "--layers", "1", "--tokens", "256",
                          "--rows", "plain,effmem_fast,effmem_fast_cuda_paths", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["non_matmul_bytes"]
+    data = json.loads(out.read_text())
+    rows = data["non_matmul_bytes"]
     assert rows["effmem_fast_cuda_paths"] < rows["plain"] < rows["effmem_fast"]
+    assert data["env"]["torch_version"] == torch.__version__ and "git_commit" in str(data["env"])
+    for bad in (["--tokens", "128"], ["--hidden", "32"], ["--layers", "0"]):   # a traceback before
+        with pytest.raises(SystemExit):
+            traffic.main(bad)
 
 
 def test_bench_elementwise_times_each_kernel_against_its_torch_ops(tmp_path):

@@ -1,6 +1,7 @@
 """The effmem command line: `effmem info` and a tiny `effmem demo`."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -47,6 +48,20 @@ def test_python_dash_m_runs_info():
     proc = subprocess.run([sys.executable, "-m", "effmem.cli", "info"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert torch.__version__ in proc.stdout
+
+
+@pytest.mark.parametrize("value, unit", [("avx2", "avx2"), ("AVX2", "avx2"), (" scalar ", "scalar"),
+                                         ("avx-2", None), ("foo", None)])
+def test_the_isa_cap_is_a_name_it_knows(value, unit):
+    """EFFMEM_CPU_ISA: the core took a name it did not know ('AVX2', 'avx-2') for no cap, silently, and ran
+    AVX-512 where the user asked for AVX2. Case and spaces are forgiven; anything else refused by name."""
+    env = dict(os.environ, EFFMEM_CPU_ISA=value)
+    code = "import effmem._C as c; print(c.cpu_isa())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    if unit is None:
+        assert proc.returncode != 0 and "EFFMEM_CPU_ISA: expected one of scalar, avx2, avx512" in proc.stderr
+    else:   # (the machines this runs on have AVX2)
+        assert proc.returncode == 0 and proc.stdout.strip() == unit, proc.stderr
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,12 +1,31 @@
 """Load the compiled core, with clear errors when it is missing or stale."""
 import importlib
+import os
 
 import torch
 
 BUILD_COMMAND = "pip install --no-build-isolation -e .   (from the effmem source folder, with torch installed)"
 
 
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def check_isa_env() -> None:
+    """EFFMEM_CPU_ISA caps the CPU kernels' vector unit. The core reads it at the first kernel call and took a
+    value it did not know (AVX2, avx-2) for no cap at all, silently: refuse one here, before any kernel
+    runs, and pass the core the lower-case name."""
+    value = os.environ.get("EFFMEM_CPU_ISA")
+    if value is None:
+        return
+    name = value.strip().lower()
+    if name not in ISAS:
+        raise ValueError(f"EFFMEM_CPU_ISA: expected one of {', '.join(ISAS)} (the widest CPU vector unit "
+                         f"effmem's kernels may use), got {value!r}")
+    os.environ["EFFMEM_CPU_ISA"] = name
+
+
 def load_extension():
+    check_isa_env()
     try:
         build_info = importlib.import_module("effmem._build_info")
     except ImportError as err:
