@@ -81,6 +81,14 @@ def test_clip_grad_norm_arguments():
     with pytest.raises(RuntimeError, match="error_if_nonfinite"):
         effmem.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
     assert effmem.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
+    # torch's signature: foreach= is taken (a TypeError before), and checked
+    torch.manual_seed(0)
+    a = make_grads()
+    torch.manual_seed(0)
+    b = make_grads()
+    assert torch.equal(effmem.clip_grad_norm_(a, 1.0, foreach=None), effmem.clip_grad_norm_(b, 1.0, foreach=True))
+    with pytest.raises(ValueError, match="foreach: expected None, True or False"):
+        effmem.clip_grad_norm_(make_grads(), 1.0, foreach="yes")
 
 
 def test_optimizer_clip_is_folded_into_the_step():

@@ -1,7 +1,7 @@
 """Gradient clipping by global L2 norm, with one fused norm kernel per device."""
 import numbers
 from collections import defaultdict
-from typing import Iterable, List, Union
+from typing import Iterable, List, Optional, Union
 
 import torch
 from torch import Tensor
@@ -94,14 +94,18 @@ def _shard_dims(g: Tensor):
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> Tensor:
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
     """Clips gradients in place so their global L2 norm is at most ``max_norm``.
 
     Drop-in for ``torch.nn.utils.clip_grad_norm_`` (L2 only): one fused norm
     kernel per device and one foreach multiply, with no host synchronisation
     unless ``error_if_nonfinite`` is set (then exactly one). Returns the total
-    norm before clipping.
+    norm before clipping, in float32 whatever the gradients' dtype (torch's is
+    in theirs: a bf16 norm for bf16 gradients). ``foreach`` is accepted for
+    torch's signature; the kernels are fused either way.
     """
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ValueError(f"foreach: expected None, True or False, got {foreach!r}")
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     _validate.max_norm(max_norm)
     if isinstance(norm_type, (str, bool)) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
