@@ -167,3 +167,38 @@ def test_a_dropped_optimizer_leaves_the_last_step_in_the_parameters(mode):
     assert torch.equal(run(drop=True), closed)
     torch.manual_seed(0)
     assert not torch.equal(torch.nn.Linear(8, 8).weight.detach(), closed)
+
+
+def test_attach_after_a_compiled_call_is_not_skipped_by_the_compiled_code():
+    """Code torch.compile made before attach() ran without the new hooks (dynamo does not guard on module
+    hooks), and the second step's backward raised that a parameter's weights were never installed. attach()
+    now drops that code with a warning; the compiled model then trains as FusedAdam does. A model with the
+    hooks attached pickles (the hooks held the optimizer by a weak reference, which cannot be pickled)."""
+    import io
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    compiled(x).sum().backward()   # compiled before the optimizer exists (a warm-up, an evaluation)
+    model.zero_grad(set_to_none=True)
+    fused = FusedAdam(ref.parameters(), lr=1e-2)
+    with OffloadAdam(model.parameters(), lr=1e-2, async_step=True) as off:
+        with pytest.warns(UserWarning, match=r"compiled by torch.compile before attach\(\)"):
+            off.attach(model)
+        for k in range(3):
+            xk = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+            for m, opt in ((ref, fused), (compiled, off)):
+                m(xk).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        off.flush()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        copy_ = torch.load(buf, weights_only=False)
+        assert torch.equal(copy_(x), model(x))   # its hooks have no optimizer: inert
+    torch._dynamo.reset()

@@ -7,6 +7,7 @@ weights first. So each FSDP unit gets one hook, placed before FSDP's own, for ev
 manages (its subtree, less nested units) and for those of the units it prefetches
 (``set_modules_to_forward_prefetch``): the shards hold the new weights before any all-gather reads them.
 """
+import warnings
 import weakref
 from typing import Dict, List
 
@@ -50,6 +51,7 @@ class OffloadForward:
         if not self._forward_hooks:
             raise ValueError("model: none of its modules owns a parameter of this optimizer")
         self._attached = weakref.ref(model)
+        _forget_compiled_code()
         return model
 
     def _unit_ids(self, units: Dict[int, nn.Module]) -> Dict[int, List[int]]:
@@ -91,6 +93,27 @@ def _managed_modules(unit: nn.Module, units: Dict[int, nn.Module]) -> List[nn.Mo
     return out
 
 
+def _forget_compiled_code() -> None:
+    """Code torch.compile made before attach() keeps the module hooks it was compiled with (dynamo does not
+    guard on hooks: torch._dynamo.config.skip_nnmodule_hook_guards), so a model compiled before would run
+    without the new ones, and backward raised that a parameter's weights were never installed. Drop what
+    was compiled (it compiles again, with the hooks, at the next call), and say so."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return
+    if counters["frames"].get("ok", 0):
+        warnings.warn("OffloadAdam.attach: code compiled by torch.compile before attach() would not run its "
+                      "hooks; torch._dynamo.reset() drops it, so the next compiled call compiles again. Attach "
+                      "before the first compiled call to avoid the second compilation", stacklevel=3)
+        torch._dynamo.reset()
+        counters["frames"].clear()
+
+
+def _no_optimizer():
+    return None
+
+
 class _Installer:
     """The forward pre-hook of async_step: the module's parameters' new weights up before it runs. Holds
     the optimizer weakly (no reference cycle through the model's hooks) and reads its engine at each call
@@ -98,6 +121,15 @@ class _Installer:
 
     def __init__(self, opt, ids, fsdp: bool = False):
         self.opt, self.ids, self.fsdp = weakref.ref(opt), ids, fsdp
+
+    def __getstate__(self):
+        # torch.save(model) with the hooks attached: the optimizer is not part of the model, so a copy's
+        # hooks have none to install from (a weak reference cannot be pickled either)
+        return {"ids": self.ids, "fsdp": self.fsdp}
+
+    def __setstate__(self, state):
+        self.ids, self.fsdp = state["ids"], state["fsdp"]
+        self.opt = _no_optimizer
 
     @torch.compiler.disable  # a call into the engine: torch.compile runs it between graphs
     def __call__(self, module, args):

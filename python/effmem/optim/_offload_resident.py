@@ -72,10 +72,12 @@ class OffloadResident:
         return everything[r:]
 
     def _resident_sq_sum(self) -> float:
-        """Sum of squares of the device-resident gradients (one fused norm kernel, one host read: the host's
-        own sum waits for every gradient anyway)."""
-        grads = [p.grad for p in self._resident if p.grad is not None]
-        return float(grad_norm(grads)) ** 2 if grads else 0.0
+        """Sum of squares of the device-resident gradients, in float64 as the engine keeps its own (one host
+        read: the host's own sum waits for every gradient anyway). The square of their float32 norm, added to
+        the engine's float64 sum, rounded the global norm off FusedAdam's by an ulp in 3 seeds of 20 (CPU)."""
+        sq = [torch.linalg.vector_norm(_validate.local_tensor(p.grad), dtype=torch.float64).square()
+              for p in self._resident if p.grad is not None]
+        return float(torch.stack([s.cpu() for s in sq]).sum()) if sq else 0.0
 
     def _step_resident(self, scale: float) -> None:
         """FusedAdam's step on the device-resident parameters, with the outer groups' hyper-parameters as they

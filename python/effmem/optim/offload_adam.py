@@ -133,7 +133,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             stay in ``p.grad``, and FusedAdam's kernel steps them there in ``step()``; the engine offloads
             the rest. A parameter costs 4 (master, for bf16/fp16) + 8 (float32 moments; about 2 with
             ``state_bits=8``) + its gradient's bytes per element; the longest prefix that fits is kept.
-            Exact (the same bits as one FusedAdam over every parameter, clipping included) and shorter
+            Exact (the same bits as one FusedAdam over every parameter; with clipping, given the same clip
+            factor: the norm is summed on the device and on the host, and can differ in its last bit) and shorter
             host updates: with ``async_step`` the forward no longer waits for the host to update the
             layers it reads first. ``counters()`` reports what was kept. Not with ``delay`` (its stale
             gradients would apply to part of the model only), FSDP2 parameters, ``attach_ddp`` or
