@@ -69,8 +69,9 @@ def _never_unpacked(_) -> Tensor:
 
 class _CompressedCheckpoint(torch.autograd.Function):
     """run's outputs (the layer's hidden state, then its other outputs that need a gradient), keeping x as
-    codes (as it is for bits=None: a layer that routes tokens, routes_tokens) and the n_in other inputs that need a gradient (masks are not: position biases, an encoder's
-    output in a decoder layer) as they are; run is replayed in backward.
+    codes (as it is for bits=None: a layer that routes tokens, routes_tokens) and the n_in other inputs that
+    need a gradient (masks are not: position biases, an encoder's output in a decoder layer) as they are; run
+    is replayed in backward.
 
     tensors: those n_in inputs, then the layer's trainable parameters. As inputs, the parameters make the
     outputs need a gradient when no tensor input does (a frozen embedding under LoRA-style training), and
