@@ -5,7 +5,6 @@ Times are per call, in seconds. On CUDA each call is bracketed by CUDA events
 not counted); on CPU by time.perf_counter. Benchmarks report medians, which a
 noisy shared machine disturbs far less than means.
 """
-import argparse
 import datetime
 import json
 import os
@@ -16,6 +15,8 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from effmem.cli import _positive_int
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,16 +172,9 @@ TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=320)
 
 
-def count(text: str) -> int:
-    """argparse type of a count that must be at least 1 (steps, sizes): 0 fell back to a default in some
-    scripts and timed nothing in others."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
+# argparse type of a count that must be at least 1 (steps, sizes): the CLI's own (0 fell back to a default in
+# some scripts and timed nothing in others)
+count = _positive_int
 
 
 def write_json(path: str, payload: Dict[str, object]) -> None:

@@ -9,79 +9,15 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from effmem.optim._validate import whole
-from effmem.plan import costs, loss_buffers, offload_room, step_model
+from effmem.plan import choose, costs, loss_buffers, offload_room, step_model
+from effmem.plan.choose import GB, Candidate
 from effmem.plan.model import ModelArg, ModelSpec, model_spec
 from effmem.plan.rates import Rates, rates_for
 from effmem.plan.extrapolate import trace_spec
 from effmem.plan.machine import machine, parse_bytes
 from effmem.plan.trace import InputsFn
 
-GB = 10 ** 9
 HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory
-# Candidates predicted within this fraction of the fastest one's step count as equally fast (the step model
-# is good to about 10%): among them the pick is the one that changes the numbers least (Config.approximations),
-# then one that needs no host memory, then the fastest; between equally fast ones, the one holding least in
-# host memory, then on the GPU. A few percent do not pay for 8-bit moments, or for an offload engine, that the
-# model does not need.
-PICK_TOLERANCE = 0.03
-
-
-@dataclass
-class Candidate:
-    config: costs.Config
-    cost: costs.Cost
-    time_parts: Dict[str, float]
-    fits: bool = False
-    why: str = ""
-    # bytes over the GPU budget plus bytes over the host's 90% (0 where it fits, or fails for another
-    # reason): what orders the candidates that do not fit, and names the closest when nothing does
-    short_bytes: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def step_time_s(self) -> float:
-        return sum(self.time_parts.values())
-
-    def as_dict(self) -> dict:
-        parts = {k: v for k, v in self.cost.parts.items() if k != "activations_by_kind"}
-        c = self.config
-        return {"name": self.name, "fits": self.fits, "peak_bytes": self.cost.peak_bytes,
-                "allocated_bytes": self.cost.allocated_bytes, "host_bytes": self.cost.host_bytes,
-                "step_time_s": self.step_time_s, "parts": parts,
-                "activations_by_kind": self.cost.parts["activations_by_kind"], "time_parts": self.time_parts,
-                "precision": c.precision, "activations": c.activations, "optimizer": c.optimizer,
-                "sharding": c.sharding, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
-                "loss": c.loss, "state_bits": c.state_bits, "device_accumulation": c.device_accumulation,
-                "device_state": c.device_state,
-                "activation_budget": self.cost.activation_budget,
-                "short_bytes": self.short_bytes, "why": self.why}
-
-
-def _pick(fitting: List[Candidate]) -> Optional[Candidate]:
-    """The fastest candidate that fits, or, among those within PICK_TOLERANCE of it, the most exact, then one
-    without host memory, then the fastest, then the one holding least in host memory."""
-    if not fitting:
-        return None
-    fastest = min(c.step_time_s for c in fitting)
-    near = [c for c in fitting if c.step_time_s <= fastest * (1 + PICK_TOLERANCE)]
-    return min(near, key=lambda c: (c.config.approximations, c.cost.host_bytes > 0, c.step_time_s,
-                                    c.cost.host_bytes, c.cost.peak_bytes))
-
-
-def _why_not(c: Candidate, best: Candidate) -> str:
-    """Why a candidate that fits is not the pick."""
-    slower = c.step_time_s / best.step_time_s - 1
-    if slower > 0:
-        return f"fits, {slower:.1%} slower than the pick"
-    reason = ("changes the numbers more (8-bit moments or activations)"
-              if c.config.approximations > best.config.approximations else "holds more in host memory"
-              if c.cost.host_bytes > best.cost.host_bytes else "holds more on the GPU")
-    if -slower < 0.0005:
-        return f"fits, as fast as the pick but {reason}"
-    return f"fits, {-slower:.1%} faster than the pick (within {PICK_TOLERANCE:.0%}) but {reason}"
 
 
 def _micro_batches(per_gpu: int, accum: Optional[int]) -> List[int]:
@@ -438,33 +374,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
             for v in offload_room.variants(cfg, cost, budget, m, rates):
                 cands.append(Candidate(v, costs.memory(v, m, world, device == "cuda"),
                                        step_model.step_time(v, m, rates, world)))
-    for c in cands:
-        over = c.cost.peak_bytes - budget
-        host_over = c.cost.host_bytes - host_mem * 0.9
-        c.short_bytes = int(max(0.0, over) + max(0.0, host_over))
-        short = []
-        if over > 0:
-            short.append(f"needs {c.cost.peak_bytes / GB:.1f} GB, {over / GB:.1f} GB over the {budget / GB:.1f} GB "
-                         f"budget ({gpu_mem / GB:.1f} GB less {headroom:.0%} headroom)")
-        if host_over > 0:
-            short.append(f"needs {c.cost.host_bytes / GB:.1f} GB of host memory, {host_over / GB:.1f} GB over 90% "
-                         f"of {host_mem / GB:.1f} GB")
-        if short:
-            c.why = "does not fit: " + "; and ".join(short)
-        elif clipping and c.config.optimizer == "offload_overlap":
-            c.why = "overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
-        elif c.step_time_s == float("inf"):
-            c.why = "not possible here (no host link)"
-        else:
-            c.fits = True
-    best = _pick([c for c in cands if c.fits])
-    for c in cands:
-        if c.fits and c is not best:
-            c.why = _why_not(c, best)
-    if best is not None:
-        best.why = "the pick: fastest that fits"
-    cands.sort(key=lambda c: (not c.fits, c is not best,
-                              c.step_time_s if c.fits else (c.short_bytes, c.cost.peak_bytes)))
+    best = choose.judge(cands, budget, gpu_mem, host_mem, headroom, clipping)
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
                 rates, cands, best.name if best else None, base.method,
                 time.perf_counter() - t0, spec, notes, cross_check)

@@ -1,0 +1,84 @@
+"""effmem plan's inputs: bad arguments and configs refused by name, sizes read, defaults from the machine, the
+garbage collector left as it was."""
+import gc
+import json
+
+import pytest
+import torch
+
+import effmem
+from effmem.cli import main
+from effmem.plan.machine import parse_bytes
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(model="no-such-model"), "neither a preset"),
+    (dict(gpu_memory="eighty"), "gpu_memory: expected a size"),
+    (dict(batch=0), "batch: expected an int >= 1"),
+    (dict(batch=3, gpus=2, gpu_memory="80GB"), "do not split evenly"),
+    (dict(trainable="nothing_matches_this"), "matches no parameter"),
+    (dict(trainable="layers#2:1"), "after '#' expected a:b"),
+    (dict(trainable=r"ln_f\.bias#0:1000"), r"selects experts of a stacked parameter.*ln_f.bias has shape \(768,\)"),
+    (dict(trainable=r"transformer\.h\.#0:2"), "selects experts of a stacked parameter"),
+    (dict(model="mixtral-8x7b", trainable=r"model\.layers\.0\.mlp\.experts\.#0:9"),
+     "asks for rows up to 9 of model.layers.0.mlp.experts.gate_up_proj, which has 8"),
+    (dict(accum=3, batch=4), "accum: 3 does not divide"),
+    (dict(device="tpu"), "device: expected 'cuda' or 'cpu'"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    kw = dict(model="gpt2", batch=2, seq=64)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        effmem.plan(kw.pop("model"), **kw)
+    assert gc.isenabled()   # the collector, paused while planning, is back on after an error too
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_attention_heads=5), "not a multiple of the number of attention heads"),
+    (dict(hidden_size="64"), "hidden_size"),
+    (dict(intermediate_size=-1), "negative dimension"),
+    (dict(pad_token_id=32000), "Padding_idx"),
+])
+def test_a_config_transformers_refuses_is_one_line_naming_the_model(tmp_path, capsys, change, match):
+    """transformers' own validation raised its own exception types (a traceback from the command); now a
+    ValueError naming the model argument, and the command's one-line error."""
+    cfg = dict(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256), **change)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"model: transformers cannot build this 'llama' config: .*{match}"):
+        effmem.plan(str(tmp_path), batch=2, seq=32, device="cpu")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(tmp_path), "--device", "cpu"])
+    assert exit_.value.code == 2
+    assert "effmem plan: error: model: transformers cannot build" in capsys.readouterr().err
+
+
+def test_plan_leaves_the_collector_as_it_found_it():
+    gc.disable()
+    try:
+        effmem.plan("gpt2", batch=1, seq=64)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    effmem.plan("gpt2", batch=1, seq=64)
+    assert gc.isenabled()
+
+
+def test_defaults_come_from_the_machine():
+    p = effmem.plan("gpt2", batch=2, seq=64, device="cuda")  # no GPU here: an 80 GB one is assumed
+    assert p.gpu_memory == (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
+                            else 80 * 10 ** 9)
+    assert p.host_memory > 0 and p.gpus >= 1
+    cpu = effmem.plan("gpt2", batch=2, seq=64, device="cpu")
+    assert cpu.gpus == 1 and cpu.gpu_memory == cpu.host_memory
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GB", "x") == 80 * 10 ** 9 and parse_bytes("80GiB", "x") == 80 << 30
+    assert parse_bytes("1.5TB", "x") == 1_500_000_000_000 and parse_bytes(1024, "x") == 1024
+    assert parse_bytes("80000000000", "x") == 80 * 10 ** 9 and parse_bytes("512B", "x") == 512
+    with pytest.raises(ValueError, match=r"gpu_memory: '80' is 80 bytes, less than a MiB: give a unit \(for example "
+                                         r"80GB\)"):
+        parse_bytes("80", "gpu_memory")   # from the command line: 80GB meant
