@@ -2,9 +2,9 @@
 # Fresh machine -> .venv with torch, the build tools and effmem built against
 # that torch (editable). Safe to run again: it reuses .venv and rebuilds.
 #
-# transformers and matplotlib are test dependencies: the tests build Hugging Face
-# models from configs, with random weights (no downloads), and draw effmem plan's
-# PNG chart. pytest-xdist runs the README's test command on two workers.
+# transformers, accelerate and matplotlib are test dependencies: the tests build Hugging Face
+# models from configs, with random weights (no downloads), train one with transformers'
+# Trainer (which needs accelerate), and draw effmem plan's PNG chart. pytest-xdist runs the README's test command on two workers.
 #
 # Settings (environment): PYTHON (default python3), EFFMEM_TORCH (the torch
 # requirement, default torch==2.14.1), CUDA_HOME (the CUDA toolkit's folder;
@@ -19,7 +19,7 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pip install --quiet "${EFFMEM_TORCH:-torch==2.14.1}" numpy \
-  pytest pytest-timeout pytest-xdist pytest-benchmark hypothesis transformers matplotlib \
+  pytest pytest-timeout pytest-xdist pytest-benchmark hypothesis transformers accelerate matplotlib \
   "scikit-build-core>=0.10" "cmake>=3.25" ninja
 
 # CUDA_HOME must name the toolkit's own folder: an nvcc on PATH may be a

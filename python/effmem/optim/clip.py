@@ -1,5 +1,4 @@
 """Gradient clipping by global L2 norm, with one fused norm kernel per device."""
-import numbers
 from collections import defaultdict
 from typing import Iterable, List, Optional, Union
 
@@ -7,7 +6,7 @@ import torch
 from torch import Tensor
 
 from effmem import ops
-from effmem.optim import _validate
+from effmem.optim import _clip_route, _validate
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -68,19 +67,6 @@ def _combined(norms: List[Tensor]) -> Tensor:
     return torch.stack([n.to(first) for n in norms]).norm()
 
 
-def _refuse_offloaded(parameters: List[Tensor]) -> None:
-    """Gradients an OffloadAdam took during backward (its hooks, or attach_ddp's) are in its engine, not in
-    p.grad: a clip of p.grad would change nothing, silently. (Taken at step() instead, as under DDP without
-    attach_ddp, they are still in p.grad, and the clip works.)"""
-    from effmem.optim._offload_lifetime import _owner
-    for i, p in enumerate(parameters):
-        opt = _owner(p)
-        if opt is not None and opt._in_backward:
-            raise RuntimeError(f"parameters: parameter {i} (shape {tuple(p.shape)}) is stepped by an OffloadAdam "
-                               "that already took its gradient off during backward, so clipping p.grad would change "
-                               "nothing; call that optimizer's clip_grad_norm_(max_norm), which clips what it holds")
-
-
 def _shard_dims(g: Tensor):
     """The mesh dimensions a DTensor is sharded on, and the DTensor with any Partial (pending-sum)
     placement reduced first: the norm of a sum is not the sum of the norms."""
@@ -102,16 +88,19 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     unless ``error_if_nonfinite`` is set (then exactly one). Returns the total
     norm before clipping, in float32 whatever the gradients' dtype (torch's is
     in theirs: a bf16 norm for bf16 gradients). ``foreach`` is accepted for
-    torch's signature; the kernels are fused either way.
+    torch's signature; the kernels are fused either way. Parameters whose
+    gradients an OffloadAdam took off during backward are clipped by that
+    optimizer (``_clip_route``), as ``torch.nn.utils.clip_grad_norm_`` clips
+    them once effmem is imported.
     """
     if foreach is not None and not isinstance(foreach, bool):
         raise ValueError(f"foreach: expected None, True or False, got {foreach!r}")
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     _validate.max_norm(max_norm)
-    if isinstance(norm_type, (str, bool)) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
-        raise ValueError(f"norm_type: only the L2 norm (2.0) is fused, got {norm_type!r}; "
-                         "use torch.nn.utils.clip_grad_norm_ for other norms")
-    _refuse_offloaded(parameters)
+    _clip_route.check_l2(norm_type, "effmem.clip_grad_norm_ (use torch.nn.utils.clip_grad_norm_ for other norms)")
+    routed = _clip_route.offloaded_clip(parameters, max_norm, norm_type, error_if_nonfinite)
+    if routed is not None:   # an OffloadAdam took these gradients off during backward: it clips them
+        return routed
     grads = [p.grad for p in parameters if p.grad is not None]
     total = grad_norm(grads)
     if not grads:

@@ -53,10 +53,13 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     from the staged gradients and applied inside the next step).
 
     Gradients are not left in ``p.grad``: after backward they live in the
-    engine. So ``torch.nn.utils.clip_grad_norm_`` (which would see no
-    gradients) must be replaced by ``opt.clip_grad_norm_``, and
-    ``torch.amp.GradScaler`` (which inspects ``p.grad``) is not supported:
-    use bf16, which needs no loss scaling.
+    engine. ``torch.nn.utils.clip_grad_norm_`` would see none; ``import
+    effmem`` routes it (and ``effmem.clip_grad_norm_``) to
+    ``opt.clip_grad_norm_`` when given this optimizer's parameters, so
+    loops and Hugging Face's Trainer clip as with any optimizer (a name bound
+    before ``import effmem`` keeps torch's function: call
+    ``opt.clip_grad_norm_``). ``torch.amp.GradScaler`` (which inspects
+    ``p.grad``) is not supported: use bf16, which needs no loss scaling.
 
     Args:
         params, lr, betas, eps, weight_decay, decoupled_weight_decay,

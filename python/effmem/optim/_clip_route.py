@@ -1,0 +1,94 @@
+"""Clipping by global norm when an OffloadAdam holds the gradients, whichever clip the training loop calls.
+
+OffloadAdam takes each gradient off its parameter during backward, so p.grad is None by the time a loop clips:
+torch.nn.utils.clip_grad_norm_ would find no gradients, return 0 and clip nothing, silently. Hugging Face's
+Trainer calls it (through accelerate) at every step, max_grad_norm=1.0 by default, and so does nearly every
+hand-written loop. So ``import effmem`` wraps ``torch.nn.utils.clip_grad_norm_``: parameters whose gradients an
+OffloadAdam holds are clipped by that optimizer (its clip_grad_norm_: the same global L2 norm, the factor applied
+inside its next step), and every other call is torch's own function, unchanged (the wrapper hands it straight on
+while no OffloadAdam is open, and under torch.compile). effmem.clip_grad_norm_ routes the same way.
+
+What it cannot reach: a name bound before ``import effmem`` (``from torch.nn.utils import clip_grad_norm_``
+first) keeps torch's function, and torch.nn.utils.get_total_norm takes gradients, not parameters.
+"""
+import functools
+import math
+import numbers
+from typing import Any, List, Optional
+
+import torch
+from torch import Tensor
+
+
+def check_l2(norm_type: Any, who: str) -> None:
+    if isinstance(norm_type, (str, bool)) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
+        raise ValueError(f"norm_type: only the L2 norm (2.0) is supported by {who}, got {norm_type!r}")
+
+
+def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfinite: bool) -> Optional[Tensor]:
+    """None when no OffloadAdam holds any of these parameters' gradients (clip p.grad as usual); otherwise that
+    optimizer's clip_grad_norm_(max_norm) and the norm it returns (float32, on the CPU)."""
+    from effmem.optim._offload_lifetime import _owner
+
+    owners = {}
+    for p in parameters:
+        opt = _owner(p) if isinstance(p, Tensor) else None
+        if opt is not None and opt._in_backward:
+            owners[id(opt)] = opt
+    if not owners:
+        return None
+    if len(owners) > 1:
+        raise RuntimeError(f"parameters: {len(owners)} OffloadAdam optimizers hold these parameters' gradients, each "
+                           "clipping by the norm of its own; call each one's clip_grad_norm_(max_norm)")
+    (opt,) = owners.values()
+    check_l2(norm_type, "OffloadAdam")
+    given = {id(p) for p in parameters}
+    missing = [p for p in opt._all_params if p.requires_grad and id(p) not in given]
+    if missing:
+        raise RuntimeError(f"parameters: {len(missing)} parameters of the OffloadAdam holding these gradients are not "
+                           f"among them (the first of shape {tuple(missing[0].shape)}); it clips by the norm of every "
+                           "gradient it holds: pass all of its parameters (model.parameters()), or call "
+                           "opt.clip_grad_norm_(max_norm)")
+    mine = {id(p) for p in opt._all_params}
+    extra = [p for p in parameters if id(p) not in mine and p.grad is not None]
+    if extra:
+        raise RuntimeError(f"parameters: {len(extra)} of them (the first of shape {tuple(extra[0].shape)}) have gradients "
+                           "in p.grad but are not stepped by the OffloadAdam holding the others' gradients, so one "
+                           "norm over both cannot be applied; clip them apart: opt.clip_grad_norm_(max_norm) for "
+                           "the OffloadAdam's, torch.nn.utils.clip_grad_norm_ for the rest")
+    before = opt._clip_scale
+    total = opt.clip_grad_norm_(max_norm)
+    if error_if_nonfinite and not math.isfinite(float(total)):
+        opt._clip_scale = before   # nothing clipped, as torch leaves the gradients when it raises
+        raise RuntimeError(f"The total norm of the gradients is {float(total)}; "
+                           "set error_if_nonfinite=False to clip anyway")
+    return total
+
+
+def install() -> None:
+    """Wraps torch.nn.utils.clip_grad_norm_ (and clip_grad.clip_grad_norm_, the same function) once."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    from effmem.optim import _offload_lifetime
+
+    original = nn_utils.clip_grad_norm_
+    if getattr(original, "_effmem_routes_offload", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        if not _offload_lifetime._OWNERS or torch.compiler.is_compiling():
+            return original(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                            foreach=foreach)
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)   # a generator, read once
+        routed = offloaded_clip(params, max_norm, norm_type, error_if_nonfinite)
+        if routed is not None:
+            return routed
+        return original(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                        foreach=foreach)
+
+    clip_grad_norm_._effmem_routes_offload = True
+    nn_utils.clip_grad_norm_ = clip_grad_norm_
+    if clip_grad.clip_grad_norm_ is original:
+        clip_grad.clip_grad_norm_ = clip_grad_norm_

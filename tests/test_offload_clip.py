@@ -1,0 +1,141 @@
+"""Clipping by global norm with OffloadAdam through the clip a training loop actually calls.
+
+OffloadAdam takes each gradient off its parameter during backward, so torch.nn.utils.clip_grad_norm_ found
+no p.grad, returned 0 and clipped nothing: under Hugging Face's Trainer (max_grad_norm=1.0 by default)
+OffloadAdam trained unclipped, silently, where FusedAdam and torch's AdamW clipped. Importing effmem routes
+those parameters to the optimizer's own clip (effmem/optim/_clip_route.py)."""
+import pytest
+import torch
+
+import effmem
+from effmem import FusedAdam, OffloadAdam
+from offload_helpers import batches, tiny_gpt
+
+CLIP = 0.05   # below every gradient norm of these runs: each step is clipped
+
+
+def _run(clip, steps=4, accum=2, opt_cls=OffloadAdam):
+    """A tiny GPT trained with `clip(model, opt)` between backward and step; the weights, the norms."""
+    model = tiny_gpt(torch.float32)
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    data, norms = batches(steps * accum), []
+    for k in range(0, len(data), accum):
+        for x, y in data[k:k + accum]:
+            (model(x, y)[1] / accum).backward()
+        norms.append(float(clip(model, opt)))
+        opt.step()
+        opt.zero_grad()
+    if isinstance(opt, OffloadAdam):
+        opt.close()
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+def test_torch_clip_clips_what_offload_adam_holds_as_its_own_clip_does():
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) and opt.clip_grad_norm_ take the same steps, bit for
+    bit, and report the same norms; FusedAdam clipped by torch's function agrees to float32 rounding."""
+    own_w, own_n = _run(lambda m, opt: opt.clip_grad_norm_(CLIP))
+    torch_w, torch_n = _run(lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
+    effmem_w, effmem_n = _run(lambda m, opt: effmem.clip_grad_norm_(m.parameters(), CLIP))
+    fused_w, fused_n = _run(lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP), opt_cls=FusedAdam)
+    assert min(own_n) > CLIP * 10   # every step clipped hard: a clip that did nothing would change the weights
+    assert torch_n == own_n == effmem_n
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(own_w, torch_w, effmem_w))
+    torch.testing.assert_close(torch_n, fused_n, rtol=1e-5, atol=0)
+    for a, b in zip(own_w, fused_w):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)   # lr 1e-2 steps, float32 rounding
+    unclipped_w, _ = _run(lambda m, opt: torch.tensor(0.0))
+    assert not all(torch.equal(a, b) for a, b in zip(own_w, unclipped_w))
+
+
+def test_torch_clip_without_the_route_saw_no_gradients():
+    """What the route fixes: torch's own function (kept as __wrapped__) returns 0 over OffloadAdam's parameters
+    after backward, and the route changes nothing for tensors no OffloadAdam steps."""
+    original = torch.nn.utils.clip_grad_norm_.__wrapped__
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    model(x, y)[1].backward()
+    assert float(original(model.parameters(), CLIP)) == 0.0
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) > CLIP
+    opt.close()
+    plain = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for p, g in zip(plain, (torch.full((3,), 2.0), torch.full((2,), -3.0))):
+        p.grad = g
+    expect = [p.grad.clone() for p in plain]
+    norm = torch.nn.utils.clip_grad_norm_(plain, 1.0)
+    torch.testing.assert_close(original([torch.nn.Parameter(torch.ones(1))], 1.0), torch.tensor(0.0))
+    assert float(norm) == pytest.approx(float(torch.cat(expect).norm()))
+    assert float(torch.cat([p.grad for p in plain]).norm()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_routed_clip_refuses_what_one_norm_cannot_cover():
+    """A subset of the optimizer's parameters, other parameters with gradients of their own, two optimizers,
+    another norm: each a clear error naming the argument, nothing clipped."""
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    other = torch.nn.Parameter(torch.ones(4))
+    other.grad = torch.ones(4)
+    x, y = batches(1)[0]
+    model(x, y)[1].backward()
+    params = list(model.parameters())
+    with pytest.raises(RuntimeError, match=r"parameters: \d+ parameters of the OffloadAdam .* not among them"):
+        torch.nn.utils.clip_grad_norm_(params[:2], CLIP)
+    with pytest.raises(RuntimeError, match="parameters: 1 of them .* not stepped by the OffloadAdam"):
+        torch.nn.utils.clip_grad_norm_(params + [other], CLIP)
+    with pytest.raises(ValueError, match="norm_type: only the L2 norm"):
+        torch.nn.utils.clip_grad_norm_(params, CLIP, norm_type=float("inf"))
+    second_model = tiny_gpt(torch.float32)
+    second = OffloadAdam(second_model.parameters(), lr=1e-2)
+    second_model(x, y)[1].backward()
+    with pytest.raises(RuntimeError, match="parameters: 2 OffloadAdam optimizers"):
+        effmem.clip_grad_norm_(params + list(second_model.parameters()), CLIP)
+    assert opt._clip_scale == 1.0 and second._clip_scale == 1.0
+    second.close()
+    opt.close()
+
+
+def test_routed_clip_error_if_nonfinite_raises_and_clips_nothing():
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    (model(x, y)[1] * float("nan")).backward()
+    with pytest.raises(RuntimeError, match="total norm of the gradients is nan"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, error_if_nonfinite=True)
+    assert opt._clip_scale == 1.0
+    assert torch.isnan(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    opt.close()
+
+
+def test_hugging_face_trainer_clips_offload_adam_as_it_clips_torch_adamw():
+    """The real client: transformers' Trainer (max_grad_norm through accelerate's clip) on a tiny random
+    Llama, two micro-batches a step. Its logged grad_norm was 0.0 for OffloadAdam and the steps unclipped;
+    now the norms and losses are torch AdamW's to float32 rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 128, (16,), generator=gen) for _ in range(16)]
+    data = [{"input_ids": r, "labels": r.clone()} for r in rows]
+
+    def train(make_opt, out):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        opt = make_opt(model.parameters())
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                 max_steps=4, max_grad_norm=0.05, logging_steps=1, report_to=[], use_cpu=True,
+                                 save_strategy="no", lr_scheduler_type="constant", disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        if isinstance(opt, OffloadAdam):
+            opt.close()
+        return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        ref_loss, ref_norm = train(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0), out)
+        off_loss, off_norm = train(lambda p: OffloadAdam(p, lr=1e-2), out)
+    assert min(ref_norm) > 0.05 * 4   # clipped hard at every step
+    torch.testing.assert_close(off_norm, ref_norm, rtol=1e-4, atol=0)
+    torch.testing.assert_close(off_loss, ref_loss, rtol=1e-5, atol=0)
