@@ -1,13 +1,16 @@
 """What OffloadAdam(delay=True) costs in loss, with and without delay_warmup, on the CPU.
 
     python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--torch-stale] [--schedule]
+                                       [--optimizers]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0: plain
 OffloadAdam (exact), then delay=True with each warm-up, and (--torch-stale) torch's AdamW fed
 one-step-stale gradients, the same math as delay without effmem. --schedule: the learning rate
 of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) instead of a constant
-one. Prints the mean loss of the last 10 steps of each and its gap to the exact run.
+one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
+against one-step-stale: which update rules staleness hurts. Prints the mean loss of the last 10
+steps of each and its gap to the exact run.
 """
 import argparse
 import os
@@ -58,10 +61,11 @@ def run_offload(corpus, steps, delay, warmup, schedule=False):
     return sum(tail) / len(tail)
 
 
-def run_torch_stale(corpus, steps, schedule=False):
+def run_torch(corpus, steps, schedule=False, stale=True, make_opt=None):
+    """torch's AdamW (or `make_opt(params)`), fed one-step-stale gradients (`stale`) or exact ones."""
     m = model()
     ps = list(m.parameters())
-    opt = torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)
+    opt = make_opt(ps) if make_opt else torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)
     sched = scheduler(opt, steps, schedule)
     losses, previous = [], None
     for x in batches(corpus, steps):
@@ -69,7 +73,9 @@ def run_torch_stale(corpus, steps, schedule=False):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ps, 1.0)
         current = [p.grad.clone() for p in ps]
-        if previous is not None:  # the first step has no earlier gradient, as with delay
+        if not stale:
+            opt.step()
+        elif previous is not None:  # the first step has no earlier gradient, as with delay
             for p, g in zip(ps, previous):
                 p.grad = g
             opt.step()
@@ -81,12 +87,21 @@ def run_torch_stale(corpus, steps, schedule=False):
     return sum(tail) / len(tail)
 
 
+# --optimizers: what staleness costs other update rules, each against itself fed exact gradients (lr 3e-3)
+OPTIMIZERS = {"AdamW without momentum (beta1=0)": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1,
+                                                                               betas=(0.0, 0.999)),
+              "SGD": lambda ps: torch.optim.SGD(ps, lr=3e-3),
+              "SGD with momentum 0.9": lambda ps: torch.optim.SGD(ps, lr=3e-3, momentum=0.9)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=common.count, default=400)
     parser.add_argument("--warmups", type=int, nargs="*", default=[0, 50, 100, 200])
     parser.add_argument("--torch-stale", action="store_true")
     parser.add_argument("--schedule", action="store_true", help="effmem demo's warm-up and cosine decay")
+    parser.add_argument("--optimizers", action="store_true",
+                        help="also torch's AdamW without momentum and SGD, each exact against one-step stale")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     corpus = torch.tensor(list(demo_model.stdlib_corpus(max_bytes=1 << 20)), dtype=torch.long)
@@ -97,8 +112,13 @@ def main(argv=None):
         loss = run_offload(corpus, args.steps, True, w, args.schedule)
         print(f"  delay, delay_warmup={w:<4d} {loss:.4f}  ({(loss - exact) / exact:+.1%})")
     if args.torch_stale:
-        loss = run_torch_stale(corpus, args.steps, args.schedule)
+        loss = run_torch(corpus, args.steps, args.schedule)
         print(f"  torch AdamW, one-step-stale gradients {loss:.4f}  ({(loss - exact) / exact:+.1%})")
+    if args.optimizers:
+        for name, make in OPTIMIZERS.items():
+            ref = run_torch(corpus, args.steps, args.schedule, stale=False, make_opt=make)
+            loss = run_torch(corpus, args.steps, args.schedule, make_opt=make)
+            print(f"  {name}: exact {ref:.4f}, one-step-stale {loss:.4f}  ({(loss - ref) / ref:+.1%})")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,10 @@ def test_num_items_in_batch_and_inference_untouched():
     assert abs(got.item() - ref.item()) <= 1e-6 * abs(ref.item())
     with torch.no_grad():
         assert torch.equal(fused(input_ids=x).logits, model(input_ids=x).logits)
+        # evaluation with labels (Trainer.evaluate): the logits too, which compute_metrics reads (they were
+        # None, and Trainer dropped the metrics without a word)
+        ev, ev_ref = fused(input_ids=x, labels=y), model(input_ids=x, labels=y)
+        assert torch.equal(ev.logits, ev_ref.logits) and torch.equal(ev.loss, ev_ref.loss)
     effmem.unfuse_linear_cross_entropy(fused)
     assert fused(input_ids=x, labels=y).logits.shape == (2, 16, 512)
     assert type(fused.lm_head) is torch.nn.Linear and "forward" not in fused.__dict__

@@ -7,7 +7,8 @@
 How: the model's own forward runs unchanged (its arguments, caches, MoE router losses), except
 that, when it is given labels, its ``lm_head`` passes the hidden states through instead of
 making logits and its ``loss_function`` computes the fused loss from them. The output then has
-``logits=None``. Without labels (inference, generation) nothing changes.
+``logits=None``. Without labels (inference, generation) or without gradients (evaluation under
+torch.no_grad: Trainer.evaluate, whose compute_metrics reads the logits) nothing changes.
 """
 import functools
 import inspect
@@ -157,7 +158,9 @@ class _FusedForward:
 
 
 def _fused_forward(original, head: nn.Module, *args, **kwargs):
-    if kwargs.get("labels") is None:
+    # Without gradients no backward will keep the logits, and evaluation may read them (Trainer's
+    # compute_metrics got predictions=None and dropped its metrics, silently): the model's own forward.
+    if kwargs.get("labels") is None or not torch.is_grad_enabled():
         return original(*args, **kwargs)
     head._effmem_pass = True
     try:

@@ -52,10 +52,10 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
     mine = {id(p) for p in opt._all_params}
     extra = [p for p in parameters if id(p) not in mine and p.grad is not None]
     if extra:
-        raise RuntimeError(f"parameters: {len(extra)} of them (the first of shape {tuple(extra[0].shape)}) have gradients "
-                           "in p.grad but are not stepped by the OffloadAdam holding the others' gradients, so one "
-                           "norm over both cannot be applied; clip them apart: opt.clip_grad_norm_(max_norm) for "
-                           "the OffloadAdam's, torch.nn.utils.clip_grad_norm_ for the rest")
+        raise RuntimeError(f"parameters: {len(extra)} of them (the first of shape {tuple(extra[0].shape)}) have "
+                           "gradients in p.grad but are not stepped by the OffloadAdam holding the others' gradients, "
+                           "so one norm over both cannot be applied; clip them apart: opt.clip_grad_norm_(max_norm) "
+                           "for the OffloadAdam's, torch.nn.utils.clip_grad_norm_ for the rest")
     before = opt._clip_scale
     total = opt.clip_grad_norm_(max_norm)
     if error_if_nonfinite and not math.isfinite(float(total)):

@@ -19,17 +19,25 @@ from effmem.optim._validate import is_dtensor
 
 class OffloadForward:
     def attach(self, model: nn.Module) -> nn.Module:
-        """async_step: install each parameter's new weights before the forward that reads it (a forward
-        pre-hook on every module owning one of this optimizer's parameters, or on every FSDP2 unit: call
-        it after ``fully_shard``); returns the model. Called again after ``add_param_group``."""
-        if not self._async:
-            raise ValueError("attach: only OffloadAdam(async_step=True) installs weights in the forward")
+        """Ties the optimizer to the model it trains; returns the model. Called again after ``add_param_group``.
+
+        async_step (required there): install each parameter's new weights before the forward that reads it (a
+        forward pre-hook on every module owning one of this optimizer's parameters, or on every FSDP2 unit: call
+        it after ``fully_shard``). Every mode: ``model.state_dict()`` (a checkpoint, Hugging Face's Trainer
+        saving one, ``save_pretrained``) first waits for the updates in flight and installs their weights
+        (``flush()``), and so does a forward in eval mode (``model.eval()``: evaluation), which with
+        ``delay=True`` would otherwise read weights one step old. Without it, a loop that does not call
+        ``flush()`` itself saved weights that missed the last update (async_step, delay)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         self._check_open()
         for h in self._forward_hooks:
             h.remove()
         self._forward_hooks = []
+        self._hook_flushes(model)
+        self._attached = weakref.ref(model)
+        if not self._async:
+            return model
         units = _fsdp_units(model)
         if not units and any(is_dtensor(p) for p in self._index):
             raise ValueError("model: this optimizer's parameters are DTensors but no module of the model is an "
@@ -48,11 +56,18 @@ class OffloadForward:
             ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
             if ids:
                 self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
-        if not self._forward_hooks:
-            raise ValueError("model: none of its modules owns a parameter of this optimizer")
-        self._attached = weakref.ref(model)
         _forget_compiled_code()
         return model
+
+    def _hook_flushes(self, model: nn.Module) -> None:
+        """state_dict pre-hooks on the model and on every module owning a parameter of this optimizer (a
+        state_dict of any module above one reaches it), and the eval-mode forward pre-hook on the model."""
+        owners = [m for m in model.modules() if any(p in self._index for p in m.parameters(recurse=False))]
+        if not owners:
+            raise ValueError("model: none of its modules owns a parameter of this optimizer")
+        for module in [model] + [m for m in owners if m is not model]:
+            self._forward_hooks.append(module.register_state_dict_pre_hook(_Flush(self)))
+        self._forward_hooks.append(model.register_forward_pre_hook(_Flush(self, eval_forward=True)))
 
     def _unit_ids(self, units: Dict[int, nn.Module]) -> Dict[int, List[int]]:
         """Per FSDP unit: its managed parameters' indices and those of the units it prefetches."""
@@ -112,6 +127,28 @@ def _forget_compiled_code() -> None:
 
 def _no_optimizer():
     return None
+
+
+class _Flush:
+    """attach()'s state_dict pre-hook (any mode), or with eval_forward its forward pre-hook for a model in eval
+    mode: the updates in flight finish and their weights are installed before anything reads the model.
+    Held weakly and picklable, as _Installer."""
+
+    def __init__(self, opt, eval_forward: bool = False):
+        self.opt, self.eval_forward = weakref.ref(opt), eval_forward
+
+    def __getstate__(self):
+        return {"eval_forward": self.eval_forward}
+
+    def __setstate__(self, state):
+        self.eval_forward, self.opt = state["eval_forward"], _no_optimizer
+
+    @torch.compiler.disable
+    def __call__(self, module, *args):
+        opt = self.opt()
+        if opt is None or opt._engine is None or opt._engine.closed or (self.eval_forward and module.training):
+            return
+        opt._engine.synchronize()
 
 
 class _Installer:

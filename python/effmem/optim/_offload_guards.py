@@ -5,6 +5,7 @@ a parameter given new memory after the optimizer was built would no longer be tr
 """
 import sys
 import threading
+import warnings
 import weakref
 from typing import Tuple
 
@@ -62,6 +63,7 @@ class OffloadGuards:
             raise RuntimeError(self._broken)
         if not self._open_tasks:
             self._updates_at_open = self._engine.param_updates
+            self._note_mixed_micro_batches()
         self._open_tasks[task] = where
         engine, ref = self._engine, weakref.ref(self)
 
@@ -73,6 +75,21 @@ class OffloadGuards:
                 engine.fence()
 
         torch.autograd.Variable._execution_engine.queue_callback(finished)
+
+    def _note_mixed_micro_batches(self) -> None:
+        """delay=True: the first backward after a step outside accumulating() installs the pending weights, so
+        a second one before step() ran its forward on newer weights than the first: neither exact nor one step
+        stale. Documented, but a loop that cannot mark micro-batches (Hugging Face's Trainer) met it silently."""
+        if not self._delay or self._async or self._accumulating:
+            return
+        self._plain_backwards += 1
+        if self._plain_backwards == 2 and self._step_count > self._delay_warmup and not self._warned_mixed:
+            self._warned_mixed = True
+            warnings.warn("OffloadAdam(delay=True): a second backward before step() outside opt.accumulating(); "
+                          "the first installed the pending weights, so this micro-batch ran on newer weights than "
+                          "the first. Wrap all but the last micro-batch in `with opt.accumulating():`; where the loop "
+                          "cannot (Hugging Face's Trainer with gradient_accumulation_steps > 1), use "
+                          "async_step=True (exact, and hides the update behind the forward)", stacklevel=4)
 
     def _note_unfinished_backward(self) -> None:
         """Backwards that never reached their end (called where none runs): with overlap=True, buckets they

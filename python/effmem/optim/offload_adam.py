@@ -96,7 +96,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             weights change after the first one). Costs a second gradient
             staging buffer in host memory (2 B/param for bf16). Clipping
             works. Before reading the parameters outside training
-            (evaluation, saving the model) call ``flush()``;
+            (evaluation, saving the model) call ``flush()``, or
+            ``attach(model)`` once, which flushes at ``model.state_dict()``
+            and at a forward in eval mode;
             ``state_dict()``, ``load_state_dict()`` and ``close()`` flush
             too. A flush installs the pending weights at once, so the step
             after it reads them and is exact rather than one step stale: a
@@ -244,6 +246,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._open_tasks: Dict[int, Tuple[int, int]] = {}
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
+        self._plain_backwards, self._warned_mixed = 0, False   # delay: backwards since step() outside accumulating()
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_grads = _dist.stream_grads_choice(stream_grads)
@@ -404,6 +407,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._engine.synchronize()
         self._in_backward = False
         self._streamed.clear()
+        self._plain_backwards = 0
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -420,6 +424,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._in_backward = False
         self._streamed.clear()
         self._queued.clear()
+        self._plain_backwards = 0
 
     # ------------------------------------------------------------------ checkpoints
     # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
