@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import effmem
-from effmem.activations import apply_activation_policy, remove_activation_policy
+from effmem.activations import activation_stats, apply_activation_policy, remove_activation_policy
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan.model import find_blocks, model_spec
 from effmem.plan.extrapolate import trace_spec
@@ -144,6 +144,52 @@ def test_a_refused_apply_changes_nothing_and_remove_turns_the_cache_back_on():
     assert m(input_ids=x, labels=x).past_key_values is None
     remove_activation_policy(m)
     assert m(input_ids=x, labels=x).past_key_values is not None
+
+
+class _Wrapper(torch.nn.Module):
+    """What PEFT's PeftModel does to attribute reads: those it lacks go to the model inside (not __dict__)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def _effmem_hooks(model):
+    from effmem.activations.cache import _NoCache
+    return sum(isinstance(h, _NoCache) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_remove_and_stats_reach_through_a_wrapper_either_way():
+    """Applied to a model then removed from its wrapper (PEFT's get_peft_model after the policy), or applied to
+    the wrapper then removed from the model inside (merge_and_unload): the use_cache hooks stayed (turning the
+    cache off in every forward with gradients) and piled up at each new apply; activation_stats of the
+    unwrapped model was None."""
+    x = ids()
+    for apply_to, remove_from in (("inner", "wrapper"), ("wrapper", "inner")):
+        m = llama(use_cache=True)
+        w = _Wrapper(m)
+        apply_activation_policy(m if apply_to == "inner" else w, "fast")
+        plain_hooks = _effmem_hooks(m)
+        assert plain_hooks > 0
+        w(input_ids=x, labels=x).loss.backward()
+        assert activation_stats(m).num_compressed > 0 and activation_stats(w) is not None
+        remove_activation_policy(w if remove_from == "wrapper" else m)
+        assert _effmem_hooks(m) == 0 and activation_stats(m) is None
+        assert all("forward" not in layer.__dict__ for layer in m.model.layers)
+        assert m(input_ids=x, labels=x).past_key_values is not None
+        apply_activation_policy(w, "fast")
+        remove_activation_policy(m)
+        apply_activation_policy(m, "fast")
+        assert _effmem_hooks(m) == plain_hooks   # once per module, not once per apply
 
 
 @pytest.mark.parametrize("policy", ["fast", "min"])

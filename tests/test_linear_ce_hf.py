@@ -300,9 +300,25 @@ def test_an_output_layer_replaced_after_fusing_is_named():
     for wrap in (lambda head: torch.nn.Linear(64, 512, bias=False), LoraLike):   # a copy (modules_to_save), LoRA
         model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
         model.lm_head = wrap(model.lm_head)
-        with pytest.raises(RuntimeError, match="no longer the lm_head it fused .* fuse after wrapping"):
+        # (it suggested fusing after wrapping, where the TypeError below suggested fusing before: a loop)
+        with pytest.raises(RuntimeError, match="no longer the lm_head it fused .* supports a plain lm_head only"):
             model(input_ids=x, labels=y)
     wrapped = FAMILIES["llama"]()
     wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
-    with pytest.raises(TypeError, match="output layer is a Sequential, not an nn.Linear"):
+    with pytest.raises(TypeError, match="output layer is a torch.nn.modules.container.Sequential, not a plain "
+                                        "torch.nn.Linear .* effmem.linear_cross_entropy"):
         effmem.fuse_linear_cross_entropy(wrapped)
+    with pytest.raises(TypeError, match=r"got _Peft; _Peft wraps a model: fuse that one, "
+                                        r"fuse_linear_cross_entropy\(model.get_base_model\(\)\)"):
+        effmem.fuse_linear_cross_entropy(_Peft(FAMILIES["llama"]()))
+
+
+class _Peft(torch.nn.Module):
+    """PEFT's PeftModel, as far as fusing sees it: a wrapper with get_base_model()."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def get_base_model(self):
+        return self.inner

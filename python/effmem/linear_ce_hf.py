@@ -99,13 +99,18 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
         return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not knows(model):
+        inside = getattr(model, "get_base_model", None)   # PEFT's PeftModel: the model it wraps
+        hint = (f"; {name} wraps a model: fuse that one, fuse_linear_cross_entropy(model.get_base_model())"
+                if callable(inside) else "")
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
-                        f"feeds lm_head straight into loss_function), got {name}; use "
-                        "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss instead")
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"model: {name}'s output layer is a {type(head).__name__}, not an nn.Linear (wrapped by "
-                        "PEFT or another library?); fuse before wrapping it, or use "
-                        "effmem.linear_cross_entropy(hidden, weight, labels) in your own loss")
+                        f"feeds lm_head straight into loss_function), got {name}{hint}; or use "
+                        "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss")
+    if type(head) is not nn.Linear:
+        raise TypeError(f"model: {name}'s output layer is a {type(head).__module__}.{type(head).__name__}, not a "
+                        "plain torch.nn.Linear (wrapped to be trained, e.g. by PEFT's modules_to_save or a LoRA "
+                        "on lm_head), whose weight alone would miss what the wrapper adds; fusing supports a "
+                        "plain lm_head only: use effmem.linear_cross_entropy(hidden, weight, labels) in your own "
+                        "loss")
     # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
     # of the model then runs itself (not the original), and the model pickles.
     # what fusing replaces, as instance attributes (None: the class's), for unfuse to put back
@@ -152,8 +157,9 @@ class _FusedForward:
             raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
                                "fused (replaced or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on "
                                "lm_head), so the loss would get logits (or hidden states plus a LoRA's logits) "
-                               "instead of hidden states; fuse after wrapping (fuse the wrapped model's base "
-                               "model), or unfuse_linear_cross_entropy first")
+                               "instead of hidden states. Fusing supports a plain lm_head only (a LoRA elsewhere "
+                               "is fine): unfuse_linear_cross_entropy(model), or train lm_head's weight itself "
+                               "(requires_grad) rather than through a wrapper")
         return _fused_forward(self.original, self.head, *args, **kwargs)
 
 

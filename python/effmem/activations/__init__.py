@@ -130,6 +130,8 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
         for i, (name, layer) in enumerate(named):
+            # on the layers too: found from a model that wraps this one or that it was unwrapped into (_record)
+            layer.__dict__[_FAST], layer.__dict__[_BUDGET] = comp, budget
             layer._effmem_patched = paths.patch(layer)
             if budget is None:
                 layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, name, i == 0,
@@ -228,16 +230,25 @@ def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
     return [(name, layers)] if layers else []
 
 
+def _record(model: nn.Module, key: str):
+    """The policy's compressor or budget: on the model it was applied to, else on its layers (the model given
+    may wrap that one, as PEFT's PeftModel does, or be the one merge_and_unload() returned)."""
+    found = getattr(model, key, None)
+    if found is None:
+        found = next((m.__dict__[key] for m in model.modules() if m.__dict__.get(key) is not None), None)
+    return found
+
+
 def budget_choice(model: nn.Module) -> Optional[dict]:
     """Under memory_budget, the latest choice: per-layer modes, measured bytes per layer of each mode, the
     budget in bytes and the bytes the choice holds; None before the first forward or without a budget."""
-    budget = getattr(model, _BUDGET, None)
+    budget = _record(model, _BUDGET)
     return None if budget is None else budget.latest()
 
 
 def activation_stats(model: nn.Module):
     """What the "fast" policy saved in the latest forward (a CompressionStats), or None without it."""
-    comp = getattr(model, _FAST, None)
+    comp = _record(model, _FAST)
     return None if comp is None else comp.stats
 
 
@@ -248,8 +259,9 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
     for layer in (layer for _, layers in layer_stacks(model) for layer in layers):
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)
-    model.__dict__.pop(_FAST, None)
-    model.__dict__.pop(_BUDGET, None)
+    for m in model.modules():   # the model given, or the one inside a wrapper that it was applied to
+        m.__dict__.pop(_FAST, None)
+        m.__dict__.pop(_BUDGET, None)
     restore_training_cache(model)
     return model
 

@@ -61,18 +61,28 @@ def refuse_cache(layer: nn.Module, args, kwargs) -> None:
                         "past_key_values when training (use_cache=False is passed for you), or use 'fast'")
 
 
+def _has_hook(m: nn.Module) -> bool:
+    return any(isinstance(h, _NoCache) for h in m._forward_pre_hooks.values())
+
+
 def no_training_cache(model: nn.Module) -> None:
-    """Turn the cache off in `model`'s training forwards (once; undo with restore_training_cache)."""
+    """Turn the cache off in `model`'s training forwards (once per module; undo with restore_training_cache)."""
     if _HOOKS in model.__dict__:
         return
     handles = []
     for m in model.modules():
         position = _position(m)
-        if position != -1:
+        if position != -1 and not _has_hook(m):   # a module hooked through a wrapper already: not twice
             handles.append(m.register_forward_pre_hook(_NoCache(position), with_kwargs=True))
     model.__dict__[_HOOKS] = handles
 
 
 def restore_training_cache(model: nn.Module) -> None:
-    for handle in model.__dict__.pop(_HOOKS, []):
-        handle.remove()
+    """Removes the hooks from every module of `model`, whichever object the policy was applied to: a wrapper
+    (PEFT's PeftModel forwards attribute reads to the model inside, not __dict__) held its handles, so the
+    model inside, or the one merge_and_unload() returned, kept its hooks (and use_cache=False) after removal."""
+    for m in model.modules():
+        m.__dict__.pop(_HOOKS, None)
+        for key in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, _NoCache)]:
+            del m._forward_pre_hooks[key]
+            m._forward_pre_hooks_with_kwargs.pop(key, None)
