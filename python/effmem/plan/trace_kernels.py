@@ -30,21 +30,32 @@ from effmem.plan.meta_ops import fast_meta
 
 
 class _FlashSdpa(torch.autograd.Function):
-    """scaled_dot_product_attention as CUDA's flash kernel holds it: q, k, v, output, fp32 log-sum-exp."""
+    """scaled_dot_product_attention as CUDA's flash kernel holds it: q, k, v, output, fp32 log-sum-exp (and
+    the mask, where one is given: the kernels that take one keep it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
-        # Flash kernels write [batch, seq, heads, dim] and return it viewed as [batch, heads, seq, dim],
-        # so the usual transpose back before the output projection costs no copy.
-        out = q.new_empty(q.shape[:-3] + (q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
+    def forward(ctx, q, k, v, mask):
+        # The kernels allocate their output like the query (empty_like: dense, in the order of its strides):
+        # [batch, seq, heads, dim] in memory for a query that is a view of its projection (the usual transpose
+        # back before the output projection then costs no copy), [batch, heads, seq, dim] for one made
+        # contiguous in that order (partial rotary's torch.cat: GPT-NeoX, Phi, StableLM), where it copies.
+        shape = q.shape[:-1] + (v.shape[-1],)
+        if q.stride(-3) < q.stride(-2):   # heads closer together than positions
+            out = q.new_empty(shape[:-3] + (shape[-2], shape[-3], shape[-1])).transpose(-3, -2)
+        else:
+            out = q.new_empty(shape)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if mask is None:
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:   # sdpa turns a boolean mask into one of the query's dtype first: a tensor per call
+            ctx.save_for_backward(q, k, v, out, lse, mask.new_empty(mask.shape, dtype=q.dtype)
+                                  if mask.dtype == torch.bool else mask)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
 
 
 @dataclass
@@ -95,9 +106,9 @@ def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocas
         s_q, s_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
         # QK^T and PV, 2 FLOPs per multiply-add; a causal mask halves the work a flash kernel does.
         flops.attention += 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
-        out = _FlashSdpa.apply(query, key, value)
+        out = _FlashSdpa.apply(query, key, value, attn_mask)
         if flops.keep is not None and flops.in_block():
-            for t in (out, out.grad_fn.saved_tensors[-1] if out.grad_fn is not None else None):
+            for t in (out, out.grad_fn.saved_tensors[4] if out.grad_fn is not None else None):
                 if t is not None:
                     flops.keep(t)  # selective checkpointing keeps the kernel's output and log-sum-exp
         return out
