@@ -71,6 +71,42 @@ def test_forward_unchanged_and_gradients_carry_only_the_rounding(which):
     assert worst < 0.06, worst
 
 
+class _LoraLike(torch.nn.Module):
+    """PEFT's lora.Linear as the fast path sees it: the frozen projection as base_layer plus a low-rank delta."""
+
+    def __init__(self, base, r=4):
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.a = torch.nn.Linear(base.in_features, r, bias=False)
+        self.b = torch.nn.Linear(r, base.out_features, bias=False)
+        torch.nn.init.normal_(self.b.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.b(self.a(x))
+
+
+def test_a_lora_on_the_mlp_keeps_the_fused_swiglu_and_trains_through_it():
+    """LoRA on gate/up/down (PEFT wraps each nn.Linear): the MLP's fast path was skipped, silently."""
+    plain = llama()
+    for layer in plain.model.layers:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(layer.mlp, name, _LoraLike(getattr(layer.mlp, name)))
+    quick = apply_activation_policy(copy.deepcopy(plain), "fast")
+    assert "LlamaMLP" in {type(p).__name__ for p in quick.model.layers[0]._effmem_patched}
+    x = ids()
+    losses = []
+    for m in (plain, quick):
+        torch.manual_seed(5)
+        losses.append(loss_of(m, x))
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    pairs = [(a.grad, b.grad) for (n, a), b in zip(plain.named_parameters(), quick.parameters())
+             if ".a." in n or ".b." in n]
+    assert pairs and all(a is not None and b is not None for a, b in pairs)
+    worst = max(((b - a).norm() / a.norm()).item() for a, b in pairs if a.norm() > 0)
+    assert worst < 0.06, worst
+
+
 def test_fast_paths_are_found_in_each_family():
     for make, expect in ((llama, {"LlamaRMSNorm", "LlamaMLP"}), (gpt2, {"LayerNorm", "NewGELUActivation"}),
                          (mixtral, {"MixtralRMSNorm"}), (demo_gpt, {"LayerNorm", "GELU"})):

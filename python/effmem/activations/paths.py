@@ -7,7 +7,8 @@ Mistral, Mixtral, Qwen2/Qwen3 and GPT-2 in transformers, and the demo GPT):
   weight): fused.rms_norm.
 * nn.LayerNorm (GPT-2, the demo GPT): fused.layer_norm.
 * a gated MLP, down(act(gate(x)) * up(x)) with SiLU (Llama, Mistral, Qwen2,
-  Qwen3): fused.swiglu for the product.
+  Qwen3): fused.swiglu for the product (its projections nn.Linear, or PEFT's
+  LoRA wrappers of them).
 * GELU modules (torch's nn.GELU, transformers' GELU activations): fused.gelu.
 
 Each is patched by giving the module instance its own forward (removed by
@@ -63,9 +64,15 @@ def _layer_norm(m: nn.Module) -> Optional[Callable]:
     return functools.partial(_layer_norm_forward, m) if type(m) is nn.LayerNorm else None
 
 
+def _linear_like(p) -> bool:
+    """An nn.Linear, or a wrapper of one that PEFT makes (a LoRA's lora.Linear keeps it as base_layer): the
+    fused MLP only calls the three projections, so a LoRA on them trains through it as through the module."""
+    return isinstance(p, nn.Linear) or isinstance(getattr(p, "base_layer", None), nn.Linear)
+
+
 def _gated_mlp(m: nn.Module) -> Optional[Callable]:
     parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, nn.Linear) for p in parts) or type(getattr(m, "act_fn", None)).__name__ not in SILU:
+    if not all(_linear_like(p) for p in parts) or type(getattr(m, "act_fn", None)).__name__ not in SILU:
         return None
     return functools.partial(_gated_mlp_forward, m)
 
