@@ -362,3 +362,40 @@ def test_rms_norm_backward_on_cuda_takes_the_fused_kernel(dtype):
     for a, b, r in zip(got, mine, ref):
         assert a.dtype == dtype
         assert _rel_err(a, r.cuda()) <= 2 * _rel_err(b, r.cuda()) + 1e-6
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 8, 16), (7,)])
+def test_relu_mask_is_kept_bit_for_bit(shape):
+    """fused.relu's backward from its 1-bit mask equals autograd's (NaN and -0 included, any element count)."""
+    from effmem.activations import fused
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 1e-3
+    x.view(-1)[0], x.view(-1)[-1] = float("nan"), -0.0
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    torch.relu(a).backward(g)
+    y = fused.relu(b, torch.relu)
+    y.backward(g)
+    assert torch.allclose(y, torch.relu(x), rtol=0, atol=0, equal_nan=True) and torch.equal(a.grad, b.grad)
+
+
+def test_relu_models_keep_their_gradients_under_fast():
+    """OPT's ReLU: autograd keeps the output, which "fast" stored in 8 bits, and a small positive value
+    rounded to code 0 lost its whole gradient: the first step's gradients were 4.7% off plain's, against
+    0.4% for the same OPT with GELU. The fused ReLU keeps the mask exactly."""
+    cfg = transformers.OPTConfig(vocab_size=128, num_hidden_layers=2, hidden_size=64, ffn_dim=96,
+                                 num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=64,
+                                 pad_token_id=1, dropout=0.0)
+
+    def step_grads(policy):
+        torch.manual_seed(0)
+        m = transformers.OPTForCausalLM(cfg).train()
+        if policy:
+            apply_activation_policy(m, policy)
+        x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+        m(input_ids=x, labels=x, use_cache=False).loss.backward()
+        return m, torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    _, plain = step_grads(None)
+    m, quick = step_grads("fast")
+    assert "ReLU" in {type(p).__name__ for p in m.model.decoder.layers[0]._effmem_patched}
+    assert ((quick - plain).norm() / plain.norm()).item() < 0.01

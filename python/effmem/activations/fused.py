@@ -221,3 +221,47 @@ def gelu(x: Tensor, act: Callable[[Tensor], Tensor], approximate: str) -> Tensor
     """act(x), where act computes GELU (exact for approximate="none", the tanh form for "tanh");
     backward differentiates GELU in that form."""
     return _GELU.apply(x, act, approximate)
+
+
+_SHIFTS = {}
+
+
+def _pack_bits(mask: Tensor) -> Tensor:
+    """A bool tensor as uint8 bytes of 8 flags each (1/8 byte per element); _unpack_bits reverses it."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    shifts = _SHIFTS.get(mask.device)
+    if shifts is None:
+        shifts = _SHIFTS[mask.device] = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: Tensor, shape) -> Tensor:
+    bits = (packed.unsqueeze(-1) >> _SHIFTS[packed.device]) & 1
+    return bits.reshape(-1)[:torch.Size(shape).numel()].view(shape).bool()
+
+
+class _ReLU(torch.autograd.Function):
+    """ReLU keeping its on/off mask exactly, 1 bit per element. autograd's keeps the output, which the "fast"
+    policy stores in 8 bits: a small positive value rounded to code 0 lost its gradient (a tiny OPT's first
+    gradients 4.7% off plain's, against 0.4% with GELU). The output's consumer (the down projection) still
+    saves it, in 8 bits, for its weight's gradient, where rounding costs only rounding."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
+        y = act(x)
+        ctx.shape = y.shape
+        ctx.save_for_backward(_pack_bits(~(y <= 0)))   # threshold_backward's test: a NaN passes its gradient
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        return grad * _unpack_bits(packed, ctx.shape).to(grad.dtype), None
+
+
+def relu(x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
+    """act(x) for a module computing ReLU, its backward from an exact 1-bit mask."""
+    return _ReLU.apply(x, act)

@@ -10,6 +10,7 @@ Mistral, Mixtral, Qwen2/Qwen3 and GPT-2 in transformers, and the demo GPT):
   Qwen3): fused.swiglu for the product (its projections nn.Linear, or PEFT's
   LoRA wrappers of them).
 * GELU modules (torch's nn.GELU, transformers' GELU activations): fused.gelu.
+* nn.ReLU (OPT, T5): fused.relu, its on/off mask kept exactly in 1 bit.
 
 Each is patched by giving the module instance its own forward (removed by
 unpatch), so parameters, state_dict keys and hooks are untouched. Anything
@@ -82,7 +83,16 @@ def _gelu(m: nn.Module) -> Optional[Callable]:
     return None if form is None else functools.partial(_gelu_forward, m, form)
 
 
-FINDERS = (_rms_norm, _layer_norm, _gated_mlp, _gelu)
+def _relu_forward(m: nn.Module, x):
+    return fused.relu(x, functools.partial(type(m).forward, m))
+
+
+def _relu(m: nn.Module) -> Optional[Callable]:
+    # not in place: the fused function returns a new tensor where the module would overwrite its input
+    return functools.partial(_relu_forward, m) if type(m) is nn.ReLU and not m.inplace else None
+
+
+FINDERS = (_rms_norm, _layer_norm, _gated_mlp, _gelu, _relu)
 
 
 def patch(layer: nn.Module) -> List[nn.Module]:
