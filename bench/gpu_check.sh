@@ -30,7 +30,9 @@
 #   bandwidth, 77% before; the compress8 peaks counted since: worst 3.4% predicted on this CPU from that run;
 #   the step model's host-time term, fitted to four rows of that run: a fresh run checks it out of sample;
 #   verify() no longer synchronizes inside its timed steps (1eb567a: memory is measured in an untimed last
-#   step), so host-bound rows may measure shorter than that run's, and host_op_s may want refitting);
+#   step), so host-bound rows may measure shorter than that run's, and host_op_s may want refitting; the trace's
+#   attention stand-in allocates its output like the query and keeps a given mask (6dd2922: checked against
+#   a CPU's saves only; CUDA's flash kernel also allocates empty_like(q), the Llama rows should not move);
 #   build capacity (7B held to an H100's memory by --gpu-memory below); build offload capacity_13b;
 #   profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost 1.179x where
 #   compiled it cost nothing); build tests demo (the whole suite).
