@@ -404,3 +404,32 @@ def test_nested_accumulating_blocks_stay_accumulating_until_the_outermost_ends(m
         return [p.detach().clone() for p in m.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+@pytest.mark.parametrize("mode", [{}, {"delay": True}, {"state_bits": 8}])
+def test_offload_step_under_torch_compile_runs_as_eager(mode):
+    """torch.compile(opt.step): the second compiled call refused with "opt.state was changed by assignment"
+    (dynamo did not replay the optimizer's record of its state); the step now runs eagerly inside."""
+    runs = []
+    for compiled in (False, True):
+        m = _linear(torch.float32)
+        opt = OffloadAdam(m.parameters(), lr=1e-2, **mode)
+        step = torch.compile(opt.step) if compiled else opt.step
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+        for _ in range(3):
+            m(x).square().mean().backward()
+            step()
+            opt.zero_grad()
+        opt.flush()
+        runs.append([p.detach().clone() for p in m.parameters()])
+        _close(opt)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_meta_parameters_are_not_taken_for_views_of_one_tensor():
+    """Every meta tensor's data_ptr is 0: two meta parameters "shared memory" and both optimizers refused
+    them with that, where torch's AdamW takes them (a model built on the meta device, then to_empty)."""
+    m = torch.nn.Linear(4, 4, device="meta")
+    FusedAdam(m.parameters())
+    with pytest.raises(ValueError, match="params: expected CPU or CUDA parameters, got meta"):
+        OffloadAdam(m.parameters())

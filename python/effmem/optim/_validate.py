@@ -124,7 +124,8 @@ def params(new: List[Tensor], existing: List[Tensor]) -> None:
         if p.is_sparse or not is_dense(p):
             raise ValueError(f"params[{i}]: expected a dense tensor whose elements do not overlap "
                              f"(shape {tuple(p.shape)}, strides {p.stride()})")
-    spans = sorted((_span(p) + (i,) for i, p in enumerate(existing + new) if p.numel() > 0))
+    # (meta tensors have no memory: every data_ptr is 0, and they all "overlapped")
+    spans = sorted((_span(p) + (i,) for i, p in enumerate(existing + new) if p.numel() > 0 and not p.is_meta))
     for (_, end_a, i), (start_b, _, j) in zip(spans, spans[1:]):
         if start_b < end_a:
             raise ValueError(f"params: parameters {i} and {j} share memory (views of one tensor?); "

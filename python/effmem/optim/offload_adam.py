@@ -374,6 +374,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     # below with a reason, where GradScaler's own check failed with "No inf checks were recorded"
     _step_supports_amp_scaling = True
 
+    # torch.compile(opt.step): the engine's step is host work; compiled, dynamo did not replay the bookkeeping
+    # of opt.state (_note_state) and the second call refused a state the user never touched
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None, *, grad_scaler=None):
         """Updates every parameter with a pending gradient; returns the closure's loss, if any."""
