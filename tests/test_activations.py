@@ -188,6 +188,11 @@ def test_remove_and_stats_reach_through_a_wrapper_either_way():
         assert m(input_ids=x, labels=x).past_key_values is not None
         apply_activation_policy(w, "fast")
         remove_activation_policy(m)
+        assert activation_stats(w) is None   # the wrapper's own record is stale, not reported
+        apply_activation_policy(w, "fast")   # the wrapper's stale list of handles made this install none
+        assert _effmem_hooks(m) == plain_hooks
+        w(input_ids=x, labels=x).loss.backward()
+        remove_activation_policy(m)
         apply_activation_policy(m, "fast")
         assert _effmem_hooks(m) == plain_hooks   # once per module, not once per apply
 

@@ -4,6 +4,7 @@ With async_step and delay, step() returns before the new weights are in the para
 Trainer saves the model before the optimizer (whose state_dict() flushed), so its checkpoints held the
 weights from before the last update and a resumed run diverged; evaluation under delay scored weights one
 step old. attach() now hooks the model's state_dict and eval-mode forward to flush first."""
+import functools
 import os
 import tempfile
 import warnings
@@ -68,6 +69,25 @@ def test_delay_evaluation_of_an_attached_model_sees_the_last_update(attached):
     opt.close()
 
 
+def test_delay_training_in_eval_mode_keeps_its_overlap():
+    """A training forward with the model in eval mode (dropout off) is not evaluation: flushing there made every
+    step exact and synchronous. Only an eval-mode forward without gradients flushes."""
+    runs = []
+    for attached in (True, False):
+        model = tiny_gpt(torch.float32).eval()
+        opt = OffloadAdam(model.parameters(), lr=1e-2, delay=True)
+        if attached:
+            opt.attach(model)
+        for x, y in batches(4):
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        runs.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_attach_refuses_a_model_without_the_optimizer_s_parameters():
     model = tiny_gpt(torch.float32)
     with OffloadAdam(model.parameters()) as opt:
@@ -100,6 +120,33 @@ def test_delay_warns_once_when_micro_batches_are_not_marked():
     assert len(run(mark=False)) == 1
     assert run(mark=True) == []
     assert run(mark=False, warmup=100) == []
+
+
+def test_delay_does_not_take_reentrant_checkpointing_for_micro_batches():
+    """Reentrant checkpointing runs each layer's backward as a graph task of its own inside the one backward;
+    with only the checkpointed layers training (LoRA-like), each looked like a second micro-batch."""
+    model = tiny_gpt(torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # the frozen embedding's output made to require grad, as transformers' enable_input_require_grads does:
+    # reentrant checkpointing needs an input that does
+    model.tok_emb.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    for block in model.blocks:
+        block.requires_grad_(True)
+        block.forward = functools.partial(_checkpointed, type(block).forward, block)
+    opt = OffloadAdam([p for p in model.parameters() if p.requires_grad], lr=1e-2, delay=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(4):
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    opt.close()
+    assert not [w for w in caught if "outside opt.accumulating()" in str(w.message)]
+
+
+def _checkpointed(forward, block, x):
+    return torch.utils.checkpoint.checkpoint(forward, block, x, use_reentrant=True)
 
 
 class _Null:

@@ -139,3 +139,27 @@ def test_hugging_face_trainer_clips_offload_adam_as_it_clips_torch_adamw():
     assert min(ref_norm) > 0.05 * 4   # clipped hard at every step
     torch.testing.assert_close(off_norm, ref_norm, rtol=1e-4, atol=0)
     torch.testing.assert_close(off_loss, ref_loss, rtol=1e-5, atol=0)
+
+
+def test_torch_clip_inside_a_compiled_step_clips_what_offload_adam_holds():
+    """Under torch.compile the wrapper handed every call to torch's function, which found no p.grad: the norms
+    were 0 again. While an OffloadAdam is open the compiled code now breaks its graph there and routes."""
+    def norms(compiled):
+        model = tiny_gpt(torch.float32)
+        opt = OffloadAdam(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            model(x, y)[1].backward()
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+
+        fn = torch.compile(step) if compiled else step
+        out = []
+        for x, y in batches(2):
+            out.append(float(fn(x, y)))
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        return out
+
+    eager = norms(False)
+    assert min(eager) > CLIP and norms(True) == pytest.approx(eager, rel=1e-6)

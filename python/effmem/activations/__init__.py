@@ -233,10 +233,9 @@ def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
 def _record(model: nn.Module, key: str):
     """The policy's compressor or budget: on the model it was applied to, else on its layers (the model given
     may wrap that one, as PEFT's PeftModel does, or be the one merge_and_unload() returned)."""
-    found = getattr(model, key, None)
-    if found is None:
-        found = next((m.__dict__[key] for m in model.modules() if m.__dict__.get(key) is not None), None)
-    return found
+    # the layers' own references, which removal clears wherever it was called from (a wrapper's may be stale)
+    return next((m.__dict__[key] for m in model.modules()
+                 if getattr(m, "_effmem_policy", None) is not None and m.__dict__.get(key) is not None), None)
 
 
 def budget_choice(model: nn.Module) -> Optional[dict]:

@@ -66,10 +66,9 @@ def _has_hook(m: nn.Module) -> bool:
 
 
 def no_training_cache(model: nn.Module) -> None:
-    """Turn the cache off in `model`'s training forwards (once per module; undo with restore_training_cache)."""
-    if _HOOKS in model.__dict__:
-        return
-    handles = []
+    """Turn the cache off in `model`'s training forwards (once per module; undo with restore_training_cache).
+    Every module is looked at: a list of handles on a wrapper outlives a removal through the model inside."""
+    handles = model.__dict__.get(_HOOKS, [])
     for m in model.modules():
         position = _position(m)
         if position != -1 and not _has_hook(m):   # a module hooked through a wrapper already: not twice

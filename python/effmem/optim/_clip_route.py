@@ -6,7 +6,8 @@ Trainer calls it (through accelerate) at every step, max_grad_norm=1.0 by defaul
 hand-written loop. So ``import effmem`` wraps ``torch.nn.utils.clip_grad_norm_``: parameters whose gradients an
 OffloadAdam holds are clipped by that optimizer (its clip_grad_norm_: the same global L2 norm, the factor applied
 inside its next step), and every other call is torch's own function, unchanged (the wrapper hands it straight on
-while no OffloadAdam is open, and under torch.compile). effmem.clip_grad_norm_ routes the same way.
+while no OffloadAdam is open; while one is, torch.compile breaks its graph there to route the call eagerly).
+effmem.clip_grad_norm_ routes the same way.
 
 What it cannot reach: a name bound before ``import effmem`` (``from torch.nn.utils import clip_grad_norm_``
 first) keeps torch's function, and torch.nn.utils.get_total_norm takes gradients, not parameters.
@@ -76,17 +77,21 @@ def install() -> None:
     if getattr(original, "_effmem_routes_offload", False):
         return
 
-    @functools.wraps(original)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        if not _offload_lifetime._OWNERS or torch.compiler.is_compiling():
-            return original(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                            foreach=foreach)
+    @torch.compiler.disable   # the engine's clip is host work: under torch.compile a graph break runs it
+    def routed(parameters, max_norm, norm_type, error_if_nonfinite, foreach):
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)   # a generator, read once
-        routed = offloaded_clip(params, max_norm, norm_type, error_if_nonfinite)
-        if routed is not None:
-            return routed
+        total = offloaded_clip(params, max_norm, norm_type, error_if_nonfinite)
+        if total is not None:
+            return total
         return original(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
                         foreach=foreach)
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        if not _offload_lifetime._OWNERS:   # no OffloadAdam open: torch's own, traced as ever under compile
+            return original(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                            foreach=foreach)
+        return routed(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     clip_grad_norm_._effmem_routes_offload = True
     nn_utils.clip_grad_norm_ = clip_grad_norm_

@@ -25,7 +25,7 @@ class OffloadForward:
         forward pre-hook on every module owning one of this optimizer's parameters, or on every FSDP2 unit: call
         it after ``fully_shard``). Every mode: ``model.state_dict()`` (a checkpoint, Hugging Face's Trainer
         saving one, ``save_pretrained``) first waits for the updates in flight and installs their weights
-        (``flush()``), and so does a forward in eval mode (``model.eval()``: evaluation), which with
+        (``flush()``), and so does a forward in eval mode without gradients (evaluation), which with
         ``delay=True`` would otherwise read weights one step old. Without it, a loop that does not call
         ``flush()`` itself saved weights that missed the last update (async_step, delay)."""
         if not isinstance(model, nn.Module):
@@ -131,8 +131,8 @@ def _no_optimizer():
 
 class _Flush:
     """attach()'s state_dict pre-hook (any mode), or with eval_forward its forward pre-hook for a model in eval
-    mode: the updates in flight finish and their weights are installed before anything reads the model.
-    Held weakly and picklable, as _Installer."""
+    mode run without gradients: the updates in flight finish and their weights are installed before anything
+    reads the model. Held weakly and picklable, as _Installer."""
 
     def __init__(self, opt, eval_forward: bool = False):
         self.opt, self.eval_forward = weakref.ref(opt), eval_forward
@@ -146,8 +146,10 @@ class _Flush:
     @torch.compiler.disable
     def __call__(self, module, *args):
         opt = self.opt()
-        if opt is None or opt._engine is None or opt._engine.closed or (self.eval_forward and module.training):
+        if opt is None or opt._engine is None or opt._engine.closed:
             return
+        if self.eval_forward and (module.training or torch.is_grad_enabled()):
+            return   # evaluation is an eval-mode forward without gradients; training in eval mode keeps its overlap
         opt._engine.synchronize()
 
 

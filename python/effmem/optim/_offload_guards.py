@@ -63,7 +63,8 @@ class OffloadGuards:
             raise RuntimeError(self._broken)
         if not self._open_tasks:
             self._updates_at_open = self._engine.param_updates
-            self._note_mixed_micro_batches()
+            if where[1] <= 1:   # not a reentrant checkpoint's inner backward (one per layer, inside one backward)
+                self._note_mixed_micro_batches()
         self._open_tasks[task] = where
         engine, ref = self._engine, weakref.ref(self)
 
