@@ -98,7 +98,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             works. Before reading the parameters outside training
             (evaluation, saving the model) call ``flush()``, or
             ``attach(model)`` once, which flushes at ``model.state_dict()``
-            and at a forward in eval mode;
+            and at an eval-mode forward without gradients;
             ``state_dict()``, ``load_state_dict()`` and ``close()`` flush
             too. A flush installs the pending weights at once, so the step
             after it reads them and is exact rather than one step stale: a
