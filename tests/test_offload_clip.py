@@ -163,3 +163,19 @@ def test_torch_clip_inside_a_compiled_step_clips_what_offload_adam_holds():
 
     eager = norms(False)
     assert min(eager) > CLIP and norms(True) == pytest.approx(eager, rel=1e-6)
+
+
+def test_clip_by_value_over_what_offload_adam_holds_is_refused_with_the_reason():
+    """torch's clip_grad_value_ found no p.grad: an unreadable error from its foreach kernel (accelerate's
+    clip_grad_value_ calls it), or with device_state a clip of the few gradients left on the device only."""
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    model(x, y)[1].backward()
+    with pytest.raises(RuntimeError, match=r"parameters: parameter \d+ .* does not clip by value. Clip by the global"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    opt.close()
+    plain = torch.nn.Parameter(torch.ones(3))
+    plain.grad = torch.full((3,), 5.0)
+    torch.nn.utils.clip_grad_value_([plain], 0.1)   # anything else: torch's own
+    assert torch.equal(plain.grad, torch.full((3,), 0.1))

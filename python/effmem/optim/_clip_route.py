@@ -9,6 +9,9 @@ inside its next step), and every other call is torch's own function, unchanged (
 while no OffloadAdam is open; while one is, torch.compile breaks its graph there to route the call eagerly).
 effmem.clip_grad_norm_ routes the same way.
 
+``torch.nn.utils.clip_grad_value_`` over those parameters is refused with the reason (the engine does not clip by
+value; torch's found no gradients and failed unreadably, or clipped only device_state's).
+
 What it cannot reach: a name bound before ``import effmem`` (``from torch.nn.utils import clip_grad_norm_``
 first) keeps torch's function, and torch.nn.utils.get_total_norm takes gradients, not parameters.
 """
@@ -66,8 +69,23 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
     return total
 
 
+@torch.compiler.disable
+def refuse_value_clip(parameters: List[Tensor]) -> None:
+    """clip_grad_value_ over gradients an OffloadAdam took off: torch's found no p.grad (an unreadable error
+    from its foreach kernel, or, with device_state, a clip of the few gradients left on the device only)."""
+    from effmem.optim._offload_lifetime import _owner
+
+    for i, p in enumerate(parameters):
+        opt = _owner(p) if isinstance(p, Tensor) else None
+        if opt is not None and opt._in_backward:
+            raise RuntimeError(f"parameters: parameter {i} (shape {tuple(p.shape)}) is stepped by an OffloadAdam that "
+                               "took its gradient off the device during backward; it does not clip by value. Clip by "
+                               "the global norm instead: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+                               "or opt.clip_grad_norm_(max_norm)")
+
+
 def install() -> None:
-    """Wraps torch.nn.utils.clip_grad_norm_ (and clip_grad.clip_grad_norm_, the same function) once."""
+    """Wraps torch.nn.utils.clip_grad_norm_ and clip_grad_value_ (and clip_grad's, the same functions) once."""
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -97,3 +115,16 @@ def install() -> None:
     nn_utils.clip_grad_norm_ = clip_grad_norm_
     if clip_grad.clip_grad_norm_ is original:
         clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+    original_value = nn_utils.clip_grad_value_
+
+    @functools.wraps(original_value)
+    def clip_grad_value_(parameters, clip_value, foreach=None):
+        if _offload_lifetime._OWNERS:
+            parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+            refuse_value_clip(parameters)
+        return original_value(parameters, clip_value, foreach=foreach)
+
+    nn_utils.clip_grad_value_ = clip_grad_value_
+    if clip_grad.clip_grad_value_ is original_value:
+        clip_grad.clip_grad_value_ = clip_grad_value_
