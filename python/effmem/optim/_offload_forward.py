@@ -31,6 +31,8 @@ class OffloadForward:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         self._check_open()
+        if not any(p in self._index for p in model.parameters()):   # refused before the hooks it had go
+            raise ValueError("model: none of its modules owns a parameter of this optimizer")
         for h in self._forward_hooks:
             h.remove()
         self._forward_hooks = []
@@ -63,8 +65,6 @@ class OffloadForward:
         """state_dict pre-hooks on the model and on every module owning a parameter of this optimizer (a
         state_dict of any module above one reaches it), and the eval-mode forward pre-hook on the model."""
         owners = [m for m in model.modules() if any(p in self._index for p in m.parameters(recurse=False))]
-        if not owners:
-            raise ValueError("model: none of its modules owns a parameter of this optimizer")
         for module in [model] + [m for m in owners if m is not model]:
             self._forward_hooks.append(module.register_state_dict_pre_hook(_Flush(self)))
         self._forward_hooks.append(model.register_forward_pre_hook(_Flush(self, eval_forward=True)))
