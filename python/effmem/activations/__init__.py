@@ -231,9 +231,10 @@ def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
 
 
 def _record(model: nn.Module, key: str):
-    """The policy's compressor or budget: on the model it was applied to, else on its layers (the model given
-    may wrap that one, as PEFT's PeftModel does, or be the one merge_and_unload() returned)."""
-    # the layers' own references, which removal clears wherever it was called from (a wrapper's may be stale)
+    """The policy's compressor or budget, from the layers it was applied to (each holds a reference): found
+    whether the model given wraps the one it was applied to, as PEFT's PeftModel does, or is the one
+    merge_and_unload() returned. Not from the model's own attribute, which a removal through the model
+    inside a wrapper leaves stale on the wrapper."""
     return next((m.__dict__[key] for m in model.modules()
                  if getattr(m, "_effmem_policy", None) is not None and m.__dict__.get(key) is not None), None)
 

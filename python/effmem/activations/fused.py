@@ -223,7 +223,8 @@ def gelu(x: Tensor, act: Callable[[Tensor], Tensor], approximate: str) -> Tensor
     return _GELU.apply(x, act, approximate)
 
 
-_SHIFTS = {}
+def _shifts(device) -> Tensor:
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def _pack_bits(mask: Tensor) -> Tensor:
@@ -232,14 +233,11 @@ def _pack_bits(mask: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    shifts = _SHIFTS.get(mask.device)
-    if shifts is None:
-        shifts = _SHIFTS[mask.device] = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return (flat.view(-1, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+    return (flat.view(-1, 8).to(torch.uint8) << _shifts(mask.device)).sum(-1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: Tensor, shape) -> Tensor:
-    bits = (packed.unsqueeze(-1) >> _SHIFTS[packed.device]) & 1
+    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
     return bits.reshape(-1)[:torch.Size(shape).numel()].view(shape).bool()
 
 
