@@ -1,5 +1,5 @@
-"""effmem plan on configs as users hand them over: what transformers 5 writes (per-layer lists), and models
-it cannot plan, refused with a message that says why."""
+"""effmem plan on configs as users hand them over: what transformers 5 writes (per-layer lists), models it
+cannot plan, refused with a message that says why, and the trace against the closed-form count of presets."""
 import json
 
 import pytest
@@ -33,3 +33,26 @@ def test_configs_with_per_layer_lists_are_planned(tmp_path):
     assert "layer_types" in json.loads((tmp_path / "config.json").read_text())
     p = effmem.plan(str(tmp_path), batch=1, seq=16, device="cpu", gpu_memory="1GB", host_memory="8GB")
     assert p.best is not None and p.method.startswith("trace")
+
+
+@pytest.mark.parametrize("preset", ["llama-7b", "mistral-7b", "llama3-8b", "gpt2"])
+def test_trace_agrees_with_the_closed_form_count(preset):
+    """plan/formula.py, written from reading the modules, against the trace: two derivations, one number."""
+    p = effmem.plan(preset, batch=2, seq=1024, gpu_memory="80GB", host_memory="1TB")
+    check = p.formula_check
+    assert check is not None and abs(check["relative_difference"]) < 1e-4, check
+    assert any(n.startswith("cross-check") for n in p.notes)
+
+
+def test_no_cross_check_where_the_cpu_runs_attention_with_dropout():
+    """GPT-2 on a CPU: attention with dropout (attn_pdrop 0.1 by default) runs as the math, which keeps the
+    weights the formula's flash attention does not, so the note read +58% as if one of the two were wrong."""
+    p = effmem.plan("gpt2", batch=1, seq=256, device="cpu", gpu_memory="80GB", host_memory="1TB")
+    assert p.formula_check is None and not any(n.startswith("cross-check") for n in p.notes)
+    llama = effmem.plan("llama-1b", batch=1, seq=256, device="cpu", gpu_memory="80GB", host_memory="1TB")
+    assert abs(llama.formula_check["relative_difference"]) < 1e-4
+
+
+def test_no_formula_for_a_model_it_does_not_describe():
+    p = effmem.plan("mixtral-8x7b", batch=1, seq=256, gpu_memory="80GB", host_memory="1TB")
+    assert p.formula_check is None and p.as_dict()["formula_check"] is None

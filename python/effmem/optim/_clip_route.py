@@ -29,16 +29,21 @@ def check_l2(norm_type: Any, who: str) -> None:
         raise ValueError(f"norm_type: only the L2 norm (2.0) is supported by {who}, got {norm_type!r}")
 
 
+def _holders(parameters: List[Tensor]):
+    """(index, parameter, optimizer) for each parameter whose gradient an open OffloadAdam took off during
+    backward."""
+    from effmem.optim._offload_lifetime import _owner
+
+    for i, p in enumerate(parameters):
+        opt = _owner(p) if isinstance(p, Tensor) else None
+        if opt is not None and opt._in_backward:
+            yield i, p, opt
+
+
 def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfinite: bool) -> Optional[Tensor]:
     """None when no OffloadAdam holds any of these parameters' gradients (clip p.grad as usual); otherwise that
     optimizer's clip_grad_norm_(max_norm) and the norm it returns (float32, on the CPU)."""
-    from effmem.optim._offload_lifetime import _owner
-
-    owners = {}
-    for p in parameters:
-        opt = _owner(p) if isinstance(p, Tensor) else None
-        if opt is not None and opt._in_backward:
-            owners[id(opt)] = opt
+    owners = {id(opt): opt for _, _, opt in _holders(parameters)}
     if not owners:
         return None
     if len(owners) > 1:
@@ -73,15 +78,11 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
 def refuse_value_clip(parameters: List[Tensor]) -> None:
     """clip_grad_value_ over gradients an OffloadAdam took off: torch's found no p.grad (an unreadable error
     from its foreach kernel, or, with device_state, a clip of the few gradients left on the device only)."""
-    from effmem.optim._offload_lifetime import _owner
-
-    for i, p in enumerate(parameters):
-        opt = _owner(p) if isinstance(p, Tensor) else None
-        if opt is not None and opt._in_backward:
-            raise RuntimeError(f"parameters: parameter {i} (shape {tuple(p.shape)}) is stepped by an OffloadAdam that "
-                               "took its gradient off the device during backward; it does not clip by value. Clip by "
-                               "the global norm instead: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
-                               "or opt.clip_grad_norm_(max_norm)")
+    for i, p, _ in _holders(parameters):
+        raise RuntimeError(f"parameters: parameter {i} (shape {tuple(p.shape)}) is stepped by an OffloadAdam that "
+                           "took its gradient off the device during backward; it does not clip by value. Clip by "
+                           "the global norm instead: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+                           "or opt.clip_grad_norm_(max_norm)")
 
 
 def install() -> None:

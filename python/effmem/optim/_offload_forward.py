@@ -129,51 +129,56 @@ def _no_optimizer():
     return None
 
 
-class _Flush:
+class _EngineHook:
+    """A hook of attach()'s: holds the optimizer weakly (no reference cycle through the model's hooks), reads
+    its engine at each call (add_param_group lays out a new one), and pickles without it: torch.save(model)
+    with the hooks attached copies hooks that have no optimizer to act for (the optimizer is not part of the
+    model, and a weak reference cannot be pickled either). Subclasses name the fields they keep in _KEEP."""
+    _KEEP: tuple = ()
+
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self._KEEP}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.opt = _no_optimizer
+
+    def _engine_open(self):
+        """The optimizer, or None where it is gone or closed."""
+        opt = self.opt()
+        return None if opt is None or opt._engine is None or opt._engine.closed else opt
+
+
+class _Flush(_EngineHook):
     """attach()'s state_dict pre-hook (any mode), or with eval_forward its forward pre-hook for a model in eval
     mode run without gradients: the updates in flight finish and their weights are installed before anything
-    reads the model. Held weakly and picklable, as _Installer."""
+    reads the model."""
+    _KEEP = ("eval_forward",)
 
     def __init__(self, opt, eval_forward: bool = False):
         self.opt, self.eval_forward = weakref.ref(opt), eval_forward
 
-    def __getstate__(self):
-        return {"eval_forward": self.eval_forward}
-
-    def __setstate__(self, state):
-        self.eval_forward, self.opt = state["eval_forward"], _no_optimizer
-
     @torch.compiler.disable
     def __call__(self, module, *args):
-        opt = self.opt()
-        if opt is None or opt._engine is None or opt._engine.closed:
+        opt = self._engine_open()
+        if opt is None:
             return
         if self.eval_forward and (module.training or torch.is_grad_enabled()):
             return   # evaluation is an eval-mode forward without gradients; training in eval mode keeps its overlap
         opt._engine.synchronize()
 
 
-class _Installer:
-    """The forward pre-hook of async_step: the module's parameters' new weights up before it runs. Holds
-    the optimizer weakly (no reference cycle through the model's hooks) and reads its engine at each call
-    (add_param_group lays out a new one)."""
+class _Installer(_EngineHook):
+    """The forward pre-hook of async_step: the module's parameters' new weights up before it runs."""
+    _KEEP = ("ids", "fsdp")
 
     def __init__(self, opt, ids, fsdp: bool = False):
         self.opt, self.ids, self.fsdp = weakref.ref(opt), ids, fsdp
 
-    def __getstate__(self):
-        # torch.save(model) with the hooks attached: the optimizer is not part of the model, so a copy's
-        # hooks have none to install from (a weak reference cannot be pickled either)
-        return {"ids": self.ids, "fsdp": self.fsdp}
-
-    def __setstate__(self, state):
-        self.ids, self.fsdp = state["ids"], state["fsdp"]
-        self.opt = _no_optimizer
-
     @torch.compiler.disable  # a call into the engine: torch.compile runs it between graphs
     def __call__(self, module, args):
-        opt = self.opt()
-        if opt is None or opt._engine is None or opt._engine.closed:
+        opt = self._engine_open()
+        if opt is None:
             return
         if opt._local[0].is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("OffloadAdam(async_step=True): a module's forward ran inside CUDA graph capture, "
