@@ -26,16 +26,14 @@
 #                                    bench/profile_activations.py eager and compiled
 #   done 2026-11-27 (bench/results/2026-11-27-h200-68edd28): build kernels plan (268 s: the flat dequantize
 #                                    kernel 94%; plan's 36 configurations); 7B capacity on the H200's 141 GB
-#   next: build kernels plan (4-bit quantize at 64 values a thread, not yet run on a GPU: its CUDA tests and
-#   bandwidth, 77% before; the compress8 peaks counted since: worst 3.4% predicted on this CPU from that run;
-#   the step model's host-time term, fitted to four rows of that run: a fresh run checks it out of sample;
-#   verify() no longer synchronizes inside its timed steps (1eb567a: memory is measured in an untimed last
-#   step), so host-bound rows may measure shorter than that run's, and host_op_s may want refitting; the trace's
-#   attention stand-in allocates its output like the query and keeps a given mask (6dd2922: checked against
-#   a CPU's saves only; CUDA's flash kernel also allocates empty_like(q), the Llama rows should not move);
-#   build capacity (7B held to an H100's memory by --gpu-memory below); build offload capacity_13b;
-#   profile_activations.py --rows effmem_fast,effmem_budget (the budget row's eager offload cost 1.179x where
-#   compiled it cost nothing); build tests demo (the whole suite).
+#   done 2026-11-28 (bench/results/2026-11-28-h100-9531262): build kernels plan (348 s: 4-bit quantize 89%;
+#                                    plan peaks within 3.35%); build cuda_tests offload (198 passed; offload cut off
+#                                    by the session's device time before its device_state row)
+#   next: build offload (cut off on 2026-11-28 before its device_state row; that run's exact modes were slower
+#   than earlier H100 runs: plain 1.389x, async_step 1.222x); build capacity (7B held to an H100's memory by
+#   --gpu-memory below); build capacity_13b; profile_activations.py --rows effmem_fast,effmem_budget (the budget
+#   row's eager offload cost 1.179x where compiled it cost nothing); build tests demo (the whole suite).
+#   compress8's step time is not modelled (0.41-1.12x of measured on 2026-11-28).
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from
