@@ -59,6 +59,12 @@ BAD = {
                           r"state_dict: param_groups\[1\]: lr: expected a finite number >= 0, got -1.0"),
     "group_count": (lambda sd: sd["param_groups"].pop(), ValueError, r"state_dict: has 1 param groups but this"),
     "not_a_dict": (None, ValueError, r"state_dict: expected a dict with 'state' and 'param_groups'"),
+    # an AttributeError ('list' object has no attribute 'get') before
+    "state_a_list": (lambda sd: sd.__setitem__("state", []), TypeError,
+                     r"state_dict\['state'\]: expected a dict from parameter id to its state, got list"),
+    "group_not_a_dict": (lambda sd: sd["param_groups"].__setitem__(0, [0]), TypeError,
+                         r"state_dict\['param_groups'\]: expected a list of dicts, each with a list 'params', got "
+                         r"list of \['list', 'dict'\]"),
 }
 
 

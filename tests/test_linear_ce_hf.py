@@ -83,6 +83,62 @@ def test_loss_and_gradients_match_the_model_s_own(family):
         assert got.aux_loss is not None and torch.equal(got.aux_loss, ref.aux_loss)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen2_moe"])
+def test_a_tuple_output_has_none_where_the_logits_were(family):
+    """return_dict=False: the tuple leaves out None fields, so with router logits asked for an MoE's aux_loss
+    comes before the logits; the fused tuple put None in place of aux_loss and kept the hidden states."""
+    torch.manual_seed(0)
+    model = {**FAMILIES, **MORE_FAMILIES}[family]()
+    fused = effmem.fuse_linear_cross_entropy(copy.deepcopy(model))
+    x, y = batch()
+    own, got = model(input_ids=x, labels=y, return_dict=False), fused(input_ids=x, labels=y, return_dict=False)
+    logits_at = [i for i, v in enumerate(own) if torch.is_tensor(v) and v.dim() == 3 and v.shape[-1] == 512]
+    assert len(got) == len(own) and len(logits_at) == 1
+    assert [i for i, v in enumerate(got) if v is None] == logits_at
+    assert abs(got[0].item() - own[0].item()) <= 1e-6 * abs(own[0].item())
+    if family in ("mixtral", "qwen2_moe"):
+        assert logits_at == [2] and torch.equal(got[1], own[1])   # aux_loss kept
+
+
+def test_unfusing_keeps_a_wrapper_put_on_the_model_after_fusing():
+    """accelerate wraps model.forward (autocast, outputs to float32) when the Trainer prepares a fused model:
+    unfusing then dropped that wrapper with ours. Now the wrapper stays and the fused layer inside does
+    nothing (the model's own loss, logits made); fusing again works."""
+    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+    calls, inner = [], model.forward
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+    model.forward = wrapper
+    x, y = batch()
+    assert model(input_ids=x, labels=y).logits is None and calls == [1]
+    effmem.unfuse_linear_cross_entropy(model)
+    assert model.__dict__["forward"] is wrapper
+    out = model(input_ids=x, labels=y)
+    assert calls == [1, 1] and out.logits is not None and out.logits.shape[-1] == 512
+    effmem.fuse_linear_cross_entropy(model)
+    assert model(input_ids=x, labels=y).logits is None and calls == [1, 1, 1]
+
+
+def test_a_training_forward_without_labels_warns_once():
+    """transformers' Trainer with label_smoothing_factor takes the labels out of the batch and makes the loss
+    from the logits: the fused loss never runs, and nothing said so."""
+    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+    x, y = batch()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(input_ids=x, labels=y)
+        model.eval()
+        model(input_ids=x)
+        with torch.no_grad():
+            model.train()(input_ids=x)
+        assert not seen
+        model(input_ids=x)
+        model(input_ids=x)
+    assert len(seen) == 1 and "without labels= makes the full logits" in str(seen[0].message)
+
+
 @pytest.mark.parametrize("grad_in_forward", [False, True])
 def test_grad_in_forward_is_passed_to_every_loss(monkeypatch, grad_in_forward):
     """fuse_linear_cross_entropy(model, grad_in_forward=...) reaches linear_cross_entropy, and either way

@@ -33,8 +33,10 @@ def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing, s
 @torch.library.register_fake("effmem::linear_ce_backward")
 def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, softcap,
                    vocab_chunk, output_mask):
-    grad_h = torch.empty_like(hidden) if output_mask[0] else hidden.new_empty((0,))
-    grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if output_mask[1] else weight.new_empty((0,))
+    # the kernels write both gradients row-major whatever the inputs' strides (a transposed hidden too)
+    row_major = torch.contiguous_format
+    grad_h = torch.empty_like(hidden, memory_format=row_major) if output_mask[0] else hidden.new_empty((0,))
+    grad_w = torch.empty_like(weight, memory_format=row_major) if output_mask[1] else weight.new_empty((0,))
     grad_b = torch.empty_like(bias) if output_mask[2] and bias is not None else weight.new_empty((0,))
     return grad_h, grad_w, grad_b
 

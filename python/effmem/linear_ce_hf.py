@@ -13,6 +13,7 @@ torch.no_grad: Trainer.evaluate, whose compute_metrics reads the logits) nothing
 import functools
 import inspect
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -54,6 +55,7 @@ def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
     """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set, else its
     own forward (a wrapper another library put there included)."""
     if head.__dict__.get("_effmem_pass", False):
+        head._effmem_passed = x   # for _fused_forward to find in a tuple output (its place varies)
         return x
     return original(x)
 
@@ -132,6 +134,10 @@ class _FusedForward:
 
     def __init__(self, model: nn.Module, original, head: nn.Module):
         self.model, self.original, self.head = model, original, head
+        # set by unfuse when a wrapper put on model.forward after fusing calls this one: the model's own
+        # forward from then on, the wrapper kept
+        self.inert = False
+        self.warned = False
         # where labels sits among the positional parameters (None: keyword only or absent): labels given by
         # position were not seen, and the loss was made from full logits
         params = list(inspect.signature(original).parameters.values())
@@ -147,6 +153,8 @@ class _FusedForward:
         return inspect.signature(self.original)
 
     def __call__(self, *args, **kwargs):
+        if self.inert:
+            return self.original(*args, **kwargs)
         if self.labels_at is not None and len(args) > self.labels_at:
             # labels (and what follows it) by position: by name, where the fused loss looks for it
             named = dict(zip(self.names[self.labels_at:], args[self.labels_at:]))
@@ -160,6 +168,14 @@ class _FusedForward:
                                "instead of hidden states. Fusing supports a plain lm_head only (a LoRA elsewhere "
                                "is fine): unfuse_linear_cross_entropy(model), or train lm_head's weight itself "
                                "(requires_grad) rather than through a wrapper")
+        if kwargs.get("labels") is None and self.model.training and torch.is_grad_enabled() and not self.warned:
+            self.warned = True
+            warnings.warn("fuse_linear_cross_entropy: a training forward without labels= makes the full logits "
+                          "(the fused loss needs the labels): a loss made from them outside the model, such as "
+                          "transformers' Trainer with label_smoothing_factor > 0 (it takes the labels out of the "
+                          "batch), holds the logits' memory as if unfused. Pass labels= to the model, or "
+                          "effmem.linear_cross_entropy(hidden, lm_head.weight, labels, label_smoothing=...) in "
+                          "your own loss", stacklevel=2)
         return _fused_forward(self.original, self.head, *args, **kwargs)
 
 
@@ -173,13 +189,16 @@ def _fused_forward(original, head: nn.Module, *args, **kwargs):
         out = original(*args, **kwargs)
     finally:
         head._effmem_pass = False
+        passed = head.__dict__.pop("_effmem_passed", None)
     # The logits slot held the hidden states passed through. A ModelOutput is a dict whose item outlives
     # setting the attribute to None (the output kept them alive): clear the item, which clears the
-    # attribute too. With return_dict=False the output is the tuple (loss, logits, ...).
+    # attribute too. With return_dict=False the output is the ModelOutput's tuple, which leaves out its
+    # None fields (an MoE's aux_loss comes before the logits only when router logits are asked for), so
+    # the slot is found by identity.
     if isinstance(out, dict):
         out["logits"] = None
     elif isinstance(out, tuple):
-        out = (out[0], None, *out[2:])
+        out = tuple(None if v is passed else v for v in out)
     else:
         out.logits = None
     return out
@@ -189,15 +208,22 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     """Undo fuse_linear_cross_entropy (in place; returns the model)."""
     if getattr(model, "_effmem_fused_forward", None) is None:
         return model
-    head = model.get_output_embeddings()
+    fused = model.__dict__.pop("_effmem_fused_forward")
+    head = fused.head
     head.__dict__.pop("_effmem_pass", None)
+    ours = {"forward": lambda f: f is fused or (isinstance(f, functools.partial) and f.func is _head_forward),
+            "_loss_function": lambda f: isinstance(f, _FusedLoss)}
     for module, attr, before in ((head, "forward", "_effmem_forward_before"),
                                  (model, "forward", "_effmem_forward_before"),
                                  (model, "_loss_function", "_effmem_loss_before")):
         kept = module.__dict__.pop(before, None)
+        if not ours[attr](module.__dict__.get(attr)):
+            # Wrapped since fusing (accelerate's autocast around model.forward, say): the wrapper calls
+            # ours, so ours stays, doing nothing of its own now, and so does the wrapper.
+            continue
         if kept is None:
             module.__dict__.pop(attr, None)
         else:
             module.__dict__[attr] = kept
-    model.__dict__.pop("_effmem_fused_forward", None)
+    fused.inert = True
     return model

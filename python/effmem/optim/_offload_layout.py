@@ -13,6 +13,9 @@ class GradHook:
     def __init__(self, ref):  # a weakref.ref to the optimizer
         self.ref = ref
 
+    # Host work: where a compiled training step runs backward, dynamo would otherwise trace this hook at
+    # each call and compile it again (the gradient it reads is gone after the hand-off), to its limit.
+    @torch.compiler.disable
     def __call__(self, p: Tensor) -> None:
         opt = self.ref()
         if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:

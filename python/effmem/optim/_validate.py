@@ -208,6 +208,14 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
                          f"optimizer.state_dict()), got {type(state_dict).__name__}"
                          + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else ""))
     groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_state, dict):
+        raise TypeError(f"state_dict['state']: expected a dict from parameter id to its state, got "
+                        f"{type(saved_state).__name__}")
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) and isinstance(g.get("params"), (
+            list, tuple)) for g in groups):
+        raise TypeError("state_dict['param_groups']: expected a list of dicts, each with a list 'params', got "
+                        f"{type(groups).__name__}" + (f" of {[type(g).__name__ for g in groups]}"
+                                                      if isinstance(groups, (list, tuple)) else ""))
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"state_dict: has {len(groups)} param groups but this {name} has "
                          f"{len(optimizer.param_groups)}")
