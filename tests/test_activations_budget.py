@@ -172,6 +172,17 @@ def test_gradients_follow_the_chosen_policies():
     assert budget_choice(mixed) is None and all("forward" not in m.__dict__ for m in mixed.modules())
 
 
+def test_the_choice_reported_is_the_one_the_latest_forward_ran():
+    """budget_choice gave the choice made last (a new shape's), not the one the latest forward ran: after
+    shapes A, B, A it reported B's."""
+    m = apply_activation_policy(llama(2), memory_budget=0.3)
+    shapes = []
+    for t in (256, 64, 256):
+        m(input_ids=X[:, :t])
+        shapes.append(budget_choice(m)["shape"][1])
+    assert shapes == [256, 64, 256]
+
+
 def test_a_budget_nothing_fits_and_bad_arguments_name_themselves():
     m = apply_activation_policy(llama(2), memory_budget=1000)
     with pytest.raises(ValueError, match=r"memory_budget: 1000 bytes for 2 layers .* every layer under 'min'"):

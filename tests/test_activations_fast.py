@@ -364,18 +364,23 @@ def test_rms_norm_backward_on_cuda_takes_the_fused_kernel(dtype):
         assert _rel_err(a, r.cuda()) <= 2 * _rel_err(b, r.cuda()) + 1e-6
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("shape", [(3, 5), (2, 8, 16), (7,)])
-def test_relu_mask_is_kept_bit_for_bit(shape):
-    """fused.relu's backward from its 1-bit mask equals autograd's (NaN and -0 included, any element count)."""
+def test_relu_mask_is_kept_bit_for_bit(shape, inplace):
+    """fused.relu's backward from its 1-bit mask equals autograd's (NaN and -0 included, any element count),
+    also for nn.ReLU(inplace=True), which overwrites its input (a view of another tensor here) as before."""
     from effmem.activations import fused
+    act = torch.nn.ReLU(inplace=inplace)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 1e-3
     x.view(-1)[0], x.view(-1)[-1] = float("nan"), -0.0
     g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    torch.relu(a).backward(g)
-    y = fused.relu(b, torch.relu)
-    y.backward(g)
-    assert torch.allclose(y, torch.relu(x), rtol=0, atol=0, equal_nan=True) and torch.equal(a.grad, b.grad)
+    ia, ib = a * 1, b * 1
+    ya, yb = act(ia[None])[0], fused.relu(ib[None], act.forward)[0]
+    (ya * g).sum().backward()
+    (yb * g).sum().backward()
+    assert torch.allclose(yb, torch.relu(x), rtol=0, atol=0, equal_nan=True) and torch.equal(a.grad, b.grad)
+    assert torch.allclose(ib, torch.relu(x) if inplace else x, rtol=0, atol=0, equal_nan=True)
 
 
 def test_relu_models_keep_their_gradients_under_fast():
@@ -399,3 +404,22 @@ def test_relu_models_keep_their_gradients_under_fast():
     m, quick = step_grads("fast")
     assert "ReLU" in {type(p).__name__ for p in m.model.decoder.layers[0]._effmem_patched}
     assert ((quick - plain).norm() / plain.norm()).item() < 0.01
+
+
+def test_an_in_place_relu_gets_the_exact_mask_too():
+    """nn.ReLU(inplace=True), a conv net's usual one, was left to autograd, whose output "fast" stores in 8 bits:
+    2.15% off plain's gradients where the same model with inplace=False was 0.33% off."""
+    def grads(inplace, policy):
+        torch.manual_seed(0)
+        net = torch.nn.Module()
+        net.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(inplace),
+                                                             torch.nn.Linear(256, 64)) for _ in range(2))
+        net.forward = lambda x: net.layers[1](net.layers[0](x))
+        if policy:
+            apply_activation_policy(net, policy)
+        net.forward(torch.randn(80, 64, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    plain = grads(True, None)
+    errors = [((grads(inplace, "fast") - plain).norm() / plain.norm()).item() for inplace in (False, True)]
+    assert errors[1] < 0.01 and errors[1] == pytest.approx(errors[0], rel=1e-3), errors

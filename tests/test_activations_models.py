@@ -120,17 +120,63 @@ class _Net(nn.Module):
         return x
 
 
-def test_a_budget_probe_leaves_the_layers_buffers_alone():
-    """The budget runs the first layer more than once to measure it; a BatchNorm's statistics count one step."""
+@pytest.mark.parametrize("kw", [dict(memory_budget=0.5), dict(policy="checkpoint"), dict(policy="selective"),
+                                dict(policy="min"), dict(policy="fast")])
+def test_recomputes_and_budget_probes_leave_the_layers_buffers_alone(kw):
+    """The budget runs the first layer more than once to measure it, and the checkpointing policies run each
+    layer again in backward; a BatchNorm's statistics count one step ("checkpoint" and "selective" counted
+    two, and an eval forward then drifted from the plain model's)."""
     def stepped(model):
         model(torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(3))).sum().backward()
         return [dict(b.bn.named_buffers()) for b in model.blocks]
 
     want = stepped(_Net())
-    got = stepped(apply_activation_policy(_Net(), memory_budget=0.5))
+    got = stepped(apply_activation_policy(_Net(), **kw))
     for w, g in zip(want, got):
         assert g["num_batches_tracked"].item() == 1
         assert torch.equal(w["running_mean"], g["running_mean"]) and torch.equal(w["running_var"], g["running_var"])
+
+
+class _InPlace(nn.Module):
+    """A matrix product's output changed in place: by a module (nn.ReLU(inplace=True)) or by the code."""
+
+    def __init__(self, by_module: bool):
+        super().__init__()
+        self.fc1, self.fc2, self.by_module = nn.Linear(16, 32), nn.Linear(32, 16), by_module
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return x + self.fc2(self.act(h) if self.by_module else h.mul_(0.5))
+
+
+def _in_place_net(by_module: bool):
+    torch.manual_seed(0)
+    net = nn.Module()
+    net.layers = nn.ModuleList([_InPlace(by_module), _InPlace(by_module)])
+    net.forward = lambda x: net.layers[1](net.layers[0](x))
+    return net
+
+
+def test_selective_runs_in_place_modules_out_of_place_and_names_in_place_code():
+    """"selective" keeps matrix products' outputs, and nn.ReLU(inplace=True) changed one, which torch refused
+    at backward ("Tensor cached during selective activation checkpoint has been mutated"): its modules now
+    run out of place in the forward and the recompute (exact gradients, the module still in place outside);
+    an in-place op in the layer's own code gets an error that names the policy and the fix."""
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    plain = _in_place_net(True)
+    plain.forward(x).square().sum().backward()
+    net = _in_place_net(True)
+    apply_activation_policy(net, "selective")
+    net.forward(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), net.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert all(layer.act.inplace for layer in net.layers)
+    net = _in_place_net(False)
+    apply_activation_policy(net, "selective")
+    with pytest.raises(RuntimeError, match="_InPlace under effmem's 'selective' policy changes the output of a "
+                                           "matrix product in place .* Use policy='checkpoint'"):
+        net.forward(x).square().sum().backward()
 
 
 @pytest.mark.parametrize("policy", ["min", "fast"])

@@ -216,6 +216,29 @@ def test_in_place_change_of_a_view_after_save_raises():
         y.sum().backward()
 
 
+def test_a_backward_changing_a_restored_save_in_place_is_caught_at_the_next_unpack():
+    """Two ops save one tensor, restored into one buffer: a custom backward scribbling on its copy (y.mul_(0))
+    changed the other op's silently (each restore had a counter of its own). Plain autograd refuses it."""
+    class Scribble(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            ctx.save_for_backward(y)
+            return y * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.saved_tensors[0].mul_(0)
+            return g * 2
+
+    w, v = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
+    for compressed in (False, True):
+        with compress_activations(min_numel=0) if compressed else torch.enable_grad():
+            y = w * 1
+            loss = (y * v).sum() + Scribble.apply(y).sum()   # y * v saves y; Scribble's backward runs first
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_in_place_change_before_save_is_fine():
     lin = nn.Linear(128, 128)
     with compress_activations(min_numel=0):
@@ -301,6 +324,36 @@ def test_exception_in_forward_leaves_no_hooks_behind():
         with compress_activations():
             Boom()(torch.randn(4, requires_grad=True))
     assert no_hooks_left()
+
+
+def test_an_interrupted_forward_s_hooks_go_at_the_next_forward():
+    """Ctrl-C raises KeyboardInterrupt, a BaseException, for which torch does not run the always_call exit hook:
+    the wrapped model's hooks stayed pushed for good, quantising any later autograd work. Its next forward
+    finds the call that entered them gone and drops them first; a model that calls itself, whose first call
+    is alive, keeps its one set of hooks."""
+    class Stop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.stop = nn.Linear(128, 128), None
+
+        def forward(self, x, again=False):
+            h = torch.tanh(self.lin(x))
+            if self.stop is not None:
+                raise self.stop
+            return self(h) if again else h
+
+    block = Stop()
+    model = compress_activations(block)
+    block.stop = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(64, 128))
+    assert not no_hooks_left()   # what torch leaves: nothing can run at the interrupt itself
+    block.stop = None
+    model(torch.randn(64, 128)).sum().backward()
+    assert no_hooks_left() and model.compress_stats.num_compressed > 0
+    model(torch.randn(64, 128), again=True).sum().backward()
+    stats = model.compress_stats   # both calls' linear input and tanh output; the outer output is the inner input
+    assert no_hooks_left() and (stats.num_compressed, stats.deduplicated) == (3, 1)
 
 
 def test_stats_by_module_and_dtype_and_format(corpus):

@@ -46,6 +46,8 @@ py::object SavedTensors::pack(py::handle obj) {
   const bool base_leaf = base.defined() && base.requires_grad() && base.is_leaf();
   if (base_leaf && is_parameter(base)) return py::cast(KeptTensor{detached(t), t._version()});  // weight.t()
   if (t.layout() != at::kStrided || t.is_meta() || t.numel() == 0) return fallback();
+  // forward-mode AD's zero tangents (no memory) and lazily negated views: their bits are not their values
+  if (t._is_zerotensor() || t.is_neg()) return fallback();
   const at::ScalarType dtype = t.scalar_type();
   if (!recipes_.empty()) {
     py::object h = recipe_save(t);  // an output the policy rebuilds: nothing stored

@@ -51,6 +51,11 @@ struct SavedEntry {
   // The dequantised memory while some restored save still lives, and its tensor's dispatch keys.
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> restored;
   c10::DispatchKeySet restored_keys;
+  // One version counter for every save restored over that memory, as views of one tensor share theirs, and
+  // its value at the restore: a backward that changes one in place is caught at the next unpack, as autograd
+  // catches it between saves of one tensor.
+  std::optional<c10::VariableVersion> restored_counter;
+  int64_t restored_version = 0;
   std::optional<at::Tensor> held;  // kept until every save of the memory has been unpacked
   py::object offload = py::none();  // activations.offload's record while the codes are on the host
 };

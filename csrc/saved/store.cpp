@@ -204,6 +204,13 @@ at::Tensor SavedTensors::restore(SavedHandle& h) {
   if (e.restored) {  // restored already, and some unpacked save of it still lives: the same memory
     if (auto alive = e.restored->lock()) {
       at::Tensor out = over(c10::Storage(std::move(alive)), e.restored_keys, e.dtype, h.shape, h.stride, h.offset);
+      if (e.restored_counter) {
+        const auto now = static_cast<int64_t>(e.restored_counter->current_version());
+        if (now != e.restored_version) {
+          version_error(now, e.restored_version, e.dtype, h.shape, e.codes ? e.codes->device() : at::Device(at::kCPU));
+        }
+        out.unsafeGetTensorImpl()->set_version_counter(*e.restored_counter);
+      }
       hold_until_last(e.unpacked, e.saves, e.held, out);  // any tensor over the memory holds the memory
       return out;
     }
@@ -224,7 +231,13 @@ at::Tensor SavedTensors::restore(SavedHandle& h) {
   e.restored = flat.storage().getWeakStorageImpl();
   e.restored_keys = flat.key_set();
   hold_until_last(e.unpacked, e.saves, e.held, flat);
-  return view_of(flat, h.shape, h.stride, h.offset);
+  at::Tensor out = view_of(flat, h.shape, h.stride, h.offset);
+  e.restored_counter = version_counter(flat);  // none for an inference tensor
+  if (e.restored_counter) {
+    e.restored_version = static_cast<int64_t>(e.restored_counter->current_version());
+    out.unsafeGetTensorImpl()->set_version_counter(*e.restored_counter);
+  }
+  return out;
 }
 
 py::list SavedTensors::live_entries() {

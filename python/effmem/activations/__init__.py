@@ -240,8 +240,9 @@ def _record(model: nn.Module, key: str):
 
 
 def budget_choice(model: nn.Module) -> Optional[dict]:
-    """Under memory_budget, the latest choice: per-layer modes, measured bytes per layer of each mode, the
-    budget in bytes and the bytes the choice holds; None before the first forward or without a budget."""
+    """Under memory_budget, the choice the latest forward ran (one per input shape): per-layer modes, measured
+    bytes per layer of each mode, the budget in bytes and the bytes the choice holds; None before the first
+    forward or without a budget."""
     budget = _record(model, _BUDGET)
     return None if budget is None else budget.latest()
 

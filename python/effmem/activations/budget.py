@@ -150,9 +150,10 @@ class BudgetPolicy:
         self.bits, self.group_size = bits, group_size
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
         self.offloader = Offloader()
+        self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
 
     def latest(self) -> Optional[dict]:
-        choice = next(reversed(self.choices.values()), None)
+        choice = self.choices.get(self.used)
         return None if choice is None else dict(choice, offload_counters=dict(self.offloader.counters))
 
     def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
@@ -226,6 +227,7 @@ class BudgetPolicy:
             with _unrecorded(), buffers_kept(layer.buffers()):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda")
+        self.used = key
         mode = choice["modes"][index]
         if mode == "fast":
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):

@@ -150,7 +150,24 @@ class _CompressedCheckpoint(torch.autograd.Function):
                         got[i] = g
                     if others:   # through the engine, which runs their hooks (DDP's, a streaming optimizer's)
                         torch.autograd.backward(roots, root_grads, inputs=others)
-        return (None, got[0], None, None, None, None, *got[1:])
+        return (None, *_first_order_only([got[0]]), None, None, None, None, *_first_order_only(got[1:]))
+
+
+_NO_SECOND_ORDER = (b"effmem: a layer checkpointed with its input in 8 bits (the 'min' policy, checkpoint8, "
+                    b"compressed_checkpoint, a memory budget's 'min' layers) has no second derivative: its "
+                    b"recompute starts from a copy of the input, not the input's graph. For create_graph=True "
+                    b"(a gradient penalty, a Hessian-vector product) use policy='checkpoint' or 'fast'")
+
+
+def _first_order_only(grads: list) -> list:
+    """Under create_graph=True, the gradients made without a graph: differentiating them raises why (they
+    were constants to autograd, and a gradient penalty through a "min" layer was dropped with no error)."""
+    if not torch.is_grad_enabled() or not any(g is not None for g in grads):
+        return grads
+    present = [g.detach().requires_grad_() for g in grads if g is not None]
+    out = torch._C._functions.DelayedError(_NO_SECOND_ORDER, len(present))(*present)
+    out = iter((out,) if isinstance(out, Tensor) else out)
+    return [None if g is None else next(out) for g in grads]
 
 
 def _other_leaves(roots, declared) -> list:
@@ -265,10 +282,72 @@ def buffers_kept(buffers):
 
 def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):
     """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        refuse_cache(layer, args, kwargs)
-    context = {"context_fn": selective_context} if selective else {}
+    if torch.compiler.is_compiling():   # the compiler takes no contexts but selective checkpointing's own
+        context = {"context_fn": selective_context} if selective else {}
+    else:
+        if torch.is_grad_enabled():
+            refuse_cache(layer, args, kwargs)
+        context = {"context_fn": functools.partial(_eager_contexts, layer, selective)}
     return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
+
+
+def _eager_contexts(layer: nn.Module, selective: bool):
+    """torch checkpointing's two contexts, for the forward and the recompute: selective's caches, and
+    - the layer's in-place modules (nn.ReLU(inplace=True)...) run out of place in both under "selective":
+      in place they changed the matrix product's output that it keeps, which torch then refused;
+    - the recompute leaves the layer's buffers as the forward left them (a BatchNorm counted it as a
+      second training step);
+    - under "selective", torch's refusal of a kept output changed in place otherwise names the fix."""
+    forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
+    flip = [m for m in layer.modules() if getattr(m, "inplace", None) is True] if selective else []
+    return (_Reentrant(functools.partial(_out_of_place, flip, forward)),
+            _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective)))
+
+
+class _Reentrant:
+    """A context manager entered afresh each time: torch enters the recompute's at every recompute (a second
+    backward with retain_graph, a double backward), where a generator's context manager works once."""
+
+    def __init__(self, make):
+        self.make, self.open = make, []
+
+    def __enter__(self):
+        self.open.append(self.make())
+        return self.open[-1].__enter__()
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _out_of_place(modules, inner):
+    for m in modules:
+        m.inplace = False
+    try:
+        with inner:
+            yield
+    finally:
+        for m in modules:
+            m.inplace = True
+
+
+@contextlib.contextmanager
+def _recompute(layer: nn.Module, flip, inner, selective: bool):
+    buffers = list(layer.buffers())
+    with buffers_kept(buffers) if buffers else nullcontext():
+        try:
+            with _out_of_place(flip, inner):
+                yield
+        except RuntimeError as err:
+            if selective and "has been mutated" in str(err):
+                raise RuntimeError(
+                    f"{type(layer).__name__} under effmem's 'selective' policy changes the output of a matrix "
+                    "product in place (an in-place op in its forward, such as x.add_(), or inside an op it "
+                    "calls, such as a bfloat16 nn.LSTM on the CPU; in-place modules already run out of place "
+                    "there); selective checkpointing keeps those outputs for backward, and torch refuses one "
+                    "changed since. Use policy='checkpoint' or 'fast' for this model, or make that op out of "
+                    "place") from err
+            raise
 
 
 @torch.compiler.disable

@@ -65,6 +65,7 @@ class _RMSNorm(torch.autograd.Function):
         xf = x.to(torch.float32)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         y = _rms_norm_out(x, rstd, weight, xf)
+        ctx.eps = eps
         ctx.save_for_backward(x, rstd, weight)
         recompute_output(y, _rms_norm_out, x, rstd, weight, node=ctx)
         return y
@@ -73,6 +74,8 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, rstd, weight = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+        if torch.is_grad_enabled():
+            return (*_graph_backward(_rms_norm_reference, (x, weight, ctx.eps), mask, grad), None)
         if _aten_rms_backward_applies(x, grad, weight):
             return (*_aten_rms_backward(grad, x, rstd, weight, mask), None)
         return _rms_norm_backward(mask, grad, x, rstd, weight)
@@ -106,6 +109,24 @@ def _rms_norm_backward(mask, grad: Tensor, x: Tensor, rstd: Tensor, weight: Tens
     # d/dx of x * rstd(x): rstd * (g - n * mean(g * n)), with n = x * rstd
     grad_x = (rstd * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
     return grad_x, grad_w, None
+
+
+def _rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.to(torch.float32)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _graph_backward(fn: Callable, inputs, needs, grad: Tensor) -> list:
+    """Under create_graph=True (a gradient penalty, a Hessian-vector product): the gradients as autograd's own
+    of `fn`, the same math, so that they can be differentiated again. The fused backwards cannot be: aten's
+    silu_backward has no derivative, and to autograd RMSNorm's saved rstd is a constant (a gradient penalty's
+    second derivative through it was 80% off, with no error). `inputs`: the saved tensors, which autograd
+    hands back joined to the graph they came from; the tensors wanted (`needs`) come first."""
+    with torch.enable_grad():
+        out = fn(*inputs)
+        wanted = [t for t, n in zip(inputs, needs) if n]
+        got = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True) if wanted else ())
+    return [next(got) if n else None for n in needs]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -188,6 +209,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return tuple(_graph_backward(lambda g, u: F.silu(g) * u, (gate, up), ctx.needs_input_grad[:2], grad))
         if _swiglu_kernel_applies(grad, gate, up):
             # both gradients in one pass: 10 bytes per element in bf16, where the ops below move 22
             grad_gate, grad_up = ops.swiglu_backward(grad, gate, up)
@@ -250,6 +273,8 @@ class _ReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
         y = act(x)
+        if y is x:   # nn.ReLU(inplace=True) overwrote its input: autograd moves x's history onto this function
+            ctx.mark_dirty(x)
         ctx.shape = y.shape
         ctx.save_for_backward(_pack_bits(~(y <= 0)))   # threshold_backward's test: a NaN passes its gradient
         return y

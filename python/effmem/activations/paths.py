@@ -88,8 +88,8 @@ def _relu_forward(m: nn.Module, x):
 
 
 def _relu(m: nn.Module) -> Optional[Callable]:
-    # not in place: the fused function returns a new tensor where the module would overwrite its input
-    return functools.partial(_relu_forward, m) if type(m) is nn.ReLU and not m.inplace else None
+    # in place too (a conv net's usual ReLU): the fused function overwrites its input as the module does
+    return functools.partial(_relu_forward, m) if type(m) is nn.ReLU else None
 
 
 FINDERS = (_rms_norm, _layer_norm, _gated_mlp, _gelu, _relu)

@@ -1,4 +1,5 @@
 """The public entry points: compress_activations and remove_compression."""
+import sys
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -71,8 +72,11 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     Values: one extreme value per group of 128 (however often it occurs) is
     stored exactly and the rest of the group quantised on its own range, so
     masks (-inf, or torch.finfo(dtype).min) among ordinary values cost no
-    precision. A group holding NaN, or both -inf and +inf, comes back as NaN,
-    so such inputs give non-finite gradients, never silently finite ones.
+    precision. A group holding NaN, or both -inf and +inf, comes back as NaN:
+    non-finite gradients as a rule, but a backward that only compares the
+    saved values (clamp, threshold, max) turns NaN into zero gradients for the
+    whole group, where the unsaved ones were finite (fp16 overflow clamped as
+    T5 does: keep such a model in bf16 or float32, or exclude that module).
 
     torch.compile: compiled regions compile as usual and what they save is
     compressed when the compiled code runs: call a compiled model inside the
@@ -146,11 +150,35 @@ class _RootEnter:
     # compiled forward in between runs with the hooks active.
     @torch._dynamo.disable
     def __call__(self, module, args):
+        calls = self.compressor._root_calls()
+        caller = _module_call_frame()
+        if calls and calls[0][1] is not None and not _on_stack(calls[0][1], caller):
+            # The call that entered these is over without its exit hook: torch runs always_call hooks on an
+            # Exception only, and a KeyboardInterrupt (Ctrl-C in a notebook) left the saved-tensor hooks
+            # pushed, quantising any later autograd work, and the module stack stale. Dropped here.
+            self.compressor._abandon()
         active = torch.is_grad_enabled()
-        self.compressor._root_calls().append(active)
+        # the frame itself, not its id: a finished frame's id is soon another's (held until the exit hook)
+        calls.append((active, caller))
         if active:
             self.compressor._begin(reset=True)
         self.compressor._push_module(module)
+
+
+def _module_call_frame():
+    """The frame of nn.Module._call_impl running this hook (alive until the module's forward returns)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not nn.Module._call_impl.__code__:
+        frame = frame.f_back
+    return frame
+
+
+def _on_stack(entered, frame) -> bool:
+    while frame is not None:
+        if frame is entered:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _RootExit:
@@ -161,5 +189,5 @@ class _RootExit:
     def __call__(self, module, args, output):
         self.compressor._pop_module(module)
         calls = self.compressor._root_calls()
-        if calls and calls.pop():
+        if calls and calls.pop()[0]:
             self.compressor._end()

@@ -174,6 +174,17 @@ class ActivationCompressor:
             c.__exit__(None, None, None)
         s.contexts = []
 
+    def _abandon(self) -> None:
+        """Drop what a forward interrupted past its exit hook left on this thread: the hooks it entered
+        (the latest on the thread's stacks, since `with` blocks entered after them have exited) and its
+        module stack."""
+        s = self._state()
+        for c in reversed(s.contexts):
+            c.__exit__(None, None, None)
+        s.depth, s.contexts = 0, []
+        s.stack.clear()
+        s.root_calls.clear()
+
     def _tracker(self) -> Optional[OutputTracker]:
         s = self._state()
         return s.contexts[1] if len(s.contexts) > 1 else None

@@ -68,8 +68,8 @@ ROW_STAT_MAX_LAST_DIM = 2
 def early_reason(cfg: CompressConfig, t: Tensor) -> Optional[str]:
     """The reason to keep `t` as it is that needs neither the model nor the tracker, or None."""
     if (type(t) not in (Tensor, nn.Parameter) or t.layout != torch.strided or t.is_nested
-            or t.device.type == "meta"):
-        return "unsupported"
+            or t.device.type == "meta" or t._is_zerotensor() or t.is_neg()):
+        return "unsupported"   # (forward-mode AD's zero tangents hold no memory; a negated view, other bits)
     if is_param_like(t) or (t._base is not None and is_param_like(t._base)):
         return "parameter"
     return None

@@ -1,0 +1,91 @@
+"""The activation policies and compress_activations under autograd's less common uses: a second backward
+(retain_graph), second derivatives (create_graph: a gradient penalty) and forward-mode AD."""
+import contextlib
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import effmem
+from effmem.activations import apply_activation_policy, fused
+from activation_helpers import pattern, tiny_llama
+
+pytest.importorskip("transformers")
+X = pattern(2, 32, 0)
+
+
+def _penalised_grads(policy, weight=10.0):
+    """d/dW of loss + 10 |d loss / d embeddings|^2 (a gradient penalty), eager attention (SDPA on the CPU has
+    no second derivative of its own)."""
+    m = tiny_llama(attn_implementation="eager")
+    if policy:
+        apply_activation_policy(m, policy)
+    emb = m.model.embed_tokens(X).detach().requires_grad_()
+    loss = m(inputs_embeds=emb, labels=X).loss
+    (g,) = torch.autograd.grad(loss, emb, create_graph=True)
+    (loss + weight * g.square().sum()).backward()
+    return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_a_gradient_penalty_is_differentiated_or_refused_by_name():
+    """"fast"'s fused SwiGLU raised (aten's silu_backward has no derivative) and its RMSNorm gave second
+    derivatives 80% off with no error; "min" handed back gradients without a graph, so the penalty was
+    dropped from the weights' gradients with no error. "checkpoint" is exact, "fast" within its 8 bits, and
+    "min" says why it cannot."""
+    plain = _penalised_grads(None)
+    assert _rel(_penalised_grads(None, weight=0.0), plain) > 0.05   # the penalty matters
+    assert torch.equal(_penalised_grads("checkpoint"), plain)
+    assert _rel(_penalised_grads("fast"), plain) < 0.02
+    with pytest.raises(RuntimeError, match="no second derivative.* use policy='checkpoint' or 'fast'"):
+        _penalised_grads("min")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_functions_have_autograd_s_second_derivatives(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(16)).to(dtype).requires_grad_()
+    up = torch.randn(6, 16, dtype=dtype, requires_grad=True)
+    weights = torch.arange(96.0).view(6, 16).sin().to(dtype)
+
+    def second(fn, inputs):
+        (g,) = torch.autograd.grad((fn(*inputs) * weights).sum(), inputs[0], create_graph=True)
+        return torch.autograd.grad(g.float().square().sum(), inputs)
+
+    for mine, ref, inputs in ((lambda a, b: fused.rms_norm(a, b, 1e-6),
+                               lambda a, b: fused._rms_norm_reference(a, b, 1e-6), (x, w)),
+                              (fused.swiglu, lambda a, b: torch.nn.functional.silu(a) * b, (x, up))):
+        for a, b in zip(second(mine, inputs), second(ref, inputs)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "fast", "min"])
+def test_a_second_backward_through_the_graph(policy):
+    """torch enters checkpointing's recompute context at every recompute: the "checkpoint" policy's was good
+    for one ('_GeneratorContextManager' object has no attribute 'args' at the second backward)."""
+    m = apply_activation_policy(tiny_llama(), policy)
+    loss = m(input_ids=X, labels=X).loss
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in m.parameters()]
+    loss.backward()
+    assert all(torch.equal(2 * a, p.grad) for a, p in zip(first, m.parameters()))
+
+
+def test_forward_mode_ad_inside_compress_activations():
+    """A tangent that is all zeros is an efficient ZeroTensor (no memory): the quantize op refused it ("x must be
+    contiguous"); it is kept as it is."""
+    def run(compress):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+        x = torch.randn(64, 128)
+        with (effmem.compress_activations(bits=8) if compress else contextlib.nullcontext()), fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(m(fwAD.make_dual(x, torch.ones_like(x))))
+            loss = primal.square().sum() + tangent.square().sum()
+        loss.backward()
+        return m[0].weight.grad
+
+    assert _rel(run(True), run(False)) < 0.01
