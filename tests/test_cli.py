@@ -70,6 +70,11 @@ def test_the_isa_cap_is_a_name_it_knows(value, unit):
     (["demo", "--d-model", "30", "--heads", "4"], "not divisible"),
     (["demo", "--device", "tpu"], "expected cpu or cuda"),
     (["demo", "--json", "/no/such/folder/out.json"], "does not exist"),
+    (["demo", "--json", "/"], "is a folder; give a file name"),   # after the demo's runs before
+    (["demo", "--json", ""], "expected a file path, got an empty one"),
+    (["plan", "gpt2", "--json", "/"], "is a folder"),
+    (["plan", "gpt2", "--json", ""], "--json: expected a file path"),   # ignored, silently, before
+    (["plan", "gpt2", "--chart", "/"], "is a folder"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
@@ -185,3 +190,15 @@ def test_demo_json(tiny_demo):
     stats = compressed["compress_stats"]
     assert stats["total_bytes_before"] == before and stats["num_compressed"] > 0
     assert set(stats["by_dtype"]) >= {"bfloat16"}
+
+
+def test_a_model_whose_forward_refuses_the_trace_gets_a_message(tmp_path, capsys):
+    """BERT's learned positions end at max_position_embeddings, which the planner's position check did not
+    know: the trace's RuntimeError came out as a traceback."""
+    transformers = pytest.importorskip("transformers")
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                            vocab_size=100, max_position_embeddings=64).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", str(tmp_path), "--batch", "1", "--seq", "128", "--device", "cpu"])
+    assert exc.value.code == 2
+    assert "failed in the model's forward (RuntimeError" in capsys.readouterr().err

@@ -131,3 +131,17 @@ def test_apply_gives_offload_adam_its_device_accumulation_and_the_loop_sends_onc
         opt.zero_grad()
     assert opt.counters()["bytes_down"] == 2 * 2 * n
     opt.close()
+
+
+def test_the_pick_as_code_trains_what_trainable_names():
+    """With --trainable the printed code handed every parameter to the optimizer (state for all of them, where
+    the plan counted the named ones); its lines now freeze as apply() does and pass the trained ones only."""
+    from effmem.plan.report import code_for
+    p = effmem.plan(TINY, batch=2, seq=64, device="cpu", host_memory="8GB", trainable=r"layers\.1\.,lm_head")
+    code = code_for(p.pick.config, p.device, p.pick.cost.activation_budget, p.spec.trainable_text)
+    freeze = [line for line in code.splitlines() if line.startswith(("import re", "for name, p in"))]
+    assert len(freeze) == 2 and "[p for p in model.parameters() if p.requires_grad]" in code
+    mine, applied = real_tiny(), p.apply(real_tiny(), p.pick.name)[0]
+    exec("\n".join(freeze), {"model": mine})
+    assert [n for n, q in mine.named_parameters() if q.requires_grad] == [
+        n for n, q in applied.named_parameters() if q.requires_grad] != []

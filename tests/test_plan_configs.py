@@ -1,8 +1,10 @@
 """effmem plan on configs as users hand them over: what transformers 5 writes (per-layer lists), models it
 cannot plan, refused with a message that says why, and the trace against the closed-form count of presets."""
 import json
+import re
 
 import pytest
+import torch
 
 import effmem
 
@@ -56,3 +58,68 @@ def test_no_cross_check_where_the_cpu_runs_attention_with_dropout():
 def test_no_formula_for_a_model_it_does_not_describe():
     p = effmem.plan("mixtral-8x7b", batch=1, seq=256, gpu_memory="80GB", host_memory="1TB")
     assert p.formula_check is None and p.as_dict()["formula_check"] is None
+
+
+MIXED = {   # decoder stacks whose layers differ: dense first, every other layer sparse, listed dense layers
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=128, intermediate_size=512, moe_intermediate_size=32,
+                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                        n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=3, kv_lora_rank=32,
+                        q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, vocab_size=500,
+                        n_group=1, topk_group=1, tie_word_embeddings=False),
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=128, intermediate_size=512, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=4, vocab_size=500, decoder_sparse_step=2,
+                      tie_word_embeddings=False),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=512, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, head_dim=32, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=500, mlp_only_layers=[1, 3, 5], tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("family", list(MIXED))
+def test_layers_of_several_kinds_are_each_counted(family):
+    """A config was traced with its first 1 and 2 layers and extrapolated as if all were alike: DeepSeek-V3's
+    dense first layers made its mixture-of-experts layers count as dense (0.83x of the activations of the
+    whole model traced, 0.74x for Qwen2-MoE's sparse step, 1.25x for Qwen3-MoE's mlp_only_layers). Each kind
+    of layer is traced once now, and the config's count equals the whole model's."""
+    cfg = dict(MIXED[family])
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config.use_cache = False
+    with torch.device("meta"):
+        whole = transformers.AutoModelForCausalLM.from_config(config)
+    kw = dict(batch=1, seq=128, gpu_memory="80GB", host_memory="64GB")
+    by_config, traced = effmem.plan(MIXED[family], **kw), effmem.plan(whole, **kw)
+    assert by_config.method == "traced (2 kinds of layer, extrapolated)" and traced.method == "traced"
+    for name in ("bf16+mb1x1", "bf16+checkpoint+mb1x1", "bf16+selective+mb1x1"):
+        assert by_config.candidate(name).cost.forward_alive == traced.candidate(name).cost.forward_alive, name
+
+
+@pytest.mark.parametrize("trainable", [r"model\.layers\.3\.,lm_head", r"model\.layers\.0\.", r"model\.layers\.1\.",
+                                       r"q_proj"])
+def test_frozen_layers_save_what_a_real_forward_saves(trainable):
+    """trainable= froze parameters in the model states only: the trace gave every parameter a gradient, so
+    the first layers of a model trained in its last ones counted as trained (7.1x what a real forward saves
+    on an 8-layer Llama). The trace's copies now train what the whole model trains; a frozen layer after a
+    trained one, which two-layer copies cannot show, takes the whole model's trace."""
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    p = effmem.plan(cfg, batch=2, seq=32, device="cpu", trainable=trainable)
+    c = dict(cfg)
+    config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    which = [re.compile(t) for t in trainable.split(",")]
+    for name, q in model.named_parameters():
+        q.requires_grad_(any(w.search(name) for w in which))
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids)
+    predicted = p.candidate("fp32+mb2x1").cost.forward_alive - out.logits.nbytes - out.loss.nbytes
+    assert predicted == sum(saved.values())

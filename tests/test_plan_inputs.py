@@ -77,7 +77,13 @@ def test_defaults_come_from_the_machine():
 
 def test_parse_bytes_units():
     assert parse_bytes("80GB", "x") == 80 * 10 ** 9 and parse_bytes("80GiB", "x") == 80 << 30
-    assert parse_bytes("1.5TB", "x") == 1_500_000_000_000 and parse_bytes(1024, "x") == 1024
+    assert parse_bytes("1.5TB", "x") == 1_500_000_000_000 and parse_bytes(1 << 30, "x") == 1 << 30
+    # from Python: gpu_memory=80.0 was 80 bytes (nothing fits, silently); inf an OverflowError
+    with pytest.raises(ValueError, match=r"gpu_memory: 80.0 is 80 bytes, less than a MiB: give a size with its unit "
+                                         r"\('80GB'\) or bytes \(80e9\)"):
+        parse_bytes(80.0, "gpu_memory")
+    with pytest.raises(ValueError, match="host_memory: expected a positive, finite size, got inf"):
+        parse_bytes(float("inf"), "host_memory")
     assert parse_bytes("80000000000", "x") == 80 * 10 ** 9 and parse_bytes("512B", "x") == 512
     with pytest.raises(ValueError, match=r"gpu_memory: '80' is 80 bytes, less than a MiB: give a unit \(for example "
                                          r"80GB\)"):

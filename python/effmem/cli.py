@@ -326,10 +326,12 @@ def resolve_demo_settings(args, parser) -> dict:
     if s["d_model"] % s["heads"]:
         parser.error(f"--d-model {s['d_model']} is not divisible by --heads {s['heads']}")
     s.update(device=device, seed=args.seed)
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            parser.error(f"--json {args.json}: folder {folder} does not exist")
+    if args.json is not None:
+        from effmem.plan.chart import check_output
+        try:
+            check_output(args.json, "json")
+        except ValueError as e:
+            parser.error(f"--{e}")
     return s
 
 

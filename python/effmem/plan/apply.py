@@ -11,7 +11,7 @@ from effmem.compress import compress_activations
 from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
 from effmem.plan.model import Trainable, find_blocks
-from effmem.plan.report import code_for
+from effmem.plan.report import _trainable, code_for
 
 
 class _SaveOnCpu:
@@ -115,9 +115,10 @@ def _check_distributed(plan, name: str) -> None:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         c = plan.candidate(name)
+        code = code_for(c.config, plan.device, c.cost.activation_budget, _trainable(plan))
         raise ValueError(f"candidate {name}: a sharded configuration is applied on every rank after "
                          f"torch.distributed.init_process_group (torchrun); it is not initialised here. The "
-                         f"lines each rank runs:\n{code_for(c.config, plan.device, c.cost.activation_budget)}")
+                         f"lines each rank runs:\n{code}")
     if dist.get_world_size() != plan.gpus:
         raise ValueError(f"candidate {name}: planned for {plan.gpus} ranks, torch.distributed has "
                          f"{dist.get_world_size()}")

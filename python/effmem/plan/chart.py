@@ -2,6 +2,7 @@
 
 SVG is written directly (no dependency); PNG needs matplotlib.
 """
+import os
 from pathlib import Path
 from typing import List, Tuple
 from xml.sax.saxutils import escape
@@ -34,13 +35,27 @@ def chart_rows(plan) -> List[Tuple[str, List[float]]]:
              [sum(c.cost.parts[p] for p in parts) / 1e9 for _, parts, _ in SERIES]) for c in chosen]
 
 
-def check_path(path: str) -> Path:
-    """A chart's path: .svg or .png, in a folder that exists (the command checks it before planning)."""
+def check_output(path: str, what: str) -> Path:
+    """A file the command will write, refused before any work (planning, --verify's training, the demo's
+    runs): an empty path, a folder, a folder that does not exist, one it may not write in."""
+    if not path:
+        raise ValueError(f"{what}: expected a file path, got an empty one")
     out = Path(path)
+    folder = out.resolve().parent
+    if out.is_dir():
+        raise ValueError(f"{what}: {path!r} is a folder; give a file name in it")
+    if not folder.is_dir():
+        raise ValueError(f"{what}: the folder of {path!r} does not exist")
+    if not os.access(out if out.exists() else folder, os.W_OK):
+        raise ValueError(f"{what}: {path!r} cannot be written (permission denied)")
+    return out
+
+
+def check_path(path: str) -> Path:
+    """A chart's path: .svg or .png, one the command can write (checked before planning)."""
+    out = check_output(path, "chart")
     if out.suffix.lower() not in (".svg", ".png"):
         raise ValueError(f"chart: expected a path ending in .svg or .png, got {path!r}")
-    if not out.resolve().parent.is_dir():
-        raise ValueError(f"chart: the folder of {path!r} does not exist")
     return out
 
 

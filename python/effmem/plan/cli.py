@@ -2,7 +2,6 @@
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from effmem.plan.model import preset_names
 
@@ -46,7 +45,7 @@ def cmd_plan(args) -> int:
     # effmem.plan is the function (effmem/__init__.py), so the package's parts are imported by path.
     from effmem.plan.planner import plan as make_plan
     from effmem.plan.rates import calibrate
-    from effmem.plan.chart import check_path as check_chart_path, write_chart
+    from effmem.plan.chart import check_output, check_path as check_chart_path, write_chart
     from effmem.plan.verify import format_verify, verify
     if args.calibrate:
         rates = calibrate()
@@ -60,26 +59,33 @@ def cmd_plan(args) -> int:
         args.subparser.error(f"--steps: expected an int >= 1, got {args.steps}")
     if args.warmup < 0:
         args.subparser.error(f"--warmup: expected an int >= 0, got {args.warmup}")
-    if args.chart:
-        try:
+    try:
+        if args.chart is not None:
             check_chart_path(args.chart)
-        except ValueError as e:
-            args.subparser.error(f"--{e}")
-    if args.json and args.json != "-" and not Path(args.json).resolve().parent.is_dir():
-        args.subparser.error(f"--json: the folder of {args.json!r} does not exist")
+        if args.json is not None and args.json != "-":
+            check_output(args.json, "json")
+    except ValueError as e:
+        args.subparser.error(f"--{e}")
     try:
         plan = make_plan(args.model, batch=args.batch, seq=args.seq, accum=args.accum,
                              gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus=args.gpus,
                              trainable=args.trainable, device=args.device, clipping=not args.no_clipping)
     except (ValueError, TypeError, ImportError) as e:
         args.subparser.error(str(e))
+    except (RuntimeError, IndexError) as e:   # the model's own forward refusing the trace's inputs
+        args.subparser.error(f"tracing {args.model} at batch x seq = {args.batch} x {args.seq or 'default'} "
+                             f"failed in the model's forward ({type(e).__name__}: {e}); a --seq within its "
+                             "positions, or a smaller model of the same family, may trace")
     data = plan.as_dict()
     if plan.pick is not None:
-        from effmem.plan.report import code_for
-        data["code"] = code_for(plan.pick.config, plan.device, plan.pick.cost.activation_budget)
+        from effmem.plan.report import _trainable, code_for
+        data["code"] = code_for(plan.pick.config, plan.device, plan.pick.cost.activation_budget, _trainable(plan))
     if args.verify:
         names = [c.name for c in plan.candidates if c.fits] if args.verify == "all" else None
-        data["verify"] = verify(plan, candidates=names, steps=args.steps, warmup=args.warmup)
+        try:
+            data["verify"] = verify(plan, candidates=names, steps=args.steps, warmup=args.warmup)
+        except (ValueError, RuntimeError) as e:   # a sharded or partly frozen pick, a GPU this machine lacks
+            args.subparser.error(f"--verify: {e}")
     if args.json == "-":
         print(json.dumps(data, indent=1))
     else:

@@ -4,7 +4,7 @@ A config's model is traced with 1 and 2 decoder layers on the meta device,
 and every count is extrapolated linearly to all of them: quick for a 70B
 preset, and exact where every layer saves the same tensors.
 """
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -44,37 +44,64 @@ def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target
                 unfuse_linear_cross_entropy(model)
 
     if spec.module is not None:
-        t = run(spec.module, fresh=False)
-        return Extrapolated(t, None, t.num_blocks)
-    if layers_from is not None and layers_from.two is not None:
-        return Extrapolated(run(spec.build_layers(1), True), None, spec.num_layers, step=layers_from)
-    return Extrapolated(run(spec.build_layers(1), True), run(spec.build_layers(2), True), spec.num_layers)
+        flags = [(p, p.requires_grad) for p in spec.module.parameters()]
+        spec.set_trained(spec.module)   # the user's module: trainable= for the trace, its own flags after
+        try:
+            t = run(spec.module, fresh=False)
+        finally:
+            for p, flag in flags:
+                p.requires_grad_(flag)
+        return Extrapolated(t, [], t.num_blocks)
+    first = spec.build_kept([0])
+    if layers_from is not None and layers_from.pairs and first is not None:
+        return Extrapolated(run(first, True), [], spec.num_layers, step=layers_from)
+    pairs = []
+    for count, keep in spec.layer_groups():
+        model = spec.build_kept(keep)
+        if model is None:
+            break
+        pairs.append((count, run(model, True)))
+    else:
+        if first is not None:
+            return Extrapolated(run(first, True), pairs, spec.num_layers)
+    # layers that shorter copies do not reproduce: the whole model, traced
+    whole = spec.build_layers(spec.num_layers)
+    spec.set_trained(whole)
+    t = run(whole, True)
+    return Extrapolated(t, [], t.num_blocks)
 
 
 class Extrapolated:
-    """Per-strategy bytes of an L-layer model from traces of 1 and 2 layers: T(L) = T(1) + (L-1)(T(2)-T(1)).
+    """Per-strategy bytes of an L-layer model from a trace of its first layer and, per kind of the layers after
+    it (plan/layer_kinds.py), a trace of the first layer and one of that kind: T(L) = T(1) + sum over kinds of
+    n_k (T(1 + k) - T(1)); one kind (most models) is T(1) + (L-1)(T(2)-T(1)).
 
-    Exact when every layer saves the same tensors, which holds for the
-    decoder stacks of these models; tensors shared by all layers (rotary
-    tables) appear in T(1) and T(2) alike, so they are counted once. With
-    `step` (another Extrapolated of the same layers), T(2)-T(1) is taken
-    from it: T(L) = T(1) + (L-1)(step's T(2) - T(1))."""
+    Exact when every layer of a kind saves the same tensors; tensors shared by all layers (rotary tables)
+    appear in every trace alike, so they are counted once. With `step` (another Extrapolated of the same
+    layers), the increments are taken from it."""
 
-    def __init__(self, one: Trace, two: Optional[Trace], layers: int, step: Optional["Extrapolated"] = None):
-        self.one, self.two, self.layers, self.step = one, two, layers, step
-        self.method = "traced" if two is None and step is None else "traced (1 and 2 layers, extrapolated)"
+    def __init__(self, one: Trace, pairs, layers: int, step: Optional["Extrapolated"] = None):
+        self.one, self.pairs, self.layers, self.step = one, list(pairs), layers, step
+        self.two = self.pairs[0][1] if self.pairs else None
+        self.method = ("traced" if not self.pairs and step is None else
+                       "traced (1 and 2 layers, extrapolated)" if len(self.pairs) <= 1 else
+                       f"traced ({len(self.pairs)} kinds of layer, extrapolated)")
+
+    def _traces(self) -> List[Trace]:
+        return [self.one] + [t for _, t in self.pairs]
 
     def _lin(self, f):
         a = f(self.one)
-        if self.step is not None:
-            return _add(a, self.step._increment(f), self.layers - 1)
-        if self.two is None:
-            return a
-        return _add(a, _diff(f(self.two), a), self.layers - 1)
+        for count, d in self._increments(f):
+            a = _add(a, d, count)
+        return a
 
-    def _increment(self, f):
-        """What one more decoder layer adds to f."""
-        return _diff(f(self.two), f(self.one))
+    def _increments(self, f):
+        """Per kind of layer: how many there are after the first, and what one more of them adds to f."""
+        if self.step is not None:
+            return self.step._increments(f)
+        first = f(self.one)
+        return [(count, _diff(f(t), first)) for count, t in self.pairs]
 
     # The traces' scalar counts, each extrapolated over the layers as _lin does: FLOPs, traffic, op counts.
     _LINEAR = ("selective_recompute_bytes", "elementwise_bytes", "matmul_flops", "block_matmul_flops",
@@ -106,23 +133,20 @@ class Extrapolated:
 
     @property
     def has_fast(self) -> bool:
-        return (all(t.fast is not None for t in (self.one, self.two) if t is not None)
-                and (self.step is None or self.step.has_fast))
+        return all(t.fast is not None for t in self._traces()) and (self.step is None or self.step.has_fast)
 
     def block_bytes(self) -> int:
         """The largest decoder layer's internally saved bytes."""
         if self.step is not None:
             return self.step.block_bytes()
-        src = self.two if self.two is not None else self.one
-        return max(src.block_bytes(), default=0)
+        return max((b for t in (self._traces()[1:] or [self.one]) for b in t.block_bytes()), default=0)
 
     def largest(self, kind: Optional[str] = None) -> int:
         if self.step is not None:
-            # the decoder layers' kinds as the other loss's trace of two layers saw them; the rest as here
+            # the decoder layers' kinds as the other loss's traces of them saw them; the rest as here
             inside = max((self.step.largest(k) for k in _LAYER_KINDS if kind in (None, k)), default=0)
             return max(self.one.largest(kind), inside)
-        src = self.two if self.two is not None else self.one
-        return src.largest(kind)
+        return max(t.largest(kind) for t in (self._traces()[1:] or [self.one]))
 
 
 def _diff(b, a):

@@ -1,5 +1,6 @@
 """What effmem plan reads from the machine and from the user's sizes: GPU count and memory, host memory, and
 sizes such as 80GB or 80GiB."""
+import math
 import os
 import re
 from typing import Dict, Optional, Union
@@ -9,10 +10,15 @@ import torch
 
 def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
-    if text is None or (isinstance(text, (int, float)) and not isinstance(text, bool)):
-        if text is not None and int(text) < 1:
-            raise ValueError(f"{what}: expected a positive size, got {text!r}")
-        return None if text is None else int(text)
+    if text is None:
+        return None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if not math.isfinite(text) or text < 1:
+            raise ValueError(f"{what}: expected a positive, finite size, got {text!r}")
+        if text < 1 << 20:   # gpu_memory=80: 80 bytes (nothing fits), where 80 GB was meant
+            raise ValueError(f"{what}: {text!r} is {int(text)} bytes, less than a MiB: give a size with its unit "
+                             f"('{text:g}GB') or bytes ({text:g}e9)")
+        return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r}")

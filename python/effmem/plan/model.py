@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from effmem.optim import _adam8
+from effmem.plan import layer_kinds
 
 PRESET_DIR = Path(__file__).with_name("presets")
 # Config keys that hold the number of decoder layers, by model family.
@@ -225,6 +226,40 @@ class ModelSpec:
     # Builds a meta-device copy with n decoder layers (configs only): the trace extrapolates from 1 and 2.
     build_layers: Optional[Callable[[int], nn.Module]] = None
     trainable_text: Optional[str] = None   # the trainable= argument, for apply()
+    # configs: each decoder layer's kind and each kind's signature (plan/layer_kinds.py)
+    layer_kinds: Optional[List[int]] = None
+    kind_signatures: Optional[list] = None
+
+    def layer_groups(self) -> List[Tuple[int, List[int]]]:
+        """Per kind of layer after the first: (how many, the layers a trace of one more of them holds)."""
+        return layer_kinds.groups(self.layer_kinds or [0] * self.num_layers)
+
+    def build_kept(self, keep: List[int]) -> Optional[nn.Module]:
+        """A meta-device copy holding the decoder layers at `keep` only (built with the first max(keep) + 1),
+        its parameters' requires_grad as trainable= has the whole model's; None where one of those layers
+        is not the whole model's layer of that index (a pattern that changes with the layer count), or
+        where its input would need a gradient in one and not the other (a frozen layer after the first
+        trained one, held after a frozen first layer): the trace then takes the whole model."""
+        model = self.build_layers(max(keep) + 1)
+        path, layers = find_blocks(model)
+        if self.layer_kinds is not None:
+            sigs = [self.kind_signatures[self.layer_kinds[i]] for i in keep]
+            if any(layer_kinds.signature(layers[i]) != sig[0] for i, sig in zip(keep, sigs)):
+                return None
+            first = self.kind_signatures[self.layer_kinds[0]]
+            if len(keep) > 1 and sigs[1][2] is not None and sigs[1][2] != (first[2] or any(first[1])):
+                return None
+        model = layer_kinds.keep_layers(model, path, keep)
+        self.set_trained(model, layer_kinds.whole_names(path, keep))
+        return model
+
+    def set_trained(self, model: nn.Module, whole_name=lambda n: n) -> None:
+        """requires_grad as trainable= says (a copy's names mapped to the whole model's); nothing without it."""
+        if self.trainable_text is None:
+            return
+        which = Trainable.parse(self.trainable_text)
+        for n, p in model.named_parameters():
+            p.requires_grad_(which.numel(whole_name(n), tuple(p.shape)) > 0)
 
     @property
     def num_params(self) -> int:
@@ -276,6 +311,11 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
         full = _hf_model_from_config(cfg)
         spec = ModelSpec(name, _param_infos(full, which), config_layers(cfg), config=cfg,
                          build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
+        path, blocks = find_blocks(full)
+        if len(blocks) == spec.num_layers:   # (else the trace's own checks say what it found)
+            trained = layer_kinds.trainability(full, path, blocks, lambda n, shape: which.numel(n, shape) > 0) \
+                if which.text is not None else ((), ())
+            spec.layer_kinds, spec.kind_signatures = layer_kinds.kinds(blocks, *trained)
     spec.trainable_text = which.text
     if which.text is not None and spec.num_trainable == 0:
         raise ValueError(f"trainable: {which.text!r} matches no parameter of {spec.name} "

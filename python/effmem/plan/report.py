@@ -1,5 +1,5 @@
 """effmem plan's text: the pick, its parts, the other candidates and why each lost, and the pick as code."""
-from typing import List
+from typing import List, Optional
 
 from effmem.plan.costs import Config
 
@@ -30,7 +30,7 @@ def format_plan(plan, max_rows: int = 14) -> str:
         lines.append(f"\npick: {pick.name}  (peak {_gb(pick.cost.peak_bytes)} GB, "
                      f"host {_gb(pick.cost.host_bytes)} GB, step {pick.step_time_s * 1e3:.0f} ms)")
         lines.append("  " + "  ".join(f"{k} {_gb(pick.cost.parts[k])}" for k in PARTS))
-        lines.append("\n" + code_for(pick.config, plan.device, pick.cost.activation_budget))
+        lines.append("\n" + code_for(pick.config, plan.device, pick.cost.activation_budget, _trainable(plan)))
     lines.append("\ncandidates (best micro-batch of each combination; --json has all of them):")
     header = f"  {'name':<44} {'fits':<5} {'peak GB':>8} {'host GB':>8} {'step ms':>9}  why"
     lines.append(header)
@@ -50,10 +50,20 @@ def format_plan(plan, max_rows: int = 14) -> str:
     return "\n".join(lines)
 
 
-def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> str:
+def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
+             trainable: Optional[str] = None) -> str:
     """The pick as the lines of a training script (activation_budget: a fast_offload candidate's
-    Cost.activation_budget)."""
+    Cost.activation_budget; trainable: the plan's trainable=, whose parameters alone the optimizer gets)."""
     out = ["# the pick as code (or: model, opt = plan.apply(model)):"]
+    if trainable is not None:
+        whole = [t.strip() for t in trainable.split(",") if "#" not in t]
+        if len(whole) < len(trainable.split(",")):
+            out.append(f"# trainable={trainable!r} trains part of a parameter (#a:b): freeze the other rows "
+                       "yourself (plan.apply() freezes whole parameters only)")
+        if whole:
+            out.append("import re   # the parameters trainable= names train; the rest stay frozen")
+            out.append(f"for name, p in model.named_parameters(): p.requires_grad_(any(re.search(r, name) for r in "
+                       f"{whole!r}))")
     if cfg.precision == "bf16":
         out.append(f"model = model.to('{device}', torch.bfloat16)")
     else:
@@ -89,10 +99,11 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         out.append("from effmem.plan.model import find_blocks   # the decoder layers")
         out.append(f"for block in find_blocks(model)[1]: fully_shard(block, reshard_after_forward={resh})  # FSDP2")
         out.append(f"fully_shard(model, reshard_after_forward={resh})")
-    opt = {"gpu": "effmem.FusedAdam(model.parameters(), lr=3e-4)",
-           "offload": "effmem.OffloadAdam(model.parameters(), lr=3e-4)",
-           "offload_overlap": "effmem.OffloadAdam(model.parameters(), lr=3e-4, overlap=True)",
-           "offload_async": "effmem.OffloadAdam(model.parameters(), lr=3e-4, async_step=True)"}[cfg.optimizer]
+    params = "[p for p in model.parameters() if p.requires_grad]" if trainable is not None else "model.parameters()"
+    opt = {"gpu": f"effmem.FusedAdam({params}, lr=3e-4)",
+           "offload": f"effmem.OffloadAdam({params}, lr=3e-4)",
+           "offload_overlap": f"effmem.OffloadAdam({params}, lr=3e-4, overlap=True)",
+           "offload_async": f"effmem.OffloadAdam({params}, lr=3e-4, async_step=True)"}[cfg.optimizer]
     if cfg.state_bits == 8:
         opt = opt[:-1] + ", state_bits=8)"
     if cfg.device_accumulation:
@@ -100,7 +111,7 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
     if cfg.device_state:
         opt = opt[:-1] + f", device_state={cfg.device_state})"
     if cfg.sharding == "zero1":
-        opt = ("torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
+        opt = (f"torch.distributed.optim.ZeroRedundancyOptimizer({params}, "
                "optimizer_class=effmem.FusedAdam, lr=3e-4" + (", state_bits=8)" if cfg.state_bits == 8 else ")"))
     out.append(f"opt = {opt}")
     if cfg.optimizer == "offload_async":
@@ -110,3 +121,7 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0) -> s
         out.append("# all but the last inside `with opt.accumulating():`"
                    + (" (gradients summed on the GPU, sent once)" if cfg.device_accumulation else ""))
     return "\n".join(out)
+
+
+def _trainable(plan) -> Optional[str]:
+    return getattr(plan.spec, "trainable_text", None)
