@@ -106,8 +106,16 @@ def _refused(model_type: str, e: Exception) -> ValueError:
 def config_layers(cfg: dict) -> int:
     for key in _LAYER_KEYS:
         if key in cfg:
+            if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+                raise ValueError(f"model: the config's {key} is {cfg[key]!r}; expected a whole number >= 1 of "
+                                 "decoder layers")
             return int(cfg[key])
-    raise ValueError(f"model: the config has no layer count ({' or '.join(_LAYER_KEYS)})")
+    if isinstance(cfg.get("text_config"), dict):
+        raise ValueError("model: a multimodal config, its language model's layers under text_config: plan that "
+                         "part (its dict, with its model_type) as the model")
+    other = [k for k in ("num_layers", "n_layers", "num_decoder_layers") if k in cfg]
+    raise ValueError(f"model: the config has no layer count effmem plan reads ({' or '.join(_LAYER_KEYS)})"
+                     + (f"; it names its count {other[0]!r}, a family effmem plan does not know" if other else ""))
 
 
 def find_blocks(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
@@ -308,6 +316,9 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
         else:
             raise TypeError(f"model: expected a preset name, a config.json path, a Hugging Face config "
                             f"(dict or object) or an nn.Module, got {type(model).__name__}")
+        vocab = cfg.get("vocab_size")
+        if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
+            raise ValueError(f"model: the config's vocab_size is {vocab!r}; expected a whole number >= 1")
         full = _hf_model_from_config(cfg)
         spec = ModelSpec(name, _param_infos(full, which), config_layers(cfg), config=cfg,
                          build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
