@@ -192,13 +192,22 @@ def test_demo_json(tiny_demo):
     assert set(stats["by_dtype"]) >= {"bfloat16"}
 
 
-def test_a_model_whose_forward_refuses_the_trace_gets_a_message(tmp_path, capsys):
+def test_a_model_whose_forward_refuses_the_trace_gets_a_message(tmp_path, capsys, monkeypatch):
     """BERT's learned positions end at max_position_embeddings, which the planner's position check did not
-    know: the trace's RuntimeError came out as a traceback."""
+    know: the trace's RuntimeError came out as a traceback. Now the check knows such tables, and any other
+    refusal of the model's forward is an argparse error too."""
     transformers = pytest.importorskip("transformers")
     transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                             vocab_size=100, max_position_embeddings=64).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as exc:
         cli.main(["plan", str(tmp_path), "--batch", "1", "--seq", "128", "--device", "cpu"])
+    assert exc.value.code == 2 and "learned positions (max_position_embeddings = 64)" in capsys.readouterr().err
+    from effmem.plan import planner
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (128) must match the size of tensor b (64)")
+    monkeypatch.setattr(planner, "plan", refuses)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "gpt2", "--device", "cpu"])
     assert exc.value.code == 2
-    assert "failed in the model's forward (RuntimeError" in capsys.readouterr().err
+    assert "failed in the model's forward (RuntimeError: The size of tensor a" in capsys.readouterr().err

@@ -133,3 +133,18 @@ def test_frozen_layers_save_what_a_real_forward_saves(trainable):
         out = model(input_ids=ids, labels=ids)
     predicted = p.candidate("fp32+mb2x1").cost.forward_alive - out.logits.nbytes - out.loss.nbytes
     assert predicted == sum(saved.values())
+
+
+def test_learned_positions_of_any_family_bound_the_sequence():
+    """BioGPT's positions are a table of max_position_embeddings rows (plus an offset, as OPT's): planned at
+    2048 tokens past its 64, where a real forward raises IndexError (meta tensors index nothing). Rotary
+    models have no table and keep the default."""
+    bio = dict(model_type="biogpt", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+               num_attention_heads=4, vocab_size=256, max_position_embeddings=64)
+    assert effmem.plan(bio, batch=1, device="cpu").seq == 64
+    with pytest.raises(ValueError, match=r"seq: 128 tokens is more than this model's learned positions "
+                                         r"\(max_position_embeddings = 64\) cover"):
+        effmem.plan(bio, batch=1, seq=128, device="cpu")
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, vocab_size=256, max_position_embeddings=64)
+    assert effmem.plan(llama, batch=1, device="cpu").seq == 2048

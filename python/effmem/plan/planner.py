@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
+from torch import nn
 
 from effmem.optim._validate import whole
 from effmem.plan import choose, costs, loss_buffers, offload_room, step_model
@@ -241,8 +242,16 @@ def _position_limit(spec: ModelSpec) -> Optional[Tuple[int, str]]:
     cfg = _hf_config(spec)
     if isinstance(cfg.get("n_positions"), int):
         return cfg["n_positions"], "n_positions"
-    if cfg.get("model_type") == "opt" and isinstance(cfg.get("max_position_embeddings"), int):
-        return cfg["max_position_embeddings"], "max_position_embeddings"
+    most = cfg.get("max_position_embeddings")
+    if not isinstance(most, int) or spec.build_layers is None:
+        return None
+    # a table of learned positions (OPT's, BioGPT's: an embedding of max_position_embeddings rows, 2 more for
+    # their offset) besides the tokens': the meta trace never indexes it, so it would plan past its end
+    model = spec.build_layers(1)
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if any(isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings in (most, most + 2)
+           for m in model.modules()):
+        return most, "max_position_embeddings"
     return None
 
 
