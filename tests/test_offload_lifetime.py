@@ -127,3 +127,33 @@ def test_a_group_the_engine_refuses_leaves_the_optimizer_as_it_was():
     m(torch.randn(2, 8)).sum().backward()
     opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("mode", [{}, {"delay": True}])
+def test_an_interrupt_among_the_first_step_s_state_entries_leaves_the_optimizer_usable(mode):
+    """Ctrl-C (KeyboardInterrupt, raised at any bytecode) inside step()'s making of opt.state's entries, before
+    it recorded them: every later step() and state_dict() refused "opt.state was changed by assignment",
+    though nothing had touched it, so the run could not even be saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **mode)
+    made, real = [], opt._state_of
+
+    def interrupted(i):
+        made.append(i)
+        if len(made) == 2:
+            raise KeyboardInterrupt
+        return real(i)
+    opt._state_of = interrupted
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del opt._state_of
+    opt.zero_grad()
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(opt.state_dict()["state"]) == 4
+    opt.close()

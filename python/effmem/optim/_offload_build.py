@@ -97,10 +97,12 @@ class OffloadBuild:
         torch's defaultdict before the first step) counts as none."""
         if indices is None:
             indices = [i for i, stepped in enumerate((self._steps > 0).tolist()) if stepped]
-        for i in indices:
-            if not self.state.get(self._params[i]):
-                self.state[self._params[i]] = self._state_of(i)
-        self._note_state()
+        try:
+            for i in indices:
+                if not self.state.get(self._params[i]):
+                    self.state[self._params[i]] = self._state_of(i)
+        finally:   # also after a KeyboardInterrupt among the entries: else _check_state took the optimizer's
+            self._note_state()   # own entries for the caller's and refused every later step and state_dict()
 
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]

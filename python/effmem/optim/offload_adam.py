@@ -402,9 +402,11 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # device_state's parameters first: their kernel runs on the device while the host updates the rest
         self._step_resident(scale)
         self._engine.step(scale)
-        self._sync_state(self._queued)
-        self._queued.clear()
-        self._step_count += 1
+        try:
+            self._sync_state(self._queued)
+        finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
+            self._queued.clear()
+            self._step_count += 1
         if self._delay and not self._async and self._step_count <= self._delay_warmup:
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._engine.synchronize()
