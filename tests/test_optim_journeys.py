@@ -406,51 +406,6 @@ def test_nested_accumulating_blocks_stay_accumulating_until_the_outermost_ends(m
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
 
 
-@pytest.mark.parametrize("mode", [{}, {"delay": True}, {"state_bits": 8}])
-def test_offload_step_under_torch_compile_runs_as_eager(mode):
-    """torch.compile(opt.step): the second compiled call refused with "opt.state was changed by assignment"
-    (dynamo did not replay the optimizer's record of its state); the step now runs eagerly inside."""
-    runs = []
-    for compiled in (False, True):
-        m = _linear(torch.float32)
-        opt = OffloadAdam(m.parameters(), lr=1e-2, **mode)
-        step = torch.compile(opt.step) if compiled else opt.step
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
-        for _ in range(3):
-            m(x).square().mean().backward()
-            step()
-            opt.zero_grad()
-        opt.flush()
-        runs.append([p.detach().clone() for p in m.parameters()])
-        _close(opt)
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def test_a_compiled_training_step_does_not_compile_the_gradient_hook():
-    """torch.compile of loss.backward(); opt.step(): dynamo traced OffloadAdam's gradient hook each time
-    backward called it, compiled it again at every call (its guards held the gradient handed off) until
-    its recompile limit, with a warning, seconds a step on a 4-parameter model. It is host work: skipped."""
-    from torch._dynamo.utils import counters
-    m = _linear(torch.float32)
-    opt = OffloadAdam(m.parameters(), lr=1e-2)
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
-
-    @torch.compile(backend="eager")
-    def step():
-        m(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    torch._dynamo.reset()
-    counters.clear()
-    for _ in range(4):
-        step()
-    _close(opt)
-    # what dynamo traced and broke on: the hook's frames (resumed after graph breaks at the engine's calls)
-    seen = list(counters["resumes"]) + list(counters["graph_break"])
-    assert not [k for k in seen if "_hand_off" in k or "_send" in k or "grad_ready" in k], seen
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
-
-
 def test_meta_parameters_are_not_taken_for_views_of_one_tensor():
     """Every meta tensor's data_ptr is 0: two meta parameters "shared memory" and both optimizers refused
     them with that, where torch's AdamW takes them (a model built on the meta device, then to_empty)."""
