@@ -82,6 +82,7 @@ class Extrapolated:
 
     def __init__(self, one: Trace, pairs, layers: int, step: Optional["Extrapolated"] = None):
         self.one, self.pairs, self.layers, self.step = one, list(pairs), layers, step
+        self.two = self.pairs[0][1] if self.pairs else None   # the 2-layer trace, if any (what tests count)
         self.method = ("traced" if not self.pairs and step is None else
                        "traced (1 and 2 layers, extrapolated)" if len(self.pairs) <= 1 else
                        f"traced ({len(self.pairs)} kinds of layer, extrapolated)")
