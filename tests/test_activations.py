@@ -216,6 +216,40 @@ def test_a_layer_listed_twice_or_transformers_checkpointing_is_refused_before_an
     apply_activation_policy(m, policy)
 
 
+@pytest.mark.parametrize("policy", ["fast", "min", "checkpoint", "selective", "budget"])
+def test_transformers_checkpointing_turned_on_after_the_policy_is_refused_at_the_forward(policy):
+    """Trainer(gradient_checkpointing=True) turns it on inside train(), after the policy: each layer ran again
+    ("min": three times), and "fast" lost its saving. Refused at the first training forward; evaluation and a
+    forward without gradients run."""
+    m = llama()
+    apply_activation_policy(m, **({"memory_budget": 10 ** 9} if policy == "budget" else {"policy": policy}))
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    x = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="gradient checkpointing is on .*TrainingArguments"):
+        m(input_ids=x, labels=x)
+    m.eval()
+    m(input_ids=x, labels=x).loss.backward()
+    m.train()
+    with torch.no_grad():
+        m(input_ids=x)
+    m.gradient_checkpointing_disable()
+    m(input_ids=x, labels=x).loss.backward()
+
+
+@pytest.mark.parametrize("policy", ["fast", "min"])
+def test_a_run_repeats_in_one_process(policy):
+    """"min" seeded its stochastic rounding from a counter of the package, so a second run in one process (two
+    Trainer runs with one seed) differed from the first; now each application of a policy counts its own."""
+    grads = []
+    for _ in range(2):
+        m = apply_activation_policy(llama(), policy)
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            m(input_ids=x, labels=x).loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_odd_but_meaningful_arguments():
     """numpy numbers as budgets; bits and group_size checked under every policy; remove() names its argument."""
     np = pytest.importorskip("numpy")

@@ -127,3 +127,28 @@ def test_both_optimizers_give_the_same_errors():
             opt.load_state_dict(sd)
         messages.append(str(err.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("source", ["torch", "fused", "offload"])
+@pytest.mark.parametrize("kind", ["fused", "offload"])
+def test_an_empty_state_entry_is_no_state(source, kind):
+    """A read of opt.state[p] (a defaultdict: a logging callback) leaves an empty entry that torch's
+    state_dict saves; it loads as no state, as in torch, and effmem's own state_dicts leave it out."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    params[1].requires_grad_(False)   # frozen: never stepped
+    opt = {"torch": lambda: torch.optim.AdamW(params, lr=1e-2), "fused": lambda: FusedAdam(params, lr=1e-2),
+           "offload": lambda: OffloadAdam(params, lr=1e-2, bucket_size=8)}[source]()
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    assert [opt.state[p].get("step") is None for p in params] == [False, True]
+    sd = opt.state_dict()
+    assert (1 in sd["state"] and not sd["state"][1]) == (source == "torch")
+    if source == "offload":
+        opt.close()
+    target = FusedAdam(params, lr=1e-2) if kind == "fused" else OffloadAdam(params, lr=1e-2, bucket_size=8)
+    target.load_state_dict(sd)
+    assert torch.equal(target.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+    assert 1 not in target.state_dict()["state"]
+    if kind == "offload":
+        target.close()

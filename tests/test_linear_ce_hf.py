@@ -353,12 +353,12 @@ def test_an_output_layer_replaced_after_fusing_is_named():
         def forward(self, h):
             return self.base_layer(h) + self.b(self.a(h))
 
-    for wrap in (lambda head: torch.nn.Linear(64, 512, bias=False), LoraLike):   # a copy (modules_to_save), LoRA
-        model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
-        model.lm_head = wrap(model.lm_head)
-        # (it suggested fusing after wrapping, where the TypeError below suggested fusing before: a loop)
-        with pytest.raises(RuntimeError, match="no longer the lm_head it fused .* supports a plain lm_head only"):
-            model(input_ids=x, labels=y)
+    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+    model.lm_head = LoraLike(model.lm_head)
+    # (it suggested fusing after wrapping, where the TypeError below suggested fusing before: a loop)
+    with pytest.raises(RuntimeError, match="no longer the lm_head it fused but a LoraLike .* supports a plain "
+                                           "lm_head only"):
+        model(input_ids=x, labels=y)
     wrapped = FAMILIES["llama"]()
     wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
     with pytest.raises(TypeError, match="output layer is a torch.nn.modules.container.Sequential, not a plain "
@@ -367,6 +367,31 @@ def test_an_output_layer_replaced_after_fusing_is_named():
     with pytest.raises(TypeError, match=r"got _Peft; _Peft wraps a model: fuse that one, "
                                         r"fuse_linear_cross_entropy\(model.get_base_model\(\)\)"):
         effmem.fuse_linear_cross_entropy(_Peft(FAMILIES["llama"]()))
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_plain_output_layer_put_in_after_fusing_is_followed(refuse):
+    """resize_token_embeddings gives an untied head a new nn.Linear: the fused loss refused it, blaming a
+    wrapper, and fusing again did nothing. The fusing moves to the new layer (at the next forward with labels,
+    or when fused again), the old one is left as it was, and the loss is the unfused model's."""
+    x, y = batch()
+    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+    old = model.lm_head
+    model.resize_token_embeddings(520, mean_resizing=False)
+    assert model.lm_head is not old and "forward" not in model.lm_head.__dict__
+    if refuse:
+        effmem.fuse_linear_cross_entropy(model, grad_in_forward=False)
+        assert "forward" not in old.__dict__ and "forward" in model.lm_head.__dict__
+    out = model(input_ids=x, labels=y)
+    assert out.logits is None and "forward" not in old.__dict__ and not old.__dict__.get("_effmem_pass")
+    out.loss.backward()
+    plain = copy.deepcopy(effmem.unfuse_linear_cross_entropy(model))
+    assert not any("_effmem" in k or k == "forward" for k in plain.lm_head.__dict__)
+    plain.zero_grad()
+    ref = plain(input_ids=x, labels=y)
+    ref.loss.backward()
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-6)
+    assert torch.allclose(model.lm_head.weight.grad, plain.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
 
 
 class _Peft(torch.nn.Module):

@@ -97,7 +97,10 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     the weight gradient is summed)."""
     check_grad_in_forward(grad_in_forward)   # at fusing, not at the first loss
     name = type(model).__name__
-    if getattr(model, "_effmem_fused_forward", None) is not None:
+    fused = getattr(model, "_effmem_fused_forward", None)
+    if fused is not None:   # fused already: the choice given now, and the output layer the model has now
+        fused.follow()
+        fused.loss.grad_in_forward = grad_in_forward
         return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not knows(model):
@@ -107,22 +110,43 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use "
                         "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss")
+    _check_head(head, name)
+    # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
+    # of the model then runs itself (not the original), and the model pickles.
+    # what fusing replaces, as instance attributes (None: the class's), for unfuse to put back
+    model._effmem_forward_before = model.__dict__.get("forward")
+    model._effmem_loss_before = model.__dict__.get("_loss_function")
+    _patch_head(head)
+    model.loss_function = loss = _FusedLoss(head, model.loss_function, grad_in_forward)
+    model.forward = model._effmem_fused_forward = _FusedForward(model, model.forward, head, loss)
+    return model
+
+
+def _check_head(head, name: str) -> None:
     if type(head) is not nn.Linear:
         raise TypeError(f"model: {name}'s output layer is a {type(head).__module__}.{type(head).__name__}, not a "
                         "plain torch.nn.Linear (wrapped to be trained, e.g. by PEFT's modules_to_save or a LoRA "
                         "on lm_head), whose weight alone would miss what the wrapper adds; fusing supports a "
                         "plain lm_head only: use effmem.linear_cross_entropy(hidden, weight, labels) in your own "
                         "loss")
-    # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
-    # of the model then runs itself (not the original), and the model pickles.
-    # what fusing replaces, as instance attributes (None: the class's), for unfuse to put back
-    head._effmem_forward_before = head.__dict__.get("forward")
-    model._effmem_forward_before = model.__dict__.get("forward")
-    model._effmem_loss_before = model.__dict__.get("_loss_function")
+
+
+def _patch_head(head: nn.Module) -> None:
+    head._effmem_forward_before = head.__dict__.get("forward")   # None: the class's
     head.forward = functools.partial(_head_forward, head, head.forward)
-    model.loss_function = _FusedLoss(head, model.loss_function, grad_in_forward)
-    model.forward = model._effmem_fused_forward = _FusedForward(model, model.forward, head)
-    return model
+
+
+def _unpatch_head(head: nn.Module) -> None:
+    """The head's own forward again, unless a wrapper was put on it since (it calls ours, which then passes
+    nothing through: _effmem_pass is never set on a head no longer fused)."""
+    head.__dict__.pop("_effmem_pass", None)
+    kept = head.__dict__.pop("_effmem_forward_before", None)
+    now = head.__dict__.get("forward")
+    if isinstance(now, functools.partial) and now.func is _head_forward:
+        if kept is None:
+            head.__dict__.pop("forward", None)
+        else:
+            head.__dict__["forward"] = kept
 
 
 class _FusedForward:
@@ -132,8 +156,8 @@ class _FusedForward:
     the forward names, and generate() builds attention masks and position ids, and asks for the last
     position's logits only, for a forward that names them (a bare (*args, **kwargs) lost all of that)."""
 
-    def __init__(self, model: nn.Module, original, head: nn.Module):
-        self.model, self.original, self.head = model, original, head
+    def __init__(self, model: nn.Module, original, head: nn.Module, loss: _FusedLoss):
+        self.model, self.original, self.head, self.loss = model, original, head, loss
         # set by unfuse when a wrapper put on model.forward after fusing calls this one: the model's own
         # forward from then on, the wrapper kept
         self.inert = False
@@ -148,6 +172,23 @@ class _FusedForward:
                                               for p in params[:self.labels_at + 1]):
             self.labels_at = None
 
+    def follow(self) -> None:
+        """The model's output layer now: replaced by another plain nn.Linear since fusing (resize_token_embeddings
+        makes a new one for an untied head), the fusing moves to it; wrapped, refused."""
+        head = self.model.get_output_embeddings()
+        if head is self.head:
+            return
+        if type(head) is not nn.Linear:
+            raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
+                               f"fused but a {type(head).__name__} (wrapped since, e.g. by PEFT's modules_to_save "
+                               "or a LoRA on lm_head), so the loss would get logits (or hidden states plus a "
+                               "LoRA's logits) instead of hidden states. Fusing supports a plain lm_head only (a "
+                               "LoRA elsewhere is fine): unfuse_linear_cross_entropy(model), or train lm_head's "
+                               "weight itself (requires_grad) rather than through a wrapper")
+        _unpatch_head(self.head)
+        _patch_head(head)
+        self.head = self.loss.head = head
+
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.original)
@@ -161,13 +202,8 @@ class _FusedForward:
             if len(named) < len(args) - self.labels_at or named.keys() & kwargs.keys():
                 return self.original(*args, **kwargs)   # more positionals than names, or a clash: its own error
             args, kwargs = args[:self.labels_at], {**kwargs, **named}
-        if kwargs.get("labels") is not None and self.model.get_output_embeddings() is not self.head:
-            raise RuntimeError("fuse_linear_cross_entropy: the model's output layer is no longer the lm_head it "
-                               "fused (replaced or wrapped since, e.g. by PEFT's modules_to_save or a LoRA on "
-                               "lm_head), so the loss would get logits (or hidden states plus a LoRA's logits) "
-                               "instead of hidden states. Fusing supports a plain lm_head only (a LoRA elsewhere "
-                               "is fine): unfuse_linear_cross_entropy(model), or train lm_head's weight itself "
-                               "(requires_grad) rather than through a wrapper")
+        if kwargs.get("labels") is not None:
+            self.follow()
         if kwargs.get("labels") is None and self.model.training and torch.is_grad_enabled() and not self.warned:
             self.warned = True
             warnings.warn("fuse_linear_cross_entropy: a training forward without labels= makes the full logits "
@@ -209,12 +245,9 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     if getattr(model, "_effmem_fused_forward", None) is None:
         return model
     fused = model.__dict__.pop("_effmem_fused_forward")
-    head = fused.head
-    head.__dict__.pop("_effmem_pass", None)
-    ours = {"forward": lambda f: f is fused or (isinstance(f, functools.partial) and f.func is _head_forward),
-            "_loss_function": lambda f: isinstance(f, _FusedLoss)}
-    for module, attr, before in ((head, "forward", "_effmem_forward_before"),
-                                 (model, "forward", "_effmem_forward_before"),
+    _unpatch_head(fused.head)
+    ours = {"forward": lambda f: f is fused, "_loss_function": lambda f: isinstance(f, _FusedLoss)}
+    for module, attr, before in ((model, "forward", "_effmem_forward_before"),
                                  (model, "_loss_function", "_effmem_loss_before")):
         kept = module.__dict__.pop(before, None)
         if not ours[attr](module.__dict__.get(attr)):

@@ -43,14 +43,16 @@ checkpointing (effmem.activations.cache); the model's config is not
 changed, and inference and generate() keep their cache.
 """
 import functools
+import itertools
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from effmem.activations import paths
-from effmem.activations.cache import no_training_cache, refuse_cache, restore_training_cache
-from effmem.activations.checkpoint import checkpoint_layer, compressed_checkpoint, restore_layer
+from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
+                                      restore_training_cache)
+from effmem.activations.checkpoint import SEEDS, checkpoint_layer, compressed_checkpoint, restore_layer
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
@@ -105,10 +107,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                              "than once); a policy wraps each layer once, so it cannot apply to this stack")
         first_name[id(layer)] = name
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):   # transformers' flag
-        raise ValueError("model: transformers' gradient checkpointing is on (gradient_checkpointing_enable()); "
-                         "under a policy each layer would run again besides, and \"fast\" would keep its saves "
-                         "all the same. Call model.gradient_checkpointing_disable() first ('checkpoint' is the "
-                         "policy that checkpoints)")
+        raise ValueError(f"model: {HF_CHECKPOINTING}")
     for name, layer in named:
         if "forward" in layer.__dict__:
             raise ValueError(f"{type(layer).__name__} ({name}): its forward is already replaced (by "
@@ -129,25 +128,29 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         if policy == "budget":
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
+        seeds = itertools.count()   # the rounding seeds of the layers the budget makes "min" (next_seed)
         for i, (name, layer) in enumerate(named):
             # on the layers too: found from a model that wraps this one or that it was unwrapped into (_record)
             layer.__dict__[_FAST], layer.__dict__[_BUDGET] = comp, budget
+            if budget is not None:
+                layer.__dict__[SEEDS] = seeds
             layer._effmem_patched = paths.patch(layer)
             if budget is None:
-                layer.forward = functools.partial(_fast_layer_forward, layer.forward, comp, name, i == 0,
+                layer.forward = functools.partial(_fast_layer_forward, layer, layer.forward, comp, name, i == 0,
                                                   param_shapes(layer))
             else:
                 layer.forward = functools.partial(_budget_layer_forward, layer, layer.forward, budget, i,
                                                   name, param_shapes(layer))
             layer._effmem_policy = policy
         return model
+    seeds = itertools.count()   # "min": the rounding seeds of this model's layers (next_seed)
     for layer in layers:
         if policy == "min":
             # "fast" inside the recomputed layer where it pays: the fused norms and MLP product recompute
             # the same forward with fewer passes and run their one-pass backwards (activations.fused)
             layer._effmem_patched = paths.patch(layer)
         checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size,
-                         selective=policy == "selective")
+                         selective=policy == "selective", seeds=seeds)
     return model
 
 
@@ -162,10 +165,11 @@ def _layer_inputs(args, kwargs):
     return hidden, list(_tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden})))
 
 
-def _fast_layer_forward(original, comp: FastCompressor, name: str, first: bool, shapes, *args, **kwargs):
+def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first: bool, shapes, *args, **kwargs):
     """A layer's forward with its saves routed through the "fast" policy's compressor."""
     if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
         return original(*args, **kwargs)
+    refuse_hf_checkpointing(layer)
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
         # with the hooks around it (see _compiled_layer).
@@ -192,6 +196,7 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
     """A layer under memory_budget: plain, "fast", "offload" or "min", as chosen for the current input shape."""
     if not torch.is_grad_enabled() or not isinstance(_hidden(args, kwargs), Tensor):
         return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
+    refuse_hf_checkpointing(layer)
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)
     return _run_budget_layer(False, layer, original, budget, index, name, shapes, *args, **kwargs)

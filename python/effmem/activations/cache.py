@@ -61,6 +61,21 @@ def refuse_cache(layer: nn.Module, args, kwargs) -> None:
                         "past_key_values when training (use_cache=False is passed for you), or use 'fast'")
 
 
+HF_CHECKPOINTING = ("transformers' gradient checkpointing is on (gradient_checkpointing_enable() or "
+                    "activation_checkpointing_enable(), or Trainer's gradient_checkpointing=True); under a policy "
+                    "each layer would run again besides, and \"fast\" would keep its saves all the same. Turn it "
+                    "off (model.gradient_checkpointing_disable(), TrainingArguments(gradient_checkpointing=False)): "
+                    "'checkpoint' is the policy that checkpoints")
+
+
+def refuse_hf_checkpointing(layer: nn.Module) -> None:
+    """transformers' gradient checkpointing turned on after the policy was applied (Trainer does so in train()):
+    refused at the layer's first training forward, as apply_activation_policy refuses it before. Its layers
+    (GradientCheckpointingLayer) carry the flag that gradient_checkpointing_enable() sets."""
+    if layer.training and getattr(layer, "gradient_checkpointing", False) is True:
+        raise ValueError(f"{type(layer).__name__}: {HF_CHECKPOINTING}")
+
+
 def _has_hook(m: nn.Module) -> bool:
     return any(isinstance(h, _NoCache) for h in m._forward_pre_hooks.values())
 

@@ -22,17 +22,18 @@ accumulated into existing ones.
 """
 import contextlib
 import functools
+import itertools
 import re
 import weakref
 from contextlib import nullcontext
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from effmem.activations.cache import refuse_cache
+from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.selective import context as selective_context
 from effmem.compress import _codec
@@ -216,6 +217,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
+    refuse_hf_checkpointing(layer)
     by_name = not args
     if by_name:
         if "hidden_states" not in kwargs:
@@ -257,7 +259,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     if buffers:   # kept around the recompute and its backward (a BatchNorm's statistics)
         run.keep = functools.partial(buffers_kept, buffers)
     bits = None if routes_tokens(layer) else bits
-    outs = _CompressedCheckpoint.apply(run, x, bits, group_size, _seed(None), len(grad_at),
+    outs = _CompressedCheckpoint.apply(run, x, bits, group_size, next_seed(layer), len(grad_at),
                                        *[leaves[i] for i in grad_at], *params)
     if "spec" not in tail:
         return outs[0]
@@ -287,6 +289,7 @@ def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kw
     else:
         if torch.is_grad_enabled():
             refuse_cache(layer, args, kwargs)
+            refuse_hf_checkpointing(layer)
         context = {"context_fn": functools.partial(_eager_contexts, layer, selective)}
     return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
 
@@ -357,14 +360,28 @@ def _compiled_layer_forward(layer: nn.Module, original, bits: int, group_size: i
     return _layer_forward(layer, compiled_forward(original, selective=False), bits, group_size, *args, **kwargs)
 
 
+SEEDS = "_effmem_seeds"
+
+
+def next_seed(layer: nn.Module) -> int:
+    """The seed of a compressed layer input's stochastic rounding: from a counter of the policy's application,
+    shared by its layers (SEEDS), so that a run repeats in one process as it does in a new one (the package's
+    counter of compress.functions ran on from model to model); elsewhere that counter's next."""
+    seeds = layer.__dict__.get(SEEDS)
+    return _seed(None) if seeds is None else next(seeds)
+
+
 def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int = 128,
-                     selective: bool = False) -> None:
+                     selective: bool = False, seeds: Optional[Iterator[int]] = None) -> None:
     """Checkpoint `layer` (in place; undo with restore_layer): its input kept in `bits`-bit codes, or
     as it is (torch.utils.checkpoint, non-reentrant) for bits=None; selective=True (bits=None) also keeps
-    its matmul and attention outputs (activations.selective)."""
+    its matmul and attention outputs (activations.selective). seeds: the codes' rounding seeds (next_seed),
+    shared by the layers of one model; None: a counter of this layer's own."""
     if "forward" in layer.__dict__:
         raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation policy "
                          "or checkpointing); remove that first")
+    if bits is not None:
+        layer.__dict__[SEEDS] = itertools.count() if seeds is None else seeds
     if bits is None:
         layer.forward = functools.partial(_torch_checkpointed, layer, layer.forward, selective)
         layer._effmem_policy = "selective" if selective else "checkpoint"
@@ -374,6 +391,7 @@ def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int 
 
 
 def restore_layer(layer: nn.Module) -> None:
+    layer.__dict__.pop(SEEDS, None)
     if getattr(layer, "_effmem_policy", None) is not None:
         del layer.forward
         del layer._effmem_policy

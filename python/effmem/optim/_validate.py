@@ -235,6 +235,8 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
         for saved_id, p in zip(group["params"], mine["params"]):
             saved = saved_state.get(saved_id)
             step = 0.0
+            if isinstance(saved, dict) and not saved:
+                saved = None   # an empty entry, left by a read of opt.state[p] (a defaultdict): no state, as torch
             if saved is not None:
                 where = f"state_dict['state'][{saved_id!r}]"
                 if not isinstance(saved, dict):

@@ -263,7 +263,9 @@ class FusedAdam(AdamBase):
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim's layout plus ``master`` per bf16/fp16 parameter; under FSDP2, 8-bit block scales as
         DTensors (_adam8.scales_for_checkpoint), so that torch.distributed.checkpoint keeps every rank's."""
-        return _adam8.sharded_scales_out(super().state_dict(), [p for g in self.param_groups for p in g["params"]])
+        sd = super().state_dict()
+        sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
+        return _adam8.sharded_scales_out(sd, [p for g in self.param_groups for p in g["params"]])
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict from FusedAdam (or torch.optim.Adam/AdamW).
