@@ -6,7 +6,8 @@ the checks run inside the ranks (tests/distributed_worker.py). "fsdp2_async": as
 trains exactly as plain OffloadAdam (its weights installed before FSDP all-gathers them). "plan": effmem.plan's
 DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2) picks, applied by plan.apply on each rank, train as one
 process does on both ranks' batches. "fsdp2_clip": FusedAdam's and effmem's clips over sharded gradients.
-"dcp": a resume through torch.distributed.checkpoint of FusedAdam and OffloadAdam, bit for bit.
+"dcp": a resume through torch.distributed.checkpoint of FusedAdam and OffloadAdam, bit for bit. "fsdp2_load":
+loads on shards of one row or none and across moment formats. "ddp_late": OffloadAdam built before the ranks.
 """
 import os
 import subprocess
@@ -20,7 +21,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2_async", "plan", "fsdp2_clip", "dcp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2_async", "plan", "fsdp2_clip", "dcp", "fsdp2_load",
+                                  "ddp_late"])
 def test_two_ranks(mode, tmp_path):
     store = tmp_path / "store"
     # gloo connects the ranks over the loopback interface: on a machine without a network the

@@ -6,7 +6,6 @@ import torch
 
 from effmem.optim import _adam8, _validate
 
-_local = _validate.local_tensor
 
 
 class OffloadCheckpoint:
@@ -43,7 +42,7 @@ class OffloadCheckpoint:
     @torch.no_grad()
     def _load_checked(self, state_dict: Dict[str, Any]) -> None:
         self._check_open()
-        plan = _validate.checkpoint(self, state_dict, "OffloadAdam", local=True)  # all checked, nothing changed
+        plan = _validate.checkpoint(self, state_dict, "OffloadAdam")  # all checked, nothing changed
         # delay and async_step: an update not installed yet belongs to the run being replaced; installing it
         # would write over weights the caller may have loaded already (model first, then the optimizer)
         self._engine.discard_pending()
@@ -58,7 +57,6 @@ class OffloadCheckpoint:
                 self._steps[i] = 0.0
                 self._masters_pending.add(i)
             else:
-                saved = {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
                 saved = _adam8.convert(saved, moments[0], self.state_bits, step, i + self._first)
                 keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if self.state_bits == 8
                                                     else ())

@@ -141,11 +141,32 @@ def take_reduced(opt, params: List[Tensor], grads: List[Tensor]) -> None:
         opt._streamed.add(i)
 
 
+def _multi_rank() -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+def keep_streaming(opt) -> bool:
+    """At each backward's first hooked gradient. stream_grads left to its default by an optimizer built before
+    init_process_group, with several ranks now: its hooks would take each rank's local gradient before DDP's
+    all-reduce (the replicas drifted apart, silently). They are removed, this backward's gradients and the
+    next ones taken from p.grad at step(), and it warns once."""
+    if opt._stream_asked is not None or not _multi_rank():
+        return True
+    for h in opt._hooks:
+        h.remove()
+    opt._hooks, opt._stream_grads = [], False
+    warnings.warn("OffloadAdam: built before torch.distributed.init_process_group, it streamed gradients off in "
+                  "backward; with several ranks now (DDP all-reduces after its hooks) it takes them at step() "
+                  "instead. Build it after init_process_group, or pass stream_grads=False, to say so.",
+                  stacklevel=3)
+    return False
+
+
 def stream_grads_choice(stream_grads) -> bool:
     """OffloadAdam's stream_grads: by default on, except with several ranks (DDP reads p.grad after the
-    hooks would have taken it); asked for with several ranks, it warns."""
-    multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
-                  and torch.distributed.get_world_size() > 1)
+    hooks would have taken it); asked for with several ranks, it warns. (keep_streaming: the ranks came later.)"""
+    multi_rank = _multi_rank()
     if stream_grads is None:
         return not multi_rank
     if stream_grads and multi_rank:

@@ -5,6 +5,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from effmem.optim._offload_distributed import keep_streaming
+
 
 class GradHook:
     """Post-accumulate-grad hook: hands the gradient to the engine. Holds the optimizer weakly,
@@ -22,6 +24,8 @@ class GradHook:
             return
         if opt._accumulating and opt._index[p] in opt._keep_on_device:
             return  # device_accumulation: autograd sums this gradient in p.grad until the last micro-batch
+        if not opt._in_backward and not keep_streaming(opt):
+            return  # ranks came after the optimizer: gradients stay in p.grad for step()
         opt._begin_backward()
         opt._hand_off(p)
 

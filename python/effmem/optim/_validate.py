@@ -165,8 +165,9 @@ def step_value(step: Any, where: str) -> float:
     return value
 
 
-def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, view,
-                  codes: bool = False) -> None:
+def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, codes: bool = False,
+                  sharded: bool = False) -> None:
+    """saved[key] checked, and made this rank's shard (saved: the caller's copy)."""
     if key not in saved:
         if required:
             raise ValueError(f"{where}: missing {key!r} (an Adam checkpoint holds 'step', 'exp_avg' and "
@@ -178,9 +179,11 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
         want = "a uint8 tensor of 8-bit codes (the checkpoint has block scales)" if codes else \
             "a floating-point tensor"
         raise TypeError(f"{where}[{key!r}]: expected {want}, got {got}")
-    if tuple(view(t).shape) != tuple(shape):
-        raise ValueError(f"{where}[{key!r}]: expected shape {tuple(shape)} (the parameter's), got "
-                         f"{tuple(view(t).shape)}")
+    t = saved[key] = local_tensor(t)
+    if tuple(t.shape) != tuple(shape):
+        whose = ("this rank's shard of the parameter (FSDP2): a checkpoint of whole tensors loads through "
+                 "torch.distributed.checkpoint's set_optimizer_state_dict") if sharded else "the parameter's"
+        raise ValueError(f"{where}[{key!r}]: expected shape {tuple(shape)} ({whose}), got {tuple(t.shape)}")
 
 
 def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
@@ -199,10 +202,10 @@ def state_bits(bits) -> int:
     return bits
 
 
-def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, local: bool = False):
+def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
     """Checks a whole checkpoint before anything of it is loaded, so that a refused one changes
-    nothing. Returns [(param, saved state or None, step)] in the optimizer's parameter order.
-    local: compare this rank's shards (OffloadAdam) rather than whole tensors."""
+    nothing. Returns [(param, saved state or None, step)] in the optimizer's parameter order, the saved
+    tensors this rank's shards (a DTensor's local tensor, as a parameter's: both optimizers load those)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError(f"state_dict: expected a dict with 'state' and 'param_groups' (from "
                          f"optimizer.state_dict()), got {type(state_dict).__name__}"
@@ -229,7 +232,6 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
             hyperparameters(merged)
         except (TypeError, ValueError) as err:
             raise type(err)(f"state_dict: param_groups[{gi}]: {err}") from None
-    view = local_tensor if local else (lambda t: t)
     plan = []
     for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
         for saved_id, p in zip(group["params"], mine["params"]):
@@ -241,15 +243,15 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, loc
                 where = f"state_dict['state'][{saved_id!r}]"
                 if not isinstance(saved, dict):
                     raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
-                shape = view(p).shape
+                shape = local_tensor(p).shape
                 eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
                 saved = dict(saved)   # scales and masters are taken out or narrowed below: not in the caller's
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _state_tensor(saved, key, where, shape, True, view, codes=eight)
+                    _state_tensor(saved, key, where, shape, True, codes=eight, sharded=is_dtensor(p))
                     if eight:   # the blocks of this rank's shard (FSDP2)
                         _scales(saved, key + "_scale", where, local_tensor(p).numel())
                 if p.dtype != torch.float32:
-                    _state_tensor(saved, "master", where, shape, False, view)
+                    _state_tensor(saved, "master", where, shape, False, sharded=is_dtensor(p))
                     if "master" in saved and saved["master"].dtype != torch.float32:
                         # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype,
                         # and do not update it: it is not a master any more, the parameter is

@@ -1,4 +1,5 @@
 """FusedAdam: Adam/AdamW with fp32 master weights in one fused kernel."""
+import functools
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -293,16 +294,19 @@ class FusedAdam(AdamBase):
 def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: int = 32,
                    salt: int = 0) -> Dict[str, Tensor]:
     """A checkpoint's state for p, exactly as saved, in the format of state_bits: 8-bit moments are
-    decoded for a float32 optimizer, float32 ones encoded for an 8-bit optimizer (effmem.optim._adam8)."""
-    def f32(t: Tensor) -> Tensor:
-        out = torch.empty_like(p, dtype=torch.float32)
-        return out.copy_(t)
+    decoded for a float32 optimizer, float32 ones encoded for an 8-bit optimizer (effmem.optim._adam8).
+    saved: this rank's shards (_validate.checkpoint); under FSDP2 the state are DTensors laid out as p."""
+    def like_p(t: Tensor, dtype: torch.dtype) -> Tensor:
+        out = torch.empty_like(p, dtype=dtype)
+        _local(out).copy_(t)
+        return out
 
     saved = _adam8.convert(saved, _local(p), state_bits, step, salt)
     state = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    f32 = functools.partial(like_p, dtype=torch.float32)
     if state_bits == 8:
         for key, scale in _adam8.SCALE_KEYS.items():
-            state[key] = torch.empty_like(p, dtype=torch.uint8).copy_(saved[key])
+            state[key] = like_p(saved[key], torch.uint8)
             state[scale] = saved[scale].to(device=p.device, dtype=torch.float32).clone()
     else:
         state["exp_avg"], state["exp_avg_sq"] = f32(saved["exp_avg"]), f32(saved["exp_avg_sq"])

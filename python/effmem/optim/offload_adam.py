@@ -249,6 +249,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._plain_backwards, self._warned_mixed = 0, False   # delay: backwards since step() outside accumulating()
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
+        self._stream_asked = stream_grads
         self._stream_grads = _dist.stream_grads_choice(stream_grads)
         self._pid = os.getpid()   # the process whose engine threads these are (a fork has none)
         self._build()
