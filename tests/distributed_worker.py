@@ -5,7 +5,8 @@
 MODE is "ddp", "fsdp2", "fsdp2_async" (OffloadAdam(async_step=True) under FSDP2), "plan" (effmem.plan's
 sharded picks applied), "fsdp2_clip" (FusedAdam's and effmem's clips over sharded gradients) or "dcp"
 (a resume through torch.distributed.checkpoint), "fsdp2_load" (loads on shards of one row or none, across
-moment formats) or "ddp_late" (OffloadAdam built before init_process_group). CPU tensors, gloo backend. Each rank checks its
+moment formats), "fsdp2_fused_ce" (fuse_linear_cross_entropy with an FSDP2 lm_head), "zero_offload"
+(ZeroRedundancyOptimizer over OffloadAdam, resumed) or "ddp_late" (OffloadAdam built before init_process_group). CPU tensors, gloo backend. Each rank checks its
 own results and exits non-zero (with the assertion on stderr) on a mismatch.
 """
 import copy
@@ -358,6 +359,66 @@ def run_fsdp2_load(rank):
             into.close()
 
 
+def run_fsdp2_fused_ce(rank):
+    """fuse_linear_cross_entropy with lm_head an FSDP2 unit of its own: resharded after its forward, the loss
+    got its DTensor weight ("mixed torch.Tensor and DTensor"); refused by name. Not resharded, it trains."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import effmem
+
+    mesh = init_device_mesh("cpu", (2,))
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model = effmem.fuse_linear_cross_entropy(LlamaForCausalLM(LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=64)))
+        fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+        try:
+            model(input_ids=x, labels=x).loss.backward()
+            assert not reshard, "the sharded weight was taken"
+            assert model.lm_head.weight.grad is not None
+        except RuntimeError as err:
+            assert reshard and "FSDP2 unit of its own" in str(err), err
+
+
+def run_zero_offload(rank):
+    """ZeroRedundancyOptimizer(optimizer_class=OffloadAdam) resumed: its load_state_dict assigns the inner
+    optimizer's opt.state entries, which OffloadAdam refused at the next step; now loaded, and the resumed run
+    is the uninterrupted one bit for bit."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make(model):
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OffloadAdam, lr=LR)
+
+    base = tiny_gpt(torch.float32)
+    whole, resumed = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    opt, first = make(whole), make(resumed)
+    for step in range(4):
+        for model, o in ((whole, opt), (resumed, first)) if step < 2 else ((whole, opt),):
+            model(*batch(rank, step))[1].backward()
+            o.step()
+            o.zero_grad()
+        if step == 1:
+            first.consolidate_state_dict(to=0)
+            saved = [first.state_dict() if rank == 0 else None]
+            dist.broadcast_object_list(saved, src=0)
+            first.optim.close()
+            second = make(resumed)
+            second.load_state_dict(saved[0])
+    for step in (2, 3):
+        resumed(*batch(rank, step))[1].backward()
+        second.step()
+        second.zero_grad()
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    opt.optim.close()
+    second.optim.close()
+
+
 def run_ddp_late(rank, init):
     """OffloadAdam built before init_process_group, then DDP: it streamed gradients off in backward (one process
     at construction), before DDP's all-reduce, and the replicas drifted apart without a word. It now takes them
@@ -401,7 +462,8 @@ def main():
     try:
         if mode != "ddp_late":
             {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan,
-             "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": run_fsdp2_load}[mode](rank)
+             "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": run_fsdp2_load,
+             "fsdp2_fused_ce": run_fsdp2_fused_ce, "zero_offload": run_zero_offload}[mode](rank)
         # FSDP2's modules and states form reference cycles: collected now, while the process group lives,
         # not at interpreter exit, where gloo work they still hold can abort the process (torch PR 179291).
         gc.collect()

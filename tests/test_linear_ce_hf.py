@@ -367,6 +367,16 @@ def test_an_output_layer_replaced_after_fusing_is_named():
     with pytest.raises(TypeError, match=r"got _Peft; _Peft wraps a model: fuse that one, "
                                         r"fuse_linear_cross_entropy\(model.get_base_model\(\)\)"):
         effmem.fuse_linear_cross_entropy(_Peft(FAMILIES["llama"]()))
+    # DDP's wrapper, and the class fully_shard makes (FSDPLlamaForCausalLM): named, with the way out
+    ddp_like = type("DistributedDataParallel", (torch.nn.Module,), {})()
+    ddp_like.module = FAMILIES["llama"]()
+    with pytest.raises(TypeError, match=r"got DistributedDataParallel; .* \(fuse_linear_cross_entropy\(model.module"):
+        effmem.fuse_linear_cross_entropy(ddp_like)
+    sharded = FAMILIES["llama"]()
+    sharded.__class__ = type("FSDPLlamaForCausalLM", (type(sharded),), {})
+    with pytest.raises(TypeError, match="FSDPLlamaForCausalLM is a LlamaForCausalLM made another class since "
+                                        r"\(fully_shard\): fuse before sharding"):
+        effmem.fuse_linear_cross_entropy(sharded)
 
 
 @pytest.mark.parametrize("refuse", [False, True])

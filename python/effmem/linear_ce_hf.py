@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from effmem.linear_ce import check_grad_in_forward, linear_cross_entropy
+from effmem.optim._validate import is_dtensor
 
 # Families whose forward feeds lm_head's output straight into loss_function (no logit
 # soft-capping or scaling in between, which the passed-through hidden states would get), each
@@ -73,6 +74,12 @@ class _FusedLoss:
             return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         hidden = logits
+        if is_dtensor(self.head.weight):
+            raise RuntimeError("fuse_linear_cross_entropy: lm_head's weight is sharded (a DTensor) when the loss "
+                               "reads it: lm_head is an FSDP2 unit of its own (fully_shard(model.lm_head)), which "
+                               "reshards it after its forward, before the fused loss runs. Leave lm_head to the "
+                               "model's own fully_shard(model), or fully_shard(model.lm_head, "
+                               "reshard_after_forward=False)")
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.head.weight,
@@ -105,8 +112,15 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not knows(model):
         inside = getattr(model, "get_base_model", None)   # PEFT's PeftModel: the model it wraps
-        hint = (f"; {name} wraps a model: fuse that one, fuse_linear_cross_entropy(model.get_base_model())"
-                if callable(inside) else "")
+        known = [c.__name__ for c in type(model).__mro__[1:] if c.__name__ in SUPPORTED]
+        if callable(inside):
+            hint = f"; {name} wraps a model: fuse that one, fuse_linear_cross_entropy(model.get_base_model())"
+        elif isinstance(getattr(model, "module", None), nn.Module):   # DDP and other wrappers
+            hint = f"; {name} wraps a model: fuse that one (fuse_linear_cross_entropy(model.module)), or fuse first"
+        elif known:   # FSDP2's fully_shard makes the model's class a subclass (FSDPLlamaForCausalLM)
+            hint = f"; {name} is a {known[0]} made another class since (fully_shard): fuse before sharding"
+        else:
+            hint = ""
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use "
                         "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) in your own loss")

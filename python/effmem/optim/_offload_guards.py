@@ -135,21 +135,32 @@ class OffloadGuards:
 
     def _check_state(self) -> None:
         """opt.state's tensors are views of the engine's host memory (FusedAdam's inner state for
-        device_state's parameters). An entry assigned, replaced, deleted or cleared would not reach the
-        engine: the next step would go on from the state the caller meant to change, silently. Refuse."""
+        device_state's parameters). An entry assigned, replaced, deleted or cleared does not reach the engine
+        by itself (the next step went on from the old state, silently): loaded into it here, at the next
+        backward, step() or state_dict(), as torch's optimizers go on from what opt.state holds."""
         seen = self._state_seen
         changed = [p for p, (e, items) in seen.items()
                    if self.state.get(p) is not e or len(e) != len(items)
                    or any(e.get(k) is not v for k, v in items)]
         changed += [p for p, e in self.state.items() if e and p not in seen]
         if changed:
-            i = next(k for k, q in enumerate(self._all_params) if q is changed[0])
-            raise RuntimeError(
-                f"OffloadAdam: opt.state was changed by assignment, del or clear() ({len(changed)} parameter(s), "
-                f"the first is parameter {i}). Its tensors are views of the optimizer's host memory, which an "
-                "assignment does not reach: the change would be ignored. Change them in place "
-                "(opt.state[p]['exp_avg'].zero_()), load a state with opt.load_state_dict(...) (which also "
-                "clears this), or build a new OffloadAdam to start afresh.")
+            self._adopt_state(changed)
+
+    def _adopt_state(self, changed) -> None:
+        """opt.state as the caller left it, loaded as load_state_dict loads a checkpoint (checked whole first;
+        an entry deleted or cleared starts afresh, as in torch): ZeroRedundancyOptimizer's load_state_dict
+        assigns its entries so, and a reset by opt.state.clear() or an entry put in by hand take effect."""
+        self._engine.synchronize()   # updates in flight write the entries' memory: let them land first
+        index = {p: i for i, p in enumerate(self._all_params)}
+        entries = {index[p]: dict(e) for p, e in self.state.items() if e and p in index}
+        groups = [dict(g, params=[index[p] for p in g["params"]]) for g in self.param_groups]
+        try:
+            self._load_checked({"state": entries, "param_groups": groups})
+        except (TypeError, ValueError) as err:
+            i = index.get(changed[0], "?")
+            raise type(err)(f"OffloadAdam: opt.state was changed by assignment, del or clear() ({len(changed)} "
+                            f"parameter(s), the first is parameter {i}), and what it holds now cannot be "
+                            f"loaded into the optimizer's host memory: {err}") from None
 
     def _check_params(self) -> None:
         """The engine updates the memory each parameter had when the optimizer was built. A

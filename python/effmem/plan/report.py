@@ -111,7 +111,8 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
     if cfg.device_state:
         opt = opt[:-1] + f", device_state={cfg.device_state})"
     if cfg.sharding == "zero1":
-        opt = (f"torch.distributed.optim.ZeroRedundancyOptimizer({params}, "
+        out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
+        opt = (f"ZeroRedundancyOptimizer({params}, "
                "optimizer_class=effmem.FusedAdam, lr=3e-4" + (", state_bits=8)" if cfg.state_bits == 8 else ")"))
     out.append(f"opt = {opt}")
     if cfg.optimizer == "offload_async":
