@@ -75,6 +75,21 @@ def test_a_second_backward_through_the_graph(policy):
     assert all(torch.equal(2 * a, p.grad) for a, p in zip(first, m.parameters()))
 
 
+def test_selective_refuses_a_second_backward_by_name():
+    """torch's selective checkpointing serves each kept output once: a gradient penalty (create_graph) or a
+    second backward failed with torch's "Trying to backward an extra time", where the README claimed second
+    derivatives worked; now the error names the policy and what works."""
+    m = apply_activation_policy(tiny_llama(attn_implementation="eager"), "selective")
+    loss = m(input_ids=X, labels=X).loss
+    grads = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+    with pytest.raises(RuntimeError, match="'selective' policy: .*create_graph=True.*policy='checkpoint' or 'fast'"):
+        sum(g.square().sum() for g in grads).backward()
+    loss = m(input_ids=X, labels=X).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="'selective' policy: .*retain_graph=True"):
+        loss.backward()
+
+
 def test_forward_mode_ad_inside_compress_activations():
     """A tangent that is all zeros is an efficient ZeroTensor (no memory): the quantize op refused it ("x must be
     contiguous"); it is kept as it is."""

@@ -64,6 +64,23 @@ def test_the_isa_cap_is_a_name_it_knows(value, unit):
         assert proc.returncode == 0 and proc.stdout.strip() == unit, proc.stderr
 
 
+def test_a_cap_wider_than_the_cpu_runs_the_widest_it_has():
+    """EFFMEM_CPU_ISA=avx512 on a CPU without AVX-512 died of SIGILL at the first kernel (the AVX-512 table's
+    accessor ran before the CPU was asked); it is a cap, so the widest unit under it runs. set_cpu_isa refuses
+    a unit the CPU lacks by name."""
+    env = dict(os.environ, EFFMEM_CPU_ISA="avx512")
+    code = ("import torch, effmem, effmem._C as c\n"
+            "p = torch.nn.Parameter(torch.ones(64)); p.grad = torch.ones(64); effmem.FusedAdam([p]).step()\n"
+            "print(c.cpu_isa(), c.supported_cpu_isas())\n"
+            "try:\n    [c.set_cpu_isa(i) for i in ('avx512', 'avx2', 'scalar')]\n"
+            "except ValueError as e:\n    print('refused:', e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    unit, supported = proc.stdout.split()[:2]
+    assert unit == ("avx512" if "avx512" in supported.split(",") else "avx2")
+    assert ("refused: isa 'avx512' is not supported by this CPU" in proc.stdout) == (unit != "avx512")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--steps", "0"], "expected a number > 0"),
     (["demo", "--layers", "two"], "expected a whole number"),

@@ -148,3 +148,18 @@ def test_learned_positions_of_any_family_bound_the_sequence():
     llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=4, vocab_size=256, max_position_embeddings=64)
     assert effmem.plan(llama, batch=1, device="cpu").seq == 2048
+
+
+def test_the_closest_candidate_is_one_the_recipe_allows():
+    """Nothing fits: the closest named was an overlap-mode candidate, which the clipping the plan assumes rules
+    out whatever the memory; those come after the ones more memory would make the pick."""
+    p = effmem.plan("mixtral-8x7b", gpu_memory="44GB", host_memory="128GB",
+                    trainable=r"model\.layers\.[0-5]\.mlp\.experts\.#0:2,model\.layers\.[0-5]\.mlp\.gate\.")
+    assert p.best is None   # the frozen bf16 weights alone are 93 GB
+    overlap = [c for c in p.candidates if c.config.optimizer == "offload_overlap"]
+    assert overlap and all(c.ruled_out and "rules out clipping" in c.why for c in overlap)
+    first = p.candidates[0]
+    assert not first.fits and not first.ruled_out
+    assert min(c.short_bytes for c in overlap) <= first.short_bytes   # one was as close: named before
+    assert not effmem.plan("mixtral-8x7b", gpu_memory="44GB", host_memory="128GB", clipping=False).candidates[0] \
+        .ruled_out

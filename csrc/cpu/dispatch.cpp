@@ -23,6 +23,10 @@ bool cpu_has(const std::string& isa) {
   return false;
 }
 
+bool known(const std::string& isa) { return isa == "avx512" || isa == "avx2" || isa == "scalar"; }
+
+// Only for an isa this CPU has (cpu_has): a table's accessor is compiled with that isa's flags and may run its
+// instructions itself (EFFMEM_CPU_ISA=avx512 on an AVX2 CPU died of SIGILL here, before any check).
 const KernelTable* table_for(const std::string& isa) {
   if (isa == "avx512") return &kernels_avx512();
   if (isa == "avx2") return &kernels_avx2();
@@ -33,7 +37,7 @@ const KernelTable* table_for(const std::string& isa) {
 // Widest first; EFFMEM_CPU_ISA names the widest one allowed.
 const KernelTable* choose_default() {
   const char* env = std::getenv("EFFMEM_CPU_ISA");
-  bool allowed = env == nullptr || table_for(env) == nullptr;
+  bool allowed = env == nullptr || !known(env);
   for (const char* isa : {"avx512", "avx2", "scalar"}) {
     allowed = allowed || std::string(env) == isa;
     if (allowed && cpu_has(isa)) return table_for(isa);
@@ -65,11 +69,10 @@ std::string supported_isas() {
 }
 
 void set_isa(const std::string& name) {
-  const KernelTable* t = table_for(name);
-  TORCH_CHECK_VALUE(t != nullptr, "isa must be one of 'scalar', 'avx2', 'avx512', got '", name, "'");
+  TORCH_CHECK_VALUE(known(name), "isa must be one of 'scalar', 'avx2', 'avx512', got '", name, "'");
   TORCH_CHECK_VALUE(cpu_has(name), "isa '", name, "' is not supported by this CPU (supported: ",
                     supported_isas(), ")");
-  g_table.store(t, std::memory_order_release);
+  g_table.store(table_for(name), std::memory_order_release);
 }
 
 }  // namespace effmem::cpu

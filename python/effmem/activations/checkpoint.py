@@ -342,6 +342,13 @@ def _recompute(layer: nn.Module, flip, inner, selective: bool):
             with _out_of_place(flip, inner):
                 yield
         except RuntimeError as err:
+            if selective and "backward an extra time" in str(err):
+                raise RuntimeError(
+                    f"{type(layer).__name__} under effmem's 'selective' policy: torch's selective checkpointing "
+                    "keeps what it saves for one backward, so a second one through these layers "
+                    "(retain_graph=True) or differentiating their gradients again (create_graph=True: a "
+                    "gradient penalty, a Hessian-vector product) is refused. Use policy='checkpoint' or 'fast' "
+                    "for that") from err
             if selective and "has been mutated" in str(err):
                 raise RuntimeError(
                     f"{type(layer).__name__} under effmem's 'selective' policy changes the output of a matrix "

@@ -23,6 +23,7 @@ class Candidate:
     # bytes over the GPU budget plus bytes over the host's 90% (0 where it fits, or fails for another
     # reason): what orders the candidates that do not fit, and names the closest when nothing does
     short_bytes: int = 0
+    ruled_out: bool = False   # by the recipe whatever the memory (overlap mode under clipping)
 
     @property
     def name(self) -> str:
@@ -86,9 +87,11 @@ def judge(cands: List[Candidate], budget: float, gpu_mem: int, host_mem: int, he
         if host_over > 0:
             short.append(f"needs {c.cost.host_bytes / GB:.1f} GB of host memory, {host_over / GB:.1f} GB over 90% "
                          f"of {host_mem / GB:.1f} GB")
+        c.ruled_out = clipping and c.config.optimizer == "offload_overlap"
         if short:
-            c.why = "does not fit: " + "; and ".join(short)
-        elif clipping and c.config.optimizer == "offload_overlap":
+            c.why = "does not fit: " + "; and ".join(short) + (" (and overlap mode rules out clipping)"
+                                                               if c.ruled_out else "")
+        elif c.ruled_out:
             c.why = "overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
         elif c.step_time_s == float("inf"):
             c.why = "not possible here (no host link)"
@@ -100,6 +103,8 @@ def judge(cands: List[Candidate], budget: float, gpu_mem: int, host_mem: int, he
             c.why = _why_not(c, best)
     if best is not None:
         best.why = "the pick: fastest that fits"
+    # those that do not fit by the bytes they are short, those ruled out besides (the closest named is one that
+    # more memory would make the pick) last
     cands.sort(key=lambda c: (not c.fits, c is not best,
-                              c.step_time_s if c.fits else (c.short_bytes, c.cost.peak_bytes)))
+                              c.step_time_s if c.fits else (c.ruled_out, c.short_bytes, c.cost.peak_bytes)))
     return best
