@@ -3,11 +3,9 @@
     python distributed_worker.py MODE RANK WORLD_SIZE STORE_FILE
 
 MODE is "ddp", "fsdp2", "fsdp2_async" (OffloadAdam(async_step=True) under FSDP2), "plan" (effmem.plan's
-sharded picks applied), "fsdp2_clip" (FusedAdam's and effmem's clips over sharded gradients) or "dcp"
-(a resume through torch.distributed.checkpoint), "fsdp2_load" (loads on shards of one row or none, across
-moment formats), "fsdp2_fused_ce" (fuse_linear_cross_entropy with an FSDP2 lm_head), "zero_offload"
-(ZeroRedundancyOptimizer over OffloadAdam, resumed) or "ddp_late" (OffloadAdam built before init_process_group). CPU tensors, gloo backend. Each rank checks its
-own results and exits non-zero (with the assertion on stderr) on a mismatch.
+sharded picks applied), "fsdp2_clip" (FusedAdam's and effmem's clips over sharded gradients), "dcp" (a resume
+through torch.distributed.checkpoint), or one of tests/distributed_cases.py's. CPU tensors, gloo backend. Each
+rank checks its own results and exits non-zero (with the assertion on stderr) on a mismatch.
 """
 import copy
 import gc
@@ -308,146 +306,6 @@ def run_plan(rank):
             assert all(isinstance(p, DTensor) for p in inner.parameters()), sharding
 
 
-def run_fsdp2_load(rank):
-    """Loads under FSDP2 on shards of one row, or none (Linear(16, 3) over two ranks: 2 and 1 rows; a (1, 1, 16)
-    token: 1 and 0), and across moment formats: FusedAdam compared the whole shapes and converted the DTensors,
-    which failed on one rank only (the ranks then out of step) or in both directions across formats; a checkpoint
-    of whole tensors was refused by a DTensor error after its param groups had been loaded."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    def build():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(16, 3), nn.Linear(3, 16))
-        m.register_parameter("token", nn.Parameter(torch.randn(1, 1, 16)))
-        fully_shard(m, mesh=init_device_mesh("cpu", (2,)))
-        return m
-
-    makers = {(cls.__name__, bits): (lambda ps, cls=cls, bits=bits: cls(ps, lr=LR, state_bits=bits))
-              for cls in (FusedAdam, OffloadAdam) for bits in (32, 8)}
-    for (name, bits), make in makers.items():
-        m = build()
-        opt = make(m.parameters())
-        for step in range(2):
-            (m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))) + m.token).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        sd = copy.deepcopy(opt.state_dict())   # OffloadAdam's are its host memory, released by close()
-        if isinstance(opt, OffloadAdam):
-            opt.close()   # one OffloadAdam per parameter at a time
-        for (other, other_bits), make_other in makers.items():
-            into = make_other(m.parameters())
-            into.load_state_dict(sd)
-            got = into.state_dict()["state"]
-            for k, state in sd["state"].items():   # the same format: bit for bit; the other: the same values
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if bits == other_bits:
-                        assert torch.equal(got[k][key].to_local(), state[key].to_local()), (name, other, k, key)
-            if isinstance(into, OffloadAdam):
-                into.close()
-        whole = {"state": {k: {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in st.items()}
-                           for k, st in sd["state"].items()},
-                 "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
-        into = make(m.parameters())
-        try:
-            into.load_state_dict(whole)
-            raise AssertionError("a checkpoint of whole tensors loaded into shards")
-        except ValueError as err:
-            assert "this rank's shard" in str(err) or "block scales" in str(err), err
-        assert into.param_groups[0]["lr"] == LR and not into.state_dict()["state"], name   # nothing changed
-        if isinstance(into, OffloadAdam):
-            into.close()
-
-
-def run_fsdp2_fused_ce(rank):
-    """fuse_linear_cross_entropy with lm_head an FSDP2 unit of its own: resharded after its forward, the loss
-    got its DTensor weight ("mixed torch.Tensor and DTensor"); refused by name. Not resharded, it trains."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
-    import effmem
-
-    mesh = init_device_mesh("cpu", (2,))
-    for reshard in (True, False):
-        torch.manual_seed(0)
-        model = effmem.fuse_linear_cross_entropy(LlamaForCausalLM(LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            vocab_size=64)))
-        fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh)
-        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
-        try:
-            model(input_ids=x, labels=x).loss.backward()
-            assert not reshard, "the sharded weight was taken"
-            assert model.lm_head.weight.grad is not None
-        except RuntimeError as err:
-            assert reshard and "FSDP2 unit of its own" in str(err), err
-
-
-def run_zero_offload(rank):
-    """ZeroRedundancyOptimizer(optimizer_class=OffloadAdam) resumed: its load_state_dict assigns the inner
-    optimizer's opt.state entries, which OffloadAdam refused at the next step; now loaded, and the resumed run
-    is the uninterrupted one bit for bit."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    def make(model):
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OffloadAdam, lr=LR)
-
-    base = tiny_gpt(torch.float32)
-    whole, resumed = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
-    opt, first = make(whole), make(resumed)
-    for step in range(4):
-        for model, o in ((whole, opt), (resumed, first)) if step < 2 else ((whole, opt),):
-            model(*batch(rank, step))[1].backward()
-            o.step()
-            o.zero_grad()
-        if step == 1:
-            first.consolidate_state_dict(to=0)
-            saved = [first.state_dict() if rank == 0 else None]
-            dist.broadcast_object_list(saved, src=0)
-            first.optim.close()
-            second = make(resumed)
-            second.load_state_dict(saved[0])
-    for step in (2, 3):
-        resumed(*batch(rank, step))[1].backward()
-        second.step()
-        second.zero_grad()
-    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
-        assert torch.equal(p, q), name
-    opt.optim.close()
-    second.optim.close()
-
-
-def run_ddp_late(rank, init):
-    """OffloadAdam built before init_process_group, then DDP: it streamed gradients off in backward (one process
-    at construction), before DDP's all-reduce, and the replicas drifted apart without a word. It now takes them
-    at step() from the first backward with several ranks, and says so."""
-    import warnings
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    base = tiny_gpt(torch.float32)
-    model = copy.deepcopy(base)
-    off = OffloadAdam(model.parameters(), lr=LR)
-    assert off._hooks   # one process so far: it streams
-    init()
-    ddp, ref = DDP(model), DDP(copy.deepcopy(base))
-    fused = FusedAdam(ref.parameters(), lr=LR)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for step in range(3):
-            for m, opt in ((ddp, off), (ref, fused)):
-                m(*batch(rank, step))[1].backward()
-                opt.step()
-                opt.zero_grad()
-    assert sum("built before torch.distributed.init_process_group" in str(w.message) for w in seen) == 1
-    assert not off._hooks
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert same_on_all_ranks(p.detach()), name
-        assert torch.allclose(p, q, rtol=1e-6, atol=0), name
-    off.close()
-
-
 def main():
     mode, rank, world, store = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
@@ -455,15 +313,16 @@ def main():
     def init():
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
+    import distributed_cases as more   # (imports this module: after its definitions)
     if mode == "ddp_late":
-        run_ddp_late(rank, init)
+        more.run_ddp_late(rank, init)
     else:
         init()
     try:
         if mode != "ddp_late":
             {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan,
-             "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": run_fsdp2_load,
-             "fsdp2_fused_ce": run_fsdp2_fused_ce, "zero_offload": run_zero_offload}[mode](rank)
+             "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": more.run_fsdp2_load,
+             "fsdp2_fused_ce": more.run_fsdp2_fused_ce, "zero_offload": more.run_zero_offload}[mode](rank)
         # FSDP2's modules and states form reference cycles: collected now, while the process group lives,
         # not at interpreter exit, where gloo work they still hold can abort the process (torch PR 179291).
         gc.collect()

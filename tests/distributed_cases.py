@@ -1,0 +1,151 @@
+"""More cases of the two-process tests (tests/test_offload_distributed.py), run by distributed_worker.py:
+loads on FSDP2 shards ("fsdp2_load"), the fused loss with an FSDP2 lm_head ("fsdp2_fused_ce"),
+ZeroRedundancyOptimizer over OffloadAdam ("zero_offload") and OffloadAdam built before the ranks ("ddp_late")."""
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed_worker import LR, batch, same_on_all_ranks, tiny_gpt
+from effmem import FusedAdam, OffloadAdam
+
+
+def run_fsdp2_load(rank):
+    """Loads under FSDP2 on shards of one row, or none (Linear(16, 3) over two ranks: 2 and 1 rows; a (1, 1, 16)
+    token: 1 and 0), and across moment formats: FusedAdam compared the whole shapes and converted the DTensors,
+    which failed on one rank only (the ranks then out of step) or in both directions across formats; a checkpoint
+    of whole tensors was refused by a DTensor error after its param groups had been loaded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 3), nn.Linear(3, 16))
+        m.register_parameter("token", nn.Parameter(torch.randn(1, 1, 16)))
+        fully_shard(m, mesh=init_device_mesh("cpu", (2,)))
+        return m
+
+    makers = {(cls.__name__, bits): (lambda ps, cls=cls, bits=bits: cls(ps, lr=LR, state_bits=bits))
+              for cls in (FusedAdam, OffloadAdam) for bits in (32, 8)}
+    for (name, bits), make in makers.items():
+        m = build()
+        opt = make(m.parameters())
+        for step in range(2):
+            (m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))) + m.token).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        sd = copy.deepcopy(opt.state_dict())   # OffloadAdam's are its host memory, released by close()
+        if isinstance(opt, OffloadAdam):
+            opt.close()   # one OffloadAdam per parameter at a time
+        for (other, other_bits), make_other in makers.items():
+            into = make_other(m.parameters())
+            into.load_state_dict(sd)
+            got = into.state_dict()["state"]
+            for k, state in sd["state"].items():   # the same format: bit for bit; the other: the same values
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if bits == other_bits:
+                        assert torch.equal(got[k][key].to_local(), state[key].to_local()), (name, other, k, key)
+            if isinstance(into, OffloadAdam):
+                into.close()
+        whole = {"state": {k: {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in st.items()}
+                           for k, st in sd["state"].items()},
+                 "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
+        into = make(m.parameters())
+        try:
+            into.load_state_dict(whole)
+            raise AssertionError("a checkpoint of whole tensors loaded into shards")
+        except ValueError as err:
+            assert "this rank's shard" in str(err) or "block scales" in str(err), err
+        assert into.param_groups[0]["lr"] == LR and not into.state_dict()["state"], name   # nothing changed
+        if isinstance(into, OffloadAdam):
+            into.close()
+
+
+def run_fsdp2_fused_ce(rank):
+    """fuse_linear_cross_entropy with lm_head an FSDP2 unit of its own: resharded after its forward, the loss
+    got its DTensor weight ("mixed torch.Tensor and DTensor"); refused by name. Not resharded, it trains."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import effmem
+
+    mesh = init_device_mesh("cpu", (2,))
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model = effmem.fuse_linear_cross_entropy(LlamaForCausalLM(LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=64)))
+        fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+        try:
+            model(input_ids=x, labels=x).loss.backward()
+            assert not reshard, "the sharded weight was taken"
+            assert model.lm_head.weight.grad is not None
+        except RuntimeError as err:
+            assert reshard and "FSDP2 unit of its own" in str(err), err
+
+
+def run_zero_offload(rank):
+    """ZeroRedundancyOptimizer(optimizer_class=OffloadAdam) resumed: its load_state_dict assigns the inner
+    optimizer's opt.state entries, which OffloadAdam refused at the next step; now loaded, and the resumed run
+    is the uninterrupted one bit for bit."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make(model):
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OffloadAdam, lr=LR)
+
+    base = tiny_gpt(torch.float32)
+    whole, resumed = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    opt, first = make(whole), make(resumed)
+    for step in range(4):
+        for model, o in ((whole, opt), (resumed, first)) if step < 2 else ((whole, opt),):
+            model(*batch(rank, step))[1].backward()
+            o.step()
+            o.zero_grad()
+        if step == 1:
+            first.consolidate_state_dict(to=0)
+            saved = [first.state_dict() if rank == 0 else None]
+            dist.broadcast_object_list(saved, src=0)
+            first.optim.close()
+            second = make(resumed)
+            second.load_state_dict(saved[0])
+    for step in (2, 3):
+        resumed(*batch(rank, step))[1].backward()
+        second.step()
+        second.zero_grad()
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    opt.optim.close()
+    second.optim.close()
+
+
+def run_ddp_late(rank, init):
+    """OffloadAdam built before init_process_group, then DDP: it streamed gradients off in backward (one process
+    at construction), before DDP's all-reduce, and the replicas drifted apart without a word. It now takes them
+    at step() from the first backward with several ranks, and says so."""
+    import warnings
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    base = tiny_gpt(torch.float32)
+    model = copy.deepcopy(base)
+    off = OffloadAdam(model.parameters(), lr=LR)
+    assert off._hooks   # one process so far: it streams
+    init()
+    ddp, ref = DDP(model), DDP(copy.deepcopy(base))
+    fused = FusedAdam(ref.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for m, opt in ((ddp, off), (ref, fused)):
+                m(*batch(rank, step))[1].backward()
+                opt.step()
+                opt.zero_grad()
+    assert sum("built before torch.distributed.init_process_group" in str(w.message) for w in seen) == 1
+    assert not off._hooks
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert same_on_all_ranks(p.detach()), name
+        assert torch.allclose(p, q, rtol=1e-6, atol=0), name
+    off.close()
