@@ -236,13 +236,14 @@ def test_transformers_checkpointing_turned_on_after_the_policy_is_refused_at_the
     m(input_ids=x, labels=x).loss.backward()
 
 
-@pytest.mark.parametrize("policy", ["fast", "min"])
+@pytest.mark.parametrize("policy", ["min", {"memory_budget": 0.2}])
 def test_a_run_repeats_in_one_process(policy):
-    """"min" seeded its stochastic rounding from a counter of the package, so a second run in one process (two
-    Trainer runs with one seed) differed from the first; now each application of a policy counts its own."""
+    """"min" (and the budget's "min" layers) seeded its stochastic rounding from a counter of the package, so a
+    second run in one process (two Trainer runs with one seed) differed from the first; now each application
+    of a policy counts its own."""
     grads = []
     for _ in range(2):
-        m = apply_activation_policy(llama(), policy)
+        m = apply_activation_policy(llama(), **(policy if isinstance(policy, dict) else {"policy": policy}))
         x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         for _ in range(2):
             m(input_ids=x, labels=x).loss.backward()

@@ -372,11 +372,16 @@ def test_an_output_layer_replaced_after_fusing_is_named():
     ddp_like.module = FAMILIES["llama"]()
     with pytest.raises(TypeError, match=r"got DistributedDataParallel; .* \(fuse_linear_cross_entropy\(model.module"):
         effmem.fuse_linear_cross_entropy(ddp_like)
+    from torch.distributed.fsdp import FSDPModule
     sharded = FAMILIES["llama"]()
-    sharded.__class__ = type("FSDPLlamaForCausalLM", (type(sharded),), {})
+    sharded.__class__ = type("FSDPLlamaForCausalLM", (FSDPModule, type(sharded)), {})
     with pytest.raises(TypeError, match="FSDPLlamaForCausalLM is a LlamaForCausalLM made another class since "
                                         r"\(fully_shard\): fuse before sharding"):
         effmem.fuse_linear_cross_entropy(sharded)
+    mine = FAMILIES["llama"]()
+    mine.__class__ = type("MyLlama", (type(mine),), {})   # a user's subclass: not told about sharding
+    with pytest.raises(TypeError, match="MyLlama subclasses LlamaForCausalLM, whose forward it may change"):
+        effmem.fuse_linear_cross_entropy(mine)
 
 
 @pytest.mark.parametrize("refuse", [False, True])

@@ -123,21 +123,28 @@ def test_a_failed_backward_without_overlap_is_left_to_the_caller():
 def _changed_state_run(cls, change, **kw):
     """Four bf16 steps, opt.state changed by hand before the third."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).bfloat16()
     unused = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))   # no gradient ever: no entry
     opt = cls([*model.parameters(), unused], lr=1e-2, **kw)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    a, b = model[0].weight, model[1].weight
     for step in range(4):
         if step == 2:
-            p = model[0].weight
             if change == "clear":
                 opt.state.clear()
             elif change == "del":
-                del opt.state[p]
+                del opt.state[a]
             elif change == "assign_tensor":
-                opt.state[p]["exp_avg"] = torch.ones_like(p, dtype=torch.float32)
+                opt.state[a]["exp_avg"] = torch.ones_like(a, dtype=torch.float32)
             elif change == "assign_entry":
-                opt.state[p] = {k: v.clone() * 2 if v.dim() else v.clone() for k, v in opt.state[p].items()}
+                opt.state[a] = {k: v.clone() * 2 if v.dim() else v.clone() for k, v in opt.state[a].items()}
+            elif change == "swap":   # entries viewing each other's memory
+                opt.state[a], opt.state[b] = opt.state[b], opt.state[a]
+            elif change == "masters_pending":   # loaded without masters (torch's AdamW's), then another changed
+                sd = opt.state_dict()
+                opt.load_state_dict({"param_groups": sd["param_groups"], "state": {
+                    k: {n: v.clone() for n, v in st.items() if n != "master"} for k, st in sd["state"].items()}})
+                opt.state[b] = dict(opt.state[b])
             else:
                 opt.state[unused] = {"exp_avg": torch.ones_like(unused, dtype=torch.float32)}
         model(x).float().square().mean().backward()
@@ -149,18 +156,47 @@ def _changed_state_run(cls, change, **kw):
     return weights
 
 
-@pytest.mark.parametrize("mode", [{}, {"overlap": True}, {"bucket_size": 16}])
-@pytest.mark.parametrize("change", ["clear", "assign_tensor", "assign_entry", "del", "new_entry"])
+@pytest.mark.parametrize("mode", [{}, {"bucket_size": 16}, {"overlap": True}])
+@pytest.mark.parametrize("change", ["clear", "assign_tensor", "assign_entry", "del", "swap", "masters_pending",
+                                    "new_entry"])
 def test_assigning_into_opt_state_takes_effect_as_in_fused_adam(change, mode):
     """opt.state's tensors are views of the engine's host memory: a reset by assignment or clear() (FusedAdam
     and torch honour it) never reached the engine, and the next step went on from the old moments (0.12 off
     torch's AdamW after a clear()); then it was refused, and ZeroRedundancyOptimizer (whose load_state_dict
-    assigns the entries) could not resume. Now loaded into the engine at the next backward or step(): the
-    run is FusedAdam's bit for bit (overlap too: before its backward updates anything); an entry that is no
-    Adam state is refused by name."""
-    if change == "new_entry":
+    assigns the entries) could not resume. Now the changed entries are loaded into the engine at step(): the
+    run is FusedAdam's bit for bit (swapped entries cloned first; a master never filled left to the
+    parameter). overlap=True, whose backward updates before step(), refuses; so is an entry that is no Adam
+    state, by name."""
+    if "overlap" in mode:
+        with pytest.raises(RuntimeError, match=r"changed by assignment.* overlap=True cannot take"):
+            _changed_state_run(OffloadAdam, change, **mode)
+    elif change == "new_entry":
         with pytest.raises(ValueError, match=r"opt.state was changed by assignment.* missing 'exp_avg_sq'"):
             _changed_state_run(OffloadAdam, change, **mode)
-        return
-    expected = _changed_state_run(FusedAdam, change)
-    assert all(torch.equal(a, b) for a, b in zip(expected, _changed_state_run(OffloadAdam, change, **mode)))
+    else:
+        expected = _changed_state_run(FusedAdam, change)
+        assert all(torch.equal(a, b) for a, b in zip(expected, _changed_state_run(OffloadAdam, change, **mode)))
+
+
+@pytest.mark.parametrize("mode", [{"delay": True}, {"state_bits": 8}])
+def test_an_entry_assigned_its_own_values_changes_nothing(mode):
+    """The same values assigned (a copy of the entry): the run is the one without it. With delay=True the
+    state was first loaded at the next backward's first gradient, after waiting for the update in flight, which
+    installed weights that the rest of that backward had not run its forward with."""
+    runs = []
+    for assign in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).bfloat16()
+        opt = OffloadAdam(model.parameters(), lr=1e-2, **mode)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+        for step in range(4):
+            if assign and step == 2:
+                p = model[0].weight
+                opt.state[p] = dict(opt.state[p])
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        runs.append([q.detach().clone() for q in model.parameters()])
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -117,8 +117,11 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
             hint = f"; {name} wraps a model: fuse that one, fuse_linear_cross_entropy(model.get_base_model())"
         elif isinstance(getattr(model, "module", None), nn.Module):   # DDP and other wrappers
             hint = f"; {name} wraps a model: fuse that one (fuse_linear_cross_entropy(model.module)), or fuse first"
-        elif known:   # FSDP2's fully_shard makes the model's class a subclass (FSDPLlamaForCausalLM)
+        elif known and _fully_sharded(model):   # FSDP2's fully_shard makes the class a subclass (FSDPLlama...)
             hint = f"; {name} is a {known[0]} made another class since (fully_shard): fuse before sharding"
+        elif known:
+            hint = (f"; {name} subclasses {known[0]}, whose forward it may change: fusing takes the listed "
+                    "classes themselves")
         else:
             hint = ""
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
@@ -161,6 +164,14 @@ def _unpatch_head(head: nn.Module) -> None:
             head.__dict__.pop("forward", None)
         else:
             head.__dict__["forward"] = kept
+
+
+def _fully_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # a torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
 
 
 class _FusedForward:

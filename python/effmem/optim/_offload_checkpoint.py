@@ -49,31 +49,35 @@ class OffloadCheckpoint:
         self._load_groups(state_dict["param_groups"])
         self._load_resident(state_dict)   # device_state's prefix: FusedAdam's loader
         for p, saved, step in plan[self._first:]:
-            i = self._index[p]
-            master, *moments = self._views[i]  # exp_avg, exp_avg_sq (and their block scales: 8-bit)
-            if saved is None:
-                for t in moments:
-                    t.zero_()
-                self._steps[i] = 0.0
-                self._masters_pending.add(i)
-            else:
-                saved = _adam8.convert(saved, moments[0], self.state_bits, step, i + self._first)
-                keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if self.state_bits == 8
-                                                    else ())
-                for t, key in zip(moments, keys):
-                    t.copy_(saved[key])
-                self._steps[i] = step
-                if "master" in saved:
-                    master.copy_(saved["master"])
-                    self._masters_pending.discard(i)
-                else:   # fp32 parameters (their own master) and torch's checkpoints: the parameter at first use
-                    self._masters_pending.add(i)
-            if step > 0:
-                self.state[p] = self._state_of(i)
-            else:
-                self.state.pop(p, None)
+            self._load_entry(p, saved, step)
         self._step_count = int(max((step for _, _, step in plan), default=0))
         # A consistent state again: a failed overlap backward is behind us, opt.state is the engine's.
         self._broken = None
         self._open_tasks.clear()
         self._note_state()
+
+    def _load_entry(self, p, saved, step: float) -> None:
+        """One parameter's saved state (checked by _validate.checkpoint; None: none) into the engine's memory."""
+        i = self._index[p]
+        master, *moments = self._views[i]  # exp_avg, exp_avg_sq (and their block scales: 8-bit)
+        if saved is None:
+            for t in moments:
+                t.zero_()
+            self._steps[i] = 0.0
+            self._masters_pending.add(i)
+        else:
+            saved = _adam8.convert(saved, moments[0], self.state_bits, step, i + self._first)
+            keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if self.state_bits == 8
+                                                else ())
+            for t, key in zip(moments, keys):
+                t.copy_(saved[key])
+            self._steps[i] = step
+            if "master" in saved:
+                master.copy_(saved["master"])
+                self._masters_pending.discard(i)
+            else:   # fp32 parameters (their own master) and torch's checkpoints: the parameter at first use
+                self._masters_pending.add(i)
+        if step > 0:
+            self.state[p] = self._state_of(i)
+        else:
+            self.state.pop(p, None)

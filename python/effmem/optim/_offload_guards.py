@@ -136,8 +136,8 @@ class OffloadGuards:
     def _check_state(self) -> None:
         """opt.state's tensors are views of the engine's host memory (FusedAdam's inner state for
         device_state's parameters). An entry assigned, replaced, deleted or cleared does not reach the engine
-        by itself (the next step went on from the old state, silently): loaded into it here, at the next
-        backward, step() or state_dict(), as torch's optimizers go on from what opt.state holds."""
+        by itself (the next step went on from the old state, silently): at step() and state_dict() it is
+        loaded into it (_adopt_state), as torch's optimizers go on from what opt.state holds."""
         seen = self._state_seen
         changed = [p for p, (e, items) in seen.items()
                    if self.state.get(p) is not e or len(e) != len(items)
@@ -146,21 +146,48 @@ class OffloadGuards:
         if changed:
             self._adopt_state(changed)
 
+    @torch.no_grad()
     def _adopt_state(self, changed) -> None:
-        """opt.state as the caller left it, loaded as load_state_dict loads a checkpoint (checked whole first;
-        an entry deleted or cleared starts afresh, as in torch): ZeroRedundancyOptimizer's load_state_dict
-        assigns its entries so, and a reset by opt.state.clear() or an entry put in by hand take effect."""
-        self._engine.synchronize()   # updates in flight write the entries' memory: let them land first
-        index = {p: i for i, p in enumerate(self._all_params)}
-        entries = {index[p]: dict(e) for p, e in self.state.items() if e and p in index}
+        """The changed entries (the others as they are) loaded into the engine as load_state_dict loads a
+        checkpoint's, checked first; a deleted or cleared one starts afresh, as in torch. What
+        ZeroRedundancyOptimizer's load_state_dict does (it assigns the entries), and a reset by
+        opt.state.clear(), then take effect. Not under overlap=True (its backward updates before step()) nor
+        for device_state's parameters: refused."""
+        index = {p: k for k, p in enumerate(self._all_params)}
+        first = index.get(changed[0], "?")
+        what = (f"OffloadAdam: opt.state was changed by assignment, del or clear() ({len(changed)} parameter(s), "
+                f"the first is parameter {first})")
+        if self._overlap or any(p not in self._index for p in changed):
+            why = ("overlap=True cannot take: its backward updates the state before step()" if self._overlap else
+                   "device_state's parameters cannot take: their state is a FusedAdam's on the device")
+            raise RuntimeError(f"{what}, which {why}. Change the tensors in place "
+                               "(opt.state[p]['exp_avg'].zero_()), load a state with opt.load_state_dict(...), or "
+                               "build a new OffloadAdam to start afresh.")
+        self._engine.synchronize()   # an update in flight writes the entries' memory: let it land first
+        entries = {}
+        for p in changed:
+            entry = dict(self.state.get(p) or {})
+            if not entry:
+                continue
+            handed = dict(self._state_seen.get(p, (None, ()))[1])
+            if entry.get("master") is not None and entry.get("master") is handed.get("master") \
+                    and self._index[p] in self._masters_pending:
+                del entry["master"]   # the engine's, never filled: the parameter is read at first use
+            entries[index[p]] = entry
         groups = [dict(g, params=[index[p] for p in g["params"]]) for g in self.param_groups]
         try:
-            self._load_checked({"state": entries, "param_groups": groups})
+            plan = _validate.checkpoint(self, {"state": entries, "param_groups": groups}, "OffloadAdam")
         except (TypeError, ValueError) as err:
-            i = index.get(changed[0], "?")
-            raise type(err)(f"OffloadAdam: opt.state was changed by assignment, del or clear() ({len(changed)} "
-                            f"parameter(s), the first is parameter {i}), and what it holds now cannot be "
-                            f"loaded into the optimizer's host memory: {err}") from None
+            raise type(err)(f"{what}, and what it holds now cannot be loaded into the optimizer's host memory: "
+                            f"{err}") from None
+        todo = set(changed)
+        # cloned before any is copied in: an entry may view another parameter's memory (two entries swapped)
+        plan = [(p, None if saved is None else {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                for k, v in saved.items()}, step)
+                for p, saved, step in plan if p in todo]
+        for p, saved, step in plan:
+            self._load_entry(p, saved, step)
+        self._note_state()
 
     def _check_params(self) -> None:
         """The engine updates the memory each parameter had when the optimizer was built. A

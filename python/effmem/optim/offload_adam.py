@@ -280,7 +280,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._check_open()
             self._check_consistent()
             self._check_params()
-            self._check_state()   # an assignment into opt.state: loaded before this backward updates anything
             self._init_masters()
             if self._overlap:
                 self._sync_groups()

@@ -23,7 +23,7 @@ class Candidate:
     # bytes over the GPU budget plus bytes over the host's 90% (0 where it fits, or fails for another
     # reason): what orders the candidates that do not fit, and names the closest when nothing does
     short_bytes: int = 0
-    ruled_out: bool = False   # by the recipe whatever the memory (overlap mode under clipping)
+    ruled_out: bool = False   # whatever the memory: by the recipe (overlap mode under clipping), or no host link
 
     @property
     def name(self) -> str:
@@ -87,14 +87,14 @@ def judge(cands: List[Candidate], budget: float, gpu_mem: int, host_mem: int, he
         if host_over > 0:
             short.append(f"needs {c.cost.host_bytes / GB:.1f} GB of host memory, {host_over / GB:.1f} GB over 90% "
                          f"of {host_mem / GB:.1f} GB")
-        c.ruled_out = clipping and c.config.optimizer == "offload_overlap"
+        ruled_out = ("overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
+                     if clipping and c.config.optimizer == "offload_overlap" else
+                     "not possible here (no host link)" if c.step_time_s == float("inf") else "")
+        c.ruled_out = bool(ruled_out)
         if short:
-            c.why = "does not fit: " + "; and ".join(short) + (" (and overlap mode rules out clipping)"
-                                                               if c.ruled_out else "")
-        elif c.ruled_out:
-            c.why = "overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
-        elif c.step_time_s == float("inf"):
-            c.why = "not possible here (no host link)"
+            c.why = "does not fit: " + "; and ".join(short) + (f" (and {ruled_out})" if ruled_out else "")
+        elif ruled_out:
+            c.why = ruled_out
         else:
             c.fits = True
     best = _pick([c for c in cands if c.fits])

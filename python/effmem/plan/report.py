@@ -22,8 +22,8 @@ def format_plan(plan, max_rows: int = 14) -> str:
         lines.append(f"note: {note}")
     pick = plan.pick
     if pick is None:
-        # the fewest bytes short, GPU and host together (candidates are sorted so; a candidate ruled out for
-        # another reason, such as overlap with clipping, is short of nothing and comes first)
+        # the fewest bytes short, GPU and host together, among those more memory would make the pick
+        # (candidates are sorted so: choose.judge)
         closest = plan.candidates[0]
         lines.append(f"\nNothing fits. Closest: {closest.name}: {closest.why}")
     else:
