@@ -200,3 +200,14 @@ def test_an_entry_assigned_its_own_values_changes_nothing(mode):
         runs.append([q.detach().clone() for q in model.parameters()])
         opt.close()
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_an_entry_for_a_tensor_that_is_no_parameter_is_refused_by_name():
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = OffloadAdam([p], lr=1e-2)
+    p.grad = torch.randn(4)
+    opt.step()
+    opt.state[torch.zeros(3)] = {"exp_avg": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"an entry for a tensor that is not one of its parameters \(shape \(3,\)\)"):
+        opt.step()
+    opt.close()

@@ -157,6 +157,11 @@ class OffloadGuards:
         first = index.get(changed[0], "?")
         what = (f"OffloadAdam: opt.state was changed by assignment, del or clear() ({len(changed)} parameter(s), "
                 f"the first is parameter {first})")
+        foreign = next((p for p in changed if p not in index), None)
+        if foreign is not None:
+            raise ValueError(f"OffloadAdam: opt.state has an entry for a tensor that is not one of its parameters "
+                             f"(shape {tuple(foreign.shape) if isinstance(foreign, torch.Tensor) else foreign!r}); "
+                             "state goes by parameter: del that entry")
         if self._overlap or any(p not in self._index for p in changed):
             why = ("overlap=True cannot take: its backward updates the state before step()" if self._overlap else
                    "device_state's parameters cannot take: their state is a FusedAdam's on the device")
