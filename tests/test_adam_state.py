@@ -157,3 +157,23 @@ def test_grad_scaler_drives_the_fused_step():
     assert scaler.get_scale() == 2.0**9
     for p, b in zip(model.parameters(), params_before):
         assert torch.equal(p.detach(), b)
+
+
+def test_moments_put_in_by_hand_in_another_layout_are_taken():
+    """A channels_last (or transposed) parameter whose moments were reset with torch.zeros(p.shape): torch's
+    AdamW takes any layout, FusedAdam's kernel refused the strides; they are copied to the parameter's."""
+    for make in (lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), lambda: torch.randn(7, 5).t()):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(make())
+        q = torch.nn.Parameter(p.detach().clone())
+        mine, ref = effmem.FusedAdam([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2, weight_decay=0.0)
+        for step in range(4):
+            g = torch.randn(p.shape)
+            p.grad, q.grad = g.clone(), g.clone()
+            if step == 2:
+                for opt, t in ((mine, p), (ref, q)):
+                    opt.state[t]["exp_avg"] = torch.zeros(t.shape)
+            mine.step()
+            ref.step()
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+        assert mine.state[p]["exp_avg"].stride() == p.stride()

@@ -113,3 +113,18 @@ def test_optimizer_clip_is_folded_into_the_step():
     opt_b.step()
     for p, q in zip(a, b):
         assert not torch.equal(p.detach(), q.detach())
+
+
+def test_clip_takes_float64_and_complex_gradients_as_torch_does():
+    """effmem.clip_grad_norm_ refused float64 gradients ("tensors must be float32, bfloat16 or float16"), which
+    torch's clip takes; their norm is torch's, combined with the fused kernel's for the rest."""
+    grads = [torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64), torch.tensor([1.0, 2.0]),
+             torch.tensor([1 + 1j, 2.0], dtype=torch.complex64)]
+    mine = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, q, g in zip(mine, ref, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    norm, expected = effmem.clip_grad_norm_(mine, 1.0), torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert norm.dtype == torch.float32 and torch.allclose(norm.double(), expected.double(), rtol=1e-6)
+    for p, q in zip(mine, ref):
+        assert p.grad.dtype == q.grad.dtype and torch.allclose(p.grad, q.grad, rtol=1e-6)

@@ -211,3 +211,16 @@ def test_an_entry_for_a_tensor_that_is_no_parameter_is_refused_by_name():
     with pytest.raises(ValueError, match=r"an entry for a tensor that is not one of its parameters \(shape \(3,\)\)"):
         opt.step()
     opt.close()
+
+
+def test_a_gradient_dtype_wider_than_the_parameter_is_refused():
+    """Tensor.grad_dtype = float32 on a bf16 parameter: autograd sums float32 gradients, the engine took each in
+    bf16 and summed micro-batches in bf16 (100 micro-batches of 1e-3 after a 1.0 vanished); refused by name."""
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    if not hasattr(p, "grad_dtype"):
+        pytest.skip("this torch has no Tensor.grad_dtype")
+    opt = OffloadAdam([p], lr=1e-2)
+    p.grad_dtype = torch.float32
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(4,\)\) has grad_dtype torch.float32, not its own"):
+        (p.float() * 2).sum().backward()
+    opt.close()

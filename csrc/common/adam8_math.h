@@ -2,7 +2,8 @@
 //
 // A tensor's moments are kept in blocks of kAdam8Block consecutive elements,
 // each block with two float32 scales,
-//   sm = max |m| over the block,   sv = max sqrt(v) over the block,
+//   sm = max |m| over the block,   sv = max sqrt(v) over the block
+// (over its finite values: an infinite or NaN moment saturates its own code, adam8_finite),
 // and one byte per element for each moment:
 //   m: bit 7 the sign, bits 0..6 k in [0, 127]:   m = +-sm * (k/127)^2
 //   v: k in [0, 255]:                              v = (sv * (k/255)^2)^2
@@ -58,6 +59,15 @@ EFFMEM_HD float adam8_decode_v(uint32_t code, float sv) {
   const float r = sv * (f * f);
   return r * r;
 }
+
+// A block's scales are the maxima of its finite |m| and sqrt(v) (NaN never taken). An infinite one (a
+// gradient of 1e21, whose square overflows v, or an infinite gradient) is left out: a scale of inf gave every
+// other element of the block code 0 and decoded it as inf * 0 = NaN (256 parameters lost for one bad
+// gradient, where float32 moments lose that one at most). It takes the largest code: its own value only is
+// clipped to the block's largest finite one. The kernels take the plain maximum first and this only where
+// that came out infinite.
+constexpr float kAdam8FiniteMax = 0x1.fffffep127f;   // FLT_MAX
+EFFMEM_HD float adam8_finite(float x) { return x <= kAdam8FiniteMax ? x : 0.0f; }
 
 // 1 / scale for the encoders, 0 for a block stored as zero.
 EFFMEM_HD float adam8_inverse(float scale) { return scale >= 0x1p-126f ? 1.0f / scale : 0.0f; }

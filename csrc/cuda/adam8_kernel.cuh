@@ -99,6 +99,21 @@ __global__ void __launch_bounds__(kAdam8Threads)
     // the block's scales: every lane of the warp takes part (lanes past the end hold 0)
     am = warp_max(am);
     ar = warp_max(ar);
+    // An infinite moment takes no part in the scale (adam8_finite). am and ar are the warp's own after
+    // warp_max, so every lane takes this branch or none, and its shuffles see all 32.
+    if (!(am <= kAdam8FiniteMax) || !(ar <= kAdam8FiniteMax)) {
+      float fm = 0.0f, fr = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kAdam8PerLane; ++k) {
+        const float a = adam8_finite(m[k] < 0.0f ? -m[k] : m[k]), rk = adam8_finite(r[k]);
+        fm = a > fm ? a : fm;
+        fr = rk > fr ? rk : fr;
+      }
+      fm = warp_max(fm);
+      fr = warp_max(fr);
+      am = am <= kAdam8FiniteMax ? am : fm;
+      ar = ar <= kAdam8FiniteMax ? ar : fr;
+    }
     if (lane == 0) {
       ms[blk] = am;
       vs[blk] = ar;

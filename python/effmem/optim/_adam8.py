@@ -109,13 +109,16 @@ def encode(x: Tensor, rounding_seed: int, second: bool) -> Tuple[Tensor, Tensor]
     from effmem.reference import hash_byte
     n = x.numel()
     a = x if second else x.abs()
-    scales = torch.nn.functional.pad(a, (0, (-n) % BLOCK)).view(-1, BLOCK).amax(dim=1)
+    # the finite values' maximum: an infinite or NaN moment saturates its own code (adam8_math.h's adam8_finite)
+    finite = torch.where(a <= torch.finfo(torch.float32).max, a, torch.zeros_like(a))
+    scales = torch.nn.functional.pad(finite, (0, (-n) % BLOCK)).view(-1, BLOCK).amax(dim=1)
     inv = torch.where(scales >= 2.0 ** -126, torch.tensor(1.0) / scales, torch.zeros_like(scales))
     inv = inv.repeat_interleave(BLOCK)[:n]
     kmax = 255.0 if second else 127.0
     t = (a * inv).double().sqrt().float() * kmax  # correctly rounded (torch's float32 sqrt is not always)
     u = (2 * hash_byte(rounding_seed, torch.arange(n, dtype=torch.int64, device=x.device)) + 1).float() / 512.0
-    k = torch.floor(t + u).clamp(max=kmax).long()
+    tu = t + u
+    k = torch.floor(torch.where(tu < kmax, tu, torch.full_like(tu, kmax))).long()   # a NaN takes kmax (adam8_k)
     if second:
         k = torch.where((k == 0) & (a > 0) & (inv > 0), 1, k)
     else:

@@ -53,10 +53,16 @@ def grad_norm(grads: List[Tensor]) -> Tensor:
 
 def _norm(grads: List[Tensor]) -> Tensor:
     """L2 norm of plain tensors: one fused kernel per device."""
-    by_device = defaultdict(list)
+    by_device, other = defaultdict(list), []
     for g in grads:
-        by_device[g.device].append(g if _validate.is_dense(g) else g.contiguous())
-    return _combined([ops.l2norm(gs) for gs in by_device.values()])
+        if g.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            by_device[g.device].append(g if _validate.is_dense(g) else g.contiguous())
+        else:   # float64 or complex (torch's clip takes them): torch's norm, then float32 as the kernel's
+            other.append(torch.linalg.vector_norm(g).double())
+    norms = [ops.l2norm(gs) for gs in by_device.values()]
+    if other:
+        norms.append(torch.linalg.vector_norm(torch.stack([n.to(other[0].device) for n in other])).float())
+    return _combined(norms)
 
 
 def _combined(norms: List[Tensor]) -> Tensor:

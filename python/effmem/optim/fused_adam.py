@@ -242,6 +242,8 @@ class FusedAdam(AdamBase):
                 continue
             grad = _validate.grad(p)
             state = self._init_state(p)
+            if self.state_bits == 32:
+                _match_layout(state, p)
             b = buckets[(p.device, p.dtype, grad.dtype)]
             b["params"].append(_local(p))
             b["grads"].append(_local(grad))
@@ -289,6 +291,16 @@ class FusedAdam(AdamBase):
         for p, saved, step in plan:
             if saved is not None:
                 self.state[p] = _restore_state(saved, p, step, self.state_bits, salts[id(p)])
+
+
+def _match_layout(state: Dict[str, Tensor], p: Tensor) -> None:
+    """Float32 moments and master laid out as p (the kernels walk them along p's memory): one put in opt.state
+    by hand with other strides (zeros of p's shape for a channels_last p) is copied so once, as torch's
+    optimizers take any layout."""
+    for key in ("exp_avg", "exp_avg_sq", "master"):
+        t = state.get(key)
+        if isinstance(t, Tensor) and t.shape == p.shape and _local(t).stride() != _local(p).stride():
+            state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
 def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: int = 32,
