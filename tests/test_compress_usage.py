@@ -429,3 +429,21 @@ def test_cuda_gradients_close_and_bf16_autocast():
         got = grads_of(model, loss)
     assert max_rel_err(got, exact) < 0.05
     assert "exact" in {r["decision"] for r in ctx.records}   # the CUDA attention kernel's log-sum-exp
+
+
+def test_a_model_wrapped_after_another_was_compiled_is_compressed():
+    """dynamo does not guard on module hooks: torch.compile(compress_activations(m)) reused the graph compiled
+    for an earlier model of the same classes, without the hooks, and compressed nothing, silently. Wrapping
+    drops compiled code (with a warning), so the next call compiles with the hooks; unwrapping too."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    x = torch.randn(64, 128)
+    torch._dynamo.reset()
+    torch.compile(make(), backend="aot_eager")(x).square().mean().backward()
+    m = make()
+    with pytest.warns(UserWarning, match=r"compress_activations\(module\): code compiled by torch.compile"):
+        wrapped = torch.compile(compress_activations(m), backend="aot_eager")
+    wrapped(x).square().mean().backward()
+    assert m.compress_stats.num_compressed > 0
+    torch._dynamo.reset()

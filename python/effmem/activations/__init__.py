@@ -53,7 +53,7 @@ from effmem.activations import paths
 from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
                                       restore_training_cache)
 from effmem.activations.checkpoint import SEEDS, checkpoint_layer, compressed_checkpoint, restore_layer
-from effmem.activations.compiled import compiled_forward
+from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.compress import _codec
@@ -181,7 +181,7 @@ def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first:
         return original(*args, **kwargs)
 
 
-@torch.compiler.disable
+@leaves_graph
 def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
     """The layer compiled on its own (one graph per layer call, shared by layers of one class), called with
     the policy's hooks active: they store what the compiled forward saves for backward, and its backward
@@ -202,7 +202,7 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
     return _run_budget_layer(False, layer, original, budget, index, name, shapes, *args, **kwargs)
 
 
-@torch.compiler.disable
+@leaves_graph
 def _compiled_budget_layer(*args, **kwargs):
     """Inside a compiled model: out of the model's graph, the layer's choice made and run as in eager mode,
     each mode a compiled graph of the layer alone (see _compiled_layer). Traced into the model's graph,

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
-from effmem.activations.compiled import compiled_forward
+from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.selective import context as selective_context
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
@@ -213,10 +213,10 @@ def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: i
 def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args, **kwargs):
     """The layer's forward, checkpointed with its hidden-state input (first argument) compressed and its
     other inputs that need a gradient kept as they are."""
+    if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
+        return original(*args, **kwargs)
     if torch.compiler.is_compiling():
         return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
-    if not torch.is_grad_enabled():
-        return original(*args, **kwargs)
     refuse_hf_checkpointing(layer)
     by_name = not args
     if by_name:
@@ -284,6 +284,8 @@ def buffers_kept(buffers):
 
 def _torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):
     """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
+    if not torch.is_grad_enabled():   # nothing saved: the layer as it is (compiled, evaluation broke the graph)
+        return original(*args, **kwargs)
     if torch.compiler.is_compiling():   # the compiler takes no contexts but selective checkpointing's own
         context = {"context_fn": selective_context} if selective else {}
     else:
@@ -360,7 +362,7 @@ def _recompute(layer: nn.Module, flip, inner, selective: bool):
             raise
 
 
-@torch.compiler.disable
+@leaves_graph
 def _compiled_layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args, **kwargs):
     """Inside a compiled model: the layer checkpointed as in eager mode, its forward (and recompute) a
     compiled graph of its own (activations.compiled)."""

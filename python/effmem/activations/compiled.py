@@ -18,6 +18,19 @@ import torch
 
 _GRAPHS: Dict[Tuple[Callable, bool], Callable] = {}
 
+_REASON = ("effmem's activation policy runs each decoder layer as a compiled graph of its own, outside the "
+           "model's, so that backward restores one layer's saves at a time: torch.compile(fullgraph=True) cannot "
+           "take it. Compile without fullgraph, or use policy 'selective' or 'checkpoint', which trace into the "
+           "model's graph")
+
+
+def leaves_graph(fn: Callable) -> Callable:
+    """torch.compiler.disable, with the reason fullgraph=True's error gives (a torch without reason=: none)."""
+    try:
+        return torch.compiler.disable(fn, reason=_REASON)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
 
 def _selective(forward, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint

@@ -7,13 +7,13 @@ weights first. So each FSDP unit gets one hook, placed before FSDP's own, for ev
 manages (its subtree, less nested units) and for those of the units it prefetches
 (``set_modules_to_forward_prefetch``): the shards hold the new weights before any all-gather reads them.
 """
-import warnings
 import weakref
 from typing import Dict, List
 
 import torch
 from torch import nn
 
+from effmem._dynamo import forget_compiled_code
 from effmem.optim._validate import is_dtensor
 
 
@@ -58,7 +58,7 @@ class OffloadForward:
             ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
             if ids:
                 self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
-        _forget_compiled_code()
+        forget_compiled_code("OffloadAdam.attach")
         return model
 
     def _hook_flushes(self, model: nn.Module) -> None:
@@ -106,23 +106,6 @@ def _managed_modules(unit: nn.Module, units: Dict[int, nn.Module]) -> List[nn.Mo
         out.append(m)
         stack.extend(c for c in m.children() if id(c) not in units)
     return out
-
-
-def _forget_compiled_code() -> None:
-    """Code torch.compile made before attach() keeps the module hooks it was compiled with (dynamo does not
-    guard on hooks: torch._dynamo.config.skip_nnmodule_hook_guards), so a model compiled before would run
-    without the new ones, and backward raised that a parameter's weights were never installed. Drop what
-    was compiled (it compiles again, with the hooks, at the next call), and say so."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return
-    if counters["frames"].get("ok", 0):
-        warnings.warn("OffloadAdam.attach: code compiled by torch.compile before attach() would not run its "
-                      "hooks; torch._dynamo.reset() drops it, so the next compiled call compiles again. Attach "
-                      "before the first compiled call to avoid the second compilation", stacklevel=3)
-        torch._dynamo.reset()
-        counters["frames"].clear()
 
 
 def _no_optimizer():
