@@ -29,7 +29,9 @@
 #   done 2026-11-28 (bench/results/2026-11-28-h100-9531262): build kernels plan (348 s: 4-bit quantize 89%;
 #                                    plan peaks within 3.35%); build cuda_tests offload (198 passed; offload cut off
 #                                    by the session's device time before its device_state row)
-#   next: build offload (cut off on 2026-11-28 before its device_state row; that run's exact modes were slower
+#   next: build cuda_tests first (2026-11-29 changed the 8-bit Adam kernel, csrc/cuda/adam8_kernel.cuh: a block
+#   with an infinite moment takes its finite maximum; test_adam8.py::test_cuda_matches_cpu_bit_for_bit now feeds
+#   it infinities; never run on a GPU yet); build offload (cut off on 2026-11-28 before its device_state row; that run's exact modes were slower
 #   than earlier H100 runs: plain 1.389x, async_step 1.222x); build capacity (7B held to an H100's memory by
 #   --gpu-memory below); build capacity_13b; profile_activations.py --rows effmem_fast,effmem_budget (the budget
 #   row's eager offload cost 1.179x where compiled it cost nothing); build tests demo (the whole suite).
