@@ -4,7 +4,7 @@ import warnings
 import torch
 
 
-def forget_compiled_code(who: str) -> None:
+def forget_compiled_code(who: str, call: str) -> None:
     """Code torch.compile made before hooks were added to (or removed from) modules keeps the hooks it was
     compiled with: dynamo does not guard on them (torch._dynamo.config.skip_nnmodule_hook_guards), so a model
     compiled before, or another of the same classes, would run without the new ones (compress_activations
@@ -15,8 +15,8 @@ def forget_compiled_code(who: str) -> None:
     except ImportError:
         return
     if counters["frames"].get("ok", 0):
-        warnings.warn(f"{who}: code compiled by torch.compile before it would not run its hooks; "
-                      "torch._dynamo.reset() drops it, so the next compiled call compiles again. Call it before "
-                      "the first compiled call to avoid the second compilation", stacklevel=3)
+        warnings.warn(f"{who}: code compiled by torch.compile before {call} would not run the hooks as they "
+                      "are now; torch._dynamo.reset() drops it, so the next compiled call compiles again. Call "
+                      f"{call} before the first compiled call to avoid the second compilation", stacklevel=3)
         torch._dynamo.reset()
         counters["frames"].clear()

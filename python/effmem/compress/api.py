@@ -116,7 +116,7 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     compressor._handles.append(module.register_forward_hook(_RootExit(compressor), always_call=True))
     object.__setattr__(module, _ATTR, compressor)
     object.__setattr__(module, "compress_stats", compressor.stats)
-    forget_compiled_code("compress_activations(module)")
+    forget_compiled_code("compress_activations(module)", "it")
     return module
 
 
@@ -128,7 +128,7 @@ def remove_compression(module: nn.Module) -> nn.Module:
     compressor.remove_hooks()
     del module.__dict__[_ATTR]
     module.__dict__.pop("compress_stats", None)
-    forget_compiled_code("remove_compression(module)")   # compiled with the hooks, it would go on compressing
+    forget_compiled_code("remove_compression(module)", "it")   # compiled with the hooks, it would go on compressing
     return module
 
 

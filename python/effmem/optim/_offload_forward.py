@@ -58,7 +58,7 @@ class OffloadForward:
             ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
             if ids:
                 self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
-        forget_compiled_code("OffloadAdam.attach")
+        forget_compiled_code("OffloadAdam.attach", "attach()")
         return model
 
     def _hook_flushes(self, model: nn.Module) -> None:
