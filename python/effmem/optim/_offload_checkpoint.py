@@ -7,7 +7,6 @@ import torch
 from effmem.optim import _adam8, _validate
 
 
-
 class OffloadCheckpoint:
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim's layout plus ``master`` per bf16/fp16 parameter (FusedAdam's layout).

@@ -200,12 +200,6 @@ class OffloadGuards:
         longer be trained, silently: refuse."""
         for i, (p, held) in enumerate(zip(self._params, self._local)):
             t = p._local_tensor if _validate.is_dtensor(p) else p
-            grad_dtype = getattr(p, "grad_dtype", None)   # torch's Tensor.grad_dtype: p.grad in another dtype
-            if grad_dtype is not None and grad_dtype != p.dtype:
-                raise ValueError(
-                    f"OffloadAdam: parameter {i} (shape {tuple(held.shape)}) has grad_dtype {grad_dtype}, not its "
-                    f"own {p.dtype}: the engine takes gradients in the parameter's dtype and sums micro-batches "
-                    "there, so the wider gradient would be rounded. Leave grad_dtype unset, or use FusedAdam")
             if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape:
                 continue
             changes = [f"{what} {a} -> {b}" for what, a, b in (

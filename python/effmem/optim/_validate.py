@@ -243,15 +243,15 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
                 where = f"state_dict['state'][{saved_id!r}]"
                 if not isinstance(saved, dict):
                     raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
-                shape = local_tensor(p).shape
+                shape, sharded = local_tensor(p).shape, is_dtensor(p)
                 eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
                 saved = dict(saved)   # scales and masters are taken out or narrowed below: not in the caller's
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _state_tensor(saved, key, where, shape, True, codes=eight, sharded=is_dtensor(p))
+                    _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded)
                     if eight:   # the blocks of this rank's shard (FSDP2)
                         _scales(saved, key + "_scale", where, local_tensor(p).numel())
                 if p.dtype != torch.float32:
-                    _state_tensor(saved, "master", where, shape, False, sharded=is_dtensor(p))
+                    _state_tensor(saved, "master", where, shape, False, sharded=sharded)
                     if "master" in saved and saved["master"].dtype != torch.float32:
                         # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype,
                         # and do not update it: it is not a master any more, the parameter is

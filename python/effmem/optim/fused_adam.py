@@ -242,7 +242,7 @@ class FusedAdam(AdamBase):
                 continue
             grad = _validate.grad(p)
             state = self._init_state(p)
-            if self.state_bits == 32:
+            if self.state_bits == 32 and state["exp_avg"].stride() != p.stride():   # one compare per step
                 _match_layout(state, p)
             b = buckets[(p.device, p.dtype, grad.dtype)]
             b["params"].append(_local(p))
@@ -296,7 +296,8 @@ class FusedAdam(AdamBase):
 def _match_layout(state: Dict[str, Tensor], p: Tensor) -> None:
     """Float32 moments and master laid out as p (the kernels walk them along p's memory): one put in opt.state
     by hand with other strides (zeros of p's shape for a channels_last p) is copied so once, as torch's
-    optimizers take any layout."""
+    optimizers take any layout. Called where exp_avg's strides differ (the step compares that one only: an
+    exp_avg_sq replaced alone meets the kernel's refusal, which says how to make it match)."""
     for key in ("exp_avg", "exp_avg_sq", "master"):
         t = state.get(key)
         if isinstance(t, Tensor) and t.shape == p.shape and _local(t).stride() != _local(p).stride():

@@ -298,8 +298,13 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
         local_p = self._local[i]
         g = _validate.grad_like(local_p, g)
-        if g.dtype != local_p.dtype:
-            g = g.to(local_p.dtype)  # the staging holds the parameter's dtype
+        if g.dtype != local_p.dtype:   # set by hand (grad_dtype=None), or autograd's under a grad_dtype
+            if local_p.dtype != torch.float32 and getattr(self._params[i], "grad_dtype", None) is not None:
+                raise ValueError(
+                    f"OffloadAdam: parameter {i} (shape {tuple(local_p.shape)}) has grad_dtype {g.dtype}, not its "
+                    f"own {local_p.dtype}: the engine takes gradients in the parameter's dtype and sums "
+                    "micro-batches there, so the gradient would be rounded. Leave grad_dtype unset, or use FusedAdam")
+            g = g.to(local_p.dtype)  # the staging holds the parameter's dtype (float32: exact)
         self._engine.grad_ready(i, g)
         self._queued.add(i)
         if self._overlap or self._delay:
