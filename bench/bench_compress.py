@@ -178,11 +178,13 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--json", help="write metadata and rows to this file")
     parser.add_argument("--gpt", action="store_true", help="also time GPT training steps with/without compression")
-    parser.add_argument("--gpt-layers", type=int, default=28)
-    parser.add_argument("--gpt-d-model", type=int, default=1024)
-    parser.add_argument("--gpt-seq-len", type=int, default=1024)
-    parser.add_argument("--gpt-max-batch", type=int, default=256)
+    parser.add_argument("--gpt-layers", type=common.count, default=28)
+    parser.add_argument("--gpt-d-model", type=common.count, default=1024)
+    parser.add_argument("--gpt-seq-len", type=common.count, default=1024)
+    parser.add_argument("--gpt-max-batch", type=common.count, default=256)
     args = parser.parse_args(argv)
+    if args.numel is not None and args.numel < LAST_DIM:
+        parser.error(f"--numel: expected at least {LAST_DIM} (whole rows of {LAST_DIM}), got {args.numel}")
     device = torch.device(args.device)
     numel = (args.numel or DEFAULT_NUMEL[device.type]) // LAST_DIM * LAST_DIM
     rows, copy, nbytes, targets = run(device, numel, args.bits, not args.no_compile, args.repeat, args.warmup)

@@ -103,9 +103,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=common.count, default=None)
     parser.add_argument("--vocab", type=common.count, default=None)
-    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--hidden", type=common.count, default=None)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=common.count, default=7)
     parser.add_argument("--json", default=None)
     parser.add_argument("--peak-only", default=None, help=argparse.SUPPRESS)  # one row's peak, in this process
     args = parser.parse_args(argv)

@@ -45,6 +45,8 @@
 # and output is unbuffered, so a killed run still shows how far it got.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# without it every JSON would say "unknown", or name the commit of whatever checkout encloses the copy
+: "${EFFMEM_GIT_COMMIT:?set EFFMEM_GIT_COMMIT to the commit the tree holds (git rev-parse HEAD where it was copied from)}"
 OUT=${OUT:-bench/results/gpu-$(date -u +%F)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -106,9 +108,10 @@ for part in "${parts[@]}"; do
       OMP_NUM_THREADS=2 limit 120 "$PY" -m pytest -q -m cuda tests/test_quantize.py tests/test_fuzz.py \
         >"$OUT/kernels_tests.txt" 2>&1 || status=1
       tail -3 "$OUT/kernels_tests.txt"
-      limit 120 "$PY" bench/bench_compress.py --device cuda --bits 8 --json "$OUT/gpu_compress.json" || status=1
-      limit 90 "$PY" bench/bench_compress.py --device cuda --bits 4 --no-compile --json "$OUT/gpu_compress_4bit.json" \
-        || status=1 ;;
+      # files of their own: `bench kernels` would otherwise replace bench's (with its GPT steps) by these
+      limit 120 "$PY" bench/bench_compress.py --device cuda --bits 8 --json "$OUT/gpu_kernels_compress.json" || status=1
+      limit 90 "$PY" bench/bench_compress.py --device cuda --bits 4 --no-compile \
+        --json "$OUT/gpu_kernels_compress_4bit.json" || status=1 ;;
     demo)
       limit 150 "$PY" -m effmem.cli demo --json "$OUT/gpu_demo.json" || status=1 ;;
     offload)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_activations import CPU_MODEL, GPU_MODEL, SacCaches, progressions, setup  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from bench_activations import CPU_MODEL, GPU_MODEL, ROWS, SacCaches, progressions, setup  # noqa: E402
+from common import count, environment, write_json  # noqa: E402
 
 import effmem  # noqa: E402
 
@@ -64,12 +64,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", default="plain,effmem_fast,effmem_min")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--seq", type=int)
-    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--layers", type=count)
+    ap.add_argument("--batch", type=count)
+    ap.add_argument("--seq", type=count)
+    ap.add_argument("--top", type=count, default=15)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:   # setup() leaves a model it does not know as it is: a typo would be profiled as plain
+        ap.error(f"--rows: unknown {unknown}; expected some of {ROWS}")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     args.batch = args.batch or (8 if cuda else 2)

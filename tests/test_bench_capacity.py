@@ -78,6 +78,20 @@ def test_targets_read_the_rows():
     assert pick7["met"] is False and abs(pick7["value"] - 100 / 120) < 1e-12
 
 
+def test_a_target_whose_run_failed_is_not_met():
+    """An exact 7B run that ran out of memory, and a pick that failed, are NOT MET (they read n/a before);
+    a size with no pick tried has no verdict."""
+    rows = [dict(size="7b", status="out of memory", exact=True, state_bits=32, roles=["pick"]),
+            dict(size="7b", status="ok", exact=False, state_bits=8, mfu=0.40, tokens_per_s=120.0, roles=["adam8"]),
+            dict(size="3b", status="ok", exact=True, state_bits=32, mfu=0.4, tokens_per_s=50.0, roles=["anchor"])]
+    t = bench.targets(rows, smoke=False)
+    mfu = next(x for x in t if x["target"].startswith("7B"))
+    assert mfu["met"] is False and mfu["value"] is None
+    pick = {x["target"].split(":")[0]: x["met"] for x in t if "pick" in x["target"]}
+    assert pick == {"7b": False, "3b": None}
+    assert next(x for x in bench.targets(rows[2:], smoke=False) if x["target"].startswith("7B"))["met"] is None
+
+
 def test_a_smaller_gpu_memory_caps_the_allocator_there(monkeypatch):
     """--gpu-memory 80GB on a 141 GB card: the allocator's fraction is 80 GB less the CUDA context over the
     card's total; as large as the card or unset: no cap."""

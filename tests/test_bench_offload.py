@@ -97,3 +97,25 @@ def test_clipped_rows_clip_where_the_mode_can(monkeypatch):
     for exact in ("offload", "offload_async", "offload_device_accum"):
         assert abs(loss[exact] / loss["fused"] - 1) < 1e-5, exact
 
+
+
+def test_a_variant_that_failed_does_not_meet_its_target(monkeypatch):
+    """The CUDA targets with the GPU parts stubbed: a row that failed (out of memory) reads NOT MET with its
+    error, not n/a; a row that ran is judged by its ratio."""
+    monkeypatch.setattr(bench, "link_bandwidth", lambda device: {"h2d": 50.0, "d2h": 50.0})
+    monkeypatch.setattr(bench, "transfer_bandwidth", lambda model, device: {"gb_per_s": 45.0})
+    monkeypatch.setattr(bench.llama, "build", lambda size, device: None)
+
+    def steps(args, device, rows, saved):
+        rows += [{"name": "fused", "median_ms": 100.0, "vs_baseline": 1.0},
+                 {"name": "offload_async", "error": "OutOfMemoryError: CUDA out of memory"},
+                 {"name": "offload_overlap", "median_ms": 110.0, "vs_baseline": 1.1}]
+    monkeypatch.setattr(bench, "step_comparison", steps)
+    verdicts = []
+    bench.measure_steps(argparse.Namespace(device="cuda", size="1.3b", batch=8, seq=2048, accum=4, clip=None),
+                        {}, verdicts)
+    met = {v["target"].split(" step")[0]: v for v in verdicts}
+    failed = met["OffloadAdam (async_step: exact, clipping allowed)"]
+    assert failed["met"] is False and "out of memory" in failed["failed"]["offload_async"]
+    assert met["OffloadAdam (overlap)"]["met"] is True
+    assert met["OffloadAdam (delay: one-step-stale gradients)"]["met"] is None   # not run: no verdict

@@ -93,6 +93,7 @@ def test_a_cap_wider_than_the_cpu_runs_the_widest_it_has():
     (["plan", "gpt2", "--json", ""], "--json: expected a file path"),   # ignored, silently, before
     (["plan", "gpt2", "--chart", "/"], "is a folder"),
     (["frobnicate"], "invalid choice"),
+    (["demo", "--seed", "99999999999999999999"], "--seed: expected an int in [0, 2**63 - 1)"),   # each run failed
 ])
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -228,3 +229,22 @@ def test_a_model_whose_forward_refuses_the_trace_gets_a_message(tmp_path, capsys
         cli.main(["plan", "gpt2", "--device", "cpu"])
     assert exc.value.code == 2
     assert "failed in the model's forward (RuntimeError: The size of tensor a" in capsys.readouterr().err
+
+
+def test_results_that_cannot_be_written_at_the_end_are_an_error_not_a_traceback(monkeypatch, capsys, tmp_path):
+    """The paths are checked before planning, but a write can still fail at the end (a full disk, /proc for
+    root, whom os.access lets write anywhere); a .png without matplotlib is refused before planning."""
+    out = tmp_path / "plan.json"
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(json, "dump", fail)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "gpt2", "--batch", "2", "--seq", "64", "--json", str(out)])
+    assert exc.value.code == 2 and "cannot write the results (OSError: [Errno 28] No space left" in capsys.readouterr().err
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "gpt2", "--chart", str(tmp_path / "c.png")])
+    assert exc.value.code == 2 and "a .png needs matplotlib" in capsys.readouterr().err

@@ -356,3 +356,23 @@ print(peak() - base)
     # clean-clone CI run of 2026-11-27 measured 690 MB, 1.3 of them, where runs alone measure more)
     assert extra["unfused"] > 4096 * 32768 * 4
     assert extra["fused"] <= 0.03 * extra["unfused"], extra
+
+
+def test_the_vocabulary_chunk_holds_at_most_128_mb_of_logits_at_many_tokens():
+    """Past 256k tokens the default chunk has fewer than 128 vocabulary entries: 128 of them at 1M tokens
+    made 512 MiB of float32 logits, four times what the documentation promises."""
+    code = r"""
+import resource, torch, effmem
+torch.manual_seed(0)
+h, w, t = torch.randn(1 << 20, 8), torch.randn(1024, 8), torch.randint(0, 1024, (1 << 20,))
+effmem.linear_cross_entropy(h[:8], w, t[:8])
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak()
+effmem.linear_cross_entropy(h, w, t, reduction="none")
+print(peak() - base)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    # one chunk's logits (128 MiB) and the per-token loss and log-sum-exp (4 MiB each), with room for the
+    # allocator; 128 columns held 512 MiB
+    assert int(out.stdout.split()[-1]) < 200 << 20, out.stdout

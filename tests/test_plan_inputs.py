@@ -19,6 +19,8 @@ pytest.importorskip("transformers")
     (dict(batch=0), "batch: expected an int >= 1"),
     (dict(batch=3, gpus=2, gpu_memory="80GB"), "do not split evenly"),
     (dict(trainable="nothing_matches_this"), "matches no parameter"),
+    # one item of several matching nothing (GPT-2's lm_head is tied to wte): q_proj alone trained before, silently
+    (dict(trainable=r"attn\.c_attn,lm_head"), "'lm_head' matches no parameter .* tied to another"),
     (dict(trainable="layers#2:1"), "after '#' expected a:b"),
     (dict(trainable=r"ln_f\.bias#0:1000"), r"selects experts of a stacked parameter.*ln_f.bias has shape \(768,\)"),
     (dict(trainable=r"transformer\.h\.#0:2"), "selects experts of a stacked parameter"),
@@ -84,7 +86,30 @@ def test_parse_bytes_units():
         parse_bytes(80.0, "gpu_memory")
     with pytest.raises(ValueError, match="host_memory: expected a positive, finite size, got inf"):
         parse_bytes(float("inf"), "host_memory")
-    assert parse_bytes("80000000000", "x") == 80 * 10 ** 9 and parse_bytes("512B", "x") == 512
+    assert parse_bytes("80000000000", "x") == 80 * 10 ** 9 and parse_bytes("1e11", "x") == 10 ** 11
+    assert parse_bytes("1.5e2MB", "x") == 150 * 10 ** 6   # the exponent the numbers' own error suggests
+    with pytest.raises(ValueError, match="'512B' is 512 bytes, less than a MiB: expected a memory size"):
+        parse_bytes("512B", "x")   # accepted before, where '512' was refused
     with pytest.raises(ValueError, match=r"gpu_memory: '80' is 80 bytes, less than a MiB: give a unit \(for example "
                                          r"80GB\)"):
         parse_bytes("80", "gpu_memory")   # from the command line: 80GB meant
+
+
+def test_a_damaged_or_foreign_rates_cache_falls_back_to_the_defaults(monkeypatch, tmp_path):
+    """A cache holding a list, or another version's fields, broke every plan with an AttributeError or
+    TypeError (and --calibrate, which reads it first, could not repair it)."""
+    from effmem.plan import rates
+    cache = tmp_path / "plan_rates.json"
+    monkeypatch.setattr(rates, "_CACHE", cache)
+    cache.write_text("[]")
+    assert rates.rates_for("cpu") == rates.CPU_DEFAULT
+    cache.write_text(json.dumps({"cpu": {"device": "cpu", "foo": 1}}))
+    with pytest.warns(UserWarning, match="plan_rates.json's rates for 'cpu' do not fit this version"):
+        assert rates.rates_for("cpu") == rates.CPU_DEFAULT
+
+
+def test_a_gpu_count_plans_gpus_on_a_machine_without_one():
+    """The README's `--gpus 8` planned 8 CPU processes sharing this machine's memory where it has no GPU."""
+    p = effmem.plan("gpt2", batch=8, seq=64, gpus=8)
+    assert p.device == "cuda" and p.gpus == 8
+    assert effmem.plan("gpt2", batch=8, seq=64, gpus=2, device="cpu").device == "cpu"

@@ -251,6 +251,9 @@ def test_zero_size_last_dimension_round_trips_and_traces(device):
     torch.library.opcheck(torch.ops.effmem.quantize.default, (x, 8, 128, 0, True))
     torch.library.opcheck(torch.ops.effmem.dequantize.default, (codes, stats, 8, 128, 0, torch.float32))
     assert ops.dequantize(codes, stats, bits=8, group_size=128, shape=(5, 0), dtype=torch.float32).shape == (5, 0)
+    # codes of five zero-width rows (made by hand: quantize gives none): five rows back, as the fake kernel says
+    rows = torch.empty(5, 0, dtype=torch.uint8, device=device), torch.empty(5, 0, 2, device=device)
+    torch.library.opcheck(torch.ops.effmem.dequantize.default, (*rows, 8, 128, 0, torch.float32))
 
 
 @pytest.mark.parametrize("device", DEVICES)

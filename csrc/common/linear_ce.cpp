@@ -41,12 +41,13 @@ constexpr int64_t kRowBlock = 4096;                   // tokens per product into
 // Vocabulary entries per chunk: 1/64 of the vocabulary (so that the chunk's
 // logits and their temporaries stay a few percent of what the unfused logits
 // take), in multiples of 128 and at least 256 (matrix products too thin to run
-// well below that), but no more than kChunkBytes of float32 logits.
+// well below that), but no more than kChunkBytes of float32 logits: past 256k
+// tokens that is fewer than 128 columns, and the cap wins over the products' speed.
 int64_t chunk_size(int64_t tokens, int64_t vocab, int64_t requested) {
   if (requested > 0) return std::min(requested, vocab);
-  const int64_t fit = kChunkBytes / (4 * std::max<int64_t>(tokens, 1)) / 128 * 128;
+  const int64_t fit = kChunkBytes / (4 * std::max<int64_t>(tokens, 1));
   const int64_t share = std::max<int64_t>(256, vocab / 64 / 128 * 128);
-  return std::max<int64_t>(1, std::min({vocab, share, std::max<int64_t>(128, fit)}));
+  return std::max<int64_t>(1, std::min({vocab, share, fit >= 128 ? fit / 128 * 128 : fit}));
 }
 
 // a @ b with float32 output and float accumulation. bf16/fp16 inputs on CUDA use

@@ -44,7 +44,7 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& stats, int6
                           int64_t last_dim, at::ScalarType dtype) {
   check_dequantize_args(codes, stats, bits, group_size, last_dim, dtype);
   const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);
-  at::Tensor out = at::empty({l.rows, last_dim}, codes.options().dtype(dtype));
+  at::Tensor out = at::empty({codes.size(0), last_dim}, codes.options().dtype(dtype));  // rows as codes'
   if (out.numel() == 0) return out;
   const DequantJob job{codes.data_ptr<uint8_t>(), stats.data_ptr<float>(), out.data_ptr(), last_dim,
                        group_size, l.groups_per_row, l.row_bytes};

@@ -57,7 +57,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& stats, int
   check_dequantize_args(codes, stats, bits, group_size, last_dim, dtype);
   const c10::cuda::CUDAGuard guard(codes.device());
   const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);
-  at::Tensor out = at::empty({l.rows, last_dim}, codes.options().dtype(dtype));
+  at::Tensor out = at::empty({codes.size(0), last_dim}, codes.options().dtype(dtype));  // rows as codes'
   if (l.rows * l.groups_per_row == 0) return out;
   check_one_launch(l, group_size);
   const QuantShape s = make_shape(l, group_size);

@@ -325,6 +325,8 @@ def resolve_demo_settings(args, parser) -> dict:
     s["heads"] = args.heads if args.heads is not None else _default_heads(s["d_model"])
     if s["d_model"] % s["heads"]:
         parser.error(f"--d-model {s['d_model']} is not divisible by --heads {s['heads']}")
+    if not 0 <= args.seed < 2 ** 63 - 1:   # torch's generators take 64 bits; the held-out data uses seed + 1
+        parser.error(f"--seed: expected an int in [0, 2**63 - 1), got {args.seed}")
     s.update(device=device, seed=args.seed)
     if args.json is not None:
         from effmem.plan.chart import check_output

@@ -137,8 +137,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         reduction: "mean" (over the targets not ignored, as torch), "sum" or "none".
         label_smoothing: in [0, 1], as in ``torch.nn.functional.cross_entropy``.
         logit_softcap: ``cap * tanh(logits / cap)`` before the softmax (Gemma-style); None: none.
-        vocab_chunk: vocabulary entries per chunk; 0 chooses 1/64 of the vocabulary (at least 256,
-            at most 128 MB of float32 logits).
+        vocab_chunk: vocabulary entries per chunk; 0 chooses 1/64 of the vocabulary (at least 256), and
+            never more than 128 MB of float32 logits (past 256k tokens, fewer than 128 entries).
         grad_in_forward: make the gradients in the forward pass (three matrix products, or two for a
             frozen weight, instead of four; reduction "mean" or "sum"; see the module docstring).
             None (default): when a gradient is wanted and the weight is float32, or frozen on a GPU,

@@ -2,6 +2,7 @@
 
 SVG is written directly (no dependency); PNG needs matplotlib.
 """
+import importlib.util
 import os
 from pathlib import Path
 from typing import List, Tuple
@@ -56,6 +57,8 @@ def check_path(path: str) -> Path:
     out = check_output(path, "chart")
     if out.suffix.lower() not in (".svg", ".png"):
         raise ValueError(f"chart: expected a path ending in .svg or .png, got {path!r}")
+    if out.suffix.lower() == ".png" and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"chart: {path!r}: a .png needs matplotlib (pip install matplotlib); a .svg needs nothing")
     return out
 
 

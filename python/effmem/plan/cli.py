@@ -23,7 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host-memory", default=None, help="host memory (default: this machine's)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (default: this machine's, at least 1)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="train on (default: cuda when there is a GPU or --gpu-memory is given)")
+                   help="train on (default: cuda when there is a GPU or --gpu-memory or --gpus is given)")
     p.add_argument("--trainable", default=None, metavar="PATTERN",
                    help="comma-separated regular expressions of the parameters that train; "
                         "REGEX#a:b trains rows a..b-1 of a stacked parameter (experts)")
@@ -92,9 +92,12 @@ def cmd_plan(args) -> int:
         print(plan)
         if args.verify:
             print("\n" + format_verify(data["verify"]))
-    if args.json and args.json != "-":
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-    if args.chart:
-        print(f"chart: {write_chart(plan, args.chart)}", file=sys.stderr)
+    try:   # checked before planning, but a full disk or a path that vanished fails only now
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=1)
+        if args.chart:
+            print(f"chart: {write_chart(plan, args.chart)}", file=sys.stderr)
+    except (OSError, ImportError) as e:
+        args.subparser.error(f"cannot write the results ({type(e).__name__}: {e})")
     return 0 if plan.best else 1

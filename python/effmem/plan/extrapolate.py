@@ -76,9 +76,11 @@ class Extrapolated:
     it (plan/layer_kinds.py), a trace of the first layer and one of that kind: T(L) = T(1) + sum over kinds of
     n_k (T(1 + k) - T(1)); one kind (most models) is T(1) + (L-1)(T(2)-T(1)).
 
-    Exact when every layer of a kind saves the same tensors; tensors shared by all layers (rotary tables)
-    appear in every trace alike, so they are counted once. With `step` (another Extrapolated of the same
-    layers), the increments are taken from it."""
+    Exact when every layer of a kind saves the same tensors. Tensors the model makes once and hands to its
+    layers (masks, rotary tables: Record.shared) are counted once, from the trace that holds the most of them:
+    a later layer's kind may be the first to use one (Gemma2's full-attention mask, only in its odd layers) or
+    to save it (the rotary tables, where the first layer is frozen), and extrapolating them counted them per
+    layer. With `step` (another Extrapolated of the same layers), the increments are taken from it."""
 
     def __init__(self, one: Trace, pairs, layers: int, step: Optional["Extrapolated"] = None):
         self.one, self.pairs, self.layers, self.step = one, list(pairs), layers, step
@@ -112,14 +114,25 @@ class Extrapolated:
             return self._lin(lambda t: getattr(t, name))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def _records(self, f):
+        """f (a sum over a trace's records) of the whole model: the shared records once, the others per layer."""
+        own = self._lin(lambda t: f(t.part(False)))
+        traces = self._traces() + (self.step._traces() if self.step is not None else [])
+        shared = max((f(t.part(True)) for t in traces), key=lambda v: sum(v.values()) if isinstance(v, dict) else v)
+        return _add(own, shared, 1)
+
     def activations(self, strategy: str) -> Dict[str, int]:
-        return self._lin(lambda t: t.activations(strategy))
+        if strategy == "fast":   # the policy's compressor counted the layers' saves, shared or not
+            return self._lin(lambda t: t.activations(strategy))
+        return self._records(lambda t: t.activations(strategy))
 
     def saved_bytes(self, strategy: str) -> int:
-        return self._lin(lambda t: t.saved_bytes(strategy))
+        if strategy == "fast":
+            return self._lin(lambda t: t.saved_bytes(strategy))
+        return self._records(lambda t: t.saved_bytes(strategy))
 
     def offloaded_bytes(self) -> int:
-        return self._lin(lambda t: t.offloaded_bytes())
+        return self._records(lambda t: t.offloaded_bytes())
 
     def fast_compressed(self) -> int:
         return self._lin(lambda t: t.fast_compressed())

@@ -12,10 +12,18 @@ from typing import List, Sequence, Tuple
 from torch import nn
 
 
+# Attributes by which transformers' layers of one class differ: sliding-window or full attention per layer
+# (config.layer_types; Gemma2/3, Qwen2, Cohere2, Olmo3 name it in one of these), whose masks differ in size.
+_VARIANT_ATTRS = ("attention_type", "layer_type", "sliding_window", "is_sliding")
+
+
 def signature(layer: nn.Module) -> tuple:
-    """What decides the tensors a layer saves: its modules' types and its parameters' shapes."""
+    """What decides the tensors a layer saves: its modules' types, its parameters' shapes and its attention's
+    window."""
     return (tuple((n, type(m).__name__) for n, m in layer.named_modules()),
-            tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+            tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()),
+            tuple((n, a, getattr(m, a)) for n, m in layer.named_modules() for a in _VARIANT_ATTRS
+                  if isinstance(getattr(m, a, None), (str, int, bool))))
 
 
 def kinds(layers: Sequence[nn.Module], trained: Sequence[Tuple[bool, ...]] = (),
@@ -75,4 +83,10 @@ def keep_layers(model: nn.Module, path: str, keep: List[int]) -> nn.Module:
     if list(keep) != list(range(len(stack))):
         chosen = [stack[i] for i in keep]
         stack._modules = OrderedDict((str(j), m) for j, m in enumerate(chosen))
+        # the forward picks layer j's mask by config.layer_types[j]: the kept layers' own, in their new places
+        config = getattr(model, "config", None)
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, list) and len(types) > max(keep) and not isinstance(
+                getattr(type(config), "layer_types", None), property):   # (Jamba's is computed: no setter)
+            config.layer_types = [types[i] for i in keep] + types[len(keep):]
     return model

@@ -6,8 +6,8 @@ def fused_ce_buffers(tokens: int, vocab: int, hidden: int) -> int:
     """Backward buffers of effmem.linear_cross_entropy: one chunk's float32 logits and their gradient
     (chunk_size in csrc/common/linear_ce.cpp: 1/64 of the vocabulary in multiples of 128, at least 256,
     at most 128 MB of logits), and the float32 hidden gradient it sums into."""
-    fit = (128 << 20) // (4 * max(tokens, 1)) // 128 * 128
-    chunk = max(1, min(vocab, max(256, vocab // 64 // 128 * 128), max(128, fit)))
+    fit = (128 << 20) // (4 * max(tokens, 1))
+    chunk = max(1, min(vocab, max(256, vocab // 64 // 128 * 128), fit // 128 * 128 if fit >= 128 else fit))
     return 2 * 4 * tokens * chunk + 4 * tokens * hidden
 
 

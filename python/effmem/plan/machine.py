@@ -9,7 +9,7 @@ import torch
 
 
 def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
-    """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', '1e11', or a number of bytes; at least a MiB."""
     if text is None:
         return None
     if isinstance(text, (int, float)) and not isinstance(text, bool):
@@ -19,7 +19,7 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
             raise ValueError(f"{what}: {text!r} is {int(text)} bytes, less than a MiB: give a size with its unit "
                              f"('{text:g}GB') or bytes ({text:g}e9)")
         return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r}")
     unit = (m.group(2) or "B").upper()
@@ -29,8 +29,9 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     n = int(float(m.group(1)) * scale[unit])
     if n < 1:   # '0.5B': not a size (and 0 would read as 'not given')
         raise ValueError(f"{what}: expected a positive size, got {text!r} ({n} bytes)")
-    if m.group(2) is None and n < 1 << 20:   # '--gpu-memory 80': 80 bytes, where 80GB was meant
-        raise ValueError(f"{what}: {text!r} is {n} bytes, less than a MiB: give a unit (for example {text}GB)")
+    if n < 1 << 20:   # '--gpu-memory 80': 80 bytes, where 80GB was meant (and '1KB' is no memory to plan for)
+        raise ValueError(f"{what}: {text!r} is {n} bytes, less than a MiB: "
+                         + (f"give a unit (for example {text}GB)" if m.group(2) is None else "expected a memory size"))
     return n
 
 

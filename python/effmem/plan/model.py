@@ -8,6 +8,7 @@ decoder layers, from which every per-layer quantity is extrapolated exactly
 """
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,6 +300,8 @@ ModelArg = Union[str, dict, nn.Module, object]
 def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
     """Resolve the MODEL argument of effmem plan (preset, config.json path, config dict or object, module)."""
     which = Trainable.parse(trainable)
+    if isinstance(model, os.PathLike):   # a pathlib.Path to a config.json or its folder
+        model = os.fspath(model)
     if isinstance(model, nn.Module):
         blocks = find_blocks(model)[1]
         spec = ModelSpec(type(model).__name__, _param_infos(model, which), len(blocks), module=model)
@@ -323,13 +326,24 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
         spec = ModelSpec(name, _param_infos(full, which), config_layers(cfg), config=cfg,
                          build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
         path, blocks = find_blocks(full)
-        if len(blocks) == spec.num_layers:   # (else the trace's own checks say what it found)
-            trained = layer_kinds.trainability(full, path, blocks, lambda n, shape: which.numel(n, shape) > 0) \
-                if which.text is not None else ((), ())
-            spec.layer_kinds, spec.kind_signatures = layer_kinds.kinds(blocks, *trained)
+        if len(blocks) != spec.num_layers:   # (Jamba: attention and Mamba layers in one list)
+            raise ValueError(_mixed_layers(full, name, spec.num_layers))
+        trained = layer_kinds.trainability(full, path, blocks, lambda n, shape: which.numel(n, shape) > 0) \
+            if which.text is not None else ((), ())
+        spec.layer_kinds, spec.kind_signatures = layer_kinds.kinds(blocks, *trained)
     spec.trainable_text = which.text
-    if which.text is not None and spec.num_trainable == 0:
-        raise ValueError(f"trainable: {which.text!r} matches no parameter of {spec.name} "
-                         f"(names look like {spec.params[min(1, len(spec.params) - 1)].name!r}; a weight tied to "
-                         "another, as lm_head's to the embedding, goes by the first one's name)")
+    for pattern, _ in which.items:   # each item: 'q_proj,lm_head' trained q_proj alone, lm_head being tied
+        if not any(pattern.search(p.name) for p in spec.params):
+            raise ValueError(f"trainable: {pattern.pattern!r} matches no parameter of {spec.name} "
+                             f"(names look like {spec.params[min(1, len(spec.params) - 1)].name!r}; a weight "
+                             "tied to another, as lm_head's to the embedding, goes by the first one's name)")
     return spec
+
+
+def _mixed_layers(model: nn.Module, name: str, num_layers: int) -> str:
+    """Why a model's decoder layers were not found: the list of them holds several classes."""
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    classes = sorted({type(m).__name__ for m in stacks[0]}) if stacks else []
+    return (f"model: effmem plan models a stack of decoder layers of one class; {name}'s {num_layers} layers are "
+            + (f"of {len(classes)} classes ({', '.join(classes)})" if classes else "not a list effmem plan finds")
+            + ", which it does not support")

@@ -262,7 +262,7 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
          rates: Optional[Rates] = None) -> Plan:
     """Predict every candidate configuration's peak memory and step time; pick the fastest that fits.
 
-    model: a preset name (effmem.plan.preset_names()), a config.json path, a Hugging Face config or
+    model: a preset name (effmem.plan.model.preset_names()), a config.json path, a Hugging Face config or
     an nn.Module (any device; it is traced on meta tensors). batch: sequences per optimizer step over
     all GPUs; seq: tokens per sequence (default 2048, or fewer where the model's learned positions end);
     accum: micro-batches per step (searched when None).
@@ -303,8 +303,8 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom!r}")
     here = machine()
     gpu_mem = parse_bytes(gpu_memory, "gpu_memory")
-    if device is None:
-        device = "cuda" if (gpu_mem is not None or here["gpus"]) else "cpu"
+    if device is None:   # GPU memory or a GPU count asks for GPUs, also on a machine without one
+        device = "cuda" if (gpu_mem is not None or gpus is not None or here["gpus"]) else "cpu"
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
     host_mem = parse_bytes(host_memory, "host_memory") or here["host_memory"]

@@ -7,6 +7,7 @@ measured on this machine (``calibrate()``) is written to
 import json
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -74,16 +75,23 @@ _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "effme
 
 def _cached() -> dict:
     try:
-        return json.loads(_CACHE.read_text())
+        data = json.loads(_CACHE.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def rates_for(device: str) -> Rates:
-    """Rates for "cpu" or a GPU name: this machine's calibration if there is one, else the defaults."""
+    """Rates for "cpu" or a GPU name: this machine's calibration if there is one, else the defaults. An entry
+    this version cannot read (another version's fields, a damaged file) is passed over with a warning;
+    --calibrate writes it anew."""
     cached = _cached().get(device)
     if cached:
-        return Rates(**cached)
+        try:
+            return Rates(**cached)
+        except TypeError as e:
+            warnings.warn(f"effmem plan: {_CACHE}'s rates for {device!r} do not fit this version ({e}); using "
+                          "the defaults (effmem plan --calibrate measures them again)", stacklevel=2)
     if device == "cpu":
         return CPU_DEFAULT
     if "H100" not in device:

@@ -21,6 +21,7 @@ Device kernels are modelled as the target device runs them
 CPU's layer-norm statistics).
 """
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -67,6 +68,7 @@ class Record:
     first_block: Optional[int] = None    # first decoder layer that saved it
     boundary: bool = False               # a decoder layer's input
     block_input: bool = False            # its hidden-state input (what the "min" policy keeps in 8 bits)
+    shared: bool = False                 # another input, made outside the layers: one for all (masks, rotary)
     output: bool = False                 # part of what forward returned
     sac_output: bool = False             # a decoder layer's matmul/attention output (selective keeps it)
 
@@ -164,6 +166,11 @@ class Trace:
             by_kind[r.kind] += n
         return by_kind
 
+    def part(self, shared: bool) -> "Trace":
+        """This trace with only the records that the layers share (shared=True) or only the others, for the
+        extrapolation (plan/extrapolate.py), which counts the shared ones once."""
+        return dataclasses.replace(self, records={k: r for k, r in self.records.items() if r.shared == shared})
+
     def fast_compressed(self) -> int:
         return 0 if self.fast is None else self.fast.fast_compressed_bytes
 
@@ -258,6 +265,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     names = {id(m): n for n, m in model.named_modules()}
     stack: List[nn.Module] = []
     st = {"block": None, "after_head": False}
+    made_by_layers = set()   # storages a decoder layer returned: the next one's input, not a shared one
 
     alive: List[Tensor] = []  # keeps recorded storages from being freed and their addresses reused
 
@@ -290,12 +298,14 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
             st["block"] = i
             hidden = a[0] if a else kw.get("hidden_states")
             for t in _tensors((a, kw)):
-                record(t, boundary=True, block_input=t is hidden)
+                record(t, boundary=True, block_input=t is hidden,
+                       shared=t is not hidden and _storage(t)[0] not in made_by_layers)
 
     def post(mod, a, kw, out):
         stack.pop()
         if id(mod) in block_index:
             st["block"] = None
+            made_by_layers.update(_storage(t)[0] for t in _tensors(out))
         if mod is head:
             st["after_head"] = True
 
