@@ -77,10 +77,12 @@ class Extrapolated:
     n_k (T(1 + k) - T(1)); one kind (most models) is T(1) + (L-1)(T(2)-T(1)).
 
     Exact when every layer of a kind saves the same tensors. Tensors the model makes once and hands to its
-    layers (masks, rotary tables: Record.shared) are counted once, from the trace that holds the most of them:
-    a later layer's kind may be the first to use one (Gemma2's full-attention mask, only in its odd layers) or
-    to save it (the rotary tables, where the first layer is frozen), and extrapolating them counted them per
-    layer. With `step` (another Extrapolated of the same layers), the increments are taken from it."""
+    layers (masks, rotary tables: Record.shared) are counted once per kind of layer that brings them: a later
+    kind may be the first to use one (Gemma2's full-attention mask, only in its odd layers) or to save one
+    (the rotary tables, where the first layer is frozen; Gemma3's local and global ones, one per kind), and
+    extrapolating them counted them per layer. (Two kinds that both bring one tensor first count it twice: a
+    rotary table's bytes too many at most.) With `step` (another Extrapolated of the same layers), the
+    increments are taken from it."""
 
     def __init__(self, one: Trace, pairs, layers: int, step: Optional["Extrapolated"] = None):
         self.one, self.pairs, self.layers, self.step = one, list(pairs), layers, step
@@ -115,11 +117,12 @@ class Extrapolated:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _records(self, f):
-        """f (a sum over a trace's records) of the whole model: the shared records once, the others per layer."""
-        own = self._lin(lambda t: f(t.part(False)))
-        traces = self._traces() + (self.step._traces() if self.step is not None else [])
-        shared = max((f(t.part(True)) for t in traces), key=lambda v: sum(v.values()) if isinstance(v, dict) else v)
-        return _add(own, shared, 1)
+        """f (a sum over a trace's records) of the whole model: the shared records once per kind of layer that
+        brings them, the others per layer."""
+        shared = f(self.one.part(True))
+        for _, d in self._increments(lambda t: f(t.part(True))):
+            shared = _add(shared, d, 1)
+        return _add(self._lin(lambda t: f(t.part(False))), shared, 1)
 
     def activations(self, strategy: str) -> Dict[str, int]:
         if strategy == "fast":   # the policy's compressor counted the layers' saves, shared or not

@@ -86,6 +86,14 @@ def _storage(t: Tensor):
     return s._cdata, s.nbytes()
 
 
+def _a_slice(t: Tensor) -> bool:
+    """A part of a larger tensor (a view of another shape, not an expanded one): Gemma3n and Gemma4 hand each
+    decoder layer its slice of one per-layer stack, which grows with the layers as their own saves do, so it is
+    not one tensor shared by all of them (a mask or rotary table; an expanded mask is one)."""
+    base = t._base
+    return base is not None and 0 not in t.stride() and tuple(base.shape) != tuple(t.shape)
+
+
 def held_for_backward(out) -> List[Tensor]:
     """Tensors that autograd Functions of the graph behind `out` keep for backward outside saved tensors,
     listed in their ``ctx._effmem_held`` (effmem.linear_cross_entropy's gradients made in forward)."""
@@ -299,7 +307,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
             hidden = a[0] if a else kw.get("hidden_states")
             for t in _tensors((a, kw)):
                 record(t, boundary=True, block_input=t is hidden,
-                       shared=t is not hidden and _storage(t)[0] not in made_by_layers)
+                       shared=t is not hidden and _storage(t)[0] not in made_by_layers and not _a_slice(t))
 
     def post(mod, a, kw, out):
         stack.pop()
