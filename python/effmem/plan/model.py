@@ -327,7 +327,7 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
                          build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
         path, blocks = find_blocks(full)
         if len(blocks) != spec.num_layers:   # (Jamba: attention and Mamba layers in one list)
-            raise ValueError(_mixed_layers(full, name, spec.num_layers))
+            raise ValueError(_mixed_layers(full, name, spec.num_layers, len(blocks)))
         trained = layer_kinds.trainability(full, path, blocks, lambda n, shape: which.numel(n, shape) > 0) \
             if which.text is not None else ((), ())
         spec.layer_kinds, spec.kind_signatures = layer_kinds.kinds(blocks, *trained)
@@ -340,10 +340,12 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
     return spec
 
 
-def _mixed_layers(model: nn.Module, name: str, num_layers: int) -> str:
-    """Why a model's decoder layers were not found: the list of them holds several classes."""
+def _mixed_layers(model: nn.Module, name: str, num_layers: int, found: int) -> str:
+    """Why a model's decoder layers were not found: the list of them holds several classes (or is not there)."""
     stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
     classes = sorted({type(m).__name__ for m in stacks[0]}) if stacks else []
-    return (f"model: effmem plan models a stack of decoder layers of one class; {name}'s {num_layers} layers are "
-            + (f"of {len(classes)} classes ({', '.join(classes)})" if classes else "not a list effmem plan finds")
-            + ", which it does not support")
+    if len(classes) > 1:
+        return (f"model: effmem plan models a stack of decoder layers of one class; {name}'s {num_layers} layers "
+                f"are of {len(classes)} classes ({', '.join(classes)}), which it does not support")
+    return (f"model: effmem plan found {found} decoder layers in {name} where its config counts {num_layers}, "
+            "and cannot model it")
