@@ -366,3 +366,31 @@ def test_a_policy_sees_packed_sequences_as_transformers_checkpointing_does():
     assert torch.equal(got, want)
     # the cache is what changes it: the plain model's training forward makes one and attends across
     assert not torch.equal(llama()(input_ids=x, position_ids=pos, labels=x).loss, want)
+
+
+@pytest.mark.parametrize("policy", ["fast", "min"])
+def test_a_left_padded_row_keeps_its_exact_zeros_where_the_width_is_not_a_multiple_of_the_group(policy):
+    """Gemma3 at width 64 (groups of 128): the saved-tensor store quantised flat groups of 128 over the memory,
+    one group spanning two tokens, so a padded row of exact zeros (attention output of a masked query) came back
+    as its neighbour's rounding, and the huge gradient Gemma3's post-attention norm gives that row reached
+    o_proj's weight gradient, 16x plain's. Groups stay within rows now (as ops.quantize makes them)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    model = transformers.Gemma3ForCausalLM(cfg).float().train()
+    ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0   # left padding, as Gemma's tokenizer pads
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "o_proj" in n}
+    plain = grads()
+    apply_activation_policy(model, policy)
+    got = grads()
+    remove_activation_policy(model)
+    for name, g in plain.items():
+        assert ((got[name] - g).norm() / g.norm()).item() < 0.05, name

@@ -1,6 +1,7 @@
 """fuse_linear_cross_entropy on real transformers models (random weights, built from configs)."""
 import copy
 import inspect
+import re
 import warnings
 
 import pytest
@@ -295,6 +296,30 @@ def test_a_forward_that_changes_the_logits_is_refused():
         cls = getattr(transformers, name, None)
         if cls is not None:
             assert not _feeds_head_to_loss(inspect.getsource(cls.forward)), name
+
+
+def test_the_refusal_of_a_model_that_changes_its_logits_names_the_call_that_gives_its_loss():
+    """Gemma2's refusal advised linear_cross_entropy(hidden, lm_head.weight, labels): 16.80 where the model's
+    loss is 8.07. It names its soft-cap now (and Cohere's and Granite's scales), and that call is the loss."""
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    cases = {"Gemma2": (dict(head_dim=16, final_logit_softcapping=3.0), "logit_softcap=3.0"),
+             "Cohere": (dict(logit_scale=0.5), "hidden * 0.5, lm_head.weight"),
+             "Granite": (dict(logits_scaling=4.0), "hidden / 4.0, lm_head.weight")}
+    for family, (extra, call) in cases.items():
+        if not hasattr(transformers, f"{family}Config"):
+            continue
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(
+            **small, **extra)).eval()
+        with pytest.raises(TypeError, match=re.escape(call)):
+            effmem.fuse_linear_cross_entropy(model)
+        if family == "Gemma2":   # the named call gives the model's own loss
+            x = torch.randint(0, 128, (2, 16))
+            out = model(input_ids=x, labels=x, output_hidden_states=True)
+            hidden = out.hidden_states[-1][:, :-1].reshape(-1, 32)
+            mine = effmem.linear_cross_entropy(hidden, model.lm_head.weight, x[:, 1:].reshape(-1), logit_softcap=3.0)
+            torch.testing.assert_close(mine, out.loss)
 
 
 def test_a_forward_another_library_put_on_the_head_or_model_is_kept():

@@ -10,6 +10,7 @@
 #include "common/adam8_math.h"
 #include "common/adam_math.h"
 #include "common/quant_math.h"
+#include "common/swiglu_math.h"
 
 namespace effmem::cpu {
 
@@ -75,6 +76,13 @@ struct DequantJob {
 using QuantFn = void (*)(const QuantJob& job, int64_t group_begin, int64_t group_end);
 using DequantFn = void (*)(const DequantJob& job, int64_t group_begin, int64_t group_end);
 
+// SwiGLU and its gradients over n elements (common/swiglu_math.h), for the "fast" activation policy's op:
+// the shared scalar math, which each ISA unit's compiler vectorises (its exponential's range clamps and the
+// roundings become blends under -fno-trapping-math).
+using SwigluFn = void (*)(const void* gate, const void* up, void* out, int64_t n);
+using SwigluBackwardFn = void (*)(const void* grad, const void* gate, const void* up, void* dgate, void* dup,
+                                  int64_t n);
+
 struct KernelTable {
   const char* name;
   AdamFn adam[kNumDTypes][kNumDTypes];  // [param dtype][grad dtype]
@@ -83,6 +91,8 @@ struct KernelTable {
   AddFn add[kNumDTypes];
   QuantFn quantize[kNumDTypes][2];      // [dtype][0: 4 bits, 1: 8 bits]
   DequantFn dequantize[kNumDTypes][2];
+  SwigluFn swiglu[kNumDTypes];
+  SwigluBackwardFn swiglu_backward[kNumDTypes];
 };
 
 const KernelTable& kernels_scalar();

@@ -1,7 +1,8 @@
 // CPU implementations of the "fast" activation policy's elementwise ops, the per-element math of
 // common/swiglu_math.h and common/rms_norm_math.h (no libm call: the same bits as the CUDA kernels) over
 // spans of the flattened tensors (rows for rms_norm_apply), one span per task of the intra-op pool; the
-// results do not depend on the thread count.
+// results do not depend on the thread count. SwiGLU's spans run the kernel table's (cpu/kernels.inc),
+// compiled for this CPU's vector unit.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -12,8 +13,8 @@
 
 #include "common/checks.h"
 #include "common/rms_norm_math.h"
-#include "common/swiglu_math.h"
 #include "common/thread_pool.h"
+#include "cpu/dispatch.h"
 
 namespace effmem::cpu {
 namespace {
@@ -43,16 +44,13 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
   check_swiglu_args(nullptr, gate_in, up_in);
   const at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
   at::Tensor out = at::empty_like(gate, at::MemoryFormat::Contiguous);
-  with_storage(gate.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* g = static_cast<const T*>(gate.data_ptr());
-    const T* u = static_cast<const T*>(up.data_ptr());
-    T* o = static_cast<T*>(out.data_ptr());
-    for_spans(gate.numel(), kSpan, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        store_float(o + i, swiglu_value<T>(load_as_float(g + i), load_as_float(u + i)));
-      }
-    });
+  const SwigluFn fn = kernels().swiglu[dtype_index(gate.scalar_type(), "gate")];
+  const int64_t size = gate.element_size();
+  const char* g = static_cast<const char*>(gate.data_ptr());
+  const char* u = static_cast<const char*>(up.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  for_spans(gate.numel(), kSpan, [&](int64_t begin, int64_t end) {
+    fn(g + begin * size, u + begin * size, o + begin * size, end - begin);
   });
   return out;
 }
@@ -63,21 +61,16 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_in
   const at::Tensor grad = grad_in.contiguous(), gate = gate_in.contiguous(), up = up_in.contiguous();
   at::Tensor dgate = at::empty_like(gate, at::MemoryFormat::Contiguous);
   at::Tensor dup = at::empty_like(gate, at::MemoryFormat::Contiguous);
-  with_storage(gate.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* dy = static_cast<const T*>(grad.data_ptr());
-    const T* g = static_cast<const T*>(gate.data_ptr());
-    const T* u = static_cast<const T*>(up.data_ptr());
-    T* dg = static_cast<T*>(dgate.data_ptr());
-    T* du = static_cast<T*>(dup.data_ptr());
-    for_spans(gate.numel(), kSpan, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        float a, b;
-        swiglu_grads<T>(load_as_float(dy + i), load_as_float(g + i), load_as_float(u + i), &a, &b);
-        store_float(dg + i, a);
-        store_float(du + i, b);
-      }
-    });
+  const SwigluBackwardFn fn = kernels().swiglu_backward[dtype_index(gate.scalar_type(), "gate")];
+  const int64_t size = gate.element_size();
+  const char* dy = static_cast<const char*>(grad.data_ptr());
+  const char* g = static_cast<const char*>(gate.data_ptr());
+  const char* u = static_cast<const char*>(up.data_ptr());
+  char* dg = static_cast<char*>(dgate.data_ptr());
+  char* du = static_cast<char*>(dup.data_ptr());
+  for_spans(gate.numel(), kSpan, [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * size;
+    fn(dy + at, g + at, u + at, dg + at, du + at, end - begin);
   });
   return {dgate, dup};
 }

@@ -137,8 +137,20 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
     src = base;
   }
   const bool is_bool = t.scalar_type() == at::kBool;
-  const int64_t n = src.numel(), nbytes = n * static_cast<int64_t>(src.element_size()), g = group_size_;
-  const int64_t rows = n % g == 0 ? n / g : 1, cols = n % g == 0 ? g : n;
+  const int64_t n = src.numel(), nbytes = n * static_cast<int64_t>(src.element_size());
+  // Groups within the rows of the memory's last dimension d: flat groups of g where d is a multiple of g, one
+  // group per row where d is a smaller group size (32, 64, 128 dividing g), else rows of d ending in a part
+  // group, as ops.quantize makes them. Flat groups of g over the memory spanned two rows (tokens): a
+  // left-padded row of exact zeros came back as its neighbour's rounding, and the huge gradient a norm gives
+  // such a row reached the weights (Gemma3 at width 64: o_proj's gradient 16x off). compress/_codec.py's
+  // saved_groups is the same rule.
+  const int64_t d = src.dim() > 0 && src.size(-1) > 0 ? src.size(-1) : std::max<int64_t>(n, 1);
+  int64_t rows = n / d, cols = d, g = group_size_;
+  if (d % g == 0) {
+    rows = n / g, cols = g;
+  } else if (d >= 32 && g % d == 0) {
+    g = d;   // 32, 64 or 128 below g: whole groups, one per row
+  }
   const QuantLayout packed = quant_layout(n, cols, bits_, g);
   if (!is_bool && packed.rows * (packed.row_bytes + packed.groups_per_row * 2 * 4) >= nbytes) return keep(kNoGain);
 

@@ -180,9 +180,9 @@ class BudgetPolicy:
         layer_s = time.perf_counter() - t0
         codes = sum(p.numel() * p.element_size() for e in entries for p in _parts(e))
         host_per_layer = sum(aligned_bytes(_parts(e)) for e in entries)
-        n = hidden.numel()
         g = self.group_size
-        rows, cols = (n // g, g) if n % g == 0 else (1, n)
+        cols = hidden.shape[-1] if hidden.dim() and hidden.shape[-1] else 1
+        rows = hidden.numel() // cols   # "min" keeps the layer input as quantize's rows (checkpoint.py)
         nbytes = {"plain": plain, "fast": probe.stats.total_bytes_after,
                   "offload": probe.stats.total_bytes_after - codes,
                   "min": (hidden.numel() * hidden.element_size() if routes_tokens(layer)   # kept as it is

@@ -10,6 +10,8 @@ Also here: argument checks shared by every entry point, and bit-packing of
 bool masks (plain torch ops, eight flags per byte).
 """
 
+from typing import Tuple
+
 import torch
 from torch import Tensor
 
@@ -18,6 +20,15 @@ from effmem import ops as _ops
 # The dtypes the kernels take; float64 and the float8 types are kept as they are.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 check_config = _ops.check_quant_config
+
+
+def saved_groups(n: int, last_dim: int, group_size: int) -> Tuple[int, int, int]:
+    """(rows, cols, group size) the saved-tensor store (csrc/saved/store.cpp, which says why) quantises n elements
+    of memory whose last dimension is last_dim as: groups within rows."""
+    d = last_dim if last_dim > 0 else max(n, 1)
+    if d % group_size == 0:
+        return n // group_size, group_size, group_size
+    return n // d, d, (d if d >= 32 and group_size % d == 0 else group_size)
 
 
 def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:

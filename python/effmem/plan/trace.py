@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from effmem.compress._codec import packed_bytes
+from effmem.compress._codec import packed_bytes, saved_groups
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
@@ -163,8 +163,8 @@ class Trace:
                 continue
             if strategy.startswith("compress") and r.compressible(cfg):
                 bits = int(strategy[len("compress"):])
-                n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(
-                    n // r.elem_size // r.last_dim, r.last_dim, bits, cfg.group_size)
+                rows, cols, group = saved_groups(n // r.elem_size, r.last_dim, cfg.group_size)
+                n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(rows, cols, bits, group)
             if strategy == "checkpoint8" and r.block_input and not r.saved_outside and not self.routed:
                 # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows (as it is for a
                 # layer that routes tokens to experts: routes_tokens).
