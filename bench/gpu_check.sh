@@ -36,6 +36,9 @@
 #   --gpu-memory below); build capacity_13b; profile_activations.py --rows effmem_fast,effmem_budget (the budget
 #   row's eager offload cost 1.179x where compiled it cost nothing); build tests demo (the whole suite).
 #   compress8's step time is not modelled (0.41-1.12x of measured on 2026-11-28).
+#   2026-11-29 also changed the saved-tensor store's groups (within rows: TinyLlama's 64-wide heads are groups
+#   of 64 now, twice the statistics): activations' "fast" row (0.910x, 0.245x of the saves on 2026-11-27) wants
+#   measuring again.
 # A build that the machine already did takes seconds, so the build's 300 s is a ceiling on a cold one.
 # The device gets a copy of the working tree without
 # .git, so pass the commit it holds in EFFMEM_GIT_COMMIT (from

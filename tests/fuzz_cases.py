@@ -379,7 +379,8 @@ def check_compress(case):
     if ctx.stats.num_compressed == 0:
         assert same(back, x.detach())
         return
-    rows, cols = (n // g, g) if n % g == 0 else (1, n)
+    from effmem.compress._codec import saved_groups   # the store's layout: groups within rows
+    rows, cols, g = saved_groups(n, x.shape[-1] if x.dim() else 1, g)
     codes, stats = reference.quantize(x.detach().reshape(rows, cols).cpu(), case["bits"], g, 0, False)
     expected = reference.dequantize(codes, stats, g, x.shape, x.dtype, case["bits"])
     assert same(back.cpu(), expected), "restored tensor differs from the reference round trip"

@@ -101,13 +101,31 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.effmem.swiglu_backward.default, (dy, g, u))
 
 
-def test_policy_swiglu_takes_the_kernels_on_cpu_but_in_float16():
-    """The CPU's float32 and bf16 kernels are vectorised and beat the torch ops; its fp16 one is not and does
-    not (see fused._swiglu_kernel_applies). With a GPU the test below checks that CUDA tensors take them."""
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert fused._swiglu_kernel_applies(*inputs(dtype, n=64)) == (dtype != torch.float16)
+def test_policy_swiglu_uses_torch_ops_on_cpu():
+    """On a CPU the torch ops are the faster path (see fused._swiglu_kernel_applies); with a GPU the test
+    below checks that CUDA tensors take the kernels."""
     dy, g, u = inputs(torch.bfloat16, n=64)
-    assert not fused._swiglu_kernel_applies(dy, g, u[:32])
+    assert not fused._swiglu_kernel_applies(dy, g, u)
+
+
+def test_every_vector_unit_gives_the_same_bits():
+    """The kernels are compiled per vector unit (cpu/kernels.inc, vectorised by the compiler); each unit this CPU
+    runs gives the scalar unit's bits, NaN, infinities and the exponential's clamps included."""
+    from effmem import _C
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 88.5, -88.5, 87.5, -87.5, 0.0])
+    units, before = _C.supported_cpu_isas().split(","), _C.cpu_isa()
+    for dtype in DTYPES:
+        dy, g, u = inputs(dtype, n=4099)
+        g[:10] = specials.to(dtype)
+        got = {}
+        try:
+            for unit in units:
+                _C.set_cpu_isa(unit)
+                got[unit] = [t.view(torch.uint8) for t in (ops.swiglu(g, u), *ops.swiglu_backward(dy, g, u))]
+        finally:
+            _C.set_cpu_isa(before)
+        for unit in units[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(got[units[0]], got[unit])), (dtype, unit)
 
 
 @pytest.mark.cuda
