@@ -208,3 +208,34 @@ def test_scheduler_changes_the_update():
     params[0].grad = torch.randn(64)
     opt.step()
     assert torch.equal(params[0].detach(), after_first)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_step_with_a_cpu_lr_tensor_is_one_graph_and_matches_eager(device):
+    """torch's recipe for a compiled optimizer step under a schedule: the lr in a CPU tensor, changed in
+    place. Reading its value in Python would break the graph at every step; the kernel checks it instead,
+    so a bad value is still refused (on the CPU; on a GPU the kernel's refusal is tested elsewhere) and
+    the compiled steps match eager ones bit for bit."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        params = make_params(torch.bfloat16, device)
+        lr = torch.tensor(1e-2)
+        opt = effmem.FusedAdam(params, lr=lr, weight_decay=0.1)
+        step = torch.compile(opt.step, backend="aot_eager", fullgraph=True) if compiled else opt.step
+        for i in range(3):
+            for p, g in zip(params, random_grads(params)):
+                p.grad = g
+            step()
+            lr.fill_(1e-2 / (2 + i))   # a schedule's in-place change
+        runs.append([p.detach().clone() for p in params])
+        assert opt.state[params[0]]["step"].item() == 3.0
+        if compiled and device == "cpu":
+            lr.fill_(float("nan"))
+            before = [p.detach().clone() for p in params]
+            with pytest.raises(Exception, match="lr_tensor must hold a finite number >= 0"):
+                step()
+            assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -30,14 +30,19 @@ def whole(value: Any, name: str, minimum: int, unit: str = "") -> int:
     return value
 
 
+def lr_tensor_shape(lr: Tensor, where: str = "lr") -> None:
+    """A one-element floating tensor (its value not read), or a ValueError naming the argument."""
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise ValueError(f"{where}: expected a float or a one-element floating tensor, got a tensor of shape "
+                         f"{tuple(lr.shape)} and dtype {lr.dtype}")
+
+
 def lr_value(lr: Any, where: str = "lr") -> None:
     """A float or one-element floating tensor holding a finite number >= 0. A tensor's value is
     read, which for a CUDA tensor is one host sync: call this when an lr is given or assigned,
     not per step (the CUDA kernel refuses a bad value that appears on the device later)."""
     if isinstance(lr, Tensor):
-        if lr.numel() != 1 or not lr.is_floating_point():
-            raise ValueError(f"{where}: expected a float or a one-element floating tensor, got a tensor of shape "
-                             f"{tuple(lr.shape)} and dtype {lr.dtype}")
+        lr_tensor_shape(lr, where)
         value = float(lr)
         if not (value >= 0.0 and math.isfinite(value)):
             raise ValueError(f"{where}: expected a finite number >= 0, got a tensor holding {value!r}")

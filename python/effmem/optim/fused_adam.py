@@ -62,7 +62,8 @@ class FusedAdam(AdamBase):
     An lr tensor is checked (finite, >= 0) when it is given or assigned to a
     param group; one changed in place later is checked on the device: the
     kernel leaves the parameters unchanged for that step (and does not count
-    it), and the next ``step()`` raises. ``load_state_dict`` checks the whole
+    it), and the next ``step()`` raises. A CPU lr tensor is checked at every step (by the kernel under
+    ``torch.compile``, where reading it in Python would break the graph). ``load_state_dict`` checks the whole
     checkpoint (shapes, dtypes, step counts, hyper-parameters) before it
     changes anything.
     """
@@ -223,11 +224,15 @@ class FusedAdam(AdamBase):
         """Every group's settings, before any is stepped: a refused step changes nothing (no step counts
         advanced, no group updated). An lr held in a CPU tensor is read each step (no sync); one in a
         CUDA tensor when it is given or assigned (one host sync), later changes on the device are the
-        kernel's to refuse."""
+        kernel's to refuse. Under torch.compile a CPU tensor's value is the kernel's to check too: reading
+        it here would break the compiled graph at every step."""
         _validate.groups(self.param_groups, check_lr=False)
+        compiling = torch.compiler.is_compiling()
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
-            if not (isinstance(lr, Tensor) and lr.is_cuda):
+            if isinstance(lr, Tensor) and not lr.is_cuda and compiling:
+                _validate.lr_tensor_shape(lr, f"param_groups[{gi}]['lr']")
+            elif not (isinstance(lr, Tensor) and lr.is_cuda):
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
             elif self._lr_checked.get(gi) is not lr and not _capturing():
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
@@ -332,7 +337,8 @@ def _lr_and_advance(lr, device: torch.device, inf: Optional[Tensor]):
     """A group's lr for the kernels on `device` (a float, or a float32 tensor there) and by how
     much the step counts advance (None: by 1): by 0 on the device for a step the kernel skips,
     for found_inf (GradScaler sums it over devices, so it may exceed 1) or an lr it refuses."""
-    if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
+    if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu" \
+            and not torch.compiler.is_compiling():   # compiled, the 4-byte copy is the graph's, a read would break it
         lr = float(lr)  # a host read; copying it to the GPU would block on a pageable copy
     lr_tensor = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else None
     advance = None if inf is None else inf == 0

@@ -124,15 +124,15 @@ class Extrapolated:
             shared = _add(shared, d, 1)
         return _add(self._lin(lambda t: f(t.part(False))), shared, 1)
 
+    def _by_strategy(self, strategy: str, f):
+        # Under "fast" the policy's compressor counted the layers' saves, shared or not: per layer, no records.
+        return (self._lin if strategy == "fast" else self._records)(f)
+
     def activations(self, strategy: str) -> Dict[str, int]:
-        if strategy == "fast":   # the policy's compressor counted the layers' saves, shared or not
-            return self._lin(lambda t: t.activations(strategy))
-        return self._records(lambda t: t.activations(strategy))
+        return self._by_strategy(strategy, lambda t: t.activations(strategy))
 
     def saved_bytes(self, strategy: str) -> int:
-        if strategy == "fast":
-            return self._lin(lambda t: t.saved_bytes(strategy))
-        return self._records(lambda t: t.saved_bytes(strategy))
+        return self._by_strategy(strategy, lambda t: t.saved_bytes(strategy))
 
     def offloaded_bytes(self) -> int:
         return self._records(lambda t: t.offloaded_bytes())
