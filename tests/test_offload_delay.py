@@ -8,11 +8,13 @@ that holds the previous step's weights), so the two must agree bit for bit.
 import contextlib
 import functools
 import copy
+import time
 
 import pytest
 import torch
 
 from effmem import FusedAdam, OffloadAdam, demo_model
+from effmem.optim import _offload_guards
 from effmem.cli import lr_lambda
 from offload_helpers import HP, assert_same_training, batches, finish_step, tiny_gpt, train
 
@@ -220,6 +222,29 @@ def test_delay_failing_update_raises_at_the_next_backward_and_installs_nothing()
     assert off._engine.closed
 
 
+def test_delay_update_failing_after_earlier_buckets_went_up_says_the_model_holds_part_of_a_step():
+    """Each install waits for its own bucket's update only, so a later bucket's failure can land after the
+    next backward installed the earlier buckets' weights: the error says so (and how many), not that
+    nothing was installed. The second bucket's update fails 1.5 s in, long after the first bucket's
+    weights went up at the start of the backward."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 8, bias=False),
+                            torch.nn.Tanh(), torch.nn.Linear(8, 1, bias=False))
+    off = OffloadAdam(m.parameters(), lr=0.1, delay=True, bucket_size=1)   # a bucket per layer, last first
+    x = torch.randn(4, 8)
+    m(x).sum().backward()
+    off._engine.fail_next_update("simulated failure in the update worker", after=1, delay_ms=1500)
+    off.step()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"simulated failure .*after 1 parameters had received that step's new "
+                                           "weights.*holds part of a step"):
+        m(x).sum().backward()
+    changed = [not torch.equal(a, b) for a, b in zip(before, m.parameters())]
+    assert changed == [False, False, True]   # the last layer (bucket 0) went up, nothing else
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        off.close()
+
+
 def test_delay_and_overlap_are_exclusive():
     with pytest.raises(ValueError, match="overlap, delay"):
         OffloadAdam([torch.nn.Parameter(torch.randn(4))], overlap=True, delay=True)
@@ -275,15 +300,24 @@ def test_reentrant_checkpointing_nests_a_backward_that_is_not_a_failure(mode):
     off.close()
 
 
-def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_that_ran():
+@pytest.mark.parametrize("copy_delay_us,attached", [(0, False), (5000, False), (5000, True)])
+def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_that_ran(copy_delay_us, attached,
+                                                                                          monkeypatch):
     """A backward that raised, then the next one without zero_grad() (a skipped micro-batch): the failed
     task stays open, and the retry's first hook used to install every pending weight mid-backward. Now the
     retry's gradients are those of the weights its forward read (its sum with what the failed one handed
-    over, as torch's .grad would hold)."""
+    over, as torch's .grad would hold). The weights the failed backward installed (the last layer's) were
+    never fenced (its end-of-backward callback never runs), so a slow copy landed between the user's reads
+    (1 run in hundreds under load; every run with the copy delayed and a pause before the forward). Now the
+    failed task's end fences; attached, the model's forward pre-hook does too (on a GPU autograd's device
+    thread may free the task after backward() has raised): tested here with the first taken away."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
                             torch.nn.Linear(8, 1))
-    opt = OffloadAdam(m.parameters(), lr=0.1, delay=True, bucket_size=1)
+    opt = OffloadAdam(m.parameters(), lr=0.1, delay=True, bucket_size=1, _host_delay_us=copy_delay_us)
+    if attached:
+        opt.attach(m)
+        monkeypatch.setattr(_offload_guards, "_fence_unless_reached", lambda state, engine: None)
     x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(3)]
     for k in range(2):   # an update is pending after these
         m(x[k]).sum().backward()
@@ -298,8 +332,16 @@ def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_
         m[4](m[3](h)).sum().backward()
     got = {}
     m[0].weight.register_hook(lambda g: got.setdefault("g", g.clone()))
-    used = copy.deepcopy(m)   # the weights the retry's forward reads
+
+    def take_weights(*_):
+        got["used"] = copy.deepcopy(m)   # the weights the retry's forward reads
+        time.sleep(0.02)                 # a copy still in flight would land here
+    if attached:   # the fence is the forward's: read where the forward reads, after attach's pre-hook
+        m.register_forward_pre_hook(take_weights)
+    else:
+        take_weights()
     m(x[1]).sum().backward()
+    used = got["used"]
     want = torch.autograd.grad(used(x[1]).sum(), used[0].weight)[0]
     assert torch.equal(got["g"], want)
     opt.close()

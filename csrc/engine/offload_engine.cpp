@@ -237,9 +237,12 @@ void OffloadEngine::set_group(int64_t group, const GroupHparams& h) {
   groups_[static_cast<size_t>(group)] = h;
 }
 
-void OffloadEngine::fail_next_update(const std::string& message) {
+void OffloadEngine::fail_next_update(const std::string& message, int64_t after, int64_t delay_ms) {
+  TORCH_CHECK_VALUE(after >= 0 && delay_ms >= 0, "fail_next_update: after and delay_ms must be >= 0");
   std::lock_guard<std::mutex> lock(qmu_);
   fail_message_ = message.empty() ? "injected failure" : message;
+  fail_after_ = after;
+  fail_delay_ms_ = delay_ms;
 }
 
 // ------------------------------------------------------------------ views and counters

@@ -163,10 +163,12 @@ class OffloadEngine {
   int64_t param_updates() const { return updates_.load(); }
   const std::string& backend() const { return options_.backend; }
 
-  // Makes the next bucket update throw (to test error propagation).
-  void fail_next_update(const std::string& message);
+  // Testing: makes a bucket update throw (error propagation): the next one, or the one after `after`
+  // more have run, `delay_ms` into it (a failure that lands after earlier buckets were installed).
+  void fail_next_update(const std::string& message, int64_t after = 0, int64_t delay_ms = 0);
 
  private:
+  void check_installable();
   struct Param {
     at::Tensor tensor;
     int64_t numel, bucket, group, offset;  // offset: elements into the bucket's buffers
@@ -254,6 +256,10 @@ class OffloadEngine {
   std::exception_ptr error_;
   std::vector<int> free_chunks_;
   std::string fail_message_;
+  int64_t fail_after_ = 0, fail_delay_ms_ = 0;
+  // Delay mode: parameters given the new weights of the updates queued by the last step(), so that a
+  // later bucket's failure can say that the model holds part of that step.
+  int64_t installed_since_step_ = 0;
   std::atomic<bool> closed_{false};
   mutable std::shared_mutex lifetime_;
   const pid_t owner_ = getpid();  // a forked child has the engine but not its threads

@@ -2,8 +2,10 @@
 // bucket, installing delayed weights, and step / zero_grad / synchronize.
 // Construction, the workers and views are in offload_engine.cpp, the gradient hand-over in offload_grads.cpp.
 #include <algorithm>
+#include <chrono>
 #include <future>
 #include <memory>
+#include <thread>
 
 #include "cpu/dispatch.h"
 #include "engine/offload_engine.h"
@@ -63,14 +65,19 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
 void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, double grad_scale,
                                const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams,
                                int side) {
+  std::string fail;
+  int64_t fail_delay_ms = 0;
   {
     std::lock_guard<std::mutex> lock(qmu_);
     if (error_) return;  // already failed: leave the state as it was at the failure
-    if (!fail_message_.empty()) {
-      const std::string message = std::move(fail_message_);
-      fail_message_.clear();
-      throw std::runtime_error(message);
+    if (!fail_message_.empty() && fail_after_-- == 0) {
+      std::swap(fail, fail_message_);
+      fail_delay_ms = fail_delay_ms_;
     }
+  }
+  if (!fail.empty()) {  // the delay outside the lock: the backward's hooks take it too
+    std::this_thread::sleep_for(std::chrono::milliseconds(fail_delay_ms));
+    throw std::runtime_error(fail);
   }
   for (const TicketPtr& t : waits) t->wait();
   const Bucket& b = buckets_[static_cast<size_t>(bucket)];
@@ -159,9 +166,32 @@ void OffloadEngine::install(int64_t i) {
     updated = p.updated;
   }
   updated.wait();  // normally long done: it ran during this forward and backward
-  check_usable();  // a failed update left no weights to install
+  check_installable();  // a failed update left no weights to install
   std::lock_guard<std::mutex> lock(mu_);
-  if (p.pending_upload) upload_pending_locked(p);
+  if (p.pending_upload) {
+    upload_pending_locked(p);
+    ++installed_since_step_;
+  }
+}
+
+void OffloadEngine::check_installable() {
+  // Each install waits for its own bucket's update only (waiting for the whole step's would hold the
+  // backward until the last bucket's update is done), so a later bucket's failure can come after
+  // earlier buckets went up: say so rather than imply that nothing was installed.
+  try {
+    check_usable();
+  } catch (const std::exception& e) {
+    int64_t installed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      installed = installed_since_step_;
+    }
+    if (installed == 0) throw;
+    throw std::runtime_error(std::string(e.what()) + " (after " + std::to_string(installed) +
+                             " parameters had received that step's new weights, their buckets' updates having "
+                             "finished first: the model holds part of a step; restore its weights and the "
+                             "optimizer from a checkpoint)");
+  }
 }
 
 void OffloadEngine::install_for_forward(const std::vector<int64_t>& ids) {
@@ -228,6 +258,7 @@ void OffloadEngine::step(double grad_scale) {
     }
     if (options_.delay) {
       for (Param& p : params_) p.queued = p.landed = false;
+      installed_since_step_ = 0;
       side_ ^= 1;  // the next step's gradients land beside the weights being computed
     }
   }

@@ -141,8 +141,9 @@ void bind_engine(py::module_& m) {
       .def("counters", guarded(&E::counters))
       .def_property_readonly("param_updates", &E::param_updates,
                              "Bucket-parameter updates done so far (one atomic read: no lock, the GIL kept)")
-      .def("fail_next_update", &E::fail_next_update, py::arg("message") = "",
-           "Testing: make the next bucket update raise");
+      .def("fail_next_update", &E::fail_next_update, py::arg("message") = "", py::arg("after") = 0,
+           py::arg("delay_ms") = 0, "Testing: make a bucket update raise (the next, or after `after` more), "
+           "`delay_ms` into it");
 }
 
 }  // namespace effmem::engine

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from effmem._dynamo import forget_compiled_code
+from effmem.optim._offload_guards import _backward_depth
 from effmem.optim._validate import is_dtensor
 
 
@@ -147,6 +148,10 @@ class _Flush(_EngineHook):
         if opt is None:
             return
         if self.eval_forward and (module.training or torch.is_grad_enabled()):
+            # Training: after a backward that raised (its task still open, none running on this thread), the
+            # weights its hooks installed are ordered before this forward reads them (delay).
+            if opt._open_tasks and _backward_depth() == 0:
+                opt._engine.fence()
             return   # evaluation is an eval-mode forward without gradients; training in eval mode keeps its overlap
         opt._engine.synchronize()
 

@@ -34,6 +34,21 @@ def _nested(where: Tuple[int, int], outer: Tuple[int, int]) -> bool:
     return _ENGINE_RUN is None or (where[0] == outer[0] and where[1] > outer[1])
 
 
+class _TaskEnd:
+    """Held by a graph task's end-of-backward callback (and only there): freed with the task."""
+
+    def __init__(self):
+        self.reached = False
+
+
+def _fence_unless_reached(state, engine) -> None:
+    if not state["reached"] and not engine.closed:
+        try:
+            engine.fence()
+        except RuntimeError:   # a failed update: the engine raises it at the caller's next call, not here
+            pass
+
+
 class OffloadGuards:
     def _track_backward(self) -> None:
         """Overlap and delay mode upload weights during backward (and overlap updates buckets).
@@ -66,15 +81,21 @@ class OffloadGuards:
             if where[1] <= 1:   # not a reentrant checkpoint's inner backward (one per layer, inside one backward)
                 self._note_mixed_micro_batches()
         self._open_tasks[task] = where
-        engine, ref = self._engine, weakref.ref(self)
+        engine, ref, end = self._engine, weakref.ref(self), _TaskEnd()
 
-        def finished():
+        def finished(end=end):
+            end.reached = True
             opt = ref()
             if opt is not None:
                 opt._open_tasks.pop(task, None)
             if not engine.closed:
                 engine.fence()
 
+        # A task that raised drops its callbacks unrun: the finalizer of the object they hold fences instead,
+        # or the weights its hooks installed (delay) would still be in flight when the next forward reads them.
+        # On the CPU autograd frees the task before backward() raises; on a GPU the device thread may free it a
+        # little later, which is why attach(model)'s forward pre-hook fences too (_Flush).
+        weakref.finalize(end, _fence_unless_reached, end.__dict__, engine)
         torch.autograd.Variable._execution_engine.queue_callback(finished)
 
     def _note_mixed_micro_batches(self) -> None:
