@@ -69,7 +69,13 @@ for part in "${parts[@]}"; do
   case "$part" in
     build)
       # EFFMEM_CUDA=ON: a machine where nvcc is not found fails here, instead of
-      # building for the CPU only and failing every CUDA test.
+      # building for the CPU only and failing every CUDA test. A CUDA_HOME without an nvcc stops the
+      # build (CMakeLists.txt): on a lent machine whose environment has one, take the toolkit on PATH.
+      for var in CUDA_HOME CUDA_PATH; do
+        if [ -n "${!var:-}" ] && [ ! -x "${!var}/bin/nvcc" ]; then
+          echo "gpu_check: $var=${!var} has no bin/nvcc; unset for this run"; unset "$var"
+        fi
+      done
       EFFMEM_CUDA=ON limit 300 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
         || { tail -50 "$OUT/build.log"; exit 1; }
       "$PY" -m effmem.cli info | tee "$OUT/info.txt" ;;

@@ -49,7 +49,9 @@ def test_multi_tensor_launch_tables(tmp_path):
 
 
 def _cuda_compiler_for_default_build():
-    """The nvcc a default build uses (CMakeLists.txt looks at CUDA_HOME, CUDA_PATH, /usr/local/cuda)."""
+    """The nvcc a default build uses (CMakeLists.txt looks at CUDACXX, CUDA_HOME, CUDA_PATH, /usr/local/cuda)."""
+    if os.environ.get("CUDACXX"):
+        return os.environ["CUDACXX"] if os.path.exists(os.environ["CUDACXX"]) else None
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
             return os.path.join(root, "bin", "nvcc")
@@ -59,7 +61,7 @@ def _cuda_compiler_for_default_build():
 def test_cuda_was_compiled_where_the_default_build_finds_nvcc():
     """The default build compiles CUDA whenever the toolkit is there (CI has one), and it builds for
     the default architectures (no GPU: machine code for sm_80 and sm_90 plus sm_90 PTX)."""
-    if os.environ.get("EFFMEM_CUDA") == "OFF" or torch.version.cuda is None:
+    if os.environ.get("EFFMEM_CUDA", "").upper() in ("OFF", "0", "NO", "FALSE") or torch.version.cuda is None:
         pytest.skip("a CPU-only build was asked for, or torch has no CUDA")
     if _cuda_compiler_for_default_build() is None:
         pytest.skip("no CUDA toolkit found where the build looks for one")
@@ -69,6 +71,34 @@ def test_cuda_was_compiled_where_the_default_build_finds_nvcc():
         assert effmem._C.cuda_architectures == archs.replace(";", ",")
     elif not torch.cuda.is_available() and shutil.which("nvidia-smi") is None:
         assert effmem._C.cuda_architectures == "80-real,90"
+
+
+_BAD_SETTINGS = [
+    pytest.param({"EFFMEM_CUDA": "maybe"}, "EFFMEM_CUDA: expected AUTO, ON or OFF, got 'maybe'", False, id="mode"),
+    pytest.param({"CUDA_HOME": "/nonexistent/cuda"}, "CUDA_HOME=/nonexistent/cuda: expected a CUDA toolkit's folder",
+                 True, id="toolkit"),
+    pytest.param({"EFFMEM_CUDA_ARCHITECTURES": "sm_90"}, "EFFMEM_CUDA_ARCHITECTURES=sm_90: expected CMake's form",
+                 True, id="architectures"),
+]
+
+
+@pytest.mark.parametrize("env,message,needs_cuda", _BAD_SETTINGS)
+def test_a_bad_build_setting_stops_the_configure_naming_it(tmp_path, env, message, needs_cuda):
+    """Each used to be ignored: an unknown EFFMEM_CUDA built CUDA (or, for "on" without a toolkit, silently
+    none), a CUDA_HOME without nvcc was skipped for another toolkit or none, "sm_90" failed in CMake's words.
+    A configure only (no compile): seconds."""
+    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake is not installed")
+    if needs_cuda and (torch.version.cuda is None or _cuda_compiler_for_default_build() is None):
+        pytest.skip("checked where CUDA would be built: torch with CUDA and a toolkit")
+    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDACXX")}
+    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
+                           f"-DPython_EXECUTABLE={sys.executable}",
+                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                          env={**clean, **env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert message in " ".join(proc.stderr.split()), proc.stderr[-2000:]
 
 
 def test_extension_uses_the_shared_libstdcxx():
