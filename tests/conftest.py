@@ -22,7 +22,9 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "cuda" in item.keywords:
+        # The marker, not the keyword: a parametrize id of "cuda" (say, a setting's name) is a keyword too,
+        # and skipped a CPU test silently.
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
 
 
