@@ -318,6 +318,10 @@ def check_checkpoint(case):
         sd = {"state": {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
                         for k, s in sd["state"].items()},
               "param_groups": [dict(g, params=list(g["params"])) for g in sd["param_groups"]]}
+        for p in params:   # the checkpoint a step old: a refused load that wrote its good entries would show
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.zero_grad()
         before = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}
         applied = [c for c in case["corruptions"] if _corrupt(sd, c, case["target"])]
         harmful = [c for c in applied if c not in BENIGN]

@@ -48,11 +48,14 @@ def test_step_scale_arguments():
     ref, p = param(4), param(4)
     with torch.no_grad():
         p.copy_(ref)
+    opts = []
     for q, kw in ((ref, dict(inv_scale=torch.tensor(0.5), found_inf=torch.tensor(0.0))),
                   (p, dict(inv_scale=0.5, found_inf=0))):
         q.grad = torch.ones_like(q)
-        effmem.FusedAdam([q], lr=0.1).step(**kw)
+        opts.append(effmem.FusedAdam([q], lr=0.1))
+        opts[-1].step(**kw)
     assert torch.equal(ref, p)
+    assert torch.equal(opts[0].state[ref]["exp_avg"], opts[1].state[p]["exp_avg"])   # the step alone is scale-free
     p.grad = torch.ones_like(p)
     before = p.detach().clone()
     effmem.FusedAdam([p], lr=0.1).step(found_inf=1.0)   # a step skipped

@@ -117,6 +117,8 @@ def test_inv_scale_and_found_inf(device):
     a.step(inv_scale=one / 1024, found_inf=one * 0)
     b.step()
     assert torch.equal(p.detach(), q.detach())  # a power-of-two scale is exact
+    # Adam's first step is the gradient's sign whatever its scale: the moments are what see inv_scale.
+    assert torch.equal(a.state[p]["exp_avg"], b.state[q]["exp_avg"])
 
     before = [p.detach().clone(), a.state[p]["master"].clone(), a.state[p]["exp_avg"].clone()]
     p.grad = torch.full_like(p, float("inf"))

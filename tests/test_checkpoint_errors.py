@@ -73,7 +73,7 @@ BAD = {
 def test_a_refused_checkpoint_changes_nothing(kind, case):
     params, opt = make(kind)
     corrupt, exc, match = BAD[case]
-    good = opt.state_dict()
+    good = copy.deepcopy(opt.state_dict())
     bad = {"state": {k: dict(s) for k, s in good["state"].items()}, "param_groups": [dict(g) for g in good["param_groups"]]}
     if corrupt is None:
         bad = [bad]

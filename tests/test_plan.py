@@ -197,7 +197,7 @@ def test_command_writes_json_chart_and_code(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["best"] in text and "effmem.FusedAdam" in data["code"] or "OffloadAdam" in data["code"]
+    assert data["best"] in text and ("effmem.FusedAdam" in data["code"] or "OffloadAdam" in data["code"])
     assert svg.read_text().startswith("<svg") and "(pick)" in svg.read_text()
     with pytest.raises(SystemExit):
         main(["plan", "gpt2", "--gpu-memory", "lots"])
