@@ -108,6 +108,9 @@ def test_optimizer_clip_is_folded_into_the_step():
     opt_b.step()
     for p, q in zip(a, b):
         assert torch.equal(p.detach(), q.detach())
+        # Adam's first step is nearly scale-free: the moments are what show the clip factor was applied
+        assert torch.equal(opt_a.state[p]["exp_avg"], opt_b.state[q]["exp_avg"])
+        assert not torch.equal(opt_a.state[p]["exp_avg"], (1 - 0.9) * p.grad.float())
     # the clip applies to one step only
     opt_a.step()
     opt_b.step()
