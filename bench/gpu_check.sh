@@ -31,7 +31,10 @@
 #                                    by the session's device time before its device_state row)
 #   next: build cuda_tests first (2026-11-29 changed the 8-bit Adam kernel, csrc/cuda/adam8_kernel.cuh: a block
 #   with an infinite moment takes its finite maximum; test_adam8.py::test_cuda_matches_cpu_bit_for_bit now feeds
-#   it infinities; never run on a GPU yet); build offload (cut off on 2026-11-28 before its device_state row; that run's exact modes were slower
+#   it infinities; never run on a GPU yet; nor have, from 2026-11-29's second session, FusedAdam's compiled step
+#   with a CPU lr tensor on CUDA params (test_adam.py::test_compiled_step_*[cuda], the lr copied in the graph) and
+#   the delay mode's fences after a failed backward (test_offload_delay.py::test_delay_retry_*[cuda-*], and the
+#   CMake checks of CUDA_HOME: the build part unsets one without nvcc); build offload (cut off on 2026-11-28 before its device_state row; that run's exact modes were slower
 #   than earlier H100 runs: plain 1.389x, async_step 1.222x); build capacity (7B held to an H100's memory by
 #   --gpu-memory below); build capacity_13b; profile_activations.py --rows effmem_fast,effmem_budget (the budget
 #   row's eager offload cost 1.179x where compiled it cost nothing); build tests demo (the whole suite).

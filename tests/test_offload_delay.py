@@ -300,9 +300,11 @@ def test_reentrant_checkpointing_nests_a_backward_that_is_not_a_failure(mode):
     off.close()
 
 
-@pytest.mark.parametrize("copy_delay_us,attached", [(0, False), (5000, False), (5000, True)])
-def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_that_ran(copy_delay_us, attached,
-                                                                                          monkeypatch):
+@pytest.mark.parametrize("device,copy_delay_us,attached", [
+    ("cpu", 0, False), ("cpu", 5000, False), ("cpu", 5000, True),
+    pytest.param("cuda", 0, False, marks=pytest.mark.cuda), pytest.param("cuda", 0, True, marks=pytest.mark.cuda)])
+def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_that_ran(device, copy_delay_us,
+                                                                                          attached, monkeypatch):
     """A backward that raised, then the next one without zero_grad() (a skipped micro-batch): the failed
     task stays open, and the retry's first hook used to install every pending weight mid-backward. Now the
     retry's gradients are those of the weights its forward read (its sum with what the failed one handed
@@ -310,15 +312,16 @@ def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_
     never fenced (its end-of-backward callback never runs), so a slow copy landed between the user's reads
     (1 run in hundreds under load; every run with the copy delayed and a pause before the forward). Now the
     failed task's end fences; attached, the model's forward pre-hook does too (on a GPU autograd's device
-    thread may free the task after backward() has raised): tested here with the first taken away."""
+    thread may free the task after backward() has raised): tested here with the first taken away. On a GPU
+    (the copy delay is the host backend's) the uploads' stream order is what the fences give."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
-                            torch.nn.Linear(8, 1))
+                            torch.nn.Linear(8, 1)).to(device)
     opt = OffloadAdam(m.parameters(), lr=0.1, delay=True, bucket_size=1, _host_delay_us=copy_delay_us)
     if attached:
         opt.attach(m)
         monkeypatch.setattr(_offload_guards, "_fence_unless_reached", lambda state, engine: None)
-    x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)).to(device) for k in range(3)]
     for k in range(2):   # an update is pending after these
         m(x[k]).sum().backward()
         opt.step()
