@@ -51,7 +51,7 @@ def test_multi_tensor_launch_tables(tmp_path):
 def _cuda_compiler_for_default_build():
     """The nvcc a default build uses (CMakeLists.txt looks at CUDACXX, CUDA_HOME, CUDA_PATH, /usr/local/cuda)."""
     if os.environ.get("CUDACXX"):
-        return os.environ["CUDACXX"] if os.path.exists(os.environ["CUDACXX"]) else None
+        return shutil.which(os.environ["CUDACXX"].split()[0])   # a path or a name on PATH, maybe with flags
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
             return os.path.join(root, "bin", "nvcc")
@@ -77,6 +77,8 @@ _BAD_SETTINGS = [
     pytest.param({"EFFMEM_CUDA": "maybe"}, "EFFMEM_CUDA: expected AUTO, ON or OFF, got 'maybe'", False, id="mode"),
     pytest.param({"CUDA_HOME": "/nonexistent/cuda"}, "CUDA_HOME=/nonexistent/cuda: expected a CUDA toolkit's folder",
                  True, id="toolkit"),
+    pytest.param({"CUDACXX": "no-such-nvcc"}, "CUDACXX=no-such-nvcc: expected the nvcc executable", True,
+                 id="compiler"),
     pytest.param({"EFFMEM_CUDA_ARCHITECTURES": "sm_90"}, "EFFMEM_CUDA_ARCHITECTURES=sm_90: expected CMake's form",
                  True, id="architectures"),
 ]

@@ -177,7 +177,9 @@ void OffloadEngine::install(int64_t i) {
 void OffloadEngine::check_installable() {
   // Each install waits for its own bucket's update only (waiting for the whole step's would hold the
   // backward until the last bucket's update is done), so a later bucket's failure can come after
-  // earlier buckets went up: say so rather than imply that nothing was installed.
+  // earlier buckets went up: say so rather than imply that nothing was installed. (A closed or forked
+  // engine is check_usable's own message.)
+  if (closed_ || forked()) check_usable();
   try {
     check_usable();
   } catch (const std::exception& e) {

@@ -224,8 +224,8 @@ class FusedAdam(AdamBase):
         """Every group's settings, before any is stepped: a refused step changes nothing (no step counts
         advanced, no group updated). An lr held in a CPU tensor is read each step (no sync); one in a
         CUDA tensor when it is given or assigned (one host sync), later changes on the device are the
-        kernel's to refuse. Under torch.compile a CPU tensor's value is the kernel's to check too: reading
-        it here would break the compiled graph at every step."""
+        kernel's to refuse. Under torch.compile every lr tensor's value is the kernel's to check: reading it
+        here would break the compiled graph (a CPU tensor's at every step, a CUDA one's at the first)."""
         _validate.groups(self.param_groups, check_lr=False)
         compiling = torch.compiler.is_compiling()
         for gi, group in enumerate(self.param_groups):
@@ -234,7 +234,7 @@ class FusedAdam(AdamBase):
                 _validate.lr_tensor_shape(lr, f"param_groups[{gi}]['lr']")
             elif not (isinstance(lr, Tensor) and lr.is_cuda):
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
-            elif self._lr_checked.get(gi) is not lr and not _capturing():
+            elif self._lr_checked.get(gi) is not lr and not _capturing() and not compiling:
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
                 self._lr_checked[gi] = lr
 
