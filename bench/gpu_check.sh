@@ -79,6 +79,9 @@ for part in "${parts[@]}"; do
           echo "gpu_check: $var=${!var} has no bin/nvcc; unset for this run"; unset "$var"
         fi
       done
+      if [ -n "${CUDACXX:-}" ] && ! command -v "${CUDACXX%% *}" >/dev/null; then
+        echo "gpu_check: CUDACXX=$CUDACXX is not a program; unset for this run"; unset CUDACXX
+      fi
       EFFMEM_CUDA=ON limit 300 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
         || { tail -50 "$OUT/build.log"; exit 1; }
       "$PY" -m effmem.cli info | tee "$OUT/info.txt" ;;
