@@ -129,15 +129,15 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
         cap = getattr(config, "final_logit_softcapping", None)
         scale = next(((k, getattr(config, k)) for k in ("logit_scale", "logits_scaling")
                       if getattr(config, k, None) not in (None, 1, 1.0)), None)
-        own = "effmem.linear_cross_entropy(hidden, lm_head.weight, labels"
+        hidden, extra, why = "hidden", "", ""
         if cap:
-            own += f", logit_softcap={cap}) (its config's final_logit_softcapping: {name} soft-caps its logits)"
+            extra = f", logit_softcap={cap}"
+            why = f" (its config's final_logit_softcapping: {name} soft-caps its logits)"
         elif scale:
-            op = "* " if scale[0] == "logit_scale" else "/ "
-            own = (own.replace("hidden,", f"hidden {op}{scale[1]},") + f") ({name} scales its logits by its "
-                   f"config's {scale[0]}: the hidden states scaled so, the loss is the model's)")
-        else:
-            own += ")"
+            hidden = f"hidden {'*' if scale[0] == 'logit_scale' else '/'} {scale[1]}"
+            why = (f" ({name} scales its logits by its config's {scale[0]}: the hidden states scaled so, the loss "
+                   "is the model's)")
+        own = f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{extra}){why}"
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use {own} in your "
                         "own loss")

@@ -230,11 +230,11 @@ class FusedAdam(AdamBase):
         compiling = torch.compiler.is_compiling()
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
-            if isinstance(lr, Tensor) and not lr.is_cuda and compiling:
+            if isinstance(lr, Tensor) and compiling:   # the value is the kernel's to check
                 _validate.lr_tensor_shape(lr, f"param_groups[{gi}]['lr']")
             elif not (isinstance(lr, Tensor) and lr.is_cuda):
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
-            elif self._lr_checked.get(gi) is not lr and not _capturing() and not compiling:
+            elif self._lr_checked.get(gi) is not lr and not _capturing():
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
                 self._lr_checked[gi] = lr
 
