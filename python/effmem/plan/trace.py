@@ -223,7 +223,9 @@ def default_inputs(model: nn.Module, batch: int, seq: int, device) -> Tuple[tupl
         return (), {"input_ids": ids, "labels": ids, "use_cache": False}
     from effmem.demo_model import ByteGPT
     if isinstance(model, ByteGPT):
-        return (ids, ids), {}
+        # targets in a storage of their own, as training passes them: the loss saves them, the embedding
+        # saves the inputs, and one shared tensor would count once
+        return (ids, torch.zeros_like(ids)), {}
     raise TypeError(f"model: effmem plan does not know how to call {type(model).__name__}; pass "
                     f"inputs=callable(batch, seq, device) -> (args, kwargs) giving a forward that returns the loss")
 
