@@ -26,9 +26,10 @@ def test_a_model_it_cannot_plan_gets_an_error_that_says_why(tmp_path):
     with pytest.raises(ValueError, match="causal language models .* 't5' has none"):
         effmem.plan(str(tmp_path / "t5"), batch=1, seq=16)
     llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=256)
-    # the wrong message before (GPT-Neo's count is num_layers), a plan with exit 0 (no layers, no vocabulary)
-    with pytest.raises(ValueError, match="it names its count 'num_layers', a family effmem plan does not know"):
-        effmem.plan(dict(model_type="gpt_neo", hidden_size=64, num_layers=24, num_heads=4), batch=1, seq=16)
+    # BartForCausalLM: a decoder taken out of an encoder-decoder, its count under decoder_layers
+    with pytest.raises(ValueError, match="it names its count 'decoder_layers', a family effmem plan does not know"):
+        effmem.plan(dict(model_type="bart", d_model=64, decoder_layers=2, encoder_layers=2, vocab_size=256),
+                    batch=1, seq=16)
     with pytest.raises(ValueError, match="a multimodal config, its language model's layers under text_config"):
         effmem.plan(dict(model_type="gemma3", text_config=dict(model_type="gemma3_text")), batch=1, seq=16)
     with pytest.raises(ValueError, match="num_hidden_layers is 0; expected a whole number >= 1"):

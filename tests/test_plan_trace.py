@@ -92,6 +92,25 @@ def test_attention_output_layout_and_masks_traced_as_the_kernels_make_them(name)
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 32))
 
 
+COUNT_NAMED_OTHERWISE = {   # GPT-Neo: num_layers, global and local attention by a run-length pattern; MPT: n_layers
+    "gpt_neo": dict(model_type="gpt_neo", vocab_size=128, num_layers=3, hidden_size=64, num_heads=4, window_size=16,
+                    attention_types=[[["global", "local"], 1], [["global"], 1]], max_position_embeddings=128),
+    "mpt": dict(model_type="mpt", vocab_size=128, n_layers=3, d_model=64, n_heads=4, max_seq_len=128)}
+
+
+@pytest.mark.parametrize("name", list(COUNT_NAMED_OTHERWISE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_families_that_name_their_layer_count_otherwise_are_traced_exactly(name, dtype):
+    """Refused before as 'a family effmem plan does not know'; the one- and two-layer copies cut GPT-Neo's
+    attention pattern to their own layers (its config refuses a pattern longer than its count)."""
+    cfg = COUNT_NAMED_OTHERWISE[name]
+    predicted = trace_spec(model_spec(cfg), 2, 32, dtype, "cpu").activations("none")
+    m = real_model(cfg, dtype)
+    assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 32))
+    p = effmem.plan(cfg, batch=2, seq=32, device="cpu", gpu_memory="1GB", host_memory="8GB")
+    assert p.method.startswith("trace") and p.params == sum(t.numel() for t in m.parameters())
+
+
 MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
                num_local_experts=4, num_experts_per_tok=2)

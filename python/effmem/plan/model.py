@@ -22,7 +22,7 @@ from effmem.plan import layer_kinds
 
 PRESET_DIR = Path(__file__).with_name("presets")
 # Config keys that hold the number of decoder layers, by model family.
-_LAYER_KEYS = ("num_hidden_layers", "n_layer")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def preset_names() -> List[str]:
@@ -67,13 +67,17 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
     if num_layers is not None:
         full = config_layers(cfg)
         for key in _LAYER_KEYS:
-            if key in cfg:
+            if cfg.get(key) == full:   # the count, and a second name for it; another key's other meaning stays
                 cfg[key] = num_layers
         # per-layer lists (transformers 5's layer_types: sliding or full attention per layer) follow the
         # count, or the config refuses itself; the copy keeps the first layers' pattern
         for key, value in list(cfg.items()):
             if isinstance(value, list) and len(value) == full != num_layers:
                 cfg[key] = value[:num_layers]
+        if model_type == "gpt_neo":   # its pattern, run-length coded: [[["global", "local"], 12]]
+            runs = cfg.get("attention_types", transformers.GPTNeoConfig().attention_types)   # or the default's
+            cfg.pop("attention_layers", None)   # derived from attention_types by the config
+            cfg["attention_types"] = [[[kind], 1] for kind in _expand_runs(runs)[:num_layers]]
     try:
         config = transformers.AutoConfig.for_model(model_type, **cfg)
     except ValueError as e:
@@ -97,6 +101,15 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
             raise _refused(model_type, e) from None
 
 
+def _expand_runs(runs) -> List[str]:
+    """GPT-Neo's attention_types, [[kinds, repeats], ...], as one kind per layer."""
+    try:
+        return [kind for kinds, repeats in runs for _ in range(repeats) for kind in kinds]
+    except (TypeError, ValueError):
+        raise ValueError(f"model: the config's attention_types is {runs!r}; expected GPT-Neo's "
+                         "[[[kind, ...], repeats], ...]") from None
+
+
 def _refused(model_type: str, e: Exception) -> ValueError:
     """A config transformers refuses, as one line naming the model argument."""
     text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
@@ -114,7 +127,7 @@ def config_layers(cfg: dict) -> int:
     if isinstance(cfg.get("text_config"), dict):
         raise ValueError("model: a multimodal config, its language model's layers under text_config: plan that "
                          "part (its dict, with its model_type) as the model")
-    other = [k for k in ("num_layers", "n_layers", "num_decoder_layers") if k in cfg]
+    other = [k for k in ("num_decoder_layers", "n_layers_decoder", "decoder_layers") if k in cfg]
     raise ValueError(f"model: the config has no layer count effmem plan reads ({' or '.join(_LAYER_KEYS)})"
                      + (f"; it names its count {other[0]!r}, a family effmem plan does not know" if other else ""))
 
