@@ -84,6 +84,7 @@ class FusedAdam(AdamBase):
     ):
         self.state_bits = _validate.state_bits(state_bits)
         self._pending_grad_scale: Dict[torch.device, Tensor] = {}
+        self._pending_clip: Optional[Tuple[Tensor, float]] = None   # clip_grad_norm_'s norm and max_norm
         self._pending_outside_capture = False
         self._refusals = RefusalMonitor("FusedAdam")
         self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
@@ -93,7 +94,7 @@ class FusedAdam(AdamBase):
         """copy.deepcopy, pickle and torch.save(opt): torch keeps defaults, state and param_groups; the
         moments' format and a clip factor not yet used go along too."""
         return {**super().__getstate__(), "state_bits": self.state_bits,
-                "_pending_grad_scale": self._pending_grad_scale,
+                "_pending_grad_scale": self._pending_grad_scale, "_pending_clip": self._pending_clip,
                 "_pending_outside_capture": self._pending_outside_capture}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -101,6 +102,7 @@ class FusedAdam(AdamBase):
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; FusedAdam has no such option
         self.__dict__.setdefault("state_bits", 32)
         self.__dict__.setdefault("_pending_grad_scale", {})
+        self.__dict__.setdefault("_pending_clip", None)
         self.__dict__.setdefault("_pending_outside_capture", False)
         # per-process bookkeeping, built afresh for a copy; torch's load_state_dict also calls __setstate__,
         # which must not drop a refusal a step in flight may still report
@@ -132,23 +134,27 @@ class FusedAdam(AdamBase):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Global L2 norm of all gradients; the clip is folded into the next step.
 
-        Returns the total norm (a float32 tensor, no host sync). The clip factor
-        ``min(1, max_norm / (norm + 1e-6))`` multiplies the gradients inside the
-        next ``step()`` kernel instead of in a separate pass over them, so the
-        gradients themselves are left as they are.
+        Returns the total norm of the gradients as they are (a float32 tensor,
+        no host sync). The clip factor ``min(1, max_norm / (norm + 1e-6))``
+        multiplies the gradients inside the next ``step()`` kernel instead of in
+        a separate pass over them, so the gradients themselves are left as they
+        are. A step that unscales them (``inv_scale``, or a GradScaler whose
+        ``unscale_`` was not called: fp16 gradients it cannot unscale in place)
+        clips by the unscaled norm, ``norm * inv_scale``.
         """
         _validate.max_norm(max_norm)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         total = grad_norm(grads)
         coef = clip_coefficient(total, max_norm)
         self._pending_grad_scale = {d: _to_device(coef, d) for d in {g.device for g in grads}}
+        self._pending_clip = (total, max_norm)   # for a step that unscales: its factor from the unscaled norm
         self._pending_outside_capture = not _capturing()
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad, and a clip factor from clip_grad_norm_ not yet used is dropped with the
         gradients it was computed from (a loop that skips a step on a spiking norm must not carry it on)."""
-        self._pending_grad_scale = {}
+        self._pending_grad_scale, self._pending_clip = {}, None
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
@@ -178,6 +184,12 @@ class FusedAdam(AdamBase):
             found_inf = getattr(self, "found_inf", None)
         inv_scale, found_inf = _one_value(inv_scale, "inv_scale"), _one_value(found_inf, "found_inf")
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
+        clip, self._pending_clip = self._pending_clip, None
+        if pending and clip is not None and inv_scale is not None:
+            # clipped while scaled: the factor from the norm of the gradients this step applies
+            total, max_norm = clip
+            pending = {d: clip_coefficient(_to_device(total, d) * _per_device(inv_scale, d), max_norm)
+                       for d in pending}
         if pending and self._pending_outside_capture and _capturing():
             raise RuntimeError("FusedAdam.step is being captured in a CUDA graph while a clip from "
                                "clip_grad_norm_() called outside the graph is pending; the graph would keep "
