@@ -21,8 +21,8 @@ Policies:
 * ``"selective"``: torch's selective checkpointing per layer: its input
   and the outputs of its matmuls and attention kept, the norms and
   elementwise ops recomputed (effmem.activations.selective). Exact.
-* ``memory_budget=`` instead of a policy: each layer plain, "fast" or "min",
-  the mix of least time whose layers' saved activations fit the budget
+* ``memory_budget=`` instead of a policy: each layer plain, "fast", "min" or
+  (on a GPU) "offload", a "fast" layer whose codes go to pinned host memory; the mix of least time whose layers' saved activations fit the budget
   (effmem.activations.budget), chosen at the first forward of each shape.
 
 Under torch.compile, a "fast" layer is compiled as its own graph with
@@ -70,7 +70,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     """Apply an activation policy to every decoder layer of `model` (in place); returns the model.
 
     policy: "fast" (the default), "checkpoint", "min" or "selective" for every layer. memory_budget: instead of one
-    policy, each layer plain, "fast" or "min", the mix of least time whose saved activations fit: a
+    policy, each layer plain, "fast", "min" or (GPU) "offload", the mix of least time whose saved activations fit: a
     fraction in (0, 1] of the layers' plain saved bytes, or bytes (an int) at the shape of each forward
     (see effmem.activations.budget; the choice is made at the first forward of each input shape).
     """
