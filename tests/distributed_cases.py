@@ -43,7 +43,7 @@ def run_fsdp2_load(rank):
             into.load_state_dict(sd)
             got = into.state_dict()["state"]
             for k, state in sd["state"].items():   # the same format: bit for bit; the other: the same values
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in ("exp_avg_codes", "exp_avg_sq_codes") if bits == 8 else ("exp_avg", "exp_avg_sq"):
                     if bits == other_bits:
                         assert torch.equal(got[k][key].to_local(), state[key].to_local()), (name, other, k, key)
             if isinstance(into, OffloadAdam):

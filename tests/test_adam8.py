@@ -191,8 +191,8 @@ def test_bad_arguments_and_checkpoints_name_themselves():
     with pytest.raises(ValueError, match=r"\['exp_avg_scale'\]: expected 64 float block scales"):
         effmem.FusedAdam(m.parameters(), state_bits=8).load_state_dict(sd)
     sd = opt.state_dict()
-    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].float()
-    with pytest.raises(TypeError, match="expected a uint8 tensor of 8-bit codes"):
+    sd["state"][0]["exp_avg_codes"] = sd["state"][0]["exp_avg_codes"].float()
+    with pytest.raises(TypeError, match=r"\['exp_avg_codes'\]: expected a uint8 tensor of 8-bit codes"):
         effmem.FusedAdam(m.parameters(), state_bits=8).load_state_dict(sd)
     p = torch.zeros(300)
     st = fresh_state(p)
@@ -273,7 +273,7 @@ def test_offload_adam_matches_fused_adam_bit_for_bit(mode):
         lb = train(model, off, data, accum=accum)
         assert la[-1] < la[0] and la == lb
         assert_same_training(ref, model, fused, off)
-        assert all(st["exp_avg"].dtype == torch.uint8 for st in off.state_dict()["state"].values())
+        assert all(st["exp_avg_codes"].dtype == torch.uint8 for st in off.state_dict()["state"].values())
 
 
 def test_offload_host_memory_drops_by_6_bytes_per_parameter():
@@ -320,6 +320,6 @@ def test_offload_checkpoints_interchange_with_fused_adam_and_float32_moments(tmp
         # over a model of its own: two open OffloadAdams over one model are refused
         with OffloadAdam(demo_model.decay_groups(tiny_gpt(torch.bfloat16), 0.1), state_bits=8, **HP) as o8:
             o8.load_state_dict(sd)
-            assert all(st["exp_avg"].dtype == torch.uint8 for st in o8.state_dict()["state"].values())
+            assert all(st["exp_avg_codes"].dtype == torch.uint8 for st in o8.state_dict()["state"].values())
             o32.load_state_dict(o8.state_dict())
             assert all(st["exp_avg"].dtype == torch.float32 for st in o32.state_dict()["state"].values())

@@ -73,7 +73,7 @@ def test_an_8bit_checkpoint_of_the_same_layout_loads_bit_for_bit(cls):
     opt = cls([p], lr=1e-2, state_bits=8)
     opt.load_state_dict(sd)
     again = opt.state_dict()["state"][0]
-    for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+    for key in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_scale", "exp_avg_sq_scale"):
         assert torch.equal(again[key], sd["state"][0][key])
     _close(opt)
 

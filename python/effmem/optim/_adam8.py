@@ -47,14 +47,38 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
                               run_check=False, shape=torch.Size([width * ranks]), stride=(1,))
 
 
-def sharded_scales_out(sd: Dict, params) -> Dict:
-    """An optimizer's state_dict() with each FSDP2 parameter's 8-bit block scales as
-    scales_for_checkpoint makes them (params: the optimizer's parameters, in state_dict's numbering)."""
+# A checkpoint keeps 8-bit moments under names of their own, not torch's: a loader that knows float moments
+# only (torch's AdamW; a float32 template of torch.distributed.checkpoint, which casts into it) took the codes
+# 0..255 for the moments without a word. Under these it finds no 'exp_avg' and says so. opt.state keeps
+# torch's names (the kernels' and the buckets' view of them).
+CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
+
+
+def checkpoint_out(sd: Dict, params) -> Dict:
+    """An optimizer's state_dict() with its 8-bit codes under CODE_KEYS and each FSDP2 parameter's block
+    scales as scales_for_checkpoint makes them (params: the optimizer's parameters, in state_dict's
+    numbering). Each 8-bit entry a new dict: torch's state_dict() hands out opt.state's own."""
     from effmem.optim._validate import is_dtensor
     for i, s in sd["state"].items():
-        if is_8bit(s) and is_dtensor(params[i]):
-            sd["state"][i] = dict(s, **{k: scales_for_checkpoint(s[k], params[i]) for k in SCALE_KEYS.values()})
+        if is_8bit(s):
+            s = {CODE_KEYS.get(k, k): v for k, v in s.items()}
+            if is_dtensor(params[i]):
+                s.update({k: scales_for_checkpoint(s[k], params[i]) for k in SCALE_KEYS.values()})
+            sd["state"][i] = s
     return sd
+
+
+def checkpoint_in(saved: Dict, where: str) -> Dict:
+    """A checkpoint entry with torch's names for its codes, as opt.state holds them (a copy: the caller's
+    stays as it is). Checkpoints from before CODE_KEYS, codes under torch's names, load as they are."""
+    if not any(k in saved for k in CODE_KEYS.values()):
+        return dict(saved)
+    both = [k for k in CODE_KEYS if k in saved]
+    if both:
+        raise ValueError(f"{where}: holds both {both[0]!r} and {CODE_KEYS[both[0]]!r}; expected float moments "
+                         "or 8-bit codes with their block scales, not both")
+    names = {c: k for k, c in CODE_KEYS.items()}
+    return {names.get(k, k): v for k, v in saved.items()}
 
 
 def local_scales(t, numel: int):

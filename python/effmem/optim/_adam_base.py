@@ -18,6 +18,12 @@ class AdamBase(torch.optim.Optimizer):
         _validate.hyperparameters(defaults)
         super().__init__(params, defaults)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # torch's adds "differentiable" to the defaults (its load_state_dict calls this too), whence
+        # complete_groups put it into every group: neither optimizer has that option
+        self.defaults.pop("differentiable", None)
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch's add_param_group (which fills in the defaults), then the checks; a group that
         fails them is taken out again, so a refused group leaves the optimizer as it was."""

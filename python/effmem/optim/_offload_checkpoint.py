@@ -25,7 +25,7 @@ class OffloadCheckpoint:
             k = i + self._first   # the engine's parameter i is the optimizer's i + _first (device_state)
             if "master" in sd["state"].get(k, ()):
                 sd["state"][k] = dict(sd["state"][k], master=self._local[i].detach().float().clone())
-        return _adam8.sharded_scales_out(sd, self._all_params)
+        return _adam8.checkpoint_out(sd, self._all_params)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.
@@ -74,6 +74,8 @@ class OffloadCheckpoint:
             if "master" in saved:
                 master.copy_(saved["master"])
                 self._masters_pending.discard(i)
+                if self._local[i].dtype == torch.float32:   # a bf16/fp16 run's, kept by _validate.checkpoint
+                    self._local[i].copy_(saved["master"])   # for a parameter holding it rounded: exact now
             else:   # fp32 parameters (their own master) and torch's checkpoints: the parameter at first use
                 self._masters_pending.add(i)
         if step > 0:

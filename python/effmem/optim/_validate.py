@@ -1,6 +1,7 @@
 """Argument checks shared by effmem's optimizers: clear errors naming the argument."""
 import math
 import numbers
+import warnings
 from typing import Any, Dict, List
 
 import torch
@@ -171,8 +172,10 @@ def step_value(step: Any, where: str) -> float:
 
 
 def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, codes: bool = False,
-                  sharded: bool = False) -> None:
-    """saved[key] checked, and made this rank's shard (saved: the caller's copy)."""
+                  sharded: bool = False, shown: str = "") -> None:
+    """saved[key] checked, and made this rank's shard (saved: the caller's copy). shown: the key as the
+    checkpoint names it (8-bit codes: _adam8.CODE_KEYS), for the messages."""
+    at = f"{where}[{shown or key!r}]"
     if key not in saved:
         if required:
             raise ValueError(f"{where}: missing {key!r} (an Adam checkpoint holds 'step', 'exp_avg' and "
@@ -181,22 +184,28 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
     t = saved[key]
     if not isinstance(t, Tensor) or not (t.dtype == torch.uint8 if codes else t.is_floating_point()):
         got = f"a {t.dtype} tensor" if isinstance(t, Tensor) else type(t).__name__
+        if isinstance(t, Tensor) and t.dtype == torch.uint8:
+            got += f" (8-bit codes without their block scales, {key + '_scale'!r})"
         want = "a uint8 tensor of 8-bit codes (the checkpoint has block scales)" if codes else \
             "a floating-point tensor"
-        raise TypeError(f"{where}[{key!r}]: expected {want}, got {got}")
+        raise TypeError(f"{at}: expected {want}, got {got}")
     t = saved[key] = local_tensor(t)
+    if t.is_meta:
+        raise ValueError(f"{at}: a meta tensor, which holds no values (a checkpoint loaded with "
+                         "device='meta', or a template never filled)")
     if tuple(t.shape) != tuple(shape):
         whose = ("this rank's shard of the parameter (FSDP2): a checkpoint of whole tensors loads through "
                  "torch.distributed.checkpoint's set_optimizer_state_dict") if sharded else "the parameter's"
-        raise ValueError(f"{where}[{key!r}]: expected shape {tuple(shape)} ({whose}), got {tuple(t.shape)}")
+        raise ValueError(f"{at}: expected shape {tuple(shape)} ({whose}), got {tuple(t.shape)}")
 
 
 def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
     from effmem.optim import _adam8
     t = saved[key] = _adam8.local_scales(saved.get(key), numel)   # saved: the caller's copy
     blocks = _adam8.blocks(numel)
-    if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
-        got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+    if not isinstance(t, Tensor) or not t.is_floating_point() or t.is_meta or tuple(t.shape) != (blocks,):
+        got = (f"a {t.dtype} tensor of shape {tuple(t.shape)}{' on the meta device (no values)' if t.is_meta else ''}"
+               if isinstance(t, Tensor) else type(t).__name__)
         raise ValueError(f"{where}[{key!r}]: expected {blocks} float block scales (one per 256 elements of the "
                          f"parameter), got {got}")
 
@@ -237,7 +246,16 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
             hyperparameters(merged)
         except (TypeError, ValueError) as err:
             raise type(err)(f"state_dict: param_groups[{gi}]: {err}") from None
-    plan = []
+    from effmem.optim import _adam8
+    listed = {saved_id for group in groups for saved_id in group["params"]}
+    stray = [k for k in saved_state if k not in listed]
+    if stray:   # torch's loader drops them: every moment of those parameters would start again from zero
+        hint = (" (string keys: a JSON or YAML round trip turns the integer ids into strings)"
+                if any(isinstance(k, str) for k in stray) else "")
+        raise ValueError(f"state_dict['state']: entries {stray[:5]!r}{' ...' if len(stray) > 5 else ''} belong to "
+                         f"no parameter of state_dict['param_groups'] (ids {sorted(listed, key=str)[:5]!r}"
+                         f"{' ...' if len(listed) > 5 else ''}){hint}")
+    plan, unused = [], []
     for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
         for saved_id, p in zip(group["params"], mine["params"]):
             saved = saved_state.get(saved_id)
@@ -250,20 +268,43 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
                     raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
                 shape, sharded = local_tensor(p).shape, is_dtensor(p)
                 eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
-                saved = dict(saved)   # scales and masters are taken out or narrowed below: not in the caller's
+                # a copy (scales and masters are taken out or narrowed below: not in the caller's), its 8-bit
+                # codes under torch's names
+                saved = _adam8.checkpoint_in(saved, where)
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded)
+                    shown = _adam8.CODE_KEYS[key] if _adam8.CODE_KEYS[key] in saved_state[saved_id] else key
+                    _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded, shown=shown)
                     if eight:   # the blocks of this rank's shard (FSDP2)
                         _scales(saved, key + "_scale", where, local_tensor(p).numel())
-                if p.dtype != torch.float32:
-                    _state_tensor(saved, "master", where, shape, False, sharded=sharded)
-                    if "master" in saved and saved["master"].dtype != torch.float32:
-                        # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype,
-                        # and do not update it: it is not a master any more, the parameter is
-                        saved = {k: v for k, v in saved.items() if k != "master"}
-                step = step_value(saved.get("step", 0), f"{where}['step']")
+                _state_tensor(saved, "master", where, shape, False, sharded=sharded)
+                if "master" in saved and saved["master"].dtype != torch.float32:
+                    # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype,
+                    # and do not update it: it is not a master any more, the parameter is
+                    saved = {k: v for k, v in saved.items() if k != "master"}
+                if "master" in saved and p.dtype == torch.float32 and not _rounds_to(saved["master"], p):
+                    unused.append(saved_id)
+                    saved = {k: v for k, v in saved.items() if k != "master"}
+                if "step" not in saved:   # taken for 0, the next step corrected saved moments as first ones
+                    raise ValueError(f"{where}: missing 'step' (an Adam checkpoint holds 'step', 'exp_avg' and "
+                                     "'exp_avg_sq' for every parameter it has state for)")
+                step = step_value(saved["step"], f"{where}['step']")
             plan.append((p, saved, step))
+    if unused:
+        warnings.warn(f"{name}.load_state_dict: state_dict['state'] entries {unused[:5]!r}"
+                      f"{' ...' if len(unused) > 5 else ''} hold a bf16/fp16 run's float32 master weights, and "
+                      "their float32 parameters do not hold those weights rounded, so each keeps its own values "
+                      "and the masters go unused. To go on from the exact weights, load the model's weights "
+                      "first, then the optimizer's.", stacklevel=4)
     return plan
+
+
+def _rounds_to(master: Tensor, p: Tensor) -> bool:
+    """A float32 parameter holds the weights of the bf16/fp16 run whose master this is (the model's
+    checkpoint, loaded first): the optimizer's load puts the exact master in, so that the run goes on from
+    it and not from its rounding. Otherwise the parameter holds other weights, which the load keeps."""
+    local = local_tensor(p).detach()
+    master = master.to(local.device)
+    return any(torch.equal(master.to(d).float(), local) for d in (torch.bfloat16, torch.float16))
 
 
 def complete_groups(optimizer: torch.optim.Optimizer) -> None:

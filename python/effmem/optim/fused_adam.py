@@ -99,7 +99,6 @@ class FusedAdam(AdamBase):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; FusedAdam has no such option
         self.__dict__.setdefault("state_bits", 32)
         self.__dict__.setdefault("_pending_grad_scale", {})
         self.__dict__.setdefault("_pending_clip", None)
@@ -285,7 +284,7 @@ class FusedAdam(AdamBase):
         DTensors (_adam8.scales_for_checkpoint), so that torch.distributed.checkpoint keeps every rank's."""
         sd = super().state_dict()
         sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
-        return _adam8.sharded_scales_out(sd, [p for g in self.param_groups for p in g["params"]])
+        return _adam8.checkpoint_out(sd, [p for g in self.param_groups for p in g["params"]])
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict from FusedAdam (or torch.optim.Adam/AdamW).
@@ -302,12 +301,24 @@ class FusedAdam(AdamBase):
 
     def _load_checked(self, state_dict: Dict[str, Any]) -> None:
         plan = _validate.checkpoint(self, state_dict, "FusedAdam")  # everything checked before any change
+        salts = self._salts()
+        # every entry made before any is changed, as torch's loader does: one failing midway (a copy, an
+        # allocation) left the groups replaced and some parameters with the new state, others with none
+        restored = {p: _restore_state(saved, p, step, self.state_bits, salts[id(p)])
+                    for p, saved, step in plan if saved is not None}
         self._load_groups(state_dict["param_groups"])
         self._lr_checked = {}
-        salts = self._salts()
-        for p, saved, step in plan:
-            if saved is not None:
-                self.state[p] = _restore_state(saved, p, step, self.state_bits, salts[id(p)])
+        self.state.update(restored)
+        _exact_float32_weights(plan)
+
+
+@torch.no_grad()
+def _exact_float32_weights(plan) -> None:
+    """A bf16/fp16 run's float32 master that _validate.checkpoint kept for a float32 parameter (which holds
+    it rounded): into the parameter, its own master, so that nothing of that run's weights is lost."""
+    for p, saved, _ in plan:
+        if saved is not None and "master" in saved and p.dtype == torch.float32:
+            _local(p).copy_(saved["master"])
 
 
 def _match_layout(state: Dict[str, Tensor], p: Tensor) -> None:
