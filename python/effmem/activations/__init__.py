@@ -22,7 +22,8 @@ Policies:
   and the outputs of its matmuls and attention kept, the norms and
   elementwise ops recomputed (effmem.activations.selective). Exact.
 * ``memory_budget=`` instead of a policy: each layer plain, "fast", "min" or
-  (on a GPU) "offload", a "fast" layer whose codes go to pinned host memory; the mix of least time whose layers' saved activations fit the budget
+  (on a GPU) "offload", a "fast" layer whose codes go to pinned host memory;
+  the mix of least time whose layers' saved activations fit the budget
   (effmem.activations.budget), chosen at the first forward of each shape.
 
 Under torch.compile, a "fast" layer is compiled as its own graph with
