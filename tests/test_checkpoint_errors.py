@@ -234,7 +234,7 @@ def test_an_8bit_checkpoint_names_its_codes_so_float_loaders_refuse_it(kind, tmp
             again.close()
     both = {"state": {0: dict(sd["state"][0], exp_avg=torch.zeros(8, 64))}, "param_groups": sd["param_groups"]}
     refusing = cls(m.parameters(), lr=1e-2, state_bits=8)
-    with pytest.raises(ValueError, match=r"holds both 'exp_avg' and 'exp_avg_codes'"):
+    with pytest.raises(ValueError, match=r"holds 'exp_avg' next to 8-bit codes \('exp_avg_codes', 'exp_avg_sq_codes"):
         refusing.load_state_dict(both)
     if kind == "offload":
         refusing.close()
@@ -251,17 +251,98 @@ def test_a_bf16_runs_masters_go_into_float32_parameters_holding_them_rounded(kin
     masters = [sd["state"][i]["master"] for i in range(2)]
     if kind == "offload":
         opt.close()
-    exact = [torch.nn.Parameter(p.detach().float()) for p in params]
+    rounded = [torch.nn.Parameter(p.detach().float()) for p in params]
+    consolidated = [torch.nn.Parameter(m.clone()) for m in masters]   # a run's float32 weights, exact
     other = [torch.nn.Parameter(torch.zeros_like(p, dtype=torch.float32)) for p in params]
-    for weights, warned in ((exact, False), (other, True)):
+    for weights, warned in ((rounded, False), (consolidated, False), (other, True)):
         groups = [{"params": [weights[0]], "lr": 1e-2}, {"params": [weights[1]], "lr": 2e-2}]
-        target = FusedAdam(groups) if kind == "fused" else OffloadAdam(groups, bucket_size=8)
+        # OffloadAdam with the first parameter's state on the device (a FusedAdam's, loaded by its loader)
+        target = FusedAdam(groups) if kind == "fused" else OffloadAdam(groups, bucket_size=8, device_state=200)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             target.load_state_dict(sd)
-        assert any("do not hold those weights rounded" in str(w.message) for w in caught) == warned
+        ours = [w for w in caught if "do not hold those weights" in str(w.message)]
+        assert len(ours) == warned   # once, also where device_state's loader checks its part again
+        assert all(w.filename == __file__ for w in ours)   # the user's call, not effmem's or torch's frames
         for w, master in zip(weights, masters):
             assert torch.equal(w.detach(), torch.zeros_like(master) if warned else master)
         if kind == "offload":
             assert "differentiable" not in target.state_dict()["param_groups"][0]   # torch's __setstate__ adds it
             target.close()
+    old = copy.deepcopy(sd)   # an OffloadAdam checkpoint from before: its groups had gained the key
+    for g in old["param_groups"]:
+        g["differentiable"] = False
+    groups = [{"params": [rounded[0]], "lr": 1e-2}, {"params": [rounded[1]], "lr": 2e-2}]
+    target = FusedAdam(groups) if kind == "fused" else OffloadAdam(groups, bucket_size=8)
+    target.load_state_dict(old)
+    assert all("differentiable" not in g for g in target.state_dict()["param_groups"])
+    if kind == "offload":
+        target.close()
+
+
+@pytest.mark.parametrize("kind", ["fused", "offload"])
+def test_zero_redundancy_optimizer_resumes_8bit_state(kind):
+    """ZeroRedundancyOptimizer's load_state_dict assigns the consolidated entries, codes under their
+    checkpoint names, straight into the inner optimizer's opt.state: FusedAdam now takes them at its next
+    step (KeyError 'exp_avg' before), OffloadAdam through its check of assigned entries. The resumed run
+    equals the uninterrupted one bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    inner = FusedAdam if kind == "fused" else OffloadAdam
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def run(m, opt, seeds):
+            for seed in seeds:
+                m.zero_grad()
+                m(torch.randn(2, 64, generator=torch.Generator().manual_seed(seed))).sum().backward()
+                opt.step()
+        torch.manual_seed(0)
+        m = torch.nn.Linear(64, 8)
+        start = copy.deepcopy(m.state_dict())
+        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=inner, lr=1e-2, state_bits=8)
+        run(m, opt, [0, 1])
+        opt.consolidate_state_dict(to=0)
+        sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(m.state_dict())
+        run(m, opt, [2])
+        want = [p.detach().clone() for p in m.parameters()]
+        if kind == "offload":
+            opt.optim.close()
+        m.load_state_dict(weights)
+        again = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=inner, lr=1e-2, state_bits=8)
+        again.load_state_dict(sd)
+        run(m, again, [2])
+        if kind == "offload":
+            again.optim.flush()
+        assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))
+        assert not torch.equal(m.weight, start["weight"])
+        if kind == "offload":
+            again.optim.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_load_into_an_optimizer_with_state_reuses_its_tensors():
+    """Making every entry before changing any (test_a_load_that_fails_midway_changes_nothing) took a second
+    optimizer state of memory for a rollback into an optimizer that had one; the tensors that match are now
+    copied into instead. Two entries swapped, each the other's tensor (its own state_dict, edited), load as
+    swapped, not the first copy overwriting the second's source."""
+    params, opt = make("fused")
+    before = {p: {k: v.data_ptr() for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
+    saved = copy.deepcopy(opt.state_dict())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.load_state_dict(saved)
+    assert {p: {k: v.data_ptr() for k, v in s.items() if k != "step"} for p, s in opt.state.items()} == before
+    assert all(torch.equal(opt.state[p][k], saved["state"][i][k]) for i, p in enumerate(params)
+               for k in ("exp_avg", "exp_avg_sq", "master"))
+    same = torch.nn.Parameter(torch.randn(5).bfloat16())   # two parameters of one shape, to swap
+    pair = FusedAdam([params[1], same], lr=1e-2)
+    for p in (params[1], same):
+        p.grad = torch.randn_like(p)
+    pair.step()
+    first, second = (pair.state[p]["exp_avg"].clone() for p in (params[1], same))
+    own = pair.state_dict()   # views of the optimizer's own state
+    own["state"][0], own["state"][1] = own["state"][1], own["state"][0]
+    pair.load_state_dict(own)
+    assert torch.equal(pair.state[params[1]]["exp_avg"], second) and torch.equal(pair.state[same]["exp_avg"], first)

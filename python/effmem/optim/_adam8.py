@@ -73,10 +73,11 @@ def checkpoint_in(saved: Dict, where: str) -> Dict:
     stays as it is). Checkpoints from before CODE_KEYS, codes under torch's names, load as they are."""
     if not any(k in saved for k in CODE_KEYS.values()):
         return dict(saved)
-    both = [k for k in CODE_KEYS if k in saved]
-    if both:
-        raise ValueError(f"{where}: holds both {both[0]!r} and {CODE_KEYS[both[0]]!r}; expected float moments "
-                         "or 8-bit codes with their block scales, not both")
+    torch_names = [k for k in CODE_KEYS if k in saved]
+    if torch_names:
+        raise ValueError(f"{where}: holds {torch_names[0]!r} next to 8-bit codes "
+                         f"({', '.join(repr(c) for c in CODE_KEYS.values() if c in saved)}); expected float "
+                         "moments or 8-bit codes with their block scales, not both")
     names = {c: k for k, c in CODE_KEYS.items()}
     return {names.get(k, k): v for k, v in saved.items()}
 

@@ -60,4 +60,6 @@ class AdamBase(torch.optim.Optimizer):
             torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": param_groups})
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
+        for group in self.param_groups:   # an OffloadAdam checkpoint from before __setstate__ dropped it
+            group.pop("differentiable", None)
         _validate.complete_groups(self)

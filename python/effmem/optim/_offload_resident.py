@@ -112,7 +112,7 @@ class OffloadResident:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": take})
         saved = state_dict["state"]
         inner._load_checked({"state": {sid: saved[sid] for sid in ids[:len(self._resident)] if sid in saved},
-                             "param_groups": groups})
+                             "param_groups": groups}, warn=False)
         for p in self._resident:
             if inner.state.get(p):
                 self.state[p] = inner.state[p]

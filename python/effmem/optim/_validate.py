@@ -216,7 +216,7 @@ def state_bits(bits) -> int:
     return bits
 
 
-def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
+def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, warn: bool = True):
     """Checks a whole checkpoint before anything of it is loaded, so that a refused one changes
     nothing. Returns [(param, saved state or None, step)] in the optimizer's parameter order, the saved
     tensors this rank's shards (a DTensor's local tensor, as a parameter's: both optimizers load those)."""
@@ -249,7 +249,7 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
     from effmem.optim import _adam8
     listed = {saved_id for group in groups for saved_id in group["params"]}
     stray = [k for k in saved_state if k not in listed]
-    if stray:   # torch's loader drops them: every moment of those parameters would start again from zero
+    if stray:   # torch's loader keeps them under those keys, unused: those parameters' moments would start afresh
         hint = (" (string keys: a JSON or YAML round trip turns the integer ids into strings)"
                 if any(isinstance(k, str) for k in stray) else "")
         raise ValueError(f"state_dict['state']: entries {stray[:5]!r}{' ...' if len(stray) > 5 else ''} belong to "
@@ -289,22 +289,36 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str):
                                      "'exp_avg_sq' for every parameter it has state for)")
                 step = step_value(saved["step"], f"{where}['step']")
             plan.append((p, saved, step))
-    if unused:
+    if unused and warn:
         warnings.warn(f"{name}.load_state_dict: state_dict['state'] entries {unused[:5]!r}"
                       f"{' ...' if len(unused) > 5 else ''} hold a bf16/fp16 run's float32 master weights, and "
                       "their float32 parameters do not hold those weights rounded, so each keeps its own values "
                       "and the masters go unused. To go on from the exact weights, load the model's weights "
-                      "first, then the optimizer's.", stacklevel=4)
+                      "first, then the optimizer's.", stacklevel=_caller_level())
     return plan
 
 
 def _rounds_to(master: Tensor, p: Tensor) -> bool:
-    """A float32 parameter holds the weights of the bf16/fp16 run whose master this is (the model's
-    checkpoint, loaded first): the optimizer's load puts the exact master in, so that the run goes on from
-    it and not from its rounding. Otherwise the parameter holds other weights, which the load keeps."""
+    """A float32 parameter holds the weights of the bf16/fp16 run whose master this is, rounded (the model's
+    checkpoint, loaded first) or exactly (consolidated float32 weights): the optimizer's load puts the exact
+    master in, so that the run goes on from it and not from its rounding. Otherwise the parameter holds other
+    weights, which the load keeps."""
     local = local_tensor(p).detach()
     master = master.to(local.device)
-    return any(torch.equal(master.to(d).float(), local) for d in (torch.bfloat16, torch.float16))
+    return torch.equal(master, local) or any(torch.equal(master.to(d).float(), local)
+                                             for d in (torch.bfloat16, torch.float16))
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel for the first frame outside effmem and torch (the user's load_state_dict
+    call, or theirs into torch.distributed.checkpoint), however deep the loaders and decorators run."""
+    import os
+    import sys
+    roots = tuple(os.path.dirname(m.__file__) for m in (torch, sys.modules["effmem"]))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def complete_groups(optimizer: torch.optim.Optimizer) -> None:
