@@ -336,3 +336,14 @@ def test_elementwise_traffic_and_layer_flops_are_counted_op_by_op():
     expected = 2 * act + 2 * act + (act + 8 * 64 * 4) + (8 * 64 * 4 + 4)  # mul, add, sum, mean
     assert tr.elementwise_bytes == expected, (tr.elementwise_bytes, expected)
     assert tr.matmul_flops == 2 * 8 * 64 * 16 * 32 and tr.block_matmul_flops == 0
+
+
+def test_checkpoint8_counts_the_relu_masks_min_keeps():
+    """"min" keeps each layer ReLU's mask (1 bit per element) for its recompute; the prediction counts them:
+    OPT with ReLU against the same OPT with GELU, whose "min" keeps the layer inputs alone."""
+    opt = dict(model_type="opt", vocab_size=128, num_hidden_layers=3, hidden_size=64, ffn_dim=256,
+               num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=64, pad_token_id=1)
+    batch, seq = 2, 40
+    relu, gelu = (sum(trace_spec(model_spec(dict(opt, activation_function=f)), batch, seq, torch.float32,
+                                 "cpu").activations("checkpoint8").values()) for f in ("relu", "gelu"))
+    assert relu - gelu == 3 * ((batch * seq * 256 + 7) // 8)

@@ -71,6 +71,7 @@ class Record:
     shared: bool = False                 # another input, made outside the layers: one for all (masks, rotary)
     output: bool = False                 # part of what forward returned
     sac_output: bool = False             # a decoder layer's matmul/attention output (selective keeps it)
+    relu_mask: bool = False              # a layer's nn.ReLU's mask, 1 bit per element: what "min" keeps for it
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
@@ -137,7 +138,7 @@ class Trace:
             if strategy in ("none", "compress8", "compress4", "save_on_cpu"):
                 alive = r.saved or r.output
             elif strategy in ("checkpoint", "checkpoint8"):
-                alive = r.saved_outside or r.boundary or r.output
+                alive = r.saved_outside or r.boundary or r.output or (strategy == "checkpoint8" and r.relu_mask)
             elif strategy == "selective":
                 alive = r.saved_outside or r.boundary or r.output or r.sac_output
             else:
@@ -312,6 +313,12 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                        shared=t is not hidden and _storage(t)[0] not in made_by_layers and not _a_slice(t))
 
     def post(mod, a, kw, out):
+        if isinstance(mod, nn.ReLU) and st["block"] is not None and isinstance(out, Tensor):
+            # "min" keeps each layer ReLU's mask for its recompute (effmem.activations.fused.relu_masks)
+            path = names.get(id(mod), "")
+            tr.records[("relu_mask", _storage(out)[0])] = Record(
+                (out.numel() + 7) // 8, kind_of(path, True, False), 1, 1, torch.uint8, relu_mask=True,
+                first_block=st["block"])
         stack.pop()
         if id(mod) in block_index:
             st["block"] = None
