@@ -36,6 +36,16 @@ def test_a_model_it_cannot_plan_gets_an_error_that_says_why(tmp_path):
         effmem.plan(dict(llama, num_hidden_layers=0), batch=1, seq=16)
     with pytest.raises(ValueError, match="vocab_size is 0; expected a whole number >= 1"):
         effmem.plan(dict(llama, num_hidden_layers=1, vocab_size=0), batch=1, seq=16)
+    # a raw torch error ("Cannot copy out of meta tensor") from JetMoE's expert routing by count
+    with pytest.raises(ValueError, match="JetMoeForCausalLM's forward reads tensor values"):
+        effmem.plan(dict(model_type="jetmoe", vocab_size=128, num_hidden_layers=2, hidden_size=64,
+                         num_key_value_heads=2, kv_channels=16, intermediate_size=64, num_local_experts=4,
+                         num_experts_per_tok=2), batch=1, seq=16, device="cpu")
+    # the closed-form cross-check read the dict as given: KeyError for a default left out, or an alias
+    for given in (dict(llama, num_hidden_layers=1, intermediate_size=None),
+                  dict(model_type="gpt2", hidden_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=256)):
+        given = {k: v for k, v in given.items() if v is not None}
+        assert effmem.plan(given, batch=1, seq=16, device="cpu", gpu_memory="1GB", host_memory="8GB").best
     jamba = dict(model_type="jamba", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=96, vocab_size=256, num_experts=2, mamba_d_state=8, attn_layer_period=2,
                  attn_layer_offset=1)

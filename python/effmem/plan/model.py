@@ -244,6 +244,7 @@ class ModelSpec:
     params: List[ParamInfo]
     num_layers: int
     config: Optional[dict] = None          # Hugging Face config, when the model came as one
+    resolved_config: Optional[dict] = None  # that config as transformers resolves it (planner._hf_config)
     module: Optional[nn.Module] = None     # the user's module, when it came as one
     # Builds a meta-device copy with n decoder layers (configs only): the trace extrapolates from 1 and 2.
     build_layers: Optional[Callable[[int], nn.Module]] = None

@@ -187,10 +187,21 @@ class Plan:
 
 
 def _hf_config(spec: ModelSpec) -> dict:
-    if spec.config is not None:
-        return spec.config
-    cfg = getattr(spec.module, "config", None)
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    """The model's config as transformers resolves it: aliases (GPT-2's n_embd given as hidden_size) and the
+    defaults of keys a config.json leaves out, which the closed form and the limits read (a llama dict without
+    intermediate_size raised KeyError in the cross-check)."""
+    if spec.config is None:
+        cfg = getattr(spec.module, "config", None)
+        return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    if spec.resolved_config is None:
+        spec.resolved_config = dict(spec.config)
+        try:
+            import transformers
+            given = dict(spec.config)
+            spec.resolved_config = transformers.AutoConfig.for_model(given.pop("model_type"), **given).to_dict()
+        except Exception:   # noqa: BLE001  (the model was built from it; a config it cannot resolve: as given)
+            pass
+    return spec.resolved_config
 
 
 def _vocab_hidden(spec: ModelSpec):

@@ -261,9 +261,13 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     state = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() else v.dtype)
              .requires_grad_(v.requires_grad and v.is_floating_point())
              for k, v in model.named_parameters()}
-    buffers = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() and v.dtype != torch.float32
-                                   else v.dtype) for k, v in model.named_buffers()}
-    # Rotary inverse frequencies stay float32 in Hugging Face models; only the values would differ.
+    # Floating buffers in the model's dtype, as .to(dtype) and from_pretrained(dtype=) leave them: kept float32,
+    # XGLM's position table made its bf16 hidden states float32 (every later save twice its size), Gemma's
+    # embedding scale was cast and saved, MiniMax's and GPT-1's failed on a dtype mismatch. Rotary inverse
+    # frequencies stay float32 (transformers keeps them so; only the values would differ).
+    buffers = {k: torch.empty_like(v, device=meta, dtype=v.dtype if not v.is_floating_point()
+                                   or k.rsplit(".", 1)[-1].endswith("inv_freq") else dtype)
+               for k, v in model.named_buffers()}
     owned = {_storage(t)[0] for t in list(state.values()) + list(buffers.values())}
     args, kwargs = (inputs or (lambda b, s, d: default_inputs(model, b, s, d)))(batch, seq, meta)
 
@@ -338,7 +342,14 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     try:
         with _Counter(target, flops) as counter, _device_kernels(flops, target, amp), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp or contextlib.nullcontext():
-            out = torch.func.functional_call(model, {**state, **buffers}, args, kwargs, tie_weights=True)
+            try:
+                out = torch.func.functional_call(model, {**state, **buffers}, args, kwargs, tie_weights=True)
+            except NotImplementedError as e:
+                if "meta tensor" not in str(e):
+                    raise
+                raise ValueError(f"model: {type(model).__name__}'s forward reads tensor values (.tolist(), .item() "
+                                 "or .cpu(), e.g. to route tokens to experts by count), which effmem plan's trace "
+                                 "on meta tensors cannot run") from None
         st["after_head"] = True
         for t in _tensors(out):
             record(t, output=True)
