@@ -8,6 +8,7 @@ once for all of its saves and each compressed memory dequantised once; training 
 within 1% of the final loss; torch.compile holds no more than eager; removing the policy restores the model.
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -426,3 +427,43 @@ def test_an_in_place_relu_gets_the_exact_mask_too():
     plain = grads(True, None)
     errors = [((grads(inplace, "fast") - plain).norm() / plain.norm()).item() for inplace in (False, True)]
     assert errors[1] < 0.01 and errors[1] == pytest.approx(errors[0], rel=1e-3), errors
+
+
+def test_min_keeps_the_relu_masks_until_backward_and_the_budget_counts_them():
+    """The masks "min" keeps for its recompute go with backward (held as a ctx attribute, they lived as long as
+    the loss: into the next step's forward), and a memory budget's "min" layers count them (it counted the
+    input's codes alone and went 47% over a budget it said it met)."""
+    import weakref
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    def net():
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+        m.forward = lambda x: functools.reduce(lambda h, layer: layer(h), m.layers, x)
+        return m
+
+    m, made, real = apply_activation_policy(net(), "min"), [], fused._pack_bits
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    try:
+        fused._pack_bits = lambda mask: made.append(real(mask)) or made[-1]
+        loss = m.forward(x).square().mean()
+    finally:
+        fused._pack_bits = real
+    alive = [weakref.ref(t) for t in made]
+    made.clear()
+    assert len(alive) == 3 and all(r() is not None for r in alive)
+    loss.backward()
+    assert all(r() is None for r in alive)   # loss still referenced
+    b = apply_activation_policy(net(), memory_budget=1.0)
+    b.forward(x).square().mean().backward()
+    from effmem.compress import _codec
+    min_bytes = effmem.activations.budget_choice(b)["bytes"]["min"]
+    assert min_bytes == _codec.packed_bytes(4 * 32, 64, 8, 128) + 4 * 32 * 256 // 8   # input codes, ReLU's bits

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from effmem.activations import fused
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept, routes_tokens
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.fast import FastCompressor, param_shapes
@@ -165,17 +166,18 @@ class BudgetPolicy:
             plain = _count_plain(lambda: plain_fn(*args, **kwargs), others)
 
         def probe_run():
-            probe = FastCompressor(bits=self.bits, group_size=self.group_size)
+            probe, masks = FastCompressor(bits=self.bits, group_size=self.group_size), []
             with torch.random.fork_rng(devices=devices), probe.layer("probe", hidden, others, param_shapes(layer),
                                                                      True):
-                with probe.collecting() as entries:
+                # the ReLU masks a "min" layer keeps for its recompute (fused.relu_masks), counted below
+                with probe.collecting() as entries, fused.relu_masks(masks, replay=False):
                     fast_fn(*args, **kwargs)
-            return probe, entries
+            return probe, entries, masks
         if warm:  # the timed run is not the first: no compilation or first kernel loads in layer_s
             probe_run()
         sync()
         t0 = time.perf_counter()
-        probe, entries = probe_run()
+        probe, entries, masks = probe_run()
         sync()
         layer_s = time.perf_counter() - t0
         codes = sum(p.numel() * p.element_size() for e in entries for p in _parts(e))
@@ -186,7 +188,8 @@ class BudgetPolicy:
         nbytes = {"plain": plain, "fast": probe.stats.total_bytes_after,
                   "offload": probe.stats.total_bytes_after - codes,
                   "min": (hidden.numel() * hidden.element_size() if routes_tokens(layer)   # kept as it is
-                          else _codec.packed_bytes(rows, cols, self.bits, g))}
+                          else _codec.packed_bytes(rows, cols, self.bits, g)
+                          + sum(packed.numel() for _, packed in masks))}
         link = _link_rate(hidden.device)
         max_offload = hidden_layers(self.layers, layer_s, codes, link)
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)

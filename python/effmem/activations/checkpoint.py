@@ -95,28 +95,34 @@ class _CompressedCheckpoint(torch.autograd.Function):
         # With grad enabled (and the inputs needing it as they will in the recompute), so that every op picks
         # the same kernel both times (the CPU's attention runs a different kernel, drawing dropout
         # differently, without grad) and the same outputs need a gradient; what the ops save is dropped at once.
-        ctx.relu_masks = []   # each ReLU's exact mask, for the recompute (fused.relu_masks)
+        # each ReLU's exact mask, for the recompute from rounded inputs (fused.relu_masks); saved for backward
+        # below, so that autograd frees them with the rest (a ctx attribute lived as long as the graph's loss)
+        masks = []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked), \
-                fused.relu_masks(ctx.relu_masks, replay=False):
+                (fused.relu_masks(masks, replay=False) if bits is not None else nullcontext()):
             outs = run(x.detach().requires_grad_(ctx.needs_input_grad[1]),
                        *[e.detach().requires_grad_(True) for e in extras])
+        ctx.mask_shapes = [shape for shape, _ in masks]
         if bits is None:
             ctx.save_for_backward(x.detach(), *extras)
         else:
             rows = _as_rows(x.detach())
             codes, stats = _codec.quantize(rows, bits=bits, group_size=group_size, seed=seed, stochastic=True)
             ctx.rows_shape = tuple(rows.shape)
-            ctx.save_for_backward(codes, stats, *extras)
+            ctx.save_for_backward(codes, stats, *extras, *(packed for _, packed in masks))
         ctx.params = tensors[n_in:]   # leaves: a reference, no copy
         return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
+        masks = []
         if ctx.bits is None:
             x, *extras = ctx.saved_tensors
             x = x.detach().requires_grad_(ctx.needs_input_grad[1])
         else:
-            codes, stats, *extras = ctx.saved_tensors
+            codes, stats, *rest = ctx.saved_tensors
+            extras, packed = rest[:len(rest) - len(ctx.mask_shapes)], rest[len(rest) - len(ctx.mask_shapes):]
+            masks = list(zip(ctx.mask_shapes, packed))
             x = _codec.dequantize(codes, stats, bits=ctx.bits, group_size=ctx.group_size, shape=ctx.rows_shape,
                                   dtype=ctx.dtype).view(ctx.shape).requires_grad_(ctx.needs_input_grad[1])
         extras = [e.detach().requires_grad_(True) for e in extras]
@@ -132,7 +138,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
             # run.keep: the layer's buffers as they were after the forward once the recompute's backward
             # is done (it may read the buffers the recompute updated: a BatchNorm's running statistics)
             with getattr(ctx.run, "keep", nullcontext)():
-                with torch.enable_grad(), amp, fused.relu_masks(ctx.relu_masks, replay=True):
+                with torch.enable_grad(), amp, fused.relu_masks(masks, replay=True):
                     outs = ctx.run(x, *extras)
                 pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                 inputs = [x, *extras, *ctx.params]   # in the order of forward's tensor arguments

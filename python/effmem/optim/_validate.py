@@ -314,7 +314,7 @@ def _caller_level() -> int:
     call, or theirs into torch.distributed.checkpoint), however deep the loaders and decorators run."""
     import os
     import sys
-    roots = tuple(os.path.dirname(m.__file__) for m in (torch, sys.modules["effmem"]))
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["effmem"]))   # not torchtune
     level, frame = 1, sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(roots):
         level, frame = level + 1, frame.f_back

@@ -86,6 +86,7 @@ class FusedAdam(AdamBase):
         self._pending_grad_scale: Dict[torch.device, Tensor] = {}
         self._pending_clip: Optional[Tuple[Tensor, float]] = None   # clip_grad_norm_'s norm and max_norm
         self._pending_outside_capture = False
+        self._interrupted_load: Optional[str] = None   # why steps are refused (_load_checked)
         self._refusals = RefusalMonitor("FusedAdam")
         self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
@@ -102,6 +103,7 @@ class FusedAdam(AdamBase):
         self.__dict__.setdefault("state_bits", 32)
         self.__dict__.setdefault("_pending_grad_scale", {})
         self.__dict__.setdefault("_pending_clip", None)
+        self.__dict__.setdefault("_interrupted_load", None)
         self.__dict__.setdefault("_pending_outside_capture", False)
         # per-process bookkeeping, built afresh for a copy; torch's load_state_dict also calls __setstate__,
         # which must not drop a refusal a step in flight may still report
@@ -202,6 +204,8 @@ class FusedAdam(AdamBase):
                                "reading that one clip factor. Call opt.clip_grad_norm_() inside the captured "
                                "region, before step().")
 
+        if self._interrupted_load is not None:
+            raise RuntimeError(self._interrupted_load)
         self._refusals.check()
         self._check_groups()
         per_device: Dict[torch.device, Tuple] = {}  # (scale, found_inf) of each device, once per step
@@ -310,35 +314,20 @@ class FusedAdam(AdamBase):
         # everything checked before any change (warn=False: OffloadAdam's device_state prefix, warned of already)
         plan = _validate.checkpoint(self, state_dict, "FusedAdam", warn=warn)
         salts = self._salts()
-        # every entry made before any is changed: one failing midway (a copy, an allocation) left the groups
-        # replaced and some parameters with the new state, others with none. Unlike torch's loader, a tensor of
-        # the state now that matches is reused (copied into last), so that a rollback needs no second state.
-        copies: List[Tuple[Tensor, Tensor]] = []
-        restored = {p: _restore_state(saved, p, step, self.state_bits, salts[id(p)], self.state.get(p), copies)
-                    for p, saved, step in plan if saved is not None}
-        copies = _unaliased(copies)
-        self._load_groups(state_dict["param_groups"])
+        self._load_groups(state_dict["param_groups"])   # drops the old state: one state in memory at a time
         self._lr_checked = {}
-        for into, value in copies:
-            into.copy_(value)
-        self.state.update(restored)
-        _exact_float32_weights(plan)
-
-
-def _unaliased(copies: List[Tuple[Tensor, Tensor]]) -> List[Tuple[Tensor, Tensor]]:
-    """The copies into reused state tensors, a value that is another's target cloned first (a checkpoint
-    viewing this optimizer's own state with two entries swapped); a tensor into itself (its own
-    state_dict() loaded back) dropped."""
-    def where(t: Tensor):
-        return t.device, t.untyped_storage().data_ptr()
-    targets = {where(into) for into, _ in copies}
-    out = []
-    for into, value in copies:
-        if value is into or (value.data_ptr() == into.data_ptr() and value.device == into.device
-                             and value.stride() == into.stride() and value.dtype == into.dtype):
-            continue
-        out.append((into, value.clone() if where(value) in targets else value))
-    return out
+        try:
+            for p, saved, step in plan:
+                if saved is not None:
+                    self.state[p] = _restore_state(saved, p, step, self.state_bits, salts[id(p)])
+            _exact_float32_weights(plan)
+        except BaseException as e:   # out of memory, an interrupt: part of the checkpoint is in, part is not
+            self._interrupted_load = (
+                f"FusedAdam: a load_state_dict failed while making the state ({type(e).__name__}), after the "
+                "checkpoint had been checked: the optimizer holds part of it, and its steps are refused until a "
+                "load_state_dict completes")
+            raise
+        self._interrupted_load = None
 
 
 @torch.no_grad()
@@ -361,45 +350,27 @@ def _match_layout(state: Dict[str, Tensor], p: Tensor) -> None:
             state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
-def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: int = 32, salt: int = 0,
-                   now: Optional[Dict[str, Tensor]] = None,
-                   copies: Optional[List[Tuple[Tensor, Tensor]]] = None) -> Dict[str, Tensor]:
+def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: int = 32,
+                   salt: int = 0) -> Dict[str, Tensor]:
     """A checkpoint's state for p, exactly as saved, in the format of state_bits: 8-bit moments are
     decoded for a float32 optimizer, float32 ones encoded for an 8-bit optimizer (effmem.optim._adam8).
-    saved: this rank's shards (_validate.checkpoint); under FSDP2 the state are DTensors laid out as p.
-    now, copies: p's state now, whose tensors of the same shape, dtype, device and strides are reused, their
-    (tensor, value) appended to copies for the caller to copy in once every entry is made."""
-    def reuse(key: str, value: Tensor, dtype: torch.dtype, like_p: bool) -> Optional[Tensor]:
-        """p's tensor under key now where it can take value (laid out as p, or contiguous), noted in copies."""
-        old = (now or {}).get(key)
-        if copies is None or not isinstance(old, Tensor) or old.dtype != dtype or old.device != p.device:
-            return None
-        local = _local(old)
-        if local.shape != value.shape or not (local.stride() == _local(p).stride() if like_p
-                                              else local.is_contiguous()):
-            return None
-        copies.append((local, value))
-        return old
-
-    def like_p(key: str, t: Tensor, dtype: torch.dtype) -> Tensor:
-        old = reuse(key, t, dtype, like_p=True)
-        if old is not None:
-            return old
+    saved: this rank's shards (_validate.checkpoint); under FSDP2 the state are DTensors laid out as p."""
+    def like_p(t: Tensor, dtype: torch.dtype) -> Tensor:
         out = torch.empty_like(p, dtype=dtype)
         _local(out).copy_(t)
         return out
 
     saved = _adam8.convert(saved, _local(p), state_bits, step, salt)
     state = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    f32 = functools.partial(like_p, dtype=torch.float32)
     if state_bits == 8:
         for key, scale in _adam8.SCALE_KEYS.items():
-            state[key] = like_p(key, saved[key], torch.uint8)
-            old = reuse(scale, saved[scale], torch.float32, like_p=False)
-            state[scale] = old if old is not None else saved[scale].to(device=p.device, dtype=torch.float32).clone()
+            state[key] = like_p(saved[key], torch.uint8)
+            state[scale] = saved[scale].to(device=p.device, dtype=torch.float32).clone()
     else:
-        state["exp_avg"], state["exp_avg_sq"] = (like_p(k, saved[k], torch.float32) for k in ("exp_avg", "exp_avg_sq"))
+        state["exp_avg"], state["exp_avg_sq"] = f32(saved["exp_avg"]), f32(saved["exp_avg_sq"])
     if p.dtype != torch.float32 and "master" in saved:   # else _init_state takes the parameter at its next step
-        state["master"] = like_p("master", saved["master"], torch.float32)
+        state["master"] = f32(saved["master"])
     return state
 
 
