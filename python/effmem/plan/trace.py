@@ -317,8 +317,9 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                        shared=t is not hidden and _storage(t)[0] not in made_by_layers and not _a_slice(t))
 
     def post(mod, a, kw, out):
-        if isinstance(mod, nn.ReLU) and st["block"] is not None and isinstance(out, Tensor):
-            # "min" keeps each layer ReLU's mask for its recompute (effmem.activations.fused.relu_masks)
+        if type(mod) is nn.ReLU and st["block"] is not None and not tr.routed and isinstance(out, Tensor):
+            # "min" keeps the mask of each nn.ReLU (those the policies patch) for its recompute from rounded
+            # inputs (effmem.activations.fused.relu_masks); a layer that routes tokens keeps its input exactly
             path = names.get(id(mod), "")
             tr.records[("relu_mask", _storage(out)[0])] = Record(
                 (out.numel() + 7) // 8, kind_of(path, True, False), 1, 1, torch.uint8, relu_mask=True,
