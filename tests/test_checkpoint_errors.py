@@ -166,32 +166,39 @@ def test_an_empty_state_entry_is_no_state(source, kind):
         target.close()
 
 
-def test_a_load_that_fails_midway_refuses_steps_until_a_load_completes(monkeypatch):
-    """A failure while FusedAdam makes the state, after every check (out of memory, an interrupt), left the
-    groups replaced, the first parameters with the new state and the rest with none, and the next step went
-    on from that. Steps are refused now until a load completes. (Made one entry at a time, after the old
-    state is dropped, so that a load needs one state of memory, not two.)"""
-    import effmem.optim.fused_adam as module
-    params, opt = make("fused")
+@pytest.mark.parametrize("kind", ["fused", "offload"])
+def test_a_load_that_fails_midway_refuses_steps_until_a_load_completes(kind, monkeypatch):
+    """A failure while the state is made or copied in, after every check (out of memory, an interrupt), left
+    the groups replaced, the first parameters with the new state and the rest with none (FusedAdam) or their
+    old (OffloadAdam), and the next step went on from that. Steps are refused now until a load completes.
+    (One entry at a time, the old state dropped first, so that a load needs one state of memory, not two.)"""
+    import effmem.optim.fused_adam as fused_module
+    import effmem.optim._adam8 as adam8_module
+    module, name = (fused_module, "_restore_state") if kind == "fused" else (adam8_module, "convert")
+    params, opt = make(kind)
     sd = copy.deepcopy(opt.state_dict())
-    real, calls = module._restore_state, []
+    real, calls = getattr(module, name), []
 
     def failing(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise MemoryError("the second entry")
         return real(*args, **kwargs)
-    monkeypatch.setattr(module, "_restore_state", failing)
+    monkeypatch.setattr(module, name, failing)
     with pytest.raises(MemoryError):
         opt.load_state_dict(sd)
-    monkeypatch.setattr(module, "_restore_state", real)
+    monkeypatch.setattr(module, name, real)
     for p in params:
         p.grad = torch.randn_like(p)
-    with pytest.raises(RuntimeError, match="a load_state_dict failed while making the state .MemoryError."):
+    with pytest.raises(RuntimeError, match="a load_state_dict failed while (making|copying) the state .*MemoryError"):
         opt.step()
     opt.load_state_dict(sd)
+    for p in params:
+        p.grad = torch.randn_like(p)
     opt.step()
-    assert float(opt.state[params[1]]["step"]) == float(sd["state"][1]["step"]) + 1
+    assert float(opt.state_dict()["state"][1]["step"]) == float(sd["state"][1]["step"]) + 1
+    if kind == "offload":
+        opt.close()
 
 
 @pytest.mark.parametrize("kind", ["fused", "offload"])

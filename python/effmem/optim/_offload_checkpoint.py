@@ -45,10 +45,16 @@ class OffloadCheckpoint:
         # delay and async_step: an update not installed yet belongs to the run being replaced; installing it
         # would write over weights the caller may have loaded already (model first, then the optimizer)
         self._engine.discard_pending()
-        self._load_groups(state_dict["param_groups"])
-        self._load_resident(state_dict)   # device_state's prefix: FusedAdam's loader
-        for p, saved, step in plan[self._first:]:
-            self._load_entry(p, saved, step)
+        try:
+            self._load_groups(state_dict["param_groups"])
+            self._load_resident(state_dict)   # device_state's prefix: FusedAdam's loader
+            for p, saved, step in plan[self._first:]:
+                self._load_entry(p, saved, step)
+        except BaseException as e:   # out of memory, an interrupt: the engine holds part of the checkpoint
+            self._broken = (f"OffloadAdam: a load_state_dict failed while copying the state in ({type(e).__name__}), "
+                            "after the checkpoint had been checked: the optimizer holds part of it, and its steps "
+                            "are refused until a load_state_dict completes")
+            raise
         self._step_count = int(max((step for _, _, step in plan), default=0))
         # A consistent state again: a failed overlap backward is behind us, opt.state is the engine's.
         self._broken = None
