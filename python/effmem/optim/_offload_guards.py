@@ -233,3 +233,35 @@ class OffloadGuards:
                 "engine updates the memory it was given, so that parameter would silently stop training. Build "
                 "the optimizer after changing the model, carrying its state over with state_dict() / "
                 "load_state_dict().")
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch.amp.GradScaler's question. Where the gradients wait in p.grad for step() (stream_grads=False,
+        no overlap, no attach_ddp), no: its own path is exact, as for torch's AdamW (it unscales them in place,
+        checks them and skips step() on an inf). Where they left during backward that path found none and
+        failed with "No inf checks were recorded"; yes makes it call step() with its grad_scale and found_inf
+        attributes set, refused there with a reason (_refuse_grad_scaler)."""
+        return self._grads_leave_in_backward()
+
+    def _grads_leave_in_backward(self) -> bool:
+        return self._stream_grads or self._overlap or bool(self._ddp_handles)
+
+    def _refuse_grad_scaler(self) -> None:
+        # GradScaler deletes its attributes after a step() that returns: left set, every later step() is refused
+        for name in ("grad_scale", "found_inf"):
+            self.__dict__.pop(name, None)
+        how = ("overlap=True" if self._overlap else "attach_ddp" if self._ddp_handles else "stream_grads")
+        message = (f"OffloadAdam: torch.amp.GradScaler needs the gradients in p.grad at step(), to unscale them "
+                   f"and skip the step on an inf; this OffloadAdam took them during backward ({how}). Train in "
+                   "bf16, which needs no loss scaling, or pass stream_grads=False (without overlap or attach_ddp), "
+                   "where GradScaler works as with torch's AdamW. ")
+        self._check_consistent()
+        self._engine.synchronize()   # overlap's bucket updates run on the workers: all of them counted
+        if self._overlap and self._engine.param_updates > self._updates_at_open:
+            self._broken = (message + "overlap=True had already updated the parameters during backward with the "
+                            "scaled gradients, so further steps are refused: restore the model's weights and "
+                            "opt.load_state_dict(...) from a checkpoint, or call opt.accept_partial_step().")
+            raise RuntimeError(self._broken)
+        self.zero_grad()
+        raise RuntimeError(message + "This step's gradients were dropped: scaled, any later step would apply "
+                                     "them too large.")

@@ -244,7 +244,9 @@ class ModelSpec:
     params: List[ParamInfo]
     num_layers: int
     config: Optional[dict] = None          # Hugging Face config, when the model came as one
-    resolved_config: Optional[dict] = None  # that config as transformers resolves it (planner._hf_config)
+    # that config as transformers resolved it building the model: aliases (GPT-2's n_embd given as
+    # hidden_size) and the defaults of keys it leaves out, which the closed form and the limits read
+    resolved_config: Optional[dict] = None
     module: Optional[nn.Module] = None     # the user's module, when it came as one
     # Builds a meta-device copy with n decoder layers (configs only): the trace extrapolates from 1 and 2.
     build_layers: Optional[Callable[[int], nn.Module]] = None
@@ -338,6 +340,7 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
             raise ValueError(f"model: the config's vocab_size is {vocab!r}; expected a whole number >= 1")
         full = _hf_model_from_config(cfg)
         spec = ModelSpec(name, _param_infos(full, which), config_layers(cfg), config=cfg,
+                         resolved_config=full.config.to_dict(),
                          build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
         path, blocks = find_blocks(full)
         if len(blocks) != spec.num_layers:   # (Jamba: attention and Mamba layers in one list)

@@ -187,21 +187,12 @@ class Plan:
 
 
 def _hf_config(spec: ModelSpec) -> dict:
-    """The model's config as transformers resolves it: aliases (GPT-2's n_embd given as hidden_size) and the
-    defaults of keys a config.json leaves out, which the closed form and the limits read (a llama dict without
-    intermediate_size raised KeyError in the cross-check)."""
-    if spec.config is None:
-        cfg = getattr(spec.module, "config", None)
-        return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
-    if spec.resolved_config is None:
-        spec.resolved_config = dict(spec.config)
-        try:
-            import transformers
-            given = dict(spec.config)
-            spec.resolved_config = transformers.AutoConfig.for_model(given.pop("model_type"), **given).to_dict()
-        except Exception:   # noqa: BLE001  (the model was built from it; a config it cannot resolve: as given)
-            pass
-    return spec.resolved_config
+    """The model's config as transformers resolved it (ModelSpec.resolved_config; a llama dict without
+    intermediate_size raised KeyError in the cross-check when the dict as given was read)."""
+    if spec.config is not None:
+        return spec.resolved_config if spec.resolved_config is not None else spec.config
+    cfg = getattr(spec.module, "config", None)
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
 
 
 def _vocab_hidden(spec: ModelSpec):
@@ -216,15 +207,9 @@ def _fusable(spec: ModelSpec) -> bool:
 
 
 def _attention_dropout(cfg: dict) -> float:
-    """The attention dropout a transformers model built from `cfg` has (its config class's default where the
-    dict names none: GPT-2's is 0.1)."""
-    from transformers import AutoConfig
-    c = dict(cfg)
-    try:
-        full = AutoConfig.for_model(c.pop("model_type"), **c)
-    except (KeyError, ValueError, TypeError):
-        return 0.0
-    return max(float(getattr(full, k, 0) or 0) for k in ("attn_pdrop", "attention_dropout"))
+    """The attention dropout of a resolved config (_hf_config: its class's default where the dict named
+    none, GPT-2's 0.1)."""
+    return max(float(cfg.get(k) or 0) for k in ("attn_pdrop", "attention_dropout"))
 
 
 def _cross_check(spec: ModelSpec, act: "_Activity", seq: int) -> Optional[dict]:
