@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from effmem.activations import fused
+from effmem.activations import relu
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept, routes_tokens
 from effmem.activations.compiled import compiled_forward
 from effmem.activations.fast import FastCompressor, param_shapes
@@ -169,8 +169,8 @@ class BudgetPolicy:
             probe, masks = FastCompressor(bits=self.bits, group_size=self.group_size), []
             with torch.random.fork_rng(devices=devices), probe.layer("probe", hidden, others, param_shapes(layer),
                                                                      True):
-                # the ReLU masks a "min" layer keeps for its recompute (fused.relu_masks), counted below
-                with probe.collecting() as entries, fused.relu_masks(masks, replay=False):
+                # the ReLU masks a "min" layer keeps for its recompute (relu.relu_masks), counted below
+                with probe.collecting() as entries, relu.relu_masks(masks, replay=False):
                     fast_fn(*args, **kwargs)
             return probe, entries, masks
         if warm:  # the timed run is not the first: no compilation or first kernel loads in layer_s

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
-from effmem.activations import fused
+from effmem.activations import relu
 from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.selective import context as selective_context
 from effmem.compress import _codec
@@ -95,11 +95,11 @@ class _CompressedCheckpoint(torch.autograd.Function):
         # With grad enabled (and the inputs needing it as they will in the recompute), so that every op picks
         # the same kernel both times (the CPU's attention runs a different kernel, drawing dropout
         # differently, without grad) and the same outputs need a gradient; what the ops save is dropped at once.
-        # each ReLU's exact mask, for the recompute from rounded inputs (fused.relu_masks); saved for backward
+        # each ReLU's exact mask, for the recompute from rounded inputs (relu.relu_masks); saved for backward
         # below, so that autograd frees them with the rest (a ctx attribute lived as long as the graph's loss)
         masks = []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked), \
-                (fused.relu_masks(masks, replay=False) if bits is not None else nullcontext()):
+                (relu.relu_masks(masks, replay=False) if bits is not None else nullcontext()):
             outs = run(x.detach().requires_grad_(ctx.needs_input_grad[1]),
                        *[e.detach().requires_grad_(True) for e in extras])
         ctx.mask_shapes = [shape for shape, _ in masks]
@@ -138,7 +138,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
             # run.keep: the layer's buffers as they were after the forward once the recompute's backward
             # is done (it may read the buffers the recompute updated: a BatchNorm's running statistics)
             with getattr(ctx.run, "keep", nullcontext)():
-                with torch.enable_grad(), amp, fused.relu_masks(masks, replay=True):
+                with torch.enable_grad(), amp, relu.relu_masks(masks, replay=True):
                     outs = ctx.run(x, *extras)
                 pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                 inputs = [x, *extras, *ctx.params]   # in the order of forward's tensor arguments

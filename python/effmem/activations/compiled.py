@@ -46,13 +46,13 @@ def compiled_forward(original, selective: bool) -> Callable:
     every layer compiled its graph again until the recompile limit (8) and a TinyLlama's other 14 layers ran
     eagerly (seen on an H100: the compiled "fast" step slower than eager). The compiled graph does their
     work itself (selective checkpointing recomputes norms and elementwise ops), and with them gone for good
-    an eager fallback's recompute meets the modules its forward met."""
+    an eager fallback's recompute meets the modules its forward met. The ReLUs stay: their class is what
+    was changed (activations.relu), one for every layer, and their exact masks are correctness, not speed."""
     layer = original.__self__
     patched = layer.__dict__.get("_effmem_patched")
     if patched:
         from effmem.activations import paths   # on use: the package is still importing when it imports this
-        paths.unpatch(patched)
-        layer._effmem_patched = []
+        layer._effmem_patched = paths.for_compiler(patched)
     func = original.__func__
     fn = _GRAPHS.get((func, selective))
     if fn is None:

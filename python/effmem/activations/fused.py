@@ -23,8 +23,6 @@ where it is faster than the torch ops), and SwiGLU's rebuild and its two
 gradients are effmem::swiglu and effmem::swiglu_backward (6 and 10 bytes per
 element in bf16, against 10 and 22).
 """
-import contextlib
-import threading
 from typing import Callable, Optional
 
 import torch
@@ -248,75 +246,3 @@ def gelu(x: Tensor, act: Callable[[Tensor], Tensor], approximate: str) -> Tensor
     """act(x), where act computes GELU (exact for approximate="none", the tanh form for "tanh");
     backward differentiates GELU in that form."""
     return _GELU.apply(x, act, approximate)
-
-
-def _shifts(device) -> Tensor:
-    return torch.arange(8, dtype=torch.uint8, device=device)
-
-
-def _pack_bits(mask: Tensor) -> Tensor:
-    """A bool tensor as uint8 bytes of 8 flags each (1/8 byte per element); _unpack_bits reverses it."""
-    flat = mask.reshape(-1)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8).to(torch.uint8) << _shifts(mask.device)).sum(-1, dtype=torch.uint8)
-
-
-def _unpack_bits(packed: Tensor, shape) -> Tensor:
-    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
-    return bits.reshape(-1)[:torch.Size(shape).numel()].view(shape).bool()
-
-
-# "min" recomputes a layer in backward from its input rounded to 8 bits, and a ReLU's mask worked out again
-# from that flipped where a pre-activation was near 0: a whole gradient lost or gained at each (a tiny OPT's
-# gradients 5% off plain's, T5's 4%). Its checkpoint records each ReLU's mask in forward (relu_masks) and
-# the recompute takes them, in the same order.
-_journal = threading.local()
-
-
-@contextlib.contextmanager
-def relu_masks(masks: list, replay: bool):
-    """Within: each ReLU appends its exact mask to masks (replay=False), or takes the next one (replay=True:
-    from the first again at each entry, as a second backward with retain_graph recomputes again)."""
-    before = getattr(_journal, "state", None)
-    _journal.state = (iter(masks), True) if replay else (masks, False)
-    try:
-        yield
-    finally:
-        _journal.state = before
-
-
-class _ReLU(torch.autograd.Function):
-    """ReLU keeping its on/off mask exactly, 1 bit per element. autograd's keeps the output, which the "fast"
-    policy stores in 8 bits: a small positive value rounded to code 0 lost its gradient (a tiny OPT's first
-    gradients 4.7% off plain's, against 0.4% with GELU). The output's consumer (the down projection) still
-    saves it, in 8 bits, for its weight's gradient, where rounding costs only rounding. In a "min" layer's
-    recompute the mask is the forward's (relu_masks)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
-        y = act(x)
-        if y is x:   # nn.ReLU(inplace=True) overwrote its input: autograd moves x's history onto this function
-            ctx.mark_dirty(x)
-        ctx.shape = y.shape
-        journal, replay = getattr(_journal, "state", None) or (None, False)
-        recorded = next(journal, None) if replay else None
-        if recorded is not None and recorded[0] == y.shape:
-            packed = recorded[1]
-        else:   # threshold_backward's test: a NaN passes its gradient
-            packed = _pack_bits(~(y <= 0))
-            if journal is not None and not replay:
-                journal.append((y.shape, packed))
-        ctx.save_for_backward(packed)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
-        return grad * _unpack_bits(packed, ctx.shape).to(grad.dtype), None
-
-
-def relu(x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
-    """act(x) for a module computing ReLU, its backward from an exact 1-bit mask."""
-    return _ReLU.apply(x, act)

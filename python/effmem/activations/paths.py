@@ -10,7 +10,8 @@ Mistral, Mixtral, Qwen2/Qwen3 and GPT-2 in transformers, and the demo GPT):
   Qwen3): fused.swiglu for the product (its projections nn.Linear, or PEFT's
   LoRA wrappers of them).
 * GELU modules (torch's nn.GELU, transformers' GELU activations): fused.gelu.
-* nn.ReLU (OPT, T5): fused.relu, its on/off mask kept exactly in 1 bit.
+* nn.ReLU (OPT, T5): activations.relu, its on/off mask kept exactly in 1 bit (by giving the module the
+  class relu.MaskedReLU, which a compiled layer keeps: activations.compiled).
 
 Each is patched by giving the module instance its own forward (removed by
 unpatch), so parameters, state_dict keys and hooks are untouched. Anything
@@ -22,7 +23,7 @@ from typing import Callable, List, Optional
 
 from torch import nn
 
-from effmem.activations import fused
+from effmem.activations import fused, relu
 
 # Llama-family RMSNorms, all "Copied from LlamaRMSNorm" in transformers (Gemma's, with 1 + weight, is not).
 RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
@@ -83,16 +84,7 @@ def _gelu(m: nn.Module) -> Optional[Callable]:
     return None if form is None else functools.partial(_gelu_forward, m, form)
 
 
-def _relu_forward(m: nn.Module, x):
-    return fused.relu(x, functools.partial(type(m).forward, m))
-
-
-def _relu(m: nn.Module) -> Optional[Callable]:
-    # in place too (a conv net's usual ReLU): the fused function overwrites its input as the module does
-    return functools.partial(_relu_forward, m) if type(m) is nn.ReLU else None
-
-
-FINDERS = (_rms_norm, _layer_norm, _gated_mlp, _gelu, _relu)
+FINDERS = (_rms_norm, _layer_norm, _gated_mlp, _gelu)
 
 
 def patch(layer: nn.Module) -> List[nn.Module]:
@@ -100,6 +92,9 @@ def patch(layer: nn.Module) -> List[nn.Module]:
     patched = []
     for m in layer.modules():
         if m is layer or "forward" in m.__dict__:
+            continue
+        if relu.patch(m):   # in place too (a conv net's usual ReLU), as the module does
+            patched.append(m)
             continue
         for find in FINDERS:
             fwd = find(m)
@@ -113,3 +108,11 @@ def patch(layer: nn.Module) -> List[nn.Module]:
 def unpatch(modules: List[nn.Module]) -> None:
     for m in modules:
         m.__dict__.pop("forward", None)
+        relu.unpatch(m)
+
+
+def for_compiler(modules: List[nn.Module]) -> List[nn.Module]:
+    """Unpatch the modules whose work a compiled layer's graph does itself (activations.compiled); returns
+    those that stay patched: the ReLUs, whose exact mask no compiled rule keeps otherwise."""
+    unpatch([m for m in modules if type(m) is not relu.MaskedReLU])
+    return [m for m in modules if type(m) is relu.MaskedReLU]

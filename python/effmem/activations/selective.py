@@ -13,6 +13,8 @@ effmem plan traces the same rule (``SAVED_OPS``) to count what it keeps.
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import effmem.activations.relu  # noqa: F401 (registers effmem::relu)
+
 _aten = torch.ops.aten
 # Matmuls and attention: their outputs are kept, so backward never recomputes a product.
 SAVED_OPS = frozenset(op for op in (
@@ -21,7 +23,9 @@ SAVED_OPS = frozenset(op for op in (
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default) if op)
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # a ReLU's exact mask (activations.relu): recomputed, it would come from the rounded stored input
+    torch.ops.effmem.relu.default) if op)
 SAVED_PACKETS = frozenset(op.overloadpacket for op in SAVED_OPS)
 
 
