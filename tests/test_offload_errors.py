@@ -75,6 +75,32 @@ def test_overlap_backward_that_raises_midway_refuses_further_steps():
     del ref
 
 
+def test_overlap_next_backward_names_the_failed_one_when_no_zero_grad_ran():
+    """The usual loop (backward; step; zero_grad) leaves out step and zero_grad when backward raises. The next
+    backward's first gradient reached the engine before the check, which refused a parameter the failed
+    backward had queued ("got a second gradient before step() ... Wrap all but the last micro-batch"), at
+    every later step, never naming the failure or accept_partial_step()."""
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), overlap=True, bucket_size=2000, **HP)
+    data = batches(3)
+    model(*data[0])[1].backward()
+    opt.step()
+    opt.zero_grad()
+    handle = _raise_in_backward(model)
+    with pytest.raises(ValueError, match="a user hook failed"):
+        model(*data[1])[1].backward()
+    handle.remove()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"a backward raised after \d+ parameter updates(.|\n)*"
+                                               r"accept_partial_step"):
+            model(*data[2])[1].backward()
+    opt.accept_partial_step()
+    model.zero_grad(set_to_none=True)
+    model(*data[2])[1].backward()
+    opt.step()
+    opt.close()
+
+
 def test_overlap_failed_backward_then_checkpoint_reload_matches_fused_adam():
     torch.manual_seed(0)
     model, twin = tiny_gpt(torch.float32), tiny_gpt(torch.float32)

@@ -134,7 +134,10 @@ def _count_plain(run, inputs: Sequence[Tensor]) -> int:
         key = storage_key(t)
         if not param and key not in skip:
             seen[key] = t.untyped_storage().nbytes()
-        return t
+        # detached: a node holding its own output (attention's, the fused RMSNorm's) as the tensor itself
+        # makes a cycle through C++ that no garbage collection frees, and every calibration's probe graph of
+        # a layer stayed alive for good (one per input shape). Kept alive: no address is reused meanwhile.
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return sum(seen.values())

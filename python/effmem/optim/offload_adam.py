@@ -306,10 +306,13 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
                     f"own {local_p.dtype}: the engine takes gradients in the parameter's dtype and sums "
                     "micro-batches there, so the gradient would be rounded. Leave grad_dtype unset, or use FusedAdam")
             g = g.to(local_p.dtype)  # the staging holds the parameter's dtype (float32: exact)
+        if self._overlap or self._delay:
+            # first: a backward after one that raised (the loop never reached zero_grad) is judged before its
+            # gradients land, where the engine refused a parameter the failed one had queued, with a message
+            # about micro-batches and no way out named
+            self._track_backward()
         self._engine.grad_ready(i, g)
         self._queued.add(i)
-        if self._overlap or self._delay:
-            self._track_backward()
 
     def _take_leftover_grads(self) -> None:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""

@@ -304,7 +304,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"])
-        return t
+        return t.detach()   # the tensor itself: a node saving its own output made a cycle no gc frees
 
     def pre(mod, a, kw):
         stack.append(mod)
@@ -319,7 +319,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     def post(mod, a, kw, out):
         if type(mod) is nn.ReLU and st["block"] is not None and not tr.routed and isinstance(out, Tensor):
             # "min" keeps the mask of each nn.ReLU (those the policies patch) for its recompute from rounded
-            # inputs (effmem.activations.fused.relu_masks); a layer that routes tokens keeps its input exactly
+            # inputs (effmem.activations.relu.relu_masks); a layer that routes tokens keeps its input exactly
             path = names.get(id(mod), "")
             tr.records[("relu_mask", _storage(out)[0])] = Record(
                 (out.numel() + 7) // 8, kind_of(path, True, False), 1, 1, torch.uint8, relu_mask=True,
