@@ -47,11 +47,9 @@ def _raise_in_backward(model):
     return first.register_hook(lambda g: (_ for _ in ()).throw(ValueError("a user hook failed")))
 
 
-def test_overlap_backward_that_raises_midway_refuses_further_steps():
-    """Buckets whose gradients had all landed were updated during the failed backward: FusedAdam
-    fed the same data would not have taken that partial step. Refuse until the caller decides."""
+def _overlap_backward_failed():
+    """An overlap OffloadAdam after one whole step and a backward that raised midway; its model and data."""
     model = tiny_gpt(torch.float32)
-    ref = tiny_gpt(torch.float32)
     opt = OffloadAdam(model.parameters(), overlap=True, bucket_size=2000, **HP)
     data = batches(3)
     model(*data[0])[1].backward()
@@ -61,6 +59,13 @@ def test_overlap_backward_that_raises_midway_refuses_further_steps():
     with pytest.raises(ValueError, match="a user hook failed"):
         model(*data[1])[1].backward()
     handle.remove()
+    return model, opt, data
+
+
+def test_overlap_backward_that_raises_midway_refuses_further_steps():
+    """Buckets whose gradients had all landed were updated during the failed backward: FusedAdam
+    fed the same data would not have taken that partial step. Refuse until the caller decides."""
+    model, opt, data = _overlap_backward_failed()
     opt.zero_grad()
     with pytest.raises(RuntimeError, match=r"a backward raised after \d+ parameter updates had already been applied"):
         opt.step()
@@ -72,7 +77,6 @@ def test_overlap_backward_that_raises_midway_refuses_further_steps():
     model(*data[2])[1].backward()
     opt.step()
     opt.close()
-    del ref
 
 
 def test_overlap_next_backward_names_the_failed_one_when_no_zero_grad_ran():
@@ -80,16 +84,7 @@ def test_overlap_next_backward_names_the_failed_one_when_no_zero_grad_ran():
     backward's first gradient reached the engine before the check, which refused a parameter the failed
     backward had queued ("got a second gradient before step() ... Wrap all but the last micro-batch"), at
     every later step, never naming the failure or accept_partial_step()."""
-    model = tiny_gpt(torch.float32)
-    opt = OffloadAdam(model.parameters(), overlap=True, bucket_size=2000, **HP)
-    data = batches(3)
-    model(*data[0])[1].backward()
-    opt.step()
-    opt.zero_grad()
-    handle = _raise_in_backward(model)
-    with pytest.raises(ValueError, match="a user hook failed"):
-        model(*data[1])[1].backward()
-    handle.remove()
+    model, opt, data = _overlap_backward_failed()
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"a backward raised after \d+ parameter updates(.|\n)*"
                                                r"accept_partial_step"):
