@@ -92,6 +92,23 @@ def test_attention_output_layout_and_masks_traced_as_the_kernels_make_them(name)
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 32))
 
 
+@pytest.mark.parametrize("name", ["falcon", "llama"])
+def test_the_cpu_attention_kernel_is_the_one_torch_chooses(name, monkeypatch):
+    """The CPU stand-in took flash attention for granted; torch 2.13 runs its math path (which keeps the
+    weights) where key and value broadcast one head to the query's (Falcon), and the plan was 15% short there.
+    The trace asks torch which kernel it runs: here made to answer math, as that torch did, the prediction
+    equals what the math kernel saves."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = OTHER_LAYOUTS["falcon"] if name == "falcon" else dict(_SMALL, model_type="llama")
+    flash = sum(trace_spec(model_spec(cfg), 2, 32, torch.float32, "cpu").activations("none").values())
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: int(SDPBackend.MATH))
+    predicted = trace_spec(model_spec(cfg), 2, 32, torch.float32, "cpu").activations("none")
+    monkeypatch.undo()
+    m = real_model(cfg)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 32)) > flash
+
+
 COUNT_NAMED_OTHERWISE = {   # GPT-Neo: num_layers, global and local attention by a run-length pattern; MPT: n_layers
     "gpt_neo": dict(model_type="gpt_neo", vocab_size=128, num_layers=3, hidden_size=64, num_heads=4, window_size=16,
                     attention_types=[[["global", "local"], 1], [["global"], 1]], max_position_embeddings=128),

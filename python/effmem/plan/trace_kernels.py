@@ -90,6 +90,30 @@ class _FusedRmsNorm(torch.autograd.Function):
         return torch.zeros_like(x), None if weight is None else torch.zeros_like(weight), None
 
 
+def _cpu_runs_math(query, key, value, attn_mask, is_causal: bool, enable_gqa: bool) -> bool:
+    """Whether this torch's CPU attention runs its math path (which keeps the weights) for these inputs' layout.
+    Asked of torch itself with tiny real tensors of the same heads, head size, dtypes and broadcast dimensions
+    (on meta tensors it always answers math): torch 2.13 ran math where key and value broadcast one head to the
+    query's (Falcon's), 2.14 its flash kernel, and the stand-in's flash was 15% short on 2.13."""
+    def tiny(t, mask=False):
+        if not isinstance(t, Tensor):
+            return t
+        shape = []
+        for back, n in zip(range(t.dim(), 0, -1), t.shape):   # back: 1 for the last dimension
+            if n == 1 or back == 3 or back == 1 and not mask:   # broadcast, heads, head size: as they are
+                shape.append(n)
+            else:   # sequence lengths 4, a batch 2
+                shape.append(4 if back == 2 or back == 1 else min(n, 2))
+        return torch.zeros(shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.is_floating_point())
+    try:
+        from torch.nn.attention import SDPBackend
+        choice = torch._fused_sdp_choice(tiny(query), tiny(key), tiny(value), tiny(attn_mask, True), 0.0,
+                                         is_causal, enable_gqa=enable_gqa)
+        return choice == int(SDPBackend.MATH)
+    except Exception:   # a torch without the query, or a layout it refuses: the flash stand-in, as before
+        return False
+
+
 @contextlib.contextmanager
 def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocast"] = None):
     """Swap in functions that save what the target device's kernels save (attention; CUDA's rms_norm).
@@ -102,7 +126,8 @@ def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocas
         # the CPU runs the math (which keeps the weights) with dropout, and for a mask that needs a gradient
         # (Doge's, made from parameters); the flash stand-in was 12% short there
         if target == "cpu" and (dropout_p > 0 or attn_mask is not None and attn_mask.requires_grad
-                                and torch.is_grad_enabled()):
+                                and torch.is_grad_enabled()
+                                or _cpu_runs_math(query, key, value, attn_mask, is_causal, enable_gqa)):
             return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)
         b_h = math.prod(query.shape[:-2])
