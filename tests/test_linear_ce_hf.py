@@ -389,9 +389,8 @@ def test_an_output_layer_replaced_after_fusing_is_named():
     with pytest.raises(TypeError, match="output layer is a torch.nn.modules.container.Sequential, not a plain "
                                         "torch.nn.Linear .* effmem.linear_cross_entropy"):
         effmem.fuse_linear_cross_entropy(wrapped)
-    with pytest.raises(TypeError, match=r"got _Peft; _Peft wraps a model: fuse that one, "
-                                        r"fuse_linear_cross_entropy\(model.get_base_model\(\)\)"):
-        effmem.fuse_linear_cross_entropy(_Peft(FAMILIES["llama"]()))
+    with pytest.raises(TypeError, match=r"got _Peft; _Peft wraps a Sequential \(get_base_model\(\)\), not one"):
+        effmem.fuse_linear_cross_entropy(_Peft(torch.nn.Sequential()))
     # DDP's wrapper, and the class fully_shard makes (FSDPLlamaForCausalLM): named, with the way out
     ddp_like = type("DistributedDataParallel", (torch.nn.Module,), {})()
     ddp_like.module = FAMILIES["llama"]()
@@ -435,7 +434,7 @@ def test_a_plain_output_layer_put_in_after_fusing_is_followed(refuse):
 
 
 class _Peft(torch.nn.Module):
-    """PEFT's PeftModel, as far as fusing sees it: a wrapper with get_base_model()."""
+    """PEFT's PeftModel, as far as fusing sees it: a wrapper with get_base_model() whose forward calls it."""
 
     def __init__(self, inner):
         super().__init__()
@@ -443,3 +442,25 @@ class _Peft(torch.nn.Module):
 
     def get_base_model(self):
         return self.inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_a_peft_wrapper_fuses_the_model_it_wraps():
+    """PEFT's PeftModel (a LoRA fine-tune, where the logits are most of what is saved) was refused with a hint
+    to fuse get_base_model() instead, though apply_activation_policy takes the wrapper: the wrapper's model
+    is fused now, the same loss and gradients as unfused, and unfusing through the wrapper undoes it."""
+    x, y = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
+    plain, inner = FAMILIES["llama"](), FAMILIES["llama"]()
+    inner.load_state_dict(plain.state_dict())
+    peft = _Peft(inner)
+    assert effmem.fuse_linear_cross_entropy(peft) is peft
+    out = peft(input_ids=x, labels=y)
+    ref = plain(input_ids=x, labels=y)
+    assert out.logits is None and torch.allclose(out.loss, ref.loss, rtol=1e-6)
+    out.loss.backward()
+    ref.loss.backward()
+    assert torch.allclose(inner.lm_head.weight.grad, plain.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    assert effmem.unfuse_linear_cross_entropy(peft) is peft
+    assert "forward" not in inner.__dict__ and peft(input_ids=x, labels=y).logits is not None

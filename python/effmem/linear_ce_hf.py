@@ -103,6 +103,10 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     loss on an H200 at 16k tokens x 128k vocabulary, for a float32 buffer of the head's size while
     the weight gradient is summed)."""
     check_grad_in_forward(grad_in_forward)   # at fusing, not at the first loss
+    base = _peft_base(model)
+    if base is not None and knows(base):   # PEFT's PeftModel (a LoRA fine-tune): its model is what runs the loss
+        fuse_linear_cross_entropy(base, grad_in_forward=grad_in_forward)
+        return model
     name = type(model).__name__
     fused = getattr(model, "_effmem_fused_forward", None)
     if fused is not None:   # fused already: the choice given now, and the output layer the model has now
@@ -111,10 +115,9 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
         return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not knows(model):
-        inside = getattr(model, "get_base_model", None)   # PEFT's PeftModel: the model it wraps
         known = [c.__name__ for c in type(model).__mro__[1:] if c.__name__ in SUPPORTED]
-        if callable(inside):
-            hint = f"; {name} wraps a model: fuse that one, fuse_linear_cross_entropy(model.get_base_model())"
+        if base is not None:
+            hint = f"; {name} wraps a {type(base).__name__} (get_base_model()), not one of those either"
         elif isinstance(getattr(model, "module", None), nn.Module):   # DDP and other wrappers
             hint = f"; {name} wraps a model: fuse that one (fuse_linear_cross_entropy(model.module)), or fuse first"
         elif known and _fully_sharded(model):   # FSDP2's fully_shard makes the class a subclass (FSDPLlama...)
@@ -151,6 +154,16 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     model.loss_function = loss = _FusedLoss(head, model.loss_function, grad_in_forward)
     model.forward = model._effmem_fused_forward = _FusedForward(model, model.forward, head, loss)
     return model
+
+
+def _peft_base(model: nn.Module) -> Optional[nn.Module]:
+    """The model inside PEFT's PeftModel (get_base_model()), for a wrapper that fusing does not know itself.
+    PEFT's wrappers call that model's forward, labels and all, and pass attribute reads through to it."""
+    inside = getattr(model, "get_base_model", None)
+    if not callable(inside) or knows(model):
+        return None
+    base = inside()
+    return base if isinstance(base, nn.Module) and base is not model else None
 
 
 def _check_head(head, name: str) -> None:
@@ -281,7 +294,11 @@ def _fused_forward(original, head: nn.Module, *args, **kwargs):
 
 def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     """Undo fuse_linear_cross_entropy (in place; returns the model)."""
-    if getattr(model, "_effmem_fused_forward", None) is None:
+    base = _peft_base(model)
+    if base is not None:
+        unfuse_linear_cross_entropy(base)
+        return model
+    if "_effmem_fused_forward" not in model.__dict__:   # not getattr: a wrapper may pass attributes through
         return model
     fused = model.__dict__.pop("_effmem_fused_forward")
     _unpatch_head(fused.head)
