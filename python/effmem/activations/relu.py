@@ -108,19 +108,22 @@ def _setup(ctx, inputs, output):
 _relu_op.register_autograd(lambda ctx, grad, _: _backward(ctx.saved_tensors[0], grad), setup_context=_setup)
 
 
-def relu(x: Tensor, act) -> Tensor:
-    """act(x) for a module computing ReLU, its backward from an exact 1-bit mask."""
-    if torch.compiler.is_compiling():   # in place or not, the graph is functional
-        return torch.ops.effmem.relu(x)[0]
+def relu(x: Tensor, act, inplace: bool = False) -> Tensor:
+    """act(x) for a module computing ReLU (in place for inplace=True), its backward from an exact 1-bit mask."""
+    if torch.compiler.is_compiling():
+        y = torch.ops.effmem.relu(x)[0]
+        # in place as the module is: a layer may read its input after it (or call it for that alone), and the
+        # op's output alone left x as it was there (the layer's output 26-40% off)
+        return x.copy_(y) if inplace else y
     return _ReLU.apply(x, act)
 
 
 class MaskedReLU(nn.ReLU):
     """nn.ReLU with relu's backward; the policies give a layer's nn.ReLU modules this class (patch) and take it
-    back (unpatch). Inside a compiled graph an in-place one runs out of place (the graph is functional anyway)."""
+    back (unpatch)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return relu(x, functools.partial(nn.ReLU.forward, self))
+        return relu(x, functools.partial(nn.ReLU.forward, self), self.inplace)
 
 
 def patch(m: nn.Module) -> bool:
