@@ -12,6 +12,15 @@ from effmem.activations import apply_activation_policy, relu
 transformers = pytest.importorskip("transformers")
 
 
+def _stack(make_layer, n: int) -> torch.nn.Module:
+    """n layers in a ModuleList (what a policy wraps), run one after another."""
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList(make_layer() for _ in range(n))
+    m.forward = lambda x: functools.reduce(lambda h, layer: layer(h), m.layers, x)
+    return m
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("shape", [(3, 5), (2, 8, 16), (7,)])
 def test_relu_mask_is_kept_bit_for_bit(shape, inplace):
@@ -89,12 +98,7 @@ def test_min_keeps_the_relu_masks_until_backward_and_the_budget_counts_them():
         def forward(self, x):
             return x + self.fc2(self.act(self.fc1(x)))
 
-    def net():
-        torch.manual_seed(0)
-        m = torch.nn.Module()
-        m.layers = torch.nn.ModuleList(Layer() for _ in range(3))
-        m.forward = lambda x: functools.reduce(lambda h, layer: layer(h), m.layers, x)
-        return m
+    net = functools.partial(_stack, Layer, 3)
 
     m, made, real = apply_activation_policy(net(), "min"), [], relu.pack_bits
     x = torch.randn(4, 32, 64, requires_grad=True)
@@ -177,12 +181,7 @@ def test_a_compiled_in_place_relu_still_changes_its_input(policy):
             self.act(h)   # for its effect on h
             return x + self.fc2(h)
 
-    def net():
-        torch.manual_seed(0)
-        m = torch.nn.Module()
-        m.layers = torch.nn.ModuleList(Block() for _ in range(2))
-        m.forward = lambda x: functools.reduce(lambda h, layer: layer(h), m.layers, x)
-        return m
+    net = functools.partial(_stack, Block, 2)
 
     x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
     plain = net()
