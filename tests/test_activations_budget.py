@@ -264,4 +264,5 @@ def test_calibrating_new_shapes_leaves_no_probe_graph_alive():
             first = live()
     assert len(m._effmem_budget.choices) == 8
     tensors, nodes = live()
-    assert nodes == 0 and tensors <= first[0] + 5, (first, (tensors, nodes))
+    # others' leftovers in a shared test process count in both: what these 7 calibrations added is compared
+    assert nodes <= first[1] and tensors <= first[0] + 5, (first, (tensors, nodes))

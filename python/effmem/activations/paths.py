@@ -13,8 +13,8 @@ Mistral, Mixtral, Qwen2/Qwen3 and GPT-2 in transformers, and the demo GPT):
 * nn.ReLU (OPT, T5): activations.relu, its on/off mask kept exactly in 1 bit (by giving the module the
   class relu.MaskedReLU, which a compiled layer keeps: activations.compiled).
 
-Each is patched by giving the module instance its own forward (removed by
-unpatch), so parameters, state_dict keys and hooks are untouched. Anything
+Each is patched by giving the module instance its own forward (a ReLU: its
+class; removed by unpatch), so parameters, state_dict keys and hooks are untouched. Anything
 else in the layer (attention, mixture-of-experts routing) runs as it is; the
 policy's hooks still store what it saves in 8 bits.
 """

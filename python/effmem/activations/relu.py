@@ -38,6 +38,8 @@ def relu_masks(masks: list, replay: bool):
         _journal.state = before
 
 
+# Not compress._codec.pack_bool: its shift table, cached per device, would be made and kept as a fake tensor
+# when a compiler traces the backward here first.
 def pack_bits(mask: Tensor) -> Tensor:
     """A bool tensor as uint8 bytes of 8 flags each (1/8 byte per element); unpack_bits reverses it."""
     flat = mask.reshape(-1)
@@ -110,6 +112,8 @@ _relu_op.register_autograd(lambda ctx, grad, _: _backward(ctx.saved_tensors[0], 
 
 def relu(x: Tensor, act, inplace: bool = False) -> Tensor:
     """act(x) for a module computing ReLU (in place for inplace=True), its backward from an exact 1-bit mask."""
+    if not (torch.is_grad_enabled() and x.requires_grad):   # no backward (evaluation): no mask to make
+        return act(x)
     if torch.compiler.is_compiling():
         y = torch.ops.effmem.relu(x)[0]
         # in place as the module is: a layer may read its input after it (or call it for that alone), and the

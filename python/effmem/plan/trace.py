@@ -304,7 +304,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"])
-        return t.detach()   # the tensor itself: a node saving its own output made a cycle no gc frees
+        return t
 
     def pre(mod, a, kw):
         stack.append(mod)

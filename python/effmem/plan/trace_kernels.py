@@ -92,8 +92,8 @@ class _FusedRmsNorm(torch.autograd.Function):
 
 def _cpu_runs_math(query, key, value, attn_mask, is_causal: bool, enable_gqa: bool) -> bool:
     """Whether this torch's CPU attention runs its math path (which keeps the weights) for these inputs' layout.
-    Asked of torch itself with tiny real tensors of the same heads, head size, dtypes and broadcast dimensions
-    (on meta tensors it always answers math): torch 2.13 ran math where key and value broadcast one head to the
+    Asked of torch itself with tiny real tensors of the same heads, head size, dtypes, broadcast dimensions and
+    last-dimension contiguity (on meta tensors it always answers math): torch 2.13 ran math where key and value broadcast one head to the
     query's (Falcon's), 2.14 its flash kernel, and the stand-in's flash was 15% short on 2.13."""
     def tiny(t, mask=False):
         if not isinstance(t, Tensor):
@@ -104,7 +104,11 @@ def _cpu_runs_math(query, key, value, attn_mask, is_causal: bool, enable_gqa: bo
                 shape.append(n)
             else:   # sequence lengths 4, a batch 2
                 shape.append(4 if back == 2 or back == 1 else min(n, 2))
-        return torch.zeros(shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.is_floating_point())
+        if t.dim() >= 2 and t.stride(-1) != 1 and t.shape[-1] > 1:   # a last dimension not contiguous: so too
+            made = torch.zeros(shape[:-2] + shape[-1:] + shape[-2:-1], dtype=t.dtype).transpose(-1, -2)
+        else:
+            made = torch.zeros(shape, dtype=t.dtype)
+        return made.requires_grad_(t.requires_grad and t.is_floating_point())
     try:
         from torch.nn.attention import SDPBackend
         choice = torch._fused_sdp_choice(tiny(query), tiny(key), tiny(value), tiny(attn_mask, True), 0.0,
