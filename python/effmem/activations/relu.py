@@ -12,8 +12,8 @@ recomputes a layer in backward from its input rounded to 8 bits, where a mask wo
   forward's masks as an eager one does.
 
 The policies give a layer's nn.ReLU modules this class (MaskedReLU) rather than a forward of their own: a
-compiled graph guards on the class, one for every layer, where a per-module forward was an object of each
-module's own and every layer compiled its graph again (activations.compiled).
+compiled graph guards on the class, one for every layer, where torch 2.11 guarded a per-module forward by
+identity and compiled every layer's graph again (seen on an H100; activations.compiled).
 """
 import contextlib
 import functools

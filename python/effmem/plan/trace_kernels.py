@@ -93,8 +93,9 @@ class _FusedRmsNorm(torch.autograd.Function):
 def _cpu_runs_math(query, key, value, attn_mask, is_causal: bool, enable_gqa: bool) -> bool:
     """Whether this torch's CPU attention runs its math path (which keeps the weights) for these inputs' layout.
     Asked of torch itself with tiny real tensors of the same heads, head size, dtypes, broadcast dimensions and
-    last-dimension contiguity (on meta tensors it always answers math): torch 2.13 ran math where key and value broadcast one head to the
-    query's (Falcon's), 2.14 its flash kernel, and the stand-in's flash was 15% short on 2.13."""
+    last-dimension contiguity (on meta tensors it always answers math): torch 2.13 ran math where key and
+    value broadcast one head to the query's (Falcon's), 2.14 its flash kernel, and the stand-in's flash was
+    15% short on 2.13."""
     def tiny(t, mask=False):
         if not isinstance(t, Tensor):
             return t
