@@ -208,3 +208,21 @@ def test_no_mask_is_made_without_a_backward(monkeypatch):
     assert made == []
     m.forward(x).sum().backward()
     assert len(made) == 2
+
+
+@pytest.mark.parametrize("cached_first", [False, True])
+def test_bit_packing_under_a_trace_neither_takes_nor_leaves_a_cached_table(monkeypatch, cached_first):
+    """The masks are packed by compress._codec, whose bit table is cached per device. Made first while a
+    compiler traced a backward (a compiled "fast" layer's, before any eager packing), the cache kept that
+    trace's tensor ("Attempting to use FunctionalTensor on its own"); cached first, the real table in a
+    traced graph failed the compilation ("Please convert all Tensors to FakeTensors first")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from effmem.compress import _codec
+    monkeypatch.setattr(_codec, "_BIT_WEIGHTS", {})
+    mask = torch.rand(13) > 0.5
+    if cached_first:
+        relu.pack_bits(mask)
+    with FakeTensorMode():
+        relu.unpack_bits(torch.zeros(2, dtype=torch.uint8), (13,))
+    assert all(type(w) is torch.Tensor for w in _codec._BIT_WEIGHTS.values())
+    assert torch.equal(relu.unpack_bits(relu.pack_bits(mask), (13,)), mask)

@@ -23,6 +23,8 @@ from typing import Tuple
 import torch
 from torch import Tensor, nn
 
+from effmem.compress import _codec
+
 _journal = threading.local()
 
 
@@ -38,21 +40,13 @@ def relu_masks(masks: list, replay: bool):
         _journal.state = before
 
 
-# Not compress._codec.pack_bool: its shift table, cached per device, would be made and kept as a fake tensor
-# when a compiler traces the backward here first.
 def pack_bits(mask: Tensor) -> Tensor:
-    """A bool tensor as uint8 bytes of 8 flags each (1/8 byte per element); unpack_bits reverses it."""
-    flat = mask.reshape(-1)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return (flat.view(-1, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+    """A bool tensor as uint8 bytes of 8 flags each (compress._codec's packing); unpack_bits reverses it."""
+    return _codec.pack_bool(mask.reshape(-1))
 
 
 def unpack_bits(packed: Tensor, shape) -> Tensor:
-    bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
-    return bits.reshape(-1)[:torch.Size(shape).numel()].view(shape).bool()
+    return _codec.unpack_bool(packed, torch.Size(shape).numel()).view(shape)
 
 
 def mask(y: Tensor) -> Tensor:

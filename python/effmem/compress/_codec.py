@@ -44,12 +44,18 @@ dequantize = _ops.dequantize
 _BIT_WEIGHTS = {}
 
 
-def _weights(device: torch.device) -> Tensor:
-    w = _BIT_WEIGHTS.get(device)
+def _weights(like: Tensor) -> Tensor:
+    """The bit weights 1, 2, ..., 128 on like's device: cached per device, except for a tensor a compiler is
+    tracing (its functional or fake tensors; a compiled ReLU's backward), which takes a table of its own
+    trace: a cached real table in a traced graph, or a traced one in the cache, failed the compilation."""
+    traced = type(like) is not Tensor
+    w = None if traced else _BIT_WEIGHTS.get(like.device)
     if w is None:
         # Built on the device itself: a host-to-device copy would synchronise.
-        w = _BIT_WEIGHTS[device] = torch.bitwise_left_shift(
-            torch.ones(8, dtype=torch.uint8, device=device), torch.arange(8, dtype=torch.uint8, device=device))
+        w = torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=like.device),
+                                     torch.arange(8, dtype=torch.uint8, device=like.device))
+        if not traced:
+            _BIT_WEIGHTS[like.device] = w
     return w
 
 
@@ -57,9 +63,9 @@ def pack_bool(flat: Tensor) -> Tensor:
     """A 1-D bool tensor -> uint8, eight flags per byte (first flag in the lowest bit)."""
     pad = (-flat.numel()) % 8
     bytes8 = torch.nn.functional.pad(flat.to(torch.uint8), (0, pad)).view(-1, 8)
-    return (bytes8 * _weights(flat.device)).sum(dim=1, dtype=torch.uint8)
+    return (bytes8 * _weights(flat)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bool(packed: Tensor, n: int) -> Tensor:
-    bits = (packed.unsqueeze(1) & _weights(packed.device)) != 0
+    bits = (packed.unsqueeze(1) & _weights(packed)) != 0
     return bits.reshape(-1)[:n]
