@@ -89,7 +89,9 @@ class _ReLU(torch.autograd.Function):
 @torch.library.custom_op("effmem::relu", mutates_args=())
 def _relu_op(x: Tensor) -> Tuple[Tensor, Tensor]:
     y = torch.relu(x)
-    return y, mask(y).clone()   # new tensors: a compiled graph may reuse an op's output buffers
+    packed = mask(y)
+    # one the journal holds too ("min"): a copy, since a compiled graph may reuse an op's output buffers
+    return y, packed if getattr(_journal, "state", None) is None else packed.clone()
 
 
 @_relu_op.register_fake
