@@ -386,3 +386,26 @@ def test_buffers_take_the_model_dtype_and_a_trained_mask_takes_the_math(name, dt
     predicted = trace_spec(model_spec(cfg), 2, 32, dtype, "cpu").activations("none")
     m = real_model(cfg, dtype)
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 32))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_trace_leaves_no_meta_graph_alive(fast):
+    """Each trace's graph stayed alive for good: its saved-tensor hooks hold the pack hook, which held a list
+    of the recorded tensors (outputs, grad_fn and all), and a node keeping its own output held that tensor
+    itself, two cycles through C++ that gc cannot free (6 llama-70b plans: +16,000 meta tensors, +26 MB)."""
+    import gc
+    from effmem.plan.trace import trace_module
+
+    with torch.device("meta"):
+        m = real_model(LLAMA)
+
+    def live():
+        gc.collect()
+        return sum(torch.is_tensor(o) for o in gc.get_objects())
+
+    for target in ("cuda", "cpu"):   # CPU: layer-norm statistics and the math attention's weights differ
+        trace_module(m, 2, 32, torch.bfloat16, target, fast=fast)
+        before = live()
+        for _ in range(3):
+            trace_module(m, 2, 32, torch.bfloat16, target, fast=fast)
+        assert live() == before, (target, before, live())

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from effmem.compress._codec import packed_bytes, saved_groups
 from effmem.compress.policy import CompressConfig, value_reason
@@ -304,7 +305,11 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"])
-        return t
+        # A node keeping its own output held the tensor itself, grad_fn and all: a cycle through C++ that
+        # gc cannot free, one meta graph per plan for the life of the process. A detached alias breaks it;
+        # made outside the dispatch modes, so the trace's op count (the host time of a step) does not see it.
+        with _no_modes():
+            return t.detach()
 
     def pre(mod, a, kw):
         stack.append(mod)
@@ -357,6 +362,9 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         for t in held_for_backward(out):
             record(t, kind="grads", saved=True, saved_outside=True)
     finally:
+        # The graph's saved-tensor hooks hold pack, and through it this list: emptied, the graph and its
+        # meta tensors go with the trace's output (kept, one trace per plan stayed alive for good).
+        alive.clear()
         linear_ce._TRACE_TARGET[0] = previous
         for h in handles:
             h.remove()
