@@ -123,9 +123,11 @@ def test_state_is_2_bytes_per_parameter_plus_block_scales():
     m(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
     opt.step()
     n = sum(p.numel() for p in m.parameters())
-    codes = sum(st["exp_avg"].nbytes + st["exp_avg_sq"].nbytes for st in opt.state.values())
+    # opt.state names the codes as the checkpoint does (torch.distributed.checkpoint's flattened load goes by them)
+    assert all(set(st) == set(sd) for st, sd in zip(opt.state.values(), opt.state_dict()["state"].values()))
+    codes = sum(st["exp_avg_codes"].nbytes + st["exp_avg_sq_codes"].nbytes for st in opt.state.values())
     scales = sum(st["exp_avg_scale"].nbytes + st["exp_avg_sq_scale"].nbytes for st in opt.state.values())
-    assert codes == 2 * n and all(st["exp_avg"].dtype == torch.uint8 for st in opt.state.values())
+    assert codes == 2 * n and all(st["exp_avg_codes"].dtype == torch.uint8 for st in opt.state.values())
     assert scales == sum(8 * _adam8.blocks(p.numel()) for p in m.parameters())
     assert all(torch.equal(p, opt.state[p]["master"].to(torch.bfloat16)) for p in m.parameters())
 

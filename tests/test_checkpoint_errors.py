@@ -253,6 +253,50 @@ def test_an_8bit_checkpoint_names_its_codes_so_float_loaders_refuse_it(kind, tmp
 
 
 @pytest.mark.parametrize("kind", ["fused", "offload"])
+def test_an_8bit_state_resumes_through_dcp_flattened_state_dicts(kind, tmp_path):
+    """torch.distributed.checkpoint's flatten_optimizer_state_dict (torchtitan's) rebuilds each entry on load
+    from opt.state's names: opt.state held the codes under 'exp_avg' where the checkpoint had 'exp_avg_codes',
+    so the codes were dropped and the load failed ("expected a uint8 tensor ... got dict"). Resumed from the
+    checkpoint, 2 more steps equal those of the run that went on."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    cls = FusedAdam if kind == "fused" else (lambda ps, **kw: OffloadAdam(ps, bucket_size=64, **kw))
+    batches = [torch.randn(4, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(64, 8).to(torch.bfloat16)
+        return m, cls(m.parameters(), lr=1e-2, state_bits=8)
+
+    def train(m, opt, xs):
+        for x in xs:
+            m(x.to(torch.bfloat16)).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m, opt = build(0)
+    train(m, opt, batches[:2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # DCP's warnings about running without a process group
+        msd, osd = get_state_dict(m, opt, options=flat)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+        train(m, opt, batches[2:])
+        m2, opt2 = build(1)
+        msd, osd = get_state_dict(m2, opt2, options=flat)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+        set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=flat)
+    train(m2, opt2, batches[2:])
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if kind == "offload":
+        opt.close()
+        opt2.close()
+
+
+@pytest.mark.parametrize("kind", ["fused", "offload"])
 def test_a_bf16_runs_masters_go_into_float32_parameters_holding_them_rounded(kind):
     """Moving a bf16 run to float32 (model's weights first, then the optimizer's) went on from the rounded
     weights, the masters dropped without a word (8.1e-4 apart in the reviewer's run). Now the float32

@@ -47,11 +47,17 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
                               run_check=False, shape=torch.Size([width * ranks]), stride=(1,))
 
 
-# A checkpoint keeps 8-bit moments under names of their own, not torch's: a loader that knows float moments
-# only (torch's AdamW; a float32 template of torch.distributed.checkpoint, which casts into it) took the codes
-# 0..255 for the moments without a word. Under these it finds no 'exp_avg' and says so. opt.state keeps
-# torch's names (the kernels' and the buckets' view of them).
+# 8-bit moments go under names of their own, not torch's: a loader that knows float moments only (torch's
+# AdamW; a float32 template of torch.distributed.checkpoint, which casts into it) took the codes 0..255 for
+# the moments without a word. Under these it finds no 'exp_avg' and says so. opt.state holds them under the
+# same names as the checkpoint: torch.distributed.checkpoint's flattened load (flatten_optimizer_state_dict,
+# torchtitan's) rebuilds each entry from opt.state's names and dropped codes saved under other ones.
 CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
+
+
+def moment_keys(state_bits: int) -> Tuple[str, str]:
+    """The names of the first and second moments in opt.state: torch's for float32 ones, CODE_KEYS' for codes."""
+    return ("exp_avg_codes", "exp_avg_sq_codes") if state_bits == 8 else ("exp_avg", "exp_avg_sq")
 
 
 def checkpoint_out(sd: Dict, params) -> Dict:
@@ -164,7 +170,8 @@ def _laid_like(t: Tensor, like: Tensor) -> Tensor:
 def to_float(state: Dict[str, Tensor], like: Tensor) -> Dict[str, Tensor]:
     """An 8-bit state as float32 moments shaped (and strided) like the parameter `like`. The blocks run along
     the saved codes' memory, which may differ from like's (a channels_last parameter saved, a contiguous one
-    loading)."""
+    loading). state: a checkpoint's entry or opt.state's, under either name of the codes."""
+    state = checkpoint_in(state, "state")
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
     for key, scale in SCALE_KEYS.items():
         values = decode(memory_order(state[key]), state[scale].float(), key == "exp_avg_sq")

@@ -117,16 +117,20 @@ class FusedAdam(AdamBase):
                                "without one) would be made inside a CUDA graph capture, and every replay would "
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
-        if "exp_avg_codes" in state:   # a checkpoint's entry assigned as it is (ZeroRedundancyOptimizer's load)
-            renamed = _adam8.checkpoint_in(state, "opt.state[p]")
-            state.clear()
-            state.update(renamed)
+        m_key, v_key = _adam8.moment_keys(self.state_bits)
+        if state and m_key not in state:
+            # an entry assigned as it is (ZeroRedundancyOptimizer's load) under the other format's names:
+            # renamed, its tensors then checked by the kernels' refusals as any assigned state is
+            other = _adam8.moment_keys(8 if self.state_bits == 32 else 32)
+            for old, new in zip(other, (m_key, v_key)):
+                if old in state:
+                    state[new] = state.pop(old)
         if not state:
             # zeros_like keeps p's strides, so all tensors of a param share a layout.
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             moment = torch.float32 if self.state_bits == 32 else torch.uint8
-            state["exp_avg"] = torch.zeros_like(p, dtype=moment)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment)
+            state[m_key] = torch.zeros_like(p, dtype=moment)
+            state[v_key] = torch.zeros_like(p, dtype=moment)
             if self.state_bits == 8:
                 n = _adam8.blocks(_local(p).numel())
                 state["exp_avg_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
@@ -264,6 +268,7 @@ class FusedAdam(AdamBase):
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
         buckets: Dict[Tuple, Dict[str, List[Tensor]]] = defaultdict(lambda: defaultdict(list))
         salts = self._salts() if self.state_bits == 8 else None
+        m_key, v_key = _adam8.moment_keys(self.state_bits)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -274,8 +279,8 @@ class FusedAdam(AdamBase):
             b = buckets[(p.device, p.dtype, grad.dtype)]
             b["params"].append(_local(p))
             b["grads"].append(_local(grad))
-            b["exp_avgs"].append(_local(state["exp_avg"]))
-            b["exp_avg_sqs"].append(_local(state["exp_avg_sq"]))
+            b["exp_avgs"].append(_local(state[m_key]))
+            b["exp_avg_sqs"].append(_local(state[v_key]))
             b["steps"].append(state["step"])
             if "master" in state:
                 b["masters"].append(_local(state["master"]))
@@ -365,7 +370,7 @@ def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: in
     f32 = functools.partial(like_p, dtype=torch.float32)
     if state_bits == 8:
         for key, scale in _adam8.SCALE_KEYS.items():
-            state[key] = like_p(saved[key], torch.uint8)
+            state[_adam8.CODE_KEYS[key]] = like_p(saved[key], torch.uint8)
             state[scale] = saved[scale].to(device=p.device, dtype=torch.float32).clone()
     else:
         state["exp_avg"], state["exp_avg_sq"] = f32(saved["exp_avg"]), f32(saved["exp_avg_sq"])
