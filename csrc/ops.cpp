@@ -70,7 +70,8 @@ TORCH_LIBRARY(effmem, m) {
       "-> (Tensor, Tensor, Tensor, Tensor)");
   // SwiGLU, silu(gate) * up, and its gradients (grad_gate, grad_up) for the incoming gradient grad
   // (common/swiglu_math.h): float32, bfloat16 or float16 tensors of one shape and dtype; results
-  // contiguous, rounded as the torch ops they replace round (F.silu, then the product).
+  // contiguous, rounded as the torch ops they replace round (F.silu, then the product): bf16 and fp16
+  // results equal theirs, float32 ones may differ in the last place (e^x is computed, not libm's).
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   // weight * (x * rstd) with rstd (float32) one value per row of x, rounded as Hugging Face's RMSNorm

@@ -188,6 +188,29 @@ def test_opcheck(device, layout):
         torch.library.opcheck(OPS.linear_ce_forward_backward.default, (*args[:4], scale, -100, 0.1, 2.0, 16, mask))
 
 
+def test_the_ops_fake_kernels_refuse_what_the_kernels_refuse():
+    """A meta tensor among real ones sends the whole call to the fake kernels: they returned a real tensor of
+    uninitialised memory (loss [0.0, 0.0, 1.9e-34, ...]); meta tensors of mismatched shapes went through."""
+    hidden, weight, target, bias = (t.detach() for t in problem(n=7, h=16, v=50))
+    meta = lambda t: t.to("meta")  # noqa: E731
+    for name, call in (
+            ("weight on meta", lambda: OPS.linear_ce_forward(hidden, meta(weight), None, target, -100, 0., 0., 0)),
+            ("grad_scale on meta", lambda: OPS.linear_ce_forward_backward(
+                hidden, weight, bias, target, torch.ones(7, device="meta"), -100, 0., 0., 0, [True] * 3)),
+            ("grad_loss on meta", lambda: OPS.linear_ce_backward(
+                torch.ones(7, device="meta"), hidden, weight, None, target, torch.ones(7), -100, 0., 0., 0,
+                [True] * 3))):
+        with pytest.raises(ValueError, match=f"all tensors must be on one device, got .*{name}"):
+            call()
+    with pytest.raises(ValueError, match=r"expected hidden \[N, H\] and weight \[V, H\], got shapes \(7, 16\) and \(50, 3\)"):
+        OPS.linear_ce_forward(meta(hidden), meta(weight[:, :3]), None, meta(target), -100, 0., 0., 0)
+    for name, args in (("target", (meta(hidden), meta(weight), None, meta(target[:2]))),
+                       ("bias", (meta(hidden), meta(weight), meta(bias[:3]), meta(target)))):
+        with pytest.raises(ValueError, match=f"{name} must have shape"):
+            OPS.linear_ce_forward(*args, -100, 0., 0., 0)
+    assert OPS.linear_ce_forward(meta(hidden), meta(weight), meta(bias), meta(target), -100, 0., 0., 0)[0].shape == (7,)
+
+
 def test_the_default_makes_gradients_in_forward_where_that_costs_no_memory(monkeypatch):
     """None chooses linear_ce_forward_backward for a float32 weight (its gradient is summed in its own
     memory) and the recompute path for a trained bf16 weight, for reduction "none" and without grad."""
@@ -309,14 +332,25 @@ def test_bad_arguments_name_the_argument():
             linear_cross_entropy(*args)
     with pytest.raises(TypeError, match="bias: expected a tensor or None"):
         linear_cross_entropy(hidden, weight, target, 0.5)
+    # these named another argument, or none (a sparse bias: "got a Float tensor of shape" hidden's; V = 0:
+    # "target[0] = 46 is not a class index in [0, 0)"; 2**70: "Expected a value of type 'int' ... found 'int'")
+    with pytest.raises(TypeError, match="bias: expected a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        linear_cross_entropy(hidden, weight, target, bias.detach().to_sparse())
+    with pytest.raises(ValueError, match="weight: expected \\[V, H\\] with V >= 1 vocabulary rows, got shape \\(0, "):
+        linear_cross_entropy(hidden, weight[:0], target)
+    with pytest.raises(ValueError, match="ignore_index: expected an int64"):
+        linear_cross_entropy(hidden, weight, target, ignore_index=2 ** 70)
     with pytest.raises(ValueError, match="hidden: expected .*at least one dimension"):
         linear_cross_entropy(torch.randn(()), weight, torch.tensor(1))
 
 
-@pytest.mark.parametrize("grad_in_forward", [None, False])
+@pytest.mark.parametrize("grad_in_forward", [None, False, True])
 def test_gradients_made_with_create_graph_refuse_a_second_derivative(grad_in_forward):
     """create_graph=True gives the right first-order gradients; differentiating them raises instead of
-    treating them as constants (which would drop this loss's part of a gradient penalty silently)."""
+    treating them as constants (which would drop this loss's part of a gradient penalty silently). Also
+    where the second derivative is asked of the input alone (torch.autograd.grad(penalty, x)): autograd
+    then ran only the nodes on a path to x, the refusing one hung off copies of the gradients, and the
+    penalty's gradient came out without this loss's part (714.6 against torch's 715.4)."""
     hidden, weight, target, bias = problem(n=40, v=100)
     ref = torch.autograd.grad(unfused(hidden, weight, target, bias), hidden)[0]
     g = torch.autograd.grad(linear_cross_entropy(hidden, weight, target, bias, grad_in_forward=grad_in_forward),
@@ -324,6 +358,12 @@ def test_gradients_made_with_create_graph_refuse_a_second_derivative(grad_in_for
     assert rel(g, ref) <= 1e-5 and g.requires_grad
     with pytest.raises(RuntimeError, match="create_graph=True and cannot be differentiated again"):
         (g ** 2).sum().backward()
+    x = hidden.detach().clone().requires_grad_()
+    for loss in (linear_cross_entropy(x, weight, target, bias, grad_in_forward=grad_in_forward) + (x ** 3).sum(),
+                 linear_cross_entropy(x, weight.detach(), target, grad_in_forward=grad_in_forward)):
+        g = torch.autograd.grad(loss, x, create_graph=True)[0]
+        with pytest.raises(RuntimeError, match="create_graph=True and cannot be differentiated again"):
+            torch.autograd.grad((g ** 2).sum(), x)
 
 
 def test_extra_peak_memory_is_a_few_percent_of_the_unfused_path():

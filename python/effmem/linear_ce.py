@@ -24,8 +24,26 @@ _lib = torch.ops.effmem
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def _fake_checks(op: str, hidden, weight, bias, target, **per_token) -> None:
+    """The kernels' checks of shapes and devices (csrc/common/linear_ce.cpp check_args) for the fake kernels,
+    which run for meta tensors, also when real ones come with them (the dispatcher picks Meta for the whole
+    call): refused as there, not answered with a tensor of garbage."""
+    from effmem.ops import _one_device
+    _one_device(op, [("hidden", hidden), ("weight", weight), ("bias", bias), ("target", target),
+                     *per_token.items()])
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"effmem::{op}: expected hidden [N, H] and weight [V, H], got shapes "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    n = hidden.shape[0]
+    for name, t, want in (("target", target, (n,)), ("bias", bias, (weight.shape[0],)),
+                          *((name, t, (n,)) for name, t in per_token.items())):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"effmem::{op}: {name} must have shape {want}, got {tuple(t.shape)}")
+
+
 @torch.library.register_fake("effmem::linear_ce_forward")
 def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, vocab_chunk):
+    _fake_checks("linear_ce_forward", hidden, weight, bias, target)
     n = hidden.shape[0]
     return hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32)
 
@@ -33,6 +51,7 @@ def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing, s
 @torch.library.register_fake("effmem::linear_ce_backward")
 def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, softcap,
                    vocab_chunk, output_mask):
+    _fake_checks("linear_ce_backward", hidden, weight, bias, target, grad_loss=grad_loss, lse=lse)
     # the kernels write both gradients row-major whatever the inputs' strides (a transposed hidden too)
     row_major = torch.contiguous_format
     grad_h = torch.empty_like(hidden, memory_format=row_major) if output_mask[0] else hidden.new_empty((0,))
@@ -44,6 +63,7 @@ def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, l
 @torch.library.register_fake("effmem::linear_ce_forward_backward")
 def _forward_backward_fake(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, softcap,
                            token_chunk, output_mask):
+    _fake_checks("linear_ce_forward_backward", hidden, weight, bias, target, grad_scale=grad_scale)
     loss = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     return (loss, *_backward_fake(None, hidden, weight, bias, target, None, ignore_index, label_smoothing, softcap,
                                   token_chunk, output_mask))
@@ -59,10 +79,11 @@ class _GradInForward(torch.autograd.Function):
     backward through the same loss (retain_graph) raises."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, scale, n_valid, options):
+    def forward(ctx, h, weight, bias, target, scale, n_valid, options, handle):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
         loss, gh, gw, gb = _lib.linear_ce_forward_backward(h, weight, bias, target, scale, *options, mask)
         ctx._effmem_held = [g if m else None for g, m in zip((gh, gw, gb), mask)]
+        ctx.links = (handle, weight, bias)   # parameters and h's _graph_handle: no activation kept alive
         total = loss.sum()
         return total if n_valid is None else total / n_valid
 
@@ -73,17 +94,21 @@ class _GradInForward(torch.autograd.Function):
             raise RuntimeError("linear_cross_entropy: this loss's gradients were made by its forward pass and "
                                "handed to the first backward through it; to backward twice (retain_graph=True) "
                                "call it with grad_in_forward=False")
-        return (*_first_order([None if g is None else g.mul_(grad_out) for g in grads]), None, None, None, None)
+        links, ctx.links = ctx.links, None
+        return (*_first_order([None if g is None else g.mul_(grad_out) for g in grads], links + (grad_out,)),
+                None, None, None, None, None)
 
 
 class _NoSecondDerivative(torch.autograd.Function):
     """The gradients, as they are, for a backward with create_graph=True; differentiating them raises.
     Without it they would come out as constants, and a second derivative through them (a gradient
-    penalty) would silently lack this loss's part."""
+    penalty) would silently lack this loss's part. Its inputs are the gradients and then the tensors they
+    depend on (`links`): a derivative asked for an input of the loss only (torch.autograd.grad(penalty, x))
+    runs the nodes on a path to x alone, and this one must be on that path."""
 
     @staticmethod
-    def forward(ctx, *grads):
-        return tuple(g.detach() for g in grads)
+    def forward(ctx, count, *tensors):
+        return tuple(g.detach() for g in tensors[:count])
 
     @staticmethod
     def backward(ctx, *_):
@@ -92,13 +117,23 @@ class _NoSecondDerivative(torch.autograd.Function):
                            "this loss unfused for higher-order gradients")
 
 
-def _first_order(grads):
-    """grads unchanged, or under create_graph=True (grad mode on in backward) marked by _NoSecondDerivative."""
-    if not torch.is_grad_enabled():
+def _first_order(grads, links):
+    """grads unchanged, or under create_graph=True (grad mode on in backward) made by _NoSecondDerivative
+    from the tensors in `links` that require gradients (those grads depend on); none: they are constants."""
+    links = [t for t in links if t is not None and t.requires_grad]
+    if not torch.is_grad_enabled() or not links:
         return grads
-    given = [g.detach().requires_grad_(True) for g in grads if g is not None]
-    marked = iter(_NoSecondDerivative.apply(*given))
+    given = [g for g in grads if g is not None]
+    marked = iter(_NoSecondDerivative.apply(len(given), *given, *links))
     return [None if g is None else next(marked) for g in grads]
+
+
+def _graph_handle(h: Tensor) -> Optional[Tensor]:
+    """One element of h copied: a tensor whose graph reaches h's without keeping h's memory alive (select
+    and clone save no tensor), for _GradInForward's _first_order links."""
+    if not (torch.is_grad_enabled() and h.requires_grad and h.numel()):
+        return None
+    return h[(0,) * h.dim()].clone()
 
 
 def _setup_context(ctx, inputs, output):
@@ -115,8 +150,8 @@ def _backward(ctx, grad_loss, grad_lse):
     with torch.no_grad():  # under create_graph=True too: the op is not differentiable (see _first_order)
         grad_h, grad_w, grad_b = _lib.linear_ce_backward(grad_loss.contiguous(), hidden, weight, bias, target, lse,
                                                          *ctx.options, mask)
-    return (*_first_order([grad_h if mask[0] else None, grad_w if mask[1] else None, grad_b if mask[2] else None]),
-            None, None, None, None, None)
+    return (*_first_order([grad_h if mask[0] else None, grad_w if mask[1] else None, grad_b if mask[2] else None],
+                          (hidden, weight, bias, grad_loss)), None, None, None, None, None)
 
 
 torch.library.register_autograd("effmem::linear_ce_forward", _backward, setup_context=_setup_context)
@@ -172,12 +207,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     check_grad_in_forward(grad_in_forward)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if not -2 ** 63 <= ignore_index < 2 ** 63:
+        raise ValueError(f"ignore_index: expected an int64 (target's dtype), got {ignore_index}")
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)):
         if not isinstance(t, Tensor) and not (name == "bias" and t is None):
             raise TypeError(f"{name}: expected a tensor{' or None' if name == 'bias' else ''}, got "
                             f"{type(t).__name__}")
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name}: expected a tensor on {hidden.device} (hidden's device), got one on {t.device}")
+        if t is not None and t.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(f"weight: expected [V, H] with V >= 1 vocabulary rows, got shape {tuple(weight.shape)}")
     if hidden.dim() < 1:
         raise ValueError("hidden: expected [..., H], at least one dimension, got a 0-dimensional tensor")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
@@ -198,7 +239,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         n_valid = valid.sum() if reduction == "mean" else None
         scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid, 0.0)
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
-            int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)))
+            int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)),
+            _graph_handle(h))
     loss, _ = _lib.linear_ce_forward(h, weight, bias, t, int(ignore_index), float(label_smoothing),
                                      float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":
