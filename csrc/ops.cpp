@@ -53,13 +53,15 @@ TORCH_LIBRARY(effmem, m) {
       "float label_smoothing, float softcap, int vocab_chunk) -> (Tensor, Tensor)");
   // Its gradients with respect to hidden, weight and bias for grad_loss [N]
   // (the incoming gradient of each token's loss), recomputing the logits chunk
-  // by chunk; an output whose output_mask entry is false comes back empty.
+  // by chunk; an output whose output_mask entry is false comes back empty. target and lse as the forward
+  // checked and made them (not checked again here).
   m.def(
       "linear_ce_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, float softcap, int vocab_chunk, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // Loss and gradients at once, for incoming gradients grad_scale [N] (float32) known before backward (a
-  // mean or sum): the logits are made one chunk of token_chunk tokens' whole rows at a time (0: 1/32 of
+  // mean or sum; 0 for a token whose target is ignore_index: the kernels apply each token's scale as it
+  // is, as linear_cross_entropy makes them): the logits are made one chunk of token_chunk tokens' whole rows at a time (0: 1/32 of
   // the tokens, at least 128, at most 128 MB of float32 logits), three matrix products instead of the
   // four of forward plus backward. Returns (loss [N], grad hidden, grad weight, grad bias), empty where
   // output_mask is false; the weight gradient is summed in float32 (in its own memory for a float32
