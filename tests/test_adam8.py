@@ -181,6 +181,45 @@ def test_checkpoints_convert_between_float32_and_8bit_moments():
         assert o32b.state[p]["exp_avg"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("src,dst", [(32, 8), (8, 32), ("8 under torch's names", 32), (8, 8)])
+def test_entries_assigned_to_opt_state_convert_as_a_loaded_checkpoint_does(src, dst):
+    """ZeroRedundancyOptimizer's load assigns each entry to opt.state as it is: a float32-moment entry in an
+    8-bit FusedAdam stopped at KeyError 'exp_avg_scale', an 8-bit one in a float32 FusedAdam at the kernel's
+    "exp_avgs[0] must be float32, got Byte" (OffloadAdam converted both). Now both go on as after
+    load_state_dict of the same state, bit for bit."""
+    import copy
+
+    def build(bits, seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(64, 8).to(torch.bfloat16)
+        return m, effmem.FusedAdam(m.parameters(), lr=1e-2, state_bits=bits)
+
+    def train(m, opt, steps, first):
+        for i in range(first, first + steps):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            m(x).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m, opt = build(32 if src == 32 else 8, 0)
+    train(m, opt, 3, 0)
+    sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(m.state_dict())
+    if src not in (8, 32):   # a checkpoint from before the codes had names of their own
+        torch_names = {code: name for name, code in _adam8.CODE_KEYS.items()}
+        sd["state"] = {k: {torch_names.get(n, n): t for n, t in e.items()} for k, e in sd["state"].items()}
+    loaded, by_load = build(dst, 1)
+    loaded.load_state_dict(weights)
+    by_load.load_state_dict(sd)
+    assigned, by_assignment = build(dst, 1)
+    assigned.load_state_dict(weights)
+    for i, p in enumerate(assigned.parameters()):
+        by_assignment.state[p] = copy.deepcopy(sd["state"][i])
+    train(loaded, by_load, 2, 10)
+    train(assigned, by_assignment, 2, 10)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), assigned.parameters()))
+    assert all(set(st) == set(ld) for st, ld in zip(by_assignment.state.values(), by_load.state.values()))
+
+
 def test_bad_arguments_and_checkpoints_name_themselves():
     m = tiny_model()
     with pytest.raises(ValueError, match="state_bits: expected 32 .* or 8"):

@@ -118,13 +118,14 @@ class FusedAdam(AdamBase):
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
         m_key, v_key = _adam8.moment_keys(self.state_bits)
-        if state and m_key not in state:
-            # an entry assigned as it is (ZeroRedundancyOptimizer's load) under the other format's names:
-            # renamed, its tensors then checked by the kernels' refusals as any assigned state is
-            other = _adam8.moment_keys(8 if self.state_bits == 32 else 32)
-            for old, new in zip(other, (m_key, v_key)):
-                if old in state:
-                    state[new] = state.pop(old)
+        if state and (m_key not in state or self.state_bits == 32 and _adam8.is_8bit(state)):
+            # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, or with codes
+            # under torch's names: converted as load_state_dict converts a checkpoint's
+            saved = _adam8.checkpoint_in(state, "opt.state[p]")
+            step = _validate.step_value(saved.get("step"), "opt.state[p]['step']")
+            restored = _restore_state(saved, p, step, self.state_bits, self._salts()[id(p)])
+            state.clear()
+            state.update(restored)
         if not state:
             # zeros_like keeps p's strides, so all tensors of a param share a layout.
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
