@@ -59,6 +59,10 @@ def test_bad_arguments_are_named():
         ops.rms_norm_apply(x, rstd[:1], w)
     with pytest.raises(ValueError, match="rstd must be float32 with one value per row of x"):
         ops.rms_norm_apply(x, rstd.double(), w)
+    # as many values as rows, in another shape: they scaled x's rows in another order
+    with pytest.raises(ValueError, match="rstd must be float32 with one value per row of x"):
+        ops.rms_norm_apply(x, rstd.reshape(x.shape[1], x.shape[0]), w)
+    assert torch.equal(ops.rms_norm_apply(x, rstd.squeeze(-1), w), ops.rms_norm_apply(x, rstd, w))
     with pytest.raises(ValueError, match="last dimension of at least 1"):
         ops.rms_norm_apply(torch.empty(3, 0), torch.empty(3, 1), torch.empty(0))
     with pytest.raises(ValueError, match="one device"):

@@ -257,10 +257,15 @@ void check_rms_norm_apply_args(const at::Tensor& x, const at::Tensor& rstd, cons
                         weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
                     "weight must be a 1-D tensor of x's last size, dtype and device (", describe(x), "), got ",
                     describe(weight));
-  TORCH_CHECK_VALUE(rstd.layout() == at::kStrided && rstd.scalar_type() == at::kFloat &&
-                        rstd.numel() * x.size(-1) == x.numel() && rstd.device() == x.device(),
-                    "rstd must be float32 with one value per row of x (", x.numel() / x.size(-1),
-                    ") on x's device, got ", describe(rstd));
+  // rstd's rows are matched to x's logically (both are made contiguous): its shape must be x's rows', with or
+  // without the trailing 1 of keepdim; a mere count let a [3, 2] rstd scale a [2, 3, H] x row by wrong row.
+  const auto rows = x.sizes().slice(0, x.dim() - 1);
+  const bool row_shape = rstd.sizes() == rows ||
+                         (rstd.dim() == x.dim() && rstd.size(-1) == 1 && rstd.sizes().slice(0, rows.size()) == rows);
+  TORCH_CHECK_VALUE(rstd.layout() == at::kStrided && rstd.scalar_type() == at::kFloat && row_shape &&
+                        rstd.device() == x.device(),
+                    "rstd must be float32 with one value per row of x (shape ", rows, " or ", rows,
+                    " + [1]) on x's device, got ", describe(rstd));
 }
 
 void check_quant_config(int64_t bits, int64_t group_size) {

@@ -243,6 +243,8 @@ def _rms_norm_apply_fake(x, rstd, weight):
     torch._check(x.dim() >= 1 and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.dtype == x.dtype,
                  lambda: f"weight must be a 1-D tensor of x's last size and dtype, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
-    torch._check(rstd.dtype == torch.float32 and rstd.numel() * x.shape[-1] == x.numel(),
-                 lambda: "rstd must be float32 with one value per row of x")
+    rows = tuple(x.shape[:-1])
+    torch._check(rstd.dtype == torch.float32 and tuple(rstd.shape) in (rows, rows + (1,)),
+                 lambda: f"rstd must be float32 with one value per row of x (shape {rows} or {rows} + (1,)), got "
+                         f"{rstd.dtype} {tuple(rstd.shape)}")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
