@@ -4,6 +4,7 @@ through torch's AdamW), torch's load_state_dict hooks, a FusedAdam copied or pic
 over parameters an open OffloadAdam steps, a clip factor left by a skipped step, and a float state_bits."""
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -306,9 +307,18 @@ def test_overlap_buckets_updated_in_a_backward_without_step_get_their_state_entr
     them stepped, and opt.state must show it (DCP takes an empty state for a fresh optimizer)."""
     m = _linear(torch.float32)
     opt = OffloadAdam(m.parameters(), lr=1e-2, overlap=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the usual loop (backward, step, zero_grad) warns of nothing
+        for _ in range(2):
+            m(torch.randn(4, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
     m(torch.randn(4, 8)).square().sum().backward()
-    opt.zero_grad()
-    assert len(opt.state) == 2 and all(float(opt.state[p]["step"]) == 1.0 for p in m.parameters())
+    # a GAN's discriminator phase run through the generator updated the generator's overlap optimizer,
+    # which then only called zero_grad(): it stepped twice per iteration, without a word
+    with pytest.warns(UserWarning, match=r"zero_grad\(\) after a backward that updated parameters, with no step"):
+        opt.zero_grad()
+    assert len(opt.state) == 2 and all(float(opt.state[p]["step"]) == 3.0 for p in m.parameters())
     opt.close()
 
 

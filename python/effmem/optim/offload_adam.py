@@ -3,6 +3,7 @@ import contextlib
 import math
 import os
 import threading
+import warnings
 from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -248,6 +249,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         self._plain_backwards, self._warned_mixed = 0, False   # delay: backwards since step() outside accumulating()
+        self._warned_unstepped = False   # overlap: zero_grad() after a backward that updated, with no step()
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_asked = stream_grads
@@ -433,6 +435,14 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._resident_opt._pending_grad_scale = {}
         if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
             self._sync_state()
+            if self._queued and self._engine.param_updates > self._updates_at_open and not self._warned_unstepped:
+                self._warned_unstepped = True
+                warnings.warn(
+                    "OffloadAdam(overlap=True): zero_grad() after a backward that updated parameters, with no "
+                    "step() between: overlap updates each bucket during backward, and zero_grad() does not undo "
+                    "that. For a model this backward must not train (a GAN's generator in the discriminator's "
+                    "phase), detach its output or set requires_grad_(False) on it; to skip steps (a NaN loss), "
+                    "use another mode", stacklevel=2)
         self._clip_scale = 1.0
         self._in_backward = False
         self._streamed.clear()
