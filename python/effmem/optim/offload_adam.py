@@ -435,7 +435,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._resident_opt._pending_grad_scale = {}
         if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
             self._sync_state()
-            if self._queued and self._engine.param_updates > self._updates_at_open and not self._warned_unstepped:
+            # (a backward that raised midway is refused at step() with its own message instead)
+            if self._queued and self._engine.param_updates > self._updates_at_open and self._broken is None \
+                    and not self._warned_unstepped:
                 self._warned_unstepped = True
                 warnings.warn(
                     "OffloadAdam(overlap=True): zero_grad() after a backward that updated parameters, with no "
