@@ -61,9 +61,9 @@ TORCH_LIBRARY(effmem, m) {
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // Loss and gradients at once, for incoming gradients grad_scale [N] (float32) known before backward (a
   // mean or sum; 0 for a token whose target is ignore_index: the kernels apply each token's scale as it
-  // is, as linear_cross_entropy makes them): the logits are made one chunk of token_chunk tokens' whole rows at a time (0: 1/32 of
-  // the tokens, at least 128, at most 128 MB of float32 logits), three matrix products instead of the
-  // four of forward plus backward. Returns (loss [N], grad hidden, grad weight, grad bias), empty where
+  // is, as linear_cross_entropy makes them): the logits are made one chunk of token_chunk tokens' whole
+  // rows at a time (0: 1/32 of the tokens, at least 128, at most 128 MB of float32 logits), three matrix
+  // products instead of the four of forward plus backward. Returns (loss [N], grad hidden, grad weight, grad bias), empty where
   // output_mask is false; the weight gradient is summed in float32 (in its own memory for a float32
   // weight, in a float32 buffer rounded once for a bf16/fp16 one).
   m.def(

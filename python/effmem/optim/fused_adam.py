@@ -118,7 +118,7 @@ class FusedAdam(AdamBase):
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
         m_key, v_key = _adam8.moment_keys(self.state_bits)
-        if state and (m_key not in state or self.state_bits == 32 and _adam8.is_8bit(state)):
+        if state and (m_key not in state or (self.state_bits == 32 and _adam8.is_8bit(state))):
             # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, or with codes
             # under torch's names: converted as load_state_dict converts a checkpoint's
             saved = _adam8.checkpoint_in(state, "opt.state[p]")
