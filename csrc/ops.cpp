@@ -63,9 +63,9 @@ TORCH_LIBRARY(effmem, m) {
   // mean or sum; 0 for a token whose target is ignore_index: the kernels apply each token's scale as it
   // is, as linear_cross_entropy makes them): the logits are made one chunk of token_chunk tokens' whole
   // rows at a time (0: 1/32 of the tokens, at least 128, at most 128 MB of float32 logits), three matrix
-  // products instead of the four of forward plus backward. Returns (loss [N], grad hidden, grad weight, grad bias), empty where
-  // output_mask is false; the weight gradient is summed in float32 (in its own memory for a float32
-  // weight, in a float32 buffer rounded once for a bf16/fp16 one).
+  // products instead of the four of forward plus backward. Returns (loss [N], grad hidden, grad weight,
+  // grad bias), empty where output_mask is false; the weight gradient is summed in float32 (in its own
+  // memory for a float32 weight, in a float32 buffer rounded once for a bf16/fp16 one).
   m.def(
       "linear_ce_forward_backward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor grad_scale, "
       "int ignore_index, float label_smoothing, float softcap, int token_chunk, bool[3] output_mask) "
