@@ -218,6 +218,12 @@ def test_entries_assigned_to_opt_state_convert_as_a_loaded_checkpoint_does(src, 
     train(assigned, by_assignment, 2, 10)
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), assigned.parameters()))
     assert all(set(st) == set(ld) for st, ld in zip(by_assignment.state.values(), by_load.state.values()))
+    # checked as load_state_dict checks: moments of another shape were broadcast to the parameter's, silently
+    wrong = {k: (v[:1] if k in ("exp_avg", "exp_avg_sq") else v) for k, v in sd["state"][0].items()}
+    by_assignment.state[next(assigned.parameters())] = wrong
+    if "exp_avg" in wrong:   # float32 moments, or codes under torch's names
+        with pytest.raises(ValueError, match=r"opt.state\[p\]\['exp_avg'\]: expected shape \(8, 64\)"):
+            train(assigned, by_assignment, 1, 20)
 
 
 def test_bad_arguments_and_checkpoints_name_themselves():

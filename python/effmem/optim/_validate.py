@@ -2,7 +2,7 @@
 import math
 import numbers
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -210,6 +210,38 @@ def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
                          f"parameter), got {got}")
 
 
+def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, bool]:
+    """One parameter's checkpoint entry (or an opt.state entry assigned by hand) checked against p: a copy
+    with its 8-bit codes under torch's names and this rank's shards, its step count, and whether it held a
+    float32 master that p (float32, holding other weights) leaves unused (taken out)."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
+    from effmem.optim import _adam8
+    shape, sharded = local_tensor(p).shape, is_dtensor(p)
+    eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
+    original = saved
+    # a copy (scales and masters are taken out or narrowed below: not in the caller's), its 8-bit codes
+    # under torch's names
+    saved = _adam8.checkpoint_in(saved, where)
+    for key in ("exp_avg", "exp_avg_sq"):
+        shown = _adam8.CODE_KEYS[key] if _adam8.CODE_KEYS[key] in original else key
+        _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded, shown=shown)
+        if eight:   # the blocks of this rank's shard (FSDP2)
+            _scales(saved, key + "_scale", where, local_tensor(p).numel())
+    _state_tensor(saved, "master", where, shape, False, sharded=sharded)
+    if "master" in saved and saved["master"].dtype != torch.float32:
+        # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype, and do not update
+        # it: it is not a master any more, the parameter is
+        saved = {k: v for k, v in saved.items() if k != "master"}
+    master_unused = "master" in saved and p.dtype == torch.float32 and not _rounds_to(saved["master"], p)
+    if master_unused:
+        saved = {k: v for k, v in saved.items() if k != "master"}
+    if "step" not in saved:   # taken for 0, the next step corrected saved moments as first ones
+        raise ValueError(f"{where}: missing 'step' (an Adam checkpoint holds 'step', 'exp_avg' and "
+                         "'exp_avg_sq' for every parameter it has state for)")
+    return saved, step_value(saved["step"], f"{where}['step']"), master_unused
+
+
 def state_bits(bits) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (32, 8):
         raise ValueError(f"state_bits: expected 32 (float32 moments) or 8 (8-bit moments), got {bits!r}")
@@ -246,7 +278,6 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, war
             hyperparameters(merged)
         except (TypeError, ValueError) as err:
             raise type(err)(f"state_dict: param_groups[{gi}]: {err}") from None
-    from effmem.optim import _adam8
     listed = {saved_id for group in groups for saved_id in group["params"]}
     stray = [k for k in saved_state if k not in listed]
     if stray:   # torch's loader keeps them under those keys, unused: those parameters' moments would start afresh
@@ -263,31 +294,9 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, war
             if isinstance(saved, dict) and not saved:
                 saved = None   # an empty entry, left by a read of opt.state[p] (a defaultdict): no state, as torch
             if saved is not None:
-                where = f"state_dict['state'][{saved_id!r}]"
-                if not isinstance(saved, dict):
-                    raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
-                shape, sharded = local_tensor(p).shape, is_dtensor(p)
-                eight = "exp_avg_scale" in saved or "exp_avg_sq_scale" in saved
-                # a copy (scales and masters are taken out or narrowed below: not in the caller's), its 8-bit
-                # codes under torch's names
-                saved = _adam8.checkpoint_in(saved, where)
-                for key in ("exp_avg", "exp_avg_sq"):
-                    shown = _adam8.CODE_KEYS[key] if _adam8.CODE_KEYS[key] in saved_state[saved_id] else key
-                    _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded, shown=shown)
-                    if eight:   # the blocks of this rank's shard (FSDP2)
-                        _scales(saved, key + "_scale", where, local_tensor(p).numel())
-                _state_tensor(saved, "master", where, shape, False, sharded=sharded)
-                if "master" in saved and saved["master"].dtype != torch.float32:
-                    # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype,
-                    # and do not update it: it is not a master any more, the parameter is
-                    saved = {k: v for k, v in saved.items() if k != "master"}
-                if "master" in saved and p.dtype == torch.float32 and not _rounds_to(saved["master"], p):
+                saved, step, master_unused = entry(saved, p, f"state_dict['state'][{saved_id!r}]")
+                if master_unused:
                     unused.append(saved_id)
-                    saved = {k: v for k, v in saved.items() if k != "master"}
-                if "step" not in saved:   # taken for 0, the next step corrected saved moments as first ones
-                    raise ValueError(f"{where}: missing 'step' (an Adam checkpoint holds 'step', 'exp_avg' and "
-                                     "'exp_avg_sq' for every parameter it has state for)")
-                step = step_value(saved["step"], f"{where}['step']")
             plan.append((p, saved, step))
     if unused and warn:
         warnings.warn(f"{name}.load_state_dict: state_dict['state'] entries {unused[:5]!r}"

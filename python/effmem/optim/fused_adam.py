@@ -120,9 +120,8 @@ class FusedAdam(AdamBase):
         m_key, v_key = _adam8.moment_keys(self.state_bits)
         if state and (m_key not in state or (self.state_bits == 32 and _adam8.is_8bit(state))):
             # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, or with codes
-            # under torch's names: converted as load_state_dict converts a checkpoint's
-            saved = _adam8.checkpoint_in(state, "opt.state[p]")
-            step = _validate.step_value(saved.get("step"), "opt.state[p]['step']")
+            # under torch's names: checked and converted as load_state_dict checks and converts a checkpoint's
+            saved, step, _ = _validate.entry(state, p, "opt.state[p]")
             restored = _restore_state(saved, p, step, self.state_bits, self._salts()[id(p)])
             state.clear()
             state.update(restored)
