@@ -55,9 +55,8 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
 CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 
 
-def moment_keys(state_bits: int) -> Tuple[str, str]:
-    """The names of the first and second moments in opt.state: torch's for float32 ones, CODE_KEYS' for codes."""
-    return ("exp_avg_codes", "exp_avg_sq_codes") if state_bits == 8 else ("exp_avg", "exp_avg_sq")
+# The names of the first and second moments in opt.state, by state_bits: torch's for float32 ones, CODE_KEYS'.
+MOMENT_KEYS = {32: tuple(CODE_KEYS), 8: tuple(CODE_KEYS.values())}
 
 
 def checkpoint_out(sd: Dict, params) -> Dict:

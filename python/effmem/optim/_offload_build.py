@@ -107,7 +107,7 @@ class OffloadBuild:
     def _state_of(self, i: int) -> Dict[str, Tensor]:
         p = self._params[i]
         master, exp_avg, exp_avg_sq = (_dist.like_param(v, p) for v in self._views[i][:3])
-        state = dict(zip(("step",) + _adam8.moment_keys(self.state_bits), (self._steps[i], exp_avg, exp_avg_sq)))
+        state = dict(zip(("step",) + _adam8.MOMENT_KEYS[self.state_bits], (self._steps[i], exp_avg, exp_avg_sq)))
         if self.state_bits == 8:  # the block scales of this rank's shard, as the engine holds them
             state["exp_avg_scale"], state["exp_avg_sq_scale"] = self._views[i][3:]
         if p.dtype != torch.float32:

@@ -113,6 +113,19 @@ class OffloadGuards:
                           "cannot (Hugging Face's Trainer with gradient_accumulation_steps > 1), use "
                           "async_step=True (exact, and hides the update behind the forward)", stacklevel=4)
 
+    def _note_unstepped_update(self) -> None:
+        """overlap=True, at zero_grad(): a backward since the last step() updated parameters, which zero_grad()
+        cannot undo. A GAN's discriminator phase run through the generator stepped the generator's optimizer
+        twice per iteration, silently. Not after a backward that raised (step() refuses it, with its reason)."""
+        if (self._queued and self._engine.param_updates > self._updates_at_open and self._broken is None
+                and not self._warned_unstepped):
+            self._warned_unstepped = True
+            warnings.warn("OffloadAdam(overlap=True): zero_grad() after a backward that updated parameters, with no "
+                          "step() between: overlap updates each bucket during backward, and zero_grad() does not "
+                          "undo that. For a model this backward must not train (a GAN's generator in the "
+                          "discriminator's phase), detach its output or set requires_grad_(False) on it; to skip "
+                          "steps (a NaN loss), use another mode", stacklevel=3)
+
     def _note_unfinished_backward(self) -> None:
         """Backwards that never reached their end (called where none runs): with overlap=True, buckets they
         completed were already updated with their gradients. The state no longer matches any sequence of

@@ -117,7 +117,7 @@ class FusedAdam(AdamBase):
                                "without one) would be made inside a CUDA graph capture, and every replay would "
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
-        m_key, v_key = _adam8.moment_keys(self.state_bits)
+        m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
         if state and (m_key not in state or (self.state_bits == 32 and _adam8.is_8bit(state))):
             # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, or with codes
             # under torch's names: checked and converted as load_state_dict checks and converts a checkpoint's
@@ -268,7 +268,7 @@ class FusedAdam(AdamBase):
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
         buckets: Dict[Tuple, Dict[str, List[Tensor]]] = defaultdict(lambda: defaultdict(list))
         salts = self._salts() if self.state_bits == 8 else None
-        m_key, v_key = _adam8.moment_keys(self.state_bits)
+        m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
         for p in group["params"]:
             if p.grad is None:
                 continue

@@ -3,7 +3,6 @@ import contextlib
 import math
 import os
 import threading
-import warnings
 from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -435,16 +434,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._resident_opt._pending_grad_scale = {}
         if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
             self._sync_state()
-            # (a backward that raised midway is refused at step() with its own message instead)
-            if self._queued and self._engine.param_updates > self._updates_at_open and self._broken is None \
-                    and not self._warned_unstepped:
-                self._warned_unstepped = True
-                warnings.warn(
-                    "OffloadAdam(overlap=True): zero_grad() after a backward that updated parameters, with no "
-                    "step() between: overlap updates each bucket during backward, and zero_grad() does not undo "
-                    "that. For a model this backward must not train (a GAN's generator in the discriminator's "
-                    "phase), detach its output or set requires_grad_(False) on it; to skip steps (a NaN loss), "
-                    "use another mode", stacklevel=2)
+            self._note_unstepped_update()
         self._clip_scale = 1.0
         self._in_backward = False
         self._streamed.clear()
