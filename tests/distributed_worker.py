@@ -186,11 +186,12 @@ def run_fsdp2_async(rank):
     assert runs["plain"][0][-1] < runs["plain"][0][0]
 
 
-def _fsdp2_gpt(dtype=torch.float32, seed=0, seq_len=16):
+def _fsdp2_gpt(dtype=torch.float32, seed=0, seq_len=16, mesh_shape=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shape = mesh_shape or (dist.get_world_size(),)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])   # 2-D: HSDP
     model = tiny_gpt(dtype, seq_len)
     if seed:
         torch.manual_seed(seed)
@@ -322,7 +323,8 @@ def main():
         if mode != "ddp_late":
             {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan,
              "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": more.run_fsdp2_load,
-             "fsdp2_fused_ce": more.run_fsdp2_fused_ce, "zero_offload": more.run_zero_offload}[mode](rank)
+             "fsdp2_fused_ce": more.run_fsdp2_fused_ce, "zero_offload": more.run_zero_offload,
+             "dcp_reshard": more.run_dcp_reshard}[mode](rank)
         # FSDP2's modules and states form reference cycles: collected now, while the process group lives,
         # not at interpreter exit, where gloo work they still hold can abort the process (torch PR 179291).
         gc.collect()

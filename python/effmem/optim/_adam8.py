@@ -2,11 +2,12 @@
 
 The format is csrc/common/adam8_math.h's: per parameter, ``exp_avg`` and ``exp_avg_sq`` are uint8 codes
 laid out as the parameter, and ``exp_avg_scale`` / ``exp_avg_sq_scale`` float32 block scales, one per 256
-elements in the parameter's memory order (max |m| and max sqrt(v) of the block). The kernels update them in
+elements in the parameter's memory order (max |m| and max sqrt(v) of the block); an FSDP2 checkpoint holds
+a shard's scales by rows (rows_out), which load on another mesh (rows_in). The kernels update them in
 place; the functions here are the same formulas in torch ops, for checkpoints (a float32-moment checkpoint
 loads into an 8-bit optimizer and back) and for the tests' reference.
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,16 +25,26 @@ def blocks(numel: int) -> int:
 
 def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
     """A parameter's block scales as a checkpoint holds them. Under FSDP2 the scales are those of this rank's
-    shard: they go out as a DTensor sharded over the mesh dimensions the parameter is sharded on, each rank's
-    part padded with zeros to a block count every rank computes alike and no shard exceeds. A plain tensor
-    there is taken for replicated by torch.distributed.checkpoint, which then saved rank 0's scales for
-    every rank. Restored by local_scales(); tied to the mesh it was saved on, as the blocks are."""
+    shard, and go out as a DTensor: a plain tensor there is taken for replicated by
+    torch.distributed.checkpoint, which then saved rank 0's scales for every rank. A parameter sharded
+    along its rows only (FSDP2's and HSDP's Shard(0)) gives its scales by rows (rows_out), a DTensor of
+    the parameter's rows on any mesh, so the checkpoint loads on another mesh or without FSDP2 (_validate
+    decodes the moments there, whose blocks moved, as a float32 checkpoint's). Any other (tensor
+    parallelism's strided shards): each rank's scales padded with zeros to a block count every rank
+    computes alike and no shard exceeds, tied to the mesh it was saved on. Both restored by
+    _validate.entry."""
     from effmem.optim._offload_distributed import shard_dims
     from effmem.optim._validate import is_dtensor
     if not is_dtensor(p):
         return scales
     from torch.distributed.tensor import DTensor, Replicate, Shard
     mesh, shape, sharded = p.device_mesh, list(p.shape), shard_dims(p)
+    local = p.to_local()
+    if p.dim() >= 1 and local.is_contiguous() and all(
+            type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in p.placements):
+        rows = rows_out(scales, local.shape[0], int(torch.Size(shape[1:]).numel()))
+        return DTensor.from_local(rows, mesh, p.placements, run_check=False,
+                                  shape=torch.Size([shape[0], rows.shape[1]]), stride=(rows.shape[1], 1))
     for d in sharded:
         placement = p.placements[d]
         # a shard's length along its dimension: at most torch.chunk's first chunk; a strided shard (FSDP2
@@ -45,6 +56,45 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
     ranks = int(torch.Size([mesh.size(d) for d in sharded]).numel())
     return DTensor.from_local(padded, mesh, [Shard(0) if d in sharded else Replicate() for d in range(mesh.ndim)],
                               run_check=False, shape=torch.Size([width * ranks]), stride=(1,))
+
+
+def row_width(row: int) -> int:
+    """The scales a row of `row` elements keeps in rows_out: the most blocks such a row overlaps, wherever
+    it starts in its block (rows of a multiple of BLOCK start at a block's start)."""
+    return row // BLOCK if row % BLOCK == 0 else (row + 2 * BLOCK - 2) // BLOCK
+
+
+def rows_out(scales: Tensor, rows: int, row: int) -> Tensor:
+    """The block scales of a dense tensor of `rows` rows of `row` elements, by rows: float32 [rows, 1 +
+    row_width(row)], each row's offset in its first block (an integer below BLOCK), then the scales of the
+    blocks it overlaps (zeros after its last). The rows of shards of a tensor concatenate into the rows of
+    the whole, which any other split of the rows can take apart again (rows_in)."""
+    width = row_width(row)
+    start = torch.arange(rows, dtype=torch.int64, device=scales.device) * row
+    index = (start // BLOCK)[:, None] + torch.arange(width, dtype=torch.int64, device=scales.device)
+    overlaps = index <= ((start + row - 1) // BLOCK)[:, None]
+    values = scales.float()[index.clamp(max=scales.numel() - 1)] if scales.numel() else index.float()
+    return torch.cat([(start % BLOCK).float()[:, None], torch.where(overlaps, values, 0.0)], dim=1)
+
+
+def rows_in(saved: Tensor, row: int) -> Optional[Tensor]:
+    """rows_out's scales (checked by the caller: float, [rows, 1 + row_width(row)], offsets integers that a
+    row of `row` elements can start at) as the block scales of a dense tensor of those rows, where its rows
+    start in their blocks where the saved ones did (the same shards, or the first of a tensor); else None:
+    the blocks moved."""
+    start = torch.arange(saved.shape[0], dtype=torch.int64, device=saved.device) * row
+    if not torch.equal(saved[:, 0].long(), start % BLOCK):
+        return None
+    block = torch.arange(blocks(saved.shape[0] * row), dtype=torch.int64, device=saved.device)
+    r = block * BLOCK // max(row, 1)   # the row a block starts in, and the block's place among its scales
+    return saved[r, 1 + block - start[r] // BLOCK]
+
+
+def rows_per_element(saved: Tensor, row: int) -> Tensor:
+    """rows_out's scales (checked as for rows_in) as the scale of each element, in row-major order: for the
+    moments of rows whose blocks moved, decoded element by element."""
+    column = (saved[:, :1].long() + torch.arange(row, dtype=torch.int64, device=saved.device)) // BLOCK
+    return saved[:, 1:].gather(1, column).reshape(-1)
 
 
 # 8-bit moments go under names of their own, not torch's: a loader that knows float moments only (torch's
@@ -121,10 +171,11 @@ def from_memory_order(flat: Tensor, like: Tensor) -> Tensor:
     return out
 
 
-def decode(codes: Tensor, scales: Tensor, second: bool) -> Tensor:
-    """Flat uint8 codes and their block scales -> float32 moments (m, or v when `second`)."""
+def decode(codes: Tensor, scales: Tensor, second: bool, per_element: bool = False) -> Tensor:
+    """Flat uint8 codes and their block scales (or, per_element, each code's scale) -> float32 moments (m,
+    or v when `second`)."""
     k = codes.long()
-    s = scales.repeat_interleave(BLOCK)[:codes.numel()]
+    s = scales if per_element else scales.repeat_interleave(BLOCK)[:codes.numel()]
     if not second:
         f = (k & 0x7F).float() * _INV_M
         m = s * (f * f)
@@ -170,11 +221,21 @@ def to_float(state: Dict[str, Tensor], like: Tensor) -> Dict[str, Tensor]:
     """An 8-bit state as float32 moments shaped (and strided) like the parameter `like`. The blocks run along
     the saved codes' memory, which may differ from like's (a channels_last parameter saved, a contiguous one
     loading). state: a checkpoint's entry or opt.state's, under either name of the codes."""
-    state = checkpoint_in(state, "state")
+    out = decoded(checkpoint_in(state, "state"), {})
+    return dict(out, **{key: _laid_like(out[key], like) for key in SCALE_KEYS})
+
+
+def decoded(state: Dict[str, Tensor], per_element: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
+    """An 8-bit state (codes under torch's names) as float32 moments laid out as its codes. per_element: a
+    moment's scale per code in row-major order (rows_in), where its block scales are not along the codes'
+    memory; else (absent or None) its block scales are."""
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
     for key, scale in SCALE_KEYS.items():
-        values = decode(memory_order(state[key]), state[scale].float(), key == "exp_avg_sq")
-        out[key] = _laid_like(from_memory_order(values, state[key]), like)
+        codes, second, s = state[key], key == "exp_avg_sq", per_element.get(key)
+        if s is None:
+            out[key] = from_memory_order(decode(memory_order(codes), state[scale].float(), second), codes)
+        else:
+            out[key] = decode(codes.reshape(-1), s.to(codes.device), second, per_element=True).view(codes.shape)
     return out
 
 

@@ -2,7 +2,7 @@
 import math
 import numbers
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -199,15 +199,34 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
         raise ValueError(f"{at}: expected shape {tuple(shape)} ({whose}), got {tuple(t.shape)}")
 
 
-def _scales(saved: Dict[str, Any], key: str, where: str, numel: int) -> None:
+def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tensor) -> Optional[Tensor]:
+    """saved[key], block scales, checked and made this rank's (saved: the caller's copy; p and codes: this
+    rank's). Scales by rows (_adam8.rows_out: FSDP2's) become p's block scales where their blocks are p's
+    (saved on the same shards) and the codes lie in row-major order; otherwise the scale of each code, in
+    row-major order, is returned for the caller to decode the moments with."""
     from effmem.optim import _adam8
-    t = saved[key] = _adam8.local_scales(saved.get(key), numel)   # saved: the caller's copy
-    blocks = _adam8.blocks(numel)
+    if isinstance(saved.get(key), Tensor) and saved[key].dim() == 2:
+        t, row = local_tensor(saved[key]), int(p.shape[1:].numel())
+        want, offsets = (p.shape[0] if p.dim() else 0, 1 + _adam8.row_width(row)), t[:, :1]
+        if p.dim() == 0 or not t.is_floating_point() or t.is_meta or tuple(t.shape) != want or not bool(
+                ((offsets >= 0) & (offsets == offsets.floor()) & (offsets < _adam8.BLOCK)
+                 & (offsets + row <= max(want[1] - 1, 1) * _adam8.BLOCK)).all()):
+            raise ValueError(f"{where}[{key!r}]: expected block scales by rows, float, of shape {want} (each "
+                             "row's offset in its first block, an integer below 256, then the scales of the blocks "
+                             f"it overlaps), got a {t.dtype} tensor of shape {tuple(t.shape)}")
+        own = _adam8.rows_in(t, row)
+        if own is None or not codes.is_contiguous():
+            return _adam8.rows_per_element(t, row)
+        saved[key] = own
+        return None
+    t = saved[key] = _adam8.local_scales(saved.get(key), p.numel())
+    blocks = _adam8.blocks(p.numel())
     if not isinstance(t, Tensor) or not t.is_floating_point() or t.is_meta or tuple(t.shape) != (blocks,):
         got = (f"a {t.dtype} tensor of shape {tuple(t.shape)}{' on the meta device (no values)' if t.is_meta else ''}"
                if isinstance(t, Tensor) else type(t).__name__)
         raise ValueError(f"{where}[{key!r}]: expected {blocks} float block scales (one per 256 elements of the "
                          f"parameter), got {got}")
+    return None
 
 
 def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, bool]:
@@ -223,11 +242,16 @@ def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, boo
     # a copy (scales and masters are taken out or narrowed below: not in the caller's), its 8-bit codes
     # under torch's names
     saved = _adam8.checkpoint_in(saved, where)
+    per_element = {}
     for key in ("exp_avg", "exp_avg_sq"):
         shown = _adam8.CODE_KEYS[key] if _adam8.CODE_KEYS[key] in original else key
         _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded, shown=shown)
         if eight:   # the blocks of this rank's shard (FSDP2)
-            _scales(saved, key + "_scale", where, local_tensor(p).numel())
+            per_element[key] = _scales(saved, key + "_scale", where, local_tensor(p), saved[key])
+    if any(s is not None for s in per_element.values()):
+        # saved by rows on other shards (FSDP2 on another mesh, or without FSDP2): the blocks are not p's, so the
+        # moments load decoded, as a float32 checkpoint's do (an 8-bit optimizer encodes them anew)
+        saved = _adam8.decoded(saved, per_element)
     _state_tensor(saved, "master", where, shape, False, sharded=sharded)
     if "master" in saved and saved["master"].dtype != torch.float32:
         # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype, and do not update

@@ -1,0 +1,104 @@
+"""8-bit block scales by rows (effmem.optim._adam8.rows_out / rows_in): how an FSDP2 parameter's 8-bit state goes
+into a checkpoint, so that it loads on another split of the rows (another mesh, or none).
+
+The blocks of 256 run along each shard's memory, so they move when the rows are split otherwise. Each row keeps
+its offset in its first block and the scales of the blocks it overlaps; a load whose rows start in their blocks
+where the saved ones did takes codes and scales as saved, any other decodes the moments (as a float32 checkpoint
+loads). Here the shards are simulated on one process: slices of a tensor's rows, each quantised on its own as a
+rank quantises its shard. tests/distributed_cases.py (run_dcp_reshard) does it through
+torch.distributed.checkpoint with FSDP2 and HSDP meshes.
+"""
+import pytest
+import torch
+
+from effmem import FusedAdam
+from effmem.optim import _adam8, _validate
+
+SHAPES = [(17, 33), (5, 512), (9,), (3, 300), (6, 257), (2, 3, 100), (1, 1), (4, 0)]
+
+
+def splits(rows, n):
+    """torch.chunk's split of `rows` rows into n shards (some empty), as FSDP2 shards dimension 0."""
+    size = -(-rows // n)
+    return [(min(rows, i * size), min(rows, (i + 1) * size)) for i in range(n)]
+
+
+def saved_by(shards, m, v, step=3.0):
+    """Each shard of the moments quantised on its own, its scales by rows, concatenated as a checkpoint of the
+    whole holds them; and each shard's moments as the 8-bit state decodes them."""
+    row = int(m.shape[1:].numel())
+    parts, floats = [], []
+    for a, b in shards:
+        st = _adam8.to_8bit({"exp_avg": m[a:b], "exp_avg_sq": v[a:b]}, m[a:b], step, salt=5)
+        parts.append({"exp_avg_codes": st["exp_avg"], "exp_avg_sq_codes": st["exp_avg_sq"],
+                      "exp_avg_scale": _adam8.rows_out(st["exp_avg_scale"], b - a, row),
+                      "exp_avg_sq_scale": _adam8.rows_out(st["exp_avg_sq_scale"], b - a, row),
+                      "blocks": (st["exp_avg_scale"], st["exp_avg_sq_scale"])})
+        floats.append(_adam8.to_float(st, m[a:b]))
+    whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "blocks"}
+    decoded = {k: torch.cat([f[k] for f in floats]) for k in ("exp_avg", "exp_avg_sq")}
+    return whole, decoded, [p["blocks"] for p in parts]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("saved_on,loaded_on", [(1, 2), (2, 1), (2, 3), (3, 2), (2, 2), (3, 3)])
+def test_scales_by_rows_load_on_any_split_of_the_rows(shape, saved_on, loaded_on):
+    torch.manual_seed(0)
+    m = torch.randn(shape) * torch.rand(shape) ** 4
+    v = torch.rand(shape) ** 6
+    whole, decoded, blocks = saved_by(splits(shape[0], saved_on), m, v)
+    row = int(m.shape[1:].numel())
+    for j, (a, b) in enumerate(splits(shape[0], loaded_on)):
+        entry = {k: t[a:b] for k, t in whole.items()}
+        entry["step"] = torch.tensor(3.0)
+        out, step, _ = _validate.entry(entry, torch.empty(shape)[a:b], "state[0]")
+        same_blocks = all((r - a) * row % 256 == (r - a0) * row % 256 for r in range(a, b)
+                          for a0, b0 in splits(shape[0], saved_on) if a0 <= r < b0)
+        assert ("exp_avg_scale" in out) == same_blocks, (a, b)
+        if same_blocks and saved_on == loaded_on:   # the same shards: codes and scales as saved, bit for bit
+            assert torch.equal(out["exp_avg_scale"], blocks[j][0]) and torch.equal(out["exp_avg_sq_scale"],
+                                                                                   blocks[j][1])
+            assert torch.equal(out["exp_avg"], whole["exp_avg_codes"][a:b])
+        got = _adam8.to_float(out, m[a:b]) if same_blocks else out
+        for k in ("exp_avg", "exp_avg_sq"):   # either way, the moments the saving shards held
+            assert got[k].dtype == torch.float32 and torch.equal(got[k], decoded[k][a:b]), (k, a, b)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_an_optimizer_loads_scales_by_rows_of_other_shards(bits):
+    """Through load_state_dict: saved on 3 shards, loaded whole. A float32 optimizer holds the decoded moments
+    bit for bit; an 8-bit one those moments encoded at the saved step, as a float32 checkpoint loads; both
+    then step."""
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(17, 33))
+    m, v = torch.randn(17, 33) * 1e-2, torch.rand(17, 33) * 1e-4
+    whole, decoded, _ = saved_by(splits(17, 3), m, v)
+    sd = {"state": {0: dict(whole, step=torch.tensor(3.0))}, "param_groups": [dict(FusedAdam([p]).param_groups[0],
+                                                                                     params=[0])]}
+    opt = FusedAdam([p], state_bits=bits)
+    opt.load_state_dict(sd)
+    state = opt.state[p]
+    if bits == 32:
+        assert torch.equal(state["exp_avg"], decoded["exp_avg"]) and torch.equal(state["exp_avg_sq"],
+                                                                                 decoded["exp_avg_sq"])
+    else:
+        want = _adam8.to_8bit(dict(decoded), p, 3.0, salt=0)
+        assert torch.equal(state["exp_avg_codes"], want["exp_avg"])
+        assert torch.equal(state["exp_avg_sq_scale"], want["exp_avg_sq_scale"])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert float(opt.state[p]["step"]) == 4.0
+
+
+@pytest.mark.parametrize("bad,why", [
+    (lambda s: s[:, :1], "width"), (lambda s: s.long(), "dtype"),
+    (lambda s: torch.cat([s[:, :1] + 0.5, s[:, 1:]], 1), "fractional offset"),
+    (lambda s: torch.cat([s[:, :1] + 256, s[:, 1:]], 1), "offset past its block"),
+    (lambda s: s[:3], "rows")])
+def test_bad_scales_by_rows_name_themselves(bad, why):
+    whole, _, _ = saved_by(splits(5, 2), torch.randn(5, 512), torch.rand(5, 512))
+    entry = dict(whole, step=torch.tensor(3.0))
+    entry["exp_avg_sq_scale"] = bad(entry["exp_avg_sq_scale"])
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg_sq_scale'\]: expected block scales by rows, float, "
+                                         r"of shape \(5, 3\)"):
+        _validate.entry(entry, torch.empty(5, 512), "state[0]")
