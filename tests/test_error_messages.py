@@ -41,7 +41,8 @@ def call_adam(device, **overrides):
     ("beta1", 1.5, r"beta1 must be in \[0, 1\), got 1\.5$"),
     ("beta2", -0.25, r"beta2 must be in \[0, 1\), got -0\.25$"),
     ("eps", 0.0, r"eps must be > 0, got 0$"),
-    ("weight_decay", -3e-05, r"weight_decay must be >= 0, got -3e-05$"),
+    ("weight_decay", -3e-05, r"weight_decay must be a finite number >= 0, got -3e-05$"),
+    ("weight_decay", float("inf"), r"weight_decay must be a finite number >= 0, got inf$"),
 ])
 def test_adam_messages_hold_the_value(device, arg, value, expected):
     with pytest.raises(ValueError) as err:

@@ -211,6 +211,22 @@ def test_the_ops_fake_kernels_refuse_what_the_kernels_refuse():
     assert OPS.linear_ce_forward(meta(hidden), meta(weight), meta(bias), meta(target), -100, 0., 0., 0)[0].shape == (7,)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])   # meta: the fake kernels, which torch.compile traces
+def test_the_ops_refuse_bad_options_by_name(device):
+    """A negative vocab_chunk was taken for 0 (automatic) by the kernels; the fake kernels checked no option."""
+    hidden, weight, target, bias = (t.detach().to(device) for t in problem(n=7, h=16, v=50))
+    ones, lse = torch.ones(7, device=device), torch.zeros(7, device=device)
+    for options, message in (((0., 0., -5), r"vocab_chunk must be >= 0 \(0: automatic\), got -5"),
+                             ((1.5, 0., 0), r"label_smoothing must be in \[0, 1\], got 1.5"),
+                             ((0., float("inf"), 0), r"softcap must be a finite number >= 0 \(0: none\), got inf")):
+        with pytest.raises(ValueError, match=message):
+            OPS.linear_ce_forward(hidden, weight, bias, target, -100, *options)
+        with pytest.raises(ValueError, match=message):
+            OPS.linear_ce_backward(ones, hidden, weight, bias, target, lse, -100, *options, [True] * 3)
+        with pytest.raises(ValueError, match=message.replace("vocab_chunk", "token_chunk")):
+            OPS.linear_ce_forward_backward(hidden, weight, bias, target, ones, -100, *options, [True] * 3)
+
+
 def test_the_default_makes_gradients_in_forward_where_that_costs_no_memory(monkeypatch):
     """None chooses linear_ce_forward_backward for a float32 weight (its gradient is summed in its own
     memory) and the recompute path for a trained bf16 weight, for reduction "none" and without grad."""

@@ -156,7 +156,9 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "beta2 must be in [0, 1), got ", beta2);
   TORCH_CHECK_VALUE(eps > 0.0, "eps must be > 0, got ", eps);
-  TORCH_CHECK_VALUE(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
+  // an infinite decay times a weight of 0 is NaN, any other weight -inf/+inf: no step the caller could want
+  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
+                    "weight_decay must be a finite number >= 0, got ", weight_decay);
   if (n == 0) return;
   const at::Device device = params[0].device();
   check_scalar_tensor(lr_tensor, "lr_tensor", device);

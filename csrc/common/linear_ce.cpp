@@ -44,6 +44,7 @@ constexpr int64_t kRowBlock = 4096;                   // tokens per product into
 // well below that), but no more than kChunkBytes of float32 logits: past 256k
 // tokens that is fewer than 128 columns, and the cap wins over the products' speed.
 int64_t chunk_size(int64_t tokens, int64_t vocab, int64_t requested) {
+  TORCH_CHECK_VALUE(requested >= 0, "vocab_chunk must be >= 0 (0: automatic), got ", requested);
   if (requested > 0) return std::min(requested, vocab);
   const int64_t fit = kChunkBytes / (4 * std::max<int64_t>(tokens, 1));
   const int64_t share = std::max<int64_t>(256, vocab / 64 / 128 * 128);

@@ -24,8 +24,9 @@ _lib = torch.ops.effmem
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _fake_checks(op: str, hidden, weight, bias, target, **per_token) -> None:
-    """The kernels' checks of shapes and devices (csrc/common/linear_ce.cpp check_args) for the fake kernels,
+def _fake_checks(op: str, options, hidden, weight, bias, target, **per_token) -> None:
+    """The kernels' checks of shapes, devices and options (csrc/common/linear_ce.cpp check_args; options:
+    label_smoothing, softcap and (the chunk argument's name, its value)) for the fake kernels,
     which run for meta tensors, also when real ones come with them (the dispatcher picks Meta for the whole
     call): refused as there, not answered with a tensor of garbage."""
     from effmem.ops import _one_device
@@ -35,6 +36,13 @@ def _fake_checks(op: str, hidden, weight, bias, target, **per_token) -> None:
         raise ValueError(f"effmem::{op}: expected hidden [N, H] and weight [V, H], got shapes "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
     n = hidden.shape[0]
+    label_smoothing, softcap, (chunk_name, chunk) = options
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"effmem::{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"effmem::{op}: softcap must be a finite number >= 0 (0: none), got {softcap}")
+    if chunk < 0:
+        raise ValueError(f"effmem::{op}: {chunk_name} must be >= 0 (0: automatic), got {chunk}")
     for name, t, want in (("target", target, (n,)), ("bias", bias, (weight.shape[0],)),
                           *((name, t, (n,)) for name, t in per_token.items())):
         if t is not None and tuple(t.shape) != want:
@@ -43,7 +51,8 @@ def _fake_checks(op: str, hidden, weight, bias, target, **per_token) -> None:
 
 @torch.library.register_fake("effmem::linear_ce_forward")
 def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, vocab_chunk):
-    _fake_checks("linear_ce_forward", hidden, weight, bias, target)
+    _fake_checks("linear_ce_forward", (label_smoothing, softcap, ("vocab_chunk", vocab_chunk)), hidden, weight,
+                 bias, target)
     n = hidden.shape[0]
     return hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32)
 
@@ -51,7 +60,8 @@ def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing, s
 @torch.library.register_fake("effmem::linear_ce_backward")
 def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, softcap,
                    vocab_chunk, output_mask):
-    _fake_checks("linear_ce_backward", hidden, weight, bias, target, grad_loss=grad_loss, lse=lse)
+    _fake_checks("linear_ce_backward", (label_smoothing, softcap, ("vocab_chunk", vocab_chunk)), hidden, weight,
+                 bias, target, grad_loss=grad_loss, lse=lse)
     # the kernels write both gradients row-major whatever the inputs' strides (a transposed hidden too)
     row_major = torch.contiguous_format
     grad_h = torch.empty_like(hidden, memory_format=row_major) if output_mask[0] else hidden.new_empty((0,))
@@ -63,7 +73,8 @@ def _backward_fake(grad_loss, hidden, weight, bias, target, lse, ignore_index, l
 @torch.library.register_fake("effmem::linear_ce_forward_backward")
 def _forward_backward_fake(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, softcap,
                            token_chunk, output_mask):
-    _fake_checks("linear_ce_forward_backward", hidden, weight, bias, target, grad_scale=grad_scale)
+    _fake_checks("linear_ce_forward_backward", (label_smoothing, softcap, ("token_chunk", token_chunk)), hidden,
+                 weight, bias, target, grad_scale=grad_scale)
     loss = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     return (loss, *_backward_fake(None, hidden, weight, bias, target, None, ignore_index, label_smoothing, softcap,
                                   token_chunk, output_mask))
