@@ -47,6 +47,16 @@ void adam8_step_fallback(at::TensorList params, at::TensorList grads, at::Tensor
   no_kernel("adam8_step_", params[0]);
 }
 
+// The checkpoint conversions run on the CPU (python/effmem/optim/_adam8.py converts elsewhere in torch ops).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adam8_encode_fallback(const at::Tensor& m,
+                                                                                 const at::Tensor&, double, int64_t) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "effmem::adam8_encode has a CPU kernel only, got ", describe(m));
+}
+
+at::Tensor adam8_decode_fallback(const at::Tensor& codes, const at::Tensor&, bool) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "effmem::adam8_decode has a CPU kernel only, got ", describe(codes));
+}
+
 at::Tensor l2norm_fallback(at::TensorList tensors) {
   check_norm_args(tensors);
   if (tensors.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat));
@@ -104,6 +114,8 @@ at::Tensor rms_norm_apply_fallback(const at::Tensor& x, const at::Tensor& rstd, 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step_fallback);
   m.impl("adam8_step_", &adam8_step_fallback);
+  m.impl("adam8_encode", &adam8_encode_fallback);
+  m.impl("adam8_decode", &adam8_decode_fallback);
   m.impl("l2norm", &l2norm_fallback);
   m.impl("quantize", &quantize_fallback);
   m.impl("dequantize", &dequantize_fallback);

@@ -32,6 +32,13 @@ TORCH_LIBRARY(effmem, m) {
       "int[] salts, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
       "bool bias_correction, Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
       "Tensor(g!)? status=None) -> ()");
+  // A checkpoint's moments to 8-bit ones and back, as adam8_step_ encodes and
+  // decodes them (CPU only; python/effmem/optim/_adam8.py does the same in
+  // torch ops elsewhere): m and v, float32 [n], into (m codes, v codes, m
+  // scales, v scales), rounded with the seeds of `step` and `salt`; and one
+  // moment's codes and scales (second: v's) into float32 [n].
+  m.def("adam8_encode(Tensor m, Tensor v, float step, int salt) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("adam8_decode(Tensor codes, Tensor scales, bool second) -> Tensor");
   // Global L2 norm of a list of floating tensors on one device, as a float32
   // scalar on that device (sums of squares accumulated in float per block and
   // in double across blocks).

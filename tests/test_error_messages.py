@@ -90,6 +90,14 @@ def test_dequantize_messages_hold_the_sizes(device):
         OPS.dequantize(codes, stats.transpose(0, 1).contiguous().transpose(0, 1), 8, 128, 256, torch.float32)
 
 
+def test_adam8_conversion_messages_hold_the_sizes():
+    m = torch.zeros(300)
+    with pytest.raises(ValueError, match=r"v must be a contiguous 1-D Float CPU tensor of 300 elements, got "):
+        OPS.adam8_encode(m, torch.zeros(299), 2.0, 0)
+    with pytest.raises(ValueError, match=r"step must be a whole number in \[0, 2\^63\) .*, got 2.5$"):
+        OPS.adam8_encode(m, m, 2.5, 0)
+
+
 def test_offload_engine_messages_hold_the_value():
     p = torch.zeros(8)
     with pytest.raises(ValueError, match=r"num_threads must be >= 1, got -2$"):

@@ -46,6 +46,10 @@ struct Adam8Span {
 };
 
 using Adam8Fn = void (*)(const Adam8Span& span, int64_t n, const AdamCoeffs& c);
+// A checkpoint's float32 moments (m, v) into 8-bit ones (the span's codes, scales, first and seeds as for
+// Adam8Fn; its param, grad and master unused), and one moment's codes back (second: v's).
+using Adam8EncodeFn = void (*)(const float* m, const float* v, const Adam8Span& span, int64_t n);
+using Adam8DecodeFn = void (*)(const uint8_t* codes, const float* scales, int64_t n, bool second, float* out);
 using SumSqFn = double (*)(const void* x, int64_t n);
 // dst[i] = dst[i] + src[i], rounded once to dst's format: what torch's
 // `grad += new_grad` computes for bf16/fp16 grads (used by the offload
@@ -87,6 +91,8 @@ struct KernelTable {
   const char* name;
   AdamFn adam[kNumDTypes][kNumDTypes];  // [param dtype][grad dtype]
   Adam8Fn adam8[kNumDTypes][kNumDTypes];
+  Adam8EncodeFn adam8_encode;
+  Adam8DecodeFn adam8_decode;
   SumSqFn sumsq[kNumDTypes];
   AddFn add[kNumDTypes];
   QuantFn quantize[kNumDTypes][2];      // [dtype][0: 4 bits, 1: 8 bits]

@@ -113,6 +113,19 @@ def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_a
                lr_tensor, inv_scale, found_inf, status)
 
 
+@torch.library.register_fake("effmem::adam8_encode")
+def _adam8_encode_fake(m, v, step, salt):
+    n = m.numel()
+    blocks = -(-n // 256)
+    return (m.new_empty((n,), dtype=torch.uint8), m.new_empty((n,), dtype=torch.uint8),
+            m.new_empty((blocks,), dtype=torch.float32), m.new_empty((blocks,), dtype=torch.float32))
+
+
+@torch.library.register_fake("effmem::adam8_decode")
+def _adam8_decode_fake(codes, scales, second):
+    return scales.new_empty((codes.numel(),), dtype=torch.float32)
+
+
 @torch.library.register_fake("effmem::l2norm")
 def _l2norm_fake(tensors: List[Tensor]) -> Tensor:
     _one_device("l2norm", [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])

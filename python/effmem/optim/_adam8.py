@@ -28,8 +28,9 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
     shard, and go out as a DTensor: a plain tensor there is taken for replicated by
     torch.distributed.checkpoint, which then saved rank 0's scales for every rank. A parameter sharded
     along its rows only (FSDP2's and HSDP's Shard(0)) gives its scales by rows (rows_out), a DTensor of
-    the parameter's rows on any mesh, so the checkpoint loads on another mesh or without FSDP2 (_validate
-    decodes the moments there, whose blocks moved, as a float32 checkpoint's). Any other (tensor
+    the parameter's rows on any mesh, so the checkpoint loads on another mesh (through
+    torch.distributed.checkpoint), or whole (full_state_dict) without FSDP2; _validate decodes the moments
+    there, where the blocks moved, as a float32 checkpoint's. Any other (tensor
     parallelism's strided shards): each rank's scales padded with zeros to a block count every rank
     computes alike and no shard exceeds, tied to the mesh it was saved on. Both restored by
     _validate.entry."""
@@ -225,28 +226,55 @@ def to_float(state: Dict[str, Tensor], like: Tensor) -> Dict[str, Tensor]:
     return dict(out, **{key: _laid_like(out[key], like) for key in SCALE_KEYS})
 
 
-def decoded(state: Dict[str, Tensor], per_element: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
-    """An 8-bit state (codes under torch's names) as float32 moments laid out as its codes. per_element: a
-    moment's scale per code in row-major order (rows_in), where its block scales are not along the codes'
-    memory; else (absent or None) its block scales are."""
+def decoded(state: Dict[str, Tensor], by_rows: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
+    """An 8-bit state (codes under torch's names) as float32 moments laid out as its codes. by_rows: a
+    moment's scales by rows (rows_out's, checked), where its block scales are not along the codes' memory;
+    else (absent or None) its block scales are."""
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
     for key, scale in SCALE_KEYS.items():
-        codes, second, s = state[key], key == "exp_avg_sq", per_element.get(key)
-        if s is None:
-            out[key] = from_memory_order(decode(memory_order(codes), state[scale].float(), second), codes)
+        codes, second, rows = state[key], key == "exp_avg_sq", by_rows.get(key)
+        if rows is None:
+            out[key] = from_memory_order(_decode(memory_order(codes), state[scale].float(), second), codes)
         else:
-            out[key] = decode(codes.reshape(-1), s.to(codes.device), second, per_element=True).view(codes.shape)
+            out[key] = _decode_rows(codes, rows.to(codes.device), second)
+    return out
+
+
+def _decode(codes: Tensor, scales: Tensor, second: bool) -> Tensor:
+    """decode, by the CPU kernel (effmem::adam8_decode) where the tensors are on the CPU."""
+    if codes.device.type == "cpu" and scales.device.type == "cpu":
+        return torch.ops.effmem.adam8_decode(codes.contiguous(), scales.contiguous(), second)
+    return decode(codes, scales, second)
+
+
+def _decode_rows(codes: Tensor, rows: Tensor, second: bool) -> Tensor:
+    """Codes with rows_out's scales as float32 moments in row-major order, shaped as the codes, about a
+    million elements at a time: each element's scale is looked up, which takes about 40 bytes of it at once."""
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    flat, row = codes.reshape(-1), int(codes.shape[1:].numel())
+    step = max(1, (1 << 20) // max(row, 1))
+    for r0 in range(0, rows.shape[0], step):
+        part = rows[r0:r0 + step]
+        span = slice(r0 * row, (r0 + part.shape[0]) * row)
+        out.view(-1)[span] = decode(flat[span], rows_per_element(part, row), second, per_element=True)
     return out
 
 
 def to_8bit(state: Dict[str, Tensor], like: Tensor, step: float, salt: int) -> Dict[str, Tensor]:
     """Float moments as an 8-bit state (the encoding of a step, stochastically rounded as the kernels do),
-    its blocks along like's memory."""
+    its blocks along like's memory. On the CPU by the kernel (effmem::adam8_encode): encode in torch ops
+    takes about 1.3M elements a second there."""
     out = dict(state)
     m = memory_order(_laid_like(state["exp_avg"], like))
-    r = memory_order(_laid_like(state["exp_avg_sq"], like)).double().sqrt().float()
-    for key, x, second in (("exp_avg", m, False), ("exp_avg_sq", r, True)):
-        codes, scales = encode(x, seed(step, salt, second), second)
+    v = memory_order(_laid_like(state["exp_avg_sq"], like))
+    if m.device.type == "cpu":
+        m_codes, v_codes, m_scales, v_scales = torch.ops.effmem.adam8_encode(m.contiguous(), v.contiguous(),
+                                                                             float(step), salt)
+        encoded = {"exp_avg": (m_codes, m_scales), "exp_avg_sq": (v_codes, v_scales)}
+    else:
+        encoded = {"exp_avg": encode(m, seed(step, salt, False), False),
+                   "exp_avg_sq": encode(v.double().sqrt().float(), seed(step, salt, True), True)}
+    for key, (codes, scales) in encoded.items():
         out[key] = from_memory_order(codes, like)
         out[SCALE_KEYS[key]] = scales
     return out

@@ -202,8 +202,8 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
 def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tensor) -> Optional[Tensor]:
     """saved[key], block scales, checked and made this rank's (saved: the caller's copy; p and codes: this
     rank's). Scales by rows (_adam8.rows_out: FSDP2's) become p's block scales where their blocks are p's
-    (saved on the same shards) and the codes lie in row-major order; otherwise the scale of each code, in
-    row-major order, is returned for the caller to decode the moments with."""
+    (saved on the same shards) and the codes lie in row-major order; otherwise they are returned (this
+    rank's rows), for the caller to decode the moments with."""
     from effmem.optim import _adam8
     if isinstance(saved.get(key), Tensor) and saved[key].dim() == 2:
         t, row = local_tensor(saved[key]), int(p.shape[1:].numel())
@@ -216,7 +216,7 @@ def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tenso
                              f"it overlaps), got a {t.dtype} tensor of shape {tuple(t.shape)}")
         own = _adam8.rows_in(t, row)
         if own is None or not codes.is_contiguous():
-            return _adam8.rows_per_element(t, row)
+            return t
         saved[key] = own
         return None
     t = saved[key] = _adam8.local_scales(saved.get(key), p.numel())
@@ -242,16 +242,17 @@ def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, boo
     # a copy (scales and masters are taken out or narrowed below: not in the caller's), its 8-bit codes
     # under torch's names
     saved = _adam8.checkpoint_in(saved, where)
-    per_element = {}
+    by_rows = {}
     for key in ("exp_avg", "exp_avg_sq"):
         shown = _adam8.CODE_KEYS[key] if _adam8.CODE_KEYS[key] in original else key
         _state_tensor(saved, key, where, shape, True, codes=eight, sharded=sharded, shown=shown)
         if eight:   # the blocks of this rank's shard (FSDP2)
-            per_element[key] = _scales(saved, key + "_scale", where, local_tensor(p), saved[key])
-    if any(s is not None for s in per_element.values()):
-        # saved by rows on other shards (FSDP2 on another mesh, or without FSDP2): the blocks are not p's, so the
-        # moments load decoded, as a float32 checkpoint's do (an 8-bit optimizer encodes them anew)
-        saved = _adam8.decoded(saved, per_element)
+            by_rows[key] = _scales(saved, key + "_scale", where, local_tensor(p), saved[key])
+    if any(s is not None for s in by_rows.values()):
+        # saved by rows on other shards (FSDP2 on another mesh; a whole-tensor checkpoint of FSDP2's loaded
+        # without it): the blocks are not p's, so the moments load decoded, as a float32 checkpoint's do (an
+        # 8-bit optimizer encodes them anew)
+        saved = _adam8.decoded(saved, by_rows)
     _state_tensor(saved, "master", where, shape, False, sharded=sharded)
     if "master" in saved and saved["master"].dtype != torch.float32:
         # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype, and do not update
