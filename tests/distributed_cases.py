@@ -67,40 +67,47 @@ def run_fsdp2_load(rank):
 
 def run_dcp_reshard(rank):
     """8-bit state saved by torch.distributed.checkpoint on one mesh loads on another: FSDP2 over both ranks
-    (each holds about half the rows) to HSDP over a (2, 1) mesh (each holds every row) and back. Each moment
-    loads as the moments the saving ranks held, decoded and encoded anew at the saved step, as a float32
-    checkpoint loads; where a parameter's blocks did not move (rows of a multiple of 256, or one rank's shard
-    that starts the tensor) its codes and scales load as saved. Before, each rank's block scales went out
-    padded, tied to the mesh: torch's loader refused the other mesh's shapes. seq_len 17: uneven shards."""
+    (each holds about half the rows) to HSDP over a (2, 1) mesh (each holds every row), to the model without
+    FSDP2, and back. Each moment loads as the moments the saving ranks held, decoded and encoded anew at the
+    saved step, as a float32 checkpoint loads; where a parameter's blocks did not move (rows of a multiple of
+    256, or one rank's shard that starts the tensor) its codes and scales load as saved. Before, each rank's
+    block scales went out padded, tied to the mesh, and an unsharded model's as they were: torch's loader
+    refused the other's shapes. seq_len 17: uneven shards."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.tensor import DTensor, distribute_tensor
     from effmem.optim import _adam8
 
-    def whole_moments(model, opt):   # each rank's moments decoded, gathered into whole tensors
-        out = []
-        for p in model.parameters():
-            state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in opt.state[p].items()}
-            f = _adam8.to_float(state, p.to_local())
-            out.append({k: DTensor.from_local(f[k], p.device_mesh, p.placements, shape=p.shape,
-                                              stride=p.stride()).full_tensor() for k in ("exp_avg", "exp_avg_sq")})
-        return out
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def whole(t, p):   # a state tensor of this rank's part of p, gathered whole
+        return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor() \
+            if isinstance(p, DTensor) else t
+
+    def part(t, p):   # this rank's part of a whole tensor, as p's
+        return distribute_tensor(t, p.device_mesh, p.placements).to_local() if isinstance(p, DTensor) else t
+
+    def train(model, opt, steps, sharded):   # unsharded, both ranks take rank 0's batches: the same replicas
+        for step in steps:
+            model(*batch(rank if sharded else 0, step))[1].backward()
+            opt.step()
+            opt.zero_grad()
 
     where = os.path.join(os.path.dirname(sys.argv[4]), "dcp_reshard")
     kept = moved = 0
     for k, (cls, saved_on, loaded_on) in enumerate([(c, a, b) for c in (FusedAdam, OffloadAdam)
-                                                    for a, b in (((2,), (2, 1)), ((2, 1), (2,)))]):
+                                                    for a, b in (((2,), (2, 1)), ((2, 1), (2,)), ((2,), ()),
+                                                                 ((), (2,)))]):
         model = _fsdp2_gpt(torch.bfloat16, seq_len=17, mesh_shape=saved_on)
         opt = cls(model.parameters(), lr=LR, state_bits=8)
-        for step in range(2):
-            model(*batch(rank, step))[1].backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, range(2), bool(saved_on))
         path = os.path.join(where, str(k))
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=path)
-        expected = whole_moments(model, opt)
+        expected = [{n: whole(f[n], p) for n in ("exp_avg", "exp_avg_sq")} for p in model.parameters()
+                    for f in [_adam8.to_float({n: local(v) for n, v in opt.state[p].items()}, local(p))]]
         fresh = _fsdp2_gpt(torch.bfloat16, seed=1, seq_len=17, mesh_shape=loaded_on)
         fresh_opt = cls(fresh.parameters(), lr=LR, state_bits=8)
         sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
@@ -108,19 +115,18 @@ def run_dcp_reshard(rank):
         set_model_state_dict(fresh, sd["model"])
         set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
         for i, (p, q, want) in enumerate(zip(model.parameters(), fresh.parameters(), expected)):
-            assert torch.equal(p.full_tensor(), q.full_tensor()), (k, i)
-            got = {n: v.to_local() if isinstance(v, DTensor) else v for n, v in fresh_opt.state[q].items()}
-            mine = {n: distribute_tensor(w, q.device_mesh, q.placements).to_local() for n, w in want.items()}
-            decoded = _adam8.to_float(got, q.to_local())
+            assert torch.equal(whole(local(p), p), whole(local(q), q)), (k, i)
+            got = {n: local(v) for n, v in fresh_opt.state[q].items()}
+            mine = {n: part(w, q) for n, w in want.items()}
+            decoded = _adam8.to_float(got, local(q))
             if all(torch.equal(decoded[n], mine[n]) for n in mine):
                 kept += 1   # the blocks did not move: as saved
                 continue
             moved += 1
-            anew = _adam8.to_8bit(mine, q.to_local(), 2, i)   # at the saved step, with q's salt (its place)
+            anew = _adam8.to_8bit(mine, local(q), 2, i)   # at the saved step, with q's salt (its place)
             for n, v in anew.items():
                 assert torch.equal(got[_adam8.CODE_KEYS.get(n, n)], v), (k, i, n)
-        fresh(*batch(rank, 2))[1].backward()   # and it trains on
-        fresh_opt.step()
+        train(fresh, fresh_opt, [2], bool(loaded_on))   # and it trains on
         for o in (opt, fresh_opt):
             if isinstance(o, OffloadAdam):
                 o.close()

@@ -187,16 +187,19 @@ def run_fsdp2_async(rank):
 
 
 def _fsdp2_gpt(dtype=torch.float32, seed=0, seq_len=16, mesh_shape=None):
+    """tiny_gpt under FSDP2 on a mesh of mesh_shape (default: every rank; 2-D: HSDP; (): unsharded)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    shape = mesh_shape or (dist.get_world_size(),)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])   # 2-D: HSDP
     model = tiny_gpt(dtype, seq_len)
     if seed:
         torch.manual_seed(seed)
         for p in model.parameters():
             p.data.normal_(0, 0.02)
+    shape = (dist.get_world_size(),) if mesh_shape is None else mesh_shape
+    if not shape:   # (): the model unsharded
+        return model
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])   # 2-D: HSDP
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -234,7 +234,12 @@ def test_bad_arguments_and_checkpoints_name_themselves():
     m(torch.randn(2, 64)).sum().backward()
     opt.step()
     sd = opt.state_dict()
-    sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"][:-1]
+    sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"][:-1]   # by rows: one row short
+    with pytest.raises(ValueError, match=r"\['exp_avg_scale'\]: expected block scales by rows, float, of shape "
+                                         r"\(256, 3\)"):
+        effmem.FusedAdam(m.parameters(), state_bits=8).load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_scale"] = opt.state[next(m.parameters())]["exp_avg_scale"][:-1]   # as the kernel has them
     with pytest.raises(ValueError, match=r"\['exp_avg_scale'\]: expected 64 float block scales"):
         effmem.FusedAdam(m.parameters(), state_bits=8).load_state_dict(sd)
     sd = opt.state_dict()

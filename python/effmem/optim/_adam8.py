@@ -2,8 +2,8 @@
 
 The format is csrc/common/adam8_math.h's: per parameter, ``exp_avg`` and ``exp_avg_sq`` are uint8 codes
 laid out as the parameter, and ``exp_avg_scale`` / ``exp_avg_sq_scale`` float32 block scales, one per 256
-elements in the parameter's memory order (max |m| and max sqrt(v) of the block); an FSDP2 checkpoint holds
-a shard's scales by rows (rows_out), which load on another mesh (rows_in). The kernels update them in
+elements in the parameter's memory order (max |m| and max sqrt(v) of the block); a checkpoint holds them
+by rows (rows_out), which any split of the rows takes apart again (rows_in). The kernels update them in
 place; the functions here are the same formulas in torch ops, for checkpoints (a float32-moment checkpoint
 loads into an 8-bit optimizer and back) and for the tests' reference.
 """
@@ -24,28 +24,29 @@ def blocks(numel: int) -> int:
 
 
 def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
-    """A parameter's block scales as a checkpoint holds them. Under FSDP2 the scales are those of this rank's
-    shard, and go out as a DTensor: a plain tensor there is taken for replicated by
-    torch.distributed.checkpoint, which then saved rank 0's scales for every rank. A parameter sharded
-    along its rows only (FSDP2's and HSDP's Shard(0)) gives its scales by rows (rows_out), a DTensor of
-    the parameter's rows on any mesh, so the checkpoint loads on another mesh (through
-    torch.distributed.checkpoint), or whole (full_state_dict) without FSDP2; _validate decodes the moments
-    there, where the blocks moved, as a float32 checkpoint's. Any other (tensor
-    parallelism's strided shards): each rank's scales padded with zeros to a block count every rank
-    computes alike and no shard exceeds, tied to the mesh it was saved on. Both restored by
-    _validate.entry."""
+    """A parameter's block scales as a checkpoint holds them: by rows (rows_out) where the parameter (under
+    FSDP2 this rank's shard) lies dense in row-major order and FSDP2 shards it along its rows only (Shard(0),
+    HSDP's too), which any split of the rows takes apart again: such a checkpoint loads on another mesh or
+    without FSDP2, and one made without FSDP2 loads under it (through torch.distributed.checkpoint too; a
+    shard whose blocks moved gets its moments decoded, as a float32 checkpoint's: _validate.entry). Under
+    FSDP2 they go out as a DTensor of the parameter's rows: a plain tensor there is taken for replicated by
+    torch.distributed.checkpoint, which then saved rank 0's scales for every rank. Otherwise (a
+    channels_last parameter, tensor parallelism's strided shards) as the kernels keep them, under FSDP2 each
+    rank's padded with zeros to a block count every rank computes alike and no shard exceeds (a DTensor
+    tied to the mesh it was saved on)."""
     from effmem.optim._offload_distributed import shard_dims
-    from effmem.optim._validate import is_dtensor
+    from effmem.optim._validate import is_dtensor, local_tensor
+    if _by_rows(p):
+        rows = rows_out(scales, local_tensor(p).shape[0], int(p.shape[1:].numel()))
+        if not is_dtensor(p):
+            return rows
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False,
+                                  shape=torch.Size([p.shape[0], rows.shape[1]]), stride=(rows.shape[1], 1))
     if not is_dtensor(p):
         return scales
     from torch.distributed.tensor import DTensor, Replicate, Shard
     mesh, shape, sharded = p.device_mesh, list(p.shape), shard_dims(p)
-    local = p.to_local()
-    if p.dim() >= 1 and local.is_contiguous() and all(
-            type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in p.placements):
-        rows = rows_out(scales, local.shape[0], int(torch.Size(shape[1:]).numel()))
-        return DTensor.from_local(rows, mesh, p.placements, run_check=False,
-                                  shape=torch.Size([shape[0], rows.shape[1]]), stride=(rows.shape[1], 1))
     for d in sharded:
         placement = p.placements[d]
         # a shard's length along its dimension: at most torch.chunk's first chunk; a strided shard (FSDP2
@@ -57,6 +58,16 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
     ranks = int(torch.Size([mesh.size(d) for d in sharded]).numel())
     return DTensor.from_local(padded, mesh, [Shard(0) if d in sharded else Replicate() for d in range(mesh.ndim)],
                               run_check=False, shape=torch.Size([width * ranks]), stride=(1,))
+
+
+def _by_rows(p: Tensor) -> bool:
+    """Whether p's block scales go into checkpoints by rows (scales_for_checkpoint)."""
+    from effmem.optim._validate import is_dtensor
+    if p.dim() == 0 or not is_dtensor(p):
+        return p.dim() > 0 and p.is_contiguous()
+    from torch.distributed.tensor import Replicate, Shard
+    return p.to_local().is_contiguous() and all(
+        type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in p.placements)
 
 
 def row_width(row: int) -> int:
@@ -111,15 +122,13 @@ MOMENT_KEYS = {32: tuple(CODE_KEYS), 8: tuple(CODE_KEYS.values())}
 
 
 def checkpoint_out(sd: Dict, params) -> Dict:
-    """An optimizer's state_dict() with its 8-bit codes under CODE_KEYS and each FSDP2 parameter's block
-    scales as scales_for_checkpoint makes them (params: the optimizer's parameters, in state_dict's
-    numbering). Each 8-bit entry a new dict: torch's state_dict() hands out opt.state's own."""
-    from effmem.optim._validate import is_dtensor
+    """An optimizer's state_dict() with its 8-bit codes under CODE_KEYS and its block scales as
+    scales_for_checkpoint makes them (params: the optimizer's parameters, in state_dict's numbering). Each
+    8-bit entry a new dict: torch's state_dict() hands out opt.state's own."""
     for i, s in sd["state"].items():
         if is_8bit(s):
             s = {CODE_KEYS.get(k, k): v for k, v in s.items()}
-            if is_dtensor(params[i]):
-                s.update({k: scales_for_checkpoint(s[k], params[i]) for k in SCALE_KEYS.values()})
+            s.update({k: scales_for_checkpoint(s[k], params[i]) for k in SCALE_KEYS.values()})
             sd["state"][i] = s
     return sd
 
@@ -233,6 +242,8 @@ def decoded(state: Dict[str, Tensor], by_rows: Dict[str, Optional[Tensor]]) -> D
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
     for key, scale in SCALE_KEYS.items():
         codes, second, rows = state[key], key == "exp_avg_sq", by_rows.get(key)
+        if rows is None and state[scale].dim() == 2:   # a checkpoint's entry as it was saved (to_float)
+            rows = state[scale]
         if rows is None:
             out[key] = from_memory_order(_decode(memory_order(codes), state[scale].float(), second), codes)
         else:

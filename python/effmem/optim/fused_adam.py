@@ -118,9 +118,11 @@ class FusedAdam(AdamBase):
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
         m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
-        if state and (m_key not in state or (self.state_bits == 32 and _adam8.is_8bit(state))):
-            # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, or with codes
-            # under torch's names: checked and converted as load_state_dict checks and converts a checkpoint's
+        if state and (m_key not in state or (_adam8.is_8bit(state) if self.state_bits == 32
+                                             else getattr(state.get("exp_avg_scale"), "ndim", 0) != 1)):
+            # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, with codes
+            # under torch's names, or with a checkpoint's scales by rows: checked and converted as
+            # load_state_dict checks and converts a checkpoint's
             saved, step, _ = _validate.entry(state, p, "opt.state[p]")
             restored = _restore_state(saved, p, step, self.state_bits, self._salts()[id(p)])
             state.clear()
