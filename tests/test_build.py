@@ -32,6 +32,20 @@ def test_mismatched_torch_is_reported_with_both_versions(monkeypatch):
     assert "pip install --no-build-isolation -e ." in message
 
 
+@pytest.mark.parametrize("version,warns", [("2.9.1+cu128", True), ("2.4.0", True), ("2.11.0", False),
+                                           ("2.14.1+cu130", False), ("2.12.0a0+git1234", False)])
+def test_a_torch_older_than_the_tested_ones_is_warned_about(version, warns):
+    """pyproject.toml asked for torch>=2.4, but torch 2.9.1 broke OffloadAdam under FSDP2 and compiled steps; a
+    build with --no-deps against such a torch loads, and says what is known to fail."""
+    import warnings
+    from effmem._load import warn_untested_torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_untested_torch(version)
+    assert [str(w.message).startswith(f"effmem is tested with torch 2.11 and newer; torch {version}")
+            for w in caught] == ([True] if warns else [])
+
+
 def test_missing_extension_names_the_build_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "effmem._build_info", None)  # makes the import fail
     with pytest.raises(ImportError, match="pip install --no-build-isolation -e ."):

@@ -1,6 +1,7 @@
 """Load the compiled core, with clear errors when it is missing or stale."""
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -8,6 +9,19 @@ BUILD_COMMAND = "pip install --no-build-isolation -e .   (from the effmem source
 
 
 ISAS = ("scalar", "avx2", "avx512")
+# The oldest torch the whole test suite has passed on (2.11 on an H100, 2.13 and 2.14 on CPUs); pyproject.toml
+# asks for it. A build with --no-deps against an older one loads, with this warning.
+OLDEST_TESTED_TORCH = (2, 11)
+
+
+def warn_untested_torch(version: str) -> None:
+    """Warn where torch is older than OLDEST_TESTED_TORCH, naming what torch 2.9.1 was seen to break."""
+    if torch.torch_version.TorchVersion(version) < OLDEST_TESTED_TORCH:
+        warnings.warn(f"effmem is tested with torch {'.'.join(map(str, OLDEST_TESTED_TORCH))} and newer; torch "
+                      f"{version} is installed. With torch 2.9.1 OffloadAdam under FSDP2 refused parameters whose "
+                      "shards are uneven (FSDP2 re-pads them at the first forward: build the optimizer after it), "
+                      "torch.compile of FusedAdam.step and OffloadAdam.step failed, and torch.compile of an "
+                      "activation policy's model compiled each layer anew", stacklevel=3)
 
 
 def check_isa_env() -> None:
@@ -38,6 +52,7 @@ def load_extension():
             f"effmem was built for torch {build_info.TORCH_VERSION} but torch {torch.__version__} "
             f"is installed. Rebuild it against this torch with:\n    {BUILD_COMMAND}"
         )
+    warn_untested_torch(torch.__version__)
     try:
         ext = importlib.import_module("effmem._C")
     except ImportError as err:
