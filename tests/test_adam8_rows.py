@@ -127,7 +127,7 @@ def test_the_cpu_conversions_match_the_reference_bit_for_bit(n, isa):
     previous = effmem._C.cpu_isa()
     try:
         effmem._C.set_cpu_isa(isa)
-        for step, salt in ((0.0, 0), (3.0, 7), (123457.0, 2 ** 40)):
+        for step, salt in ((0.0, 0), (3.0, 7), (123457.0, 2 ** 40), (2.0 ** 24 + 1, 5)):   # (float32: 2^24)
             got = torch.ops.effmem.adam8_encode(m, v, step, salt)
             want_m = _adam8.encode(m, _adam8.seed(step, salt, False), False)
             want_v = _adam8.encode(v.double().sqrt().float(), _adam8.seed(step, salt, True), True)
@@ -157,3 +157,24 @@ def test_the_cpu_conversions_pass_opcheck_and_refuse_bad_tensors_by_name():
              r"codes must be a contiguous 1-D Byte CPU tensor of 500 elements")):
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_long_parameters_of_short_rows_keep_flat_scales():
+    """By rows, a row of fewer than 256 elements costs up to 3 scales: a flat 1-D parameter of 16M elements made
+    a 288 MiB checkpoint, more than float32 moments. Past SHORT_ROWS such rows the scales stay flat (a
+    checkpoint tied to its shards under FSDP2); norms and biases, and rows of 256 or more, go by rows."""
+    shapes = {(300,): True, (_adam8.SHORT_ROWS,): True, (_adam8.SHORT_ROWS + 1,): False,
+              (_adam8.SHORT_ROWS + 1, 8): False, (_adam8.SHORT_ROWS + 1, 256): True, (4, 3, 100): True}
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = FusedAdam(params, state_bits=8)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state_dict()["state"]
+    for i, (shape, by_rows) in enumerate(shapes.items()):
+        scales = state[i]["exp_avg_scale"]
+        assert scales.dim() == (2 if by_rows else 1), shape
+        assert scales.numel() <= 3 * shape[0] + _adam8.blocks(params[i].numel()), shape   # a row: <= 3 more
+    again = FusedAdam(params, state_bits=8)
+    again.load_state_dict(opt.state_dict())
+    assert all(torch.equal(again.state[p]["exp_avg_scale"], opt.state[p]["exp_avg_scale"]) for p in params)

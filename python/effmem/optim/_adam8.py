@@ -7,6 +7,7 @@ by rows (rows_out), which any split of the rows takes apart again (rows_in). The
 place; the functions here are the same formulas in torch ops, for checkpoints (a float32-moment checkpoint
 loads into an 8-bit optimizer and back) and for the tests' reference.
 """
+import struct
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -60,13 +61,21 @@ def scales_for_checkpoint(scales: Tensor, p: Tensor) -> Tensor:
                               run_check=False, shape=torch.Size([width * ranks]), stride=(1,))
 
 
+# Rows of fewer than BLOCK elements cost up to 3 scales a row by rows (a 1-D parameter: 8 bytes per element
+# and moment, more than its float32 moment): by rows only up to this many such rows (norms, biases).
+SHORT_ROWS = 1 << 16
+
+
 def _by_rows(p: Tensor) -> bool:
-    """Whether p's block scales go into checkpoints by rows (scales_for_checkpoint)."""
-    from effmem.optim._validate import is_dtensor
-    if p.dim() == 0 or not is_dtensor(p):
-        return p.dim() > 0 and p.is_contiguous()
+    """Whether p's block scales go into checkpoints by rows (scales_for_checkpoint): decided by p's whole
+    shape, as every rank and mesh decides it alike."""
+    from effmem.optim._validate import is_dtensor, local_tensor
+    if p.dim() == 0 or (p.shape[1:].numel() < BLOCK and p.shape[0] > SHORT_ROWS):
+        return False
+    if not is_dtensor(p):
+        return p.is_contiguous()
     from torch.distributed.tensor import Replicate, Shard
-    return p.to_local().is_contiguous() and all(
+    return local_tensor(p).is_contiguous() and all(
         type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in p.placements)
 
 
@@ -162,7 +171,9 @@ def is_8bit(state: Dict) -> bool:
 
 
 def seed(step: float, salt: int, second: bool) -> int:
-    """adam8_seed: the rounding stream of a tensor (salt: its place in the optimizer) at a step count."""
+    """adam8_seed: the rounding stream of a tensor (salt: its place in the optimizer) at a step count, taken
+    as float32 (the kernels' step tensors; 2^24 + 1 is 2^24 there)."""
+    step = struct.unpack("f", struct.pack("f", step))[0]
     s = ((int(step) << 32) ^ (salt * 0x9E3779B97F4A7C15)) & _M64
     return s ^ 0xD1B54A32D192ED03 if second else s
 
