@@ -201,7 +201,7 @@ def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: 
 
 def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tensor) -> Optional[Tensor]:
     """saved[key], block scales, checked and made this rank's (saved: the caller's copy; p and codes: this
-    rank's). Scales by rows (_adam8.rows_out: FSDP2's) become p's block scales where their blocks are p's
+    rank's). Scales by rows (_adam8.rows_out, a checkpoint's) become p's block scales where their blocks are p's
     (saved on the same shards) and the codes lie in row-major order; otherwise they are returned (this
     rank's rows), for the caller to decode the moments with."""
     from effmem.optim import _adam8
