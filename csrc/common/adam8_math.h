@@ -38,6 +38,9 @@
 namespace effmem {
 
 constexpr int kAdam8Block = 256;
+
+// The blocks (and block scales) of a tensor of n elements.
+EFFMEM_HD constexpr int64_t adam8_blocks(int64_t n) { return (n + kAdam8Block - 1) / kAdam8Block; }
 constexpr float kAdam8InvM = 0x1.020408p-7f;  // 1/127, rounded to float (as quant_recip)
 constexpr float kAdam8InvV = 0x1.010102p-8f;  // 1/255
 

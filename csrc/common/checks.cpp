@@ -196,7 +196,7 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
     TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == state, "exp_avg_sqs[", i, "] must be ", state_name,
                      ", got ", exp_avg_sqs[i].scalar_type());
     if (eight != nullptr) {
-      const int64_t blocks = (p.numel() + kAdam8Block - 1) / kAdam8Block;
+      const int64_t blocks = adam8_blocks(p.numel());
       for (const auto& [list, name] : {std::pair{eight->exp_avg_scales, "exp_avg_scales"},
                                        std::pair{eight->exp_avg_sq_scales, "exp_avg_sq_scales"}}) {
         const at::Tensor& s = list[i];

@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adam8_encode_cpu(cons
   check_flat(v, "v", at::kFloat, n);
   TORCH_CHECK_VALUE(step >= 0.0 && step < 0x1p63 && step == std::floor(step),
                     "step must be a whole number in [0, 2^63) (the step count of the moments), got ", step);
-  const int64_t blocks = (n + kAdam8Block - 1) / kAdam8Block;
+  const int64_t blocks = adam8_blocks(n);
   at::Tensor mc = at::empty({n}, m.options().dtype(at::kByte)), vc = at::empty({n}, m.options().dtype(at::kByte));
   at::Tensor ms = at::empty({blocks}, m.options()), vs = at::empty({blocks}, m.options());
   const Adam8EncodeFn fn = kernels().adam8_encode;
@@ -167,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adam8_encode_cpu(cons
 at::Tensor adam8_decode_cpu(const at::Tensor& codes, const at::Tensor& scales, bool second) {
   const int64_t n = codes.numel();
   check_flat(codes, "codes", at::kByte, n);
-  check_flat(scales, "scales", at::kFloat, (n + kAdam8Block - 1) / kAdam8Block);
+  check_flat(scales, "scales", at::kFloat, adam8_blocks(n));
   at::Tensor out = at::empty({n}, scales.options());
   const Adam8DecodeFn fn = kernels().adam8_decode;
   run_blocks(n, [&](int64_t begin, int64_t len) {

@@ -85,7 +85,7 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     p.offset = b.numel;
     b.numel += (p.numel + kAlignElems - 1) / kAlignElems * kAlignElems;
     p.block_offset = b.blocks;
-    b.blocks += (p.numel + kAdam8Block - 1) / kAdam8Block;
+    b.blocks += adam8_blocks(p.numel);
     b.params.push_back(static_cast<int64_t>(i));
     b.expected += p.expects_grad ? 1 : 0;
     params_.push_back(std::move(p));
@@ -263,7 +263,7 @@ std::vector<at::Tensor> OffloadEngine::state(int64_t i) const {
                                 at::TensorOptions().dtype(codes ? at::kByte : at::kFloat)));
   }
   if (eight) {
-    const int64_t blocks = (p.numel + kAdam8Block - 1) / kAdam8Block;
+    const int64_t blocks = adam8_blocks(p.numel);
     for (const auto& block : {b.exp_avg_scale, b.exp_avg_sq_scale}) {
       std::shared_ptr<HostBlock> keep = block;
       out.push_back(at::from_blob(static_cast<float*>(block->data()) + p.block_offset, {blocks},

@@ -115,8 +115,8 @@ def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_a
 
 @torch.library.register_fake("effmem::adam8_encode")
 def _adam8_encode_fake(m, v, step, salt):
-    n = m.numel()
-    blocks = -(-n // 256)
+    from effmem.optim._adam8 import blocks as count_blocks
+    n, blocks = m.numel(), count_blocks(m.numel())
     return (m.new_empty((n,), dtype=torch.uint8), m.new_empty((n,), dtype=torch.uint8),
             m.new_empty((blocks,), dtype=torch.float32), m.new_empty((blocks,), dtype=torch.float32))
 

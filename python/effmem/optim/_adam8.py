@@ -253,8 +253,6 @@ def decoded(state: Dict[str, Tensor], by_rows: Dict[str, Optional[Tensor]]) -> D
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
     for key, scale in SCALE_KEYS.items():
         codes, second, rows = state[key], key == "exp_avg_sq", by_rows.get(key)
-        if rows is None and state[scale].dim() == 2:   # a checkpoint's entry as it was saved (to_float)
-            rows = state[scale]
         if rows is None:
             out[key] = from_memory_order(_decode(memory_order(codes), state[scale].float(), second), codes)
         else:
