@@ -1,11 +1,12 @@
 """What OffloadAdam(delay=True) costs in loss, with and without delay_warmup, on the CPU.
 
-    python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--torch-stale] [--schedule]
-                                       [--optimizers]
+    python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--correction-warmups 0]
+                                       [--torch-stale] [--schedule] [--optimizers]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0: plain
-OffloadAdam (exact), then delay=True with each warm-up, and (--torch-stale) torch's AdamW fed
+OffloadAdam (exact), then delay=True with each warm-up, delay=True with delay_correction=True
+with each of --correction-warmups, and (--torch-stale) torch's AdamW fed
 one-step-stale gradients, the same math as delay without effmem. --schedule: the learning rate
 of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) instead of a constant
 one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
@@ -24,15 +25,18 @@ import common  # noqa: E402
 from effmem import OffloadAdam, demo_model  # noqa: E402
 
 
+SEED = 0   # --seeds: the model's initialisation and the batches' order (0: the figures in the README)
+
+
 def model():
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2))
 
 
 def batches(corpus, steps):
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + SEED)
     for _ in range(steps):
         i = torch.randint(0, len(corpus) - 65, (16,), generator=g)
         yield torch.stack([corpus[j:j + 64] for j in i])
@@ -43,9 +47,10 @@ def scheduler(opt, steps, schedule):
     return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps) if schedule else (lambda step: 1.0))
 
 
-def run_offload(corpus, steps, delay, warmup, schedule=False):
+def run_offload(corpus, steps, delay, warmup, schedule=False, correction=False):
     m = model()
-    opt = OffloadAdam(m.parameters(), lr=3e-3, weight_decay=0.1, delay=delay, delay_warmup=warmup)
+    opt = OffloadAdam(m.parameters(), lr=3e-3, weight_decay=0.1, delay=delay, delay_warmup=warmup,
+                      delay_correction=correction)
     sched = scheduler(opt, steps, schedule)
     losses = []
     for x in batches(corpus, steps):
@@ -95,9 +100,18 @@ OPTIMIZERS = {"AdamW without momentum (beta1=0)": lambda ps: torch.optim.AdamW(p
 
 
 def main(argv=None):
+    global SEED
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=common.count, default=400)
     parser.add_argument("--warmups", type=int, nargs="*", default=[0, 50, 100, 200])
+    parser.add_argument("--correction-warmups", type=int, nargs="*", default=[0],
+                        help="delay_correction=True runs, one per warm-up")
+    parser.add_argument("--seeds", type=common.count, default=1,
+                        help="repeat everything for this many initialisations and batch orders; print each "
+                             "row's mean gap to exact over them")
+    parser.add_argument("--noise", action="store_true",
+                        help="also torch's AdamW with exact gradients: the same math as exact OffloadAdam, "
+                             "other roundings, so its gap is how far two exact runs drift apart")
     parser.add_argument("--torch-stale", action="store_true")
     parser.add_argument("--schedule", action="store_true", help="effmem demo's warm-up and cosine decay")
     parser.add_argument("--optimizers", action="store_true",
@@ -105,15 +119,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     corpus = torch.tensor(list(demo_model.stdlib_corpus(max_bytes=1 << 20)), dtype=torch.long)
-    exact = run_offload(corpus, args.steps, False, 0, args.schedule)
-    print(f"{args.steps} steps, {'warm-up + cosine' if args.schedule else 'constant'} learning rate; final loss "
-          f"(mean of the last 10): exact OffloadAdam {exact:.4f}")
-    for w in args.warmups:
-        loss = run_offload(corpus, args.steps, True, w, args.schedule)
-        print(f"  delay, delay_warmup={w:<4d} {loss:.4f}  ({(loss - exact) / exact:+.1%})")
-    if args.torch_stale:
-        loss = run_torch(corpus, args.steps, args.schedule)
-        print(f"  torch AdamW, one-step-stale gradients {loss:.4f}  ({(loss - exact) / exact:+.1%})")
+    gaps = {}
+    for SEED in range(args.seeds):
+        exact = run_offload(corpus, args.steps, False, 0, args.schedule)
+        print(f"{args.steps} steps, {'warm-up + cosine' if args.schedule else 'constant'} learning rate, seed "
+              f"{SEED}; final loss (mean of the last 10): exact OffloadAdam {exact:.4f}", flush=True)
+
+        def report(name, loss, exact=exact):
+            gaps.setdefault(name, []).append((loss - exact) / exact)
+            print(f"  {name:<48s} {loss:.4f}  ({gaps[name][-1]:+.2%})", flush=True)
+        for w in args.warmups:
+            report(f"delay, delay_warmup={w}", run_offload(corpus, args.steps, True, w, args.schedule))
+        for w in args.correction_warmups:
+            report(f"delay + delay_correction, delay_warmup={w}",
+                   run_offload(corpus, args.steps, True, w, args.schedule, correction=True))
+        if args.noise:
+            report("torch AdamW, exact gradients (noise floor)", run_torch(corpus, args.steps, args.schedule, stale=False))
+        if args.torch_stale:
+            report("torch AdamW, one-step-stale gradients", run_torch(corpus, args.steps, args.schedule))
+    if args.seeds > 1:
+        print(f"gap to exact OffloadAdam over {args.seeds} seeds: mean (min .. max)")
+        for name, g in gaps.items():
+            print(f"  {name:<48s} {sum(g) / len(g):+.2%}  ({min(g):+.2%} .. {max(g):+.2%})")
     if args.optimizers:
         for name, make in OPTIMIZERS.items():
             ref = run_torch(corpus, args.steps, args.schedule, stale=False, make_opt=make)

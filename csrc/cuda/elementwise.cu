@@ -17,9 +17,11 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/delay_correction_math.h"
 #include "common/rms_norm_math.h"
 #include "common/swiglu_math.h"
 #include "cuda/dtype_dispatch.cuh"
+#include "engine/delay_correction.h"
 
 namespace effmem::cuda {
 namespace {
@@ -96,6 +98,29 @@ __global__ void __launch_bounds__(kThreads)
         swiglu_grads<T>(load_as_float(dy + i), load_as_float(g + i), load_as_float(u + i), &x, &y);
         store_float(dg + i, x);
         store_float(du + i, y);
+      });
+}
+
+// OffloadAdam's delay_correction: w = delay_correct(w, r, g), on the engine's upload stream.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    delay_correction_kernel(T* w, const T* r, const T* g, int64_t n, DelayCorrection c, bool vec) {
+  each<T>(
+      n, vec,
+      [&](int64_t i) {
+        Vec<T> wv = *reinterpret_cast<const Vec<T>*>(w + i);
+        const Vec<T> rv = *reinterpret_cast<const Vec<T>*>(r + i);
+        const Vec<T> gv = *reinterpret_cast<const Vec<T>*>(g + i);
+#pragma unroll
+        for (int k = 0; k < Vec<T>::kN; ++k) {
+          store_float(&wv.v[k], round_to<T>(delay_correct(load_as_float(&wv.v[k]), load_as_float(&rv.v[k]),
+                                                          load_as_float(&gv.v[k]), c)));
+        }
+        *reinterpret_cast<Vec<T>*>(w + i) = wv;
+      },
+      [&](int64_t i) {
+        store_float(w + i, round_to<T>(delay_correct(load_as_float(w + i), load_as_float(r + i),
+                                                     load_as_float(g + i), c)));
       });
 }
 
@@ -197,6 +222,20 @@ at::Tensor rms_norm_apply_cuda(const at::Tensor& x_in, const at::Tensor& rstd_in
 }
 
 }  // namespace
+
+void launch_delay_correction(void* w, const void* r, const void* g, int64_t n, at::ScalarType dtype,
+                             const DelayCorrection& c, CUstream_st* stream) {
+  if (n == 0) return;
+  dispatch_float_dtype(dtype, "params", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* wp = static_cast<T*>(w);
+    const T* rp = static_cast<const T*>(r);
+    const T* gp = static_cast<const T*>(g);
+    delay_correction_kernel<T><<<blocks_for<T>(n), kThreads, 0, stream>>>(wp, rp, gp, n, c,
+                                                                          all_aligned(wp, rp, gp));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
 
 TORCH_LIBRARY_IMPL(effmem, CUDA, m) {
   m.impl("swiglu", &swiglu_cuda);

@@ -51,6 +51,9 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
   TORCH_CHECK_VALUE(!(options_.overlap && options_.delay), "overlap and delay: choose one of the two modes");
   TORCH_CHECK_VALUE(!options_.install_in_forward || options_.delay,
                     "install_in_forward works on delay mode's double staging: pass delay=True too");
+  TORCH_CHECK_VALUE(!options_.delay_correction || (options_.delay && !options_.install_in_forward),
+                    "delay_correction corrects delay mode's stale gradients: pass delay=True without "
+                    "install_in_forward");
   TORCH_CHECK_VALUE(options_.state_bits == 32 || options_.state_bits == 8,
                     "state_bits must be 32 or 8, got ", options_.state_bits);
   if (options_.backend == "host") {
@@ -106,6 +109,9 @@ OffloadEngine::OffloadEngine(std::vector<at::Tensor> params, std::vector<int64_t
     }
     for (int side = 0; side < (options_.delay ? 2 : 1); ++side) {
       bucket.staging[side] = transfer_->allocate(bucket.numel * element_size(bucket.dtype), true);
+    }
+    if (options_.delay_correction) {
+      bucket.ahead = transfer_->allocate(2 * bucket.numel * element_size(bucket.dtype), true);
     }
   }
   groups_.resize(static_cast<size_t>(num_groups));

@@ -92,6 +92,10 @@ struct EngineOptions {
   // (install_for_forward), and updates run in forward order (the last bucket first): exact math,
   // the update hidden behind the next forward as far as it runs ahead of it.
   bool install_in_forward = false;
+  // With delay: the install also predicts the next step's weights from the gradient it comes with
+  // (common/delay_correction_math.h): the update writes a prediction and Adam's partial denominator beside
+  // the new weights (bucket.ahead), and the install uploads those and corrects them on the device.
+  bool delay_correction = false;
 };
 
 struct GroupHparams {
@@ -191,6 +195,10 @@ class OffloadEngine {
     int pending_side = 0;
     std::shared_future<void> updated;
     TicketPtr uploaded[2];
+    TicketPtr ahead_uploaded;    // delay_correction: the last upload that read its part of bucket.ahead
+    // delay_correction: the device holds the prediction, not staging[pending_side]'s weights (until step();
+    // a flush before it puts those back)
+    bool predicted = false;
   };
   struct Bucket {
     int dtype;
@@ -199,6 +207,7 @@ class OffloadEngine {
     std::shared_ptr<HostBlock> master, exp_avg, exp_avg_sq;
     std::shared_ptr<HostBlock> exp_avg_scale, exp_avg_sq_scale;  // state_bits 8
     std::shared_ptr<HostBlock> staging[2];  // [1] in delay mode only
+    std::shared_ptr<HostBlock> ahead;       // delay_correction: pred, then r, in the bucket's dtype
     TicketPtr last_upload;  // the last copy that read this bucket's host memory (guarded by mu_)
   };
   static int64_t element_size(int dtype);  // bytes per element of a dtype index
@@ -218,9 +227,13 @@ class OffloadEngine {
   void run_update(int64_t bucket, const std::vector<int64_t>& params, double grad_scale,
                   const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams, int side);
   void record_error(std::exception_ptr e);
-  // Delay mode: uploads param i's pending weights once its update is done.
-  void install(int64_t i);
-  void upload_pending_locked(Param& p);  // caller holds mu_; the update is done
+  // Delay mode: uploads param i's pending weights once its update is done; with delay_correction and
+  // `grad` (the whole step's gradient, just made), the weights predicted from it instead.
+  void install(int64_t i, const at::Tensor* grad = nullptr);
+  void upload_pending_locked(Param& p, const at::Tensor* grad = nullptr);  // caller holds mu_; the update is done
+  // delay_correction: the prediction's inputs for the next step, from the state a bucket update has just
+  // written (elements [off, off + n) of param j).
+  void predict_span(const Param& p, int64_t off, int64_t n, const GroupHparams& h, float step) const;
   void accumulate(int64_t i, const at::Tensor& grad);
   // Once clipping is in use (grad_sq_sums was called), grad_ready queues the sum of squares of param i's
   // gradient (the gen-th it got, landed in `data` by the copy `staged`) on the add lane, after its copy
@@ -247,6 +260,7 @@ class OffloadEngine {
   bool accumulating_ = false;
   bool eager_sq_ = false;  // clipping is in use: sums of squares are taken as the gradients land
   int side_ = 0;  // the staging this round's gradients land in (delay mode alternates)
+  double last_grad_scale_ = 1.0;  // delay_correction: the last step's factor, the next one's estimate
 
   // The workers' lanes; qmu_ guards them, error_ and the chunk free list.
   std::mutex qmu_;

@@ -66,12 +66,15 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
     // they do in the last micro-batch (outside accumulating()), so that every
     // micro-batch of a step runs on the same weights; and they must before a
     // gradient lands in the staging that holds them.
-    bool now;
+    bool now, whole;
     {
       std::lock_guard<std::mutex> lock(mu_);
       now = p.pending_upload && (!accumulating_ || p.pending_side == side_);
+      whole = !accumulating_ && !p.has_grad;  // this gradient is the step's whole gradient
     }
-    if (now) install(i);
+    // delay_correction predicts from a whole gradient only (with accumulation on the host, earlier
+    // micro-batches' parts are not on the device; device_accumulation hands the sum over here).
+    if (now) install(i, whole ? &grad : nullptr);
   }
   bool accumulate_into_staging, take_sq_sum;
   uint64_t sq_gen;

@@ -27,6 +27,7 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
     for (const TicketPtr& t : p.uploaded) {
       if (t) waits.push_back(t);
     }
+    if (p.ahead_uploaded) waits.push_back(p.ahead_uploaded);  // delay_correction: the prediction's last reader
     p.has_grad = false;
     p.queued = true;
     if (options_.delay) {
@@ -92,6 +93,8 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
     cpu::Adam8Span span8;
     int64_t n;
     size_t coeff;
+    int64_t param, off;  // delay_correction's prediction: which elements
+    float step;
   };
   std::vector<AdamCoeffs> coeffs;
   std::vector<Work> work;
@@ -112,6 +115,9 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
         Work w{};
         w.n = std::min(cpu::kAdamSpan, p.numel - off);
         w.coeff = coeffs.size() - 1;
+        w.param = j;
+        w.off = off;
+        w.step = steps[j];
         if (eight) {
           // Spans start on 8-bit blocks (kAdamSpan is a multiple of kAdam8Block); the salt is the
           // parameter's place in the optimizer, as FusedAdam's.
@@ -137,6 +143,10 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
     } else {
       fn(work[k].span, work[k].n, coeffs[work[k].coeff]);
     }
+    if (options_.delay_correction) {  // while the span's state is in cache
+      const Param& p = params_[static_cast<size_t>(work[k].param)];
+      predict_span(p, work[k].off, work[k].n, hparams[static_cast<size_t>(p.group)], work[k].step);
+    }
   });
   updates_ += static_cast<int64_t>(ids.size());
   if (options_.delay) return;  // uploaded by install(), during the next backward
@@ -157,7 +167,7 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
   }
 }
 
-void OffloadEngine::install(int64_t i) {
+void OffloadEngine::install(int64_t i, const at::Tensor* grad) {
   Param& p = params_[static_cast<size_t>(i)];
   std::shared_future<void> updated;
   {
@@ -169,7 +179,7 @@ void OffloadEngine::install(int64_t i) {
   check_installable();  // a failed update left no weights to install
   std::lock_guard<std::mutex> lock(mu_);
   if (p.pending_upload) {
-    upload_pending_locked(p);
+    upload_pending_locked(p, grad);
     ++installed_since_step_;
   }
 }
@@ -206,13 +216,27 @@ void OffloadEngine::install_for_forward(const std::vector<int64_t>& ids) {
   transfer_->fence();
 }
 
-void OffloadEngine::upload_pending_locked(Param& p) {
+void OffloadEngine::upload_pending_locked(Param& p, const at::Tensor* grad) {
   const int64_t esize = element_size(p.dtype);
   if (p.numel == 0) {
     p.pending_upload = false;
     return;
   }
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
+  if (grad != nullptr && options_.delay_correction) {
+    // The prediction instead of the new weights; the new weights stay in the staging for a flush.
+    const GroupHparams& h = groups_[static_cast<size_t>(p.group)];
+    const float step = static_cast<const float*>(steps_->data())[&p - params_.data()];
+    const char* ahead = static_cast<const char*>(b.ahead->data());
+    p.ahead_uploaded = transfer_->upload_corrected(
+        ahead + p.offset * esize, ahead + (b.numel + p.offset) * esize, p.tensor, *grad, p.numel * esize,
+        delay_correction(h.lr, h.beta1, h.beta2, h.eps, h.bias_correction, step, last_grad_scale_));
+    p.pending_upload = false;
+    p.predicted = true;
+    bytes_up_ += 2 * p.numel * esize;
+    return;
+  }
+  p.predicted = false;
   const void* src = p.dtype != cpu::kF32 ? static_cast<const void*>(staging_of(p, p.pending_side))
                                          : static_cast<const void*>(static_cast<float*>(b.master->data()) + p.offset);
   // After the parameter's last readers. Installed during backward (delay), those are the kernels queued
@@ -228,6 +252,10 @@ void OffloadEngine::upload_pending_locked(Param& p) {
 void OffloadEngine::step(double grad_scale) {
   check_usable();
   transfer_->record_readers();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_grad_scale_ = grad_scale;
+  }
   if (options_.delay) {
     // Every weight still pending goes up before the next update is queued
     // (else that update would supersede it, and it would never go up): those
@@ -259,7 +287,7 @@ void OffloadEngine::step(double grad_scale) {
       queue_update_locked(static_cast<int64_t>(b), std::move(ready), grad_scale);
     }
     if (options_.delay) {
-      for (Param& p : params_) p.queued = p.landed = false;
+      for (Param& p : params_) p.queued = p.landed = p.predicted = false;
       installed_since_step_ = 0;
       side_ ^= 1;  // the next step's gradients land beside the weights being computed
     }
@@ -310,7 +338,7 @@ void OffloadEngine::synchronize() {
     check_usable();  // install nothing from a failed update
     std::lock_guard<std::mutex> lock(mu_);
     for (Param& p : params_) {
-      if (p.pending_upload) upload_pending_locked(p);
+      if (p.pending_upload || p.predicted) upload_pending_locked(p);
     }
   }
   transfer_->wait_uploads();  // Python may write the host state next (load_state_dict)
@@ -323,7 +351,7 @@ void OffloadEngine::discard_pending() {
   wait_staged();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (Param& p : params_) p.pending_upload = false;
+    for (Param& p : params_) p.pending_upload = p.predicted = false;
   }
   transfer_->wait_uploads();  // the host state is written next
   check_usable();

@@ -74,7 +74,7 @@ void bind_engine(py::module_& m) {
                        std::vector<bool> expects_grad, int64_t num_groups, std::string backend, int device,
                        int num_threads, bool pin_state, bool overlap, bool delay, int64_t landing_chunk_numel,
                        int64_t landing_chunks, double host_delay_us, uint64_t seed, int state_bits,
-                       bool install_in_forward, int64_t salt_base) {
+                       bool install_in_forward, int64_t salt_base, bool delay_correction) {
              EngineOptions o;
              o.backend = std::move(backend);
              o.device = device;
@@ -89,6 +89,7 @@ void bind_engine(py::module_& m) {
              o.state_bits = state_bits;
              o.install_in_forward = install_in_forward;
              o.salt_base = salt_base;
+             o.delay_correction = delay_correction;
              return std::unique_ptr<E, DeleteWithoutGil>(new E(std::move(params), std::move(bucket_of),
                                                                std::move(group_of), std::move(expects_grad),
                                                                num_groups, std::move(o)));
@@ -98,7 +99,7 @@ void bind_engine(py::module_& m) {
            py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false, py::arg("delay") = false,
            py::arg("landing_chunk_numel") = int64_t(1) << 22, py::arg("landing_chunks") = 4,
            py::arg("host_delay_us") = 0.0, py::arg("seed") = 0, py::arg("state_bits") = 32,
-           py::arg("install_in_forward") = false, py::arg("salt_base") = 0)
+           py::arg("install_in_forward") = false, py::arg("salt_base") = 0, py::arg("delay_correction") = false)
       .def(
           "set_group",
           [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,

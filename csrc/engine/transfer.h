@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "common/delay_correction_math.h"
 #include "engine/host_memory.h"
 
 namespace effmem::engine {
@@ -52,6 +53,13 @@ class Transfer {
   // `after` to the next download into that host memory.
   virtual TicketPtr upload(const void* src, const at::Tensor& dst, int64_t bytes,
                            bool after_current_stream = false) = 0;
+
+  // delay_correction: uploads `bytes` of predicted weights (pred) into dst, as upload(after_current_stream)
+  // does, and as many bytes of r beside them, then sets dst = delay_correct(dst, r, grad) elementwise
+  // (common/delay_correction_math.h). `grad` (dst's layout) was made by the work queued on the caller's
+  // current stream; it is kept, and later downloads' order_after_downloads() waits for this reader too.
+  virtual TicketPtr upload_corrected(const void* pred, const void* r, const at::Tensor& dst, const at::Tensor& grad,
+                                     int64_t bytes, const DelayCorrection& c) = 0;
 
   // Later uploads also wait for the work queued so far on the caller's
   // current stream (kernels that may still read the old weights).

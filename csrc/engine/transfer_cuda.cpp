@@ -12,6 +12,9 @@
 //             the copy has read it.
 //   upload:   h2d waits for [compute stream at the last download or
 //             record_readers()] (kernels still reading the old weights), copies.
+//   upload_corrected: as upload after the compute stream now, then r into scratch memory and the
+//             correction kernel, all on h2d; the gradient it reads is marked in use on h2d, and
+//             order_after_downloads waits for it as for the downloads.
 //   fence:    the compute stream waits for the last upload.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,6 +26,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "engine/delay_correction.h"
 #include "engine/transfer.h"
 
 #define EFFMEM_CUDA_OK(expr)                                                                    \
@@ -114,7 +118,8 @@ class CudaTransfer : public Transfer {
  public:
   explicit CudaTransfer(int device)
       : device_(device), down_raw_(side_streams(device).down), up_raw_(side_streams(device).up),
-        down_(c10::cuda::getStreamFromExternal(down_raw_, index_of(device))) {}
+        down_(c10::cuda::getStreamFromExternal(down_raw_, index_of(device))),
+        up_(c10::cuda::getStreamFromExternal(up_raw_, index_of(device))) {}
 
   // Nothing may still be copying into or out of memory that is about to be
   // freed (pinned staging, landing chunks, parameters). The streams stay.
@@ -125,7 +130,7 @@ class CudaTransfer : public Transfer {
       cudaStreamSynchronize(up_raw_);
     } catch (...) {
     }
-    readers_ = last_upload_ = last_download_ = nullptr;
+    readers_ = last_upload_ = last_download_ = last_grad_reader_ = nullptr;
   }
 
   const char* name() const override { return "cuda"; }
@@ -177,6 +182,31 @@ class CudaTransfer : public Transfer {
     return last_upload_;
   }
 
+  TicketPtr upload_corrected(const void* pred, const void* r, const at::Tensor& dst, const at::Tensor& grad,
+                             int64_t bytes, const DelayCorrection& c) override {
+    check_device(dst);
+    check_device(grad);
+    DeviceGuard guard(index_of(device_));
+    std::lock_guard<std::mutex> lock(mu_);
+    readers_ = record(device_, current(), kStreamEvent);  // the old weights' readers, and grad's maker
+    EFFMEM_CUDA_OK(cudaStreamWaitEvent(up_raw_, readers_->get(), 0));
+    EFFMEM_CUDA_OK(cudaMemcpyAsync(dst.data_ptr(), pred, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                                   up_raw_));
+    // Scratch from the caching allocator on h2d: freed below, reused only by later work on that stream.
+    c10::DataPtr scratch;
+    {
+      c10::cuda::CUDAStreamGuard on_up(up_);
+      scratch = c10::cuda::CUDACachingAllocator::get()->allocate(static_cast<size_t>(bytes));
+    }
+    EFFMEM_CUDA_OK(cudaMemcpyAsync(scratch.get(), r, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, up_raw_));
+    cuda::launch_delay_correction(dst.data_ptr(), scratch.get(), grad.data_ptr(), dst.numel(), dst.scalar_type(),
+                                  c, up_raw_);
+    c10::cuda::CUDACachingAllocator::recordStream(grad.storage().data_ptr(), up_);
+    last_upload_ = record(device_, up_raw_, kHostEvent);
+    last_grad_reader_ = last_upload_;
+    return last_upload_;
+  }
+
   void record_readers() override {
     DeviceGuard guard(index_of(device_));
     EventPtr e = record(device_, current(), kStreamEvent);
@@ -194,6 +224,7 @@ class CudaTransfer : public Transfer {
     DeviceGuard guard(index_of(device_));
     std::lock_guard<std::mutex> lock(mu_);
     if (last_download_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(current(), last_download_->get(), 0));
+    if (last_grad_reader_) EFFMEM_CUDA_OK(cudaStreamWaitEvent(current(), last_grad_reader_->get(), 0));
   }
 
   void wait_uploads() override {
@@ -215,9 +246,9 @@ class CudaTransfer : public Transfer {
 
   const int device_;
   cudaStream_t down_raw_, up_raw_;
-  c10::cuda::CUDAStream down_;  // down_raw_ as torch's type, for recordStream
+  c10::cuda::CUDAStream down_, up_;  // the raw streams as torch's type, for recordStream and the allocator
   std::mutex mu_;
-  EventPtr readers_, last_upload_, last_download_;
+  EventPtr readers_, last_upload_, last_download_, last_grad_reader_;
 };
 
 }  // namespace

@@ -9,9 +9,11 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
+#include "engine/delay_correction.h"
 #include "engine/transfer.h"
 
 namespace effmem::engine {
@@ -77,6 +79,25 @@ class HostTransfer : public Transfer {
     return ticket;
   }
 
+  // FIFO: the correction runs on the copy thread right after its copies, reading grad, which the caller
+  // may drop (its storage is kept) but not overwrite before order_after_downloads(): the download of that
+  // gradient comes after this job in the queue.
+  TicketPtr upload_corrected(const void* pred, const void* r, const at::Tensor& dst, const at::Tensor& grad,
+                             int64_t bytes, const DelayCorrection& c) override {
+    TORCH_CHECK(dst.device().is_cpu() && grad.device().is_cpu(),
+                "OffloadAdam (host backend): expected CPU tensors, got ", dst.device(), " and ", grad.device());
+    Job job{pred, dst.data_ptr(), bytes, dst.storage(), std::make_shared<HostTicket>()};
+    job.correct = Correction{r, grad.data_ptr(), grad.storage(), dst.numel(), dst.scalar_type(), c};
+    auto ticket = job.ticket;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+      last_upload_ = ticket;
+    }
+    cv_.notify_one();
+    return ticket;
+  }
+
   void record_readers() override {}  // CPU kernels have finished when they return
 
   void fence() override { wait_uploads(); }
@@ -102,12 +123,21 @@ class HostTransfer : public Transfer {
  private:
   // The job keeps the tensor's storage, not the tensor: a tensor whose
   // Python object has died would need the GIL to be freed on this thread.
+  struct Correction {  // upload_corrected's second half
+    const void* r = nullptr;
+    const void* grad = nullptr;
+    c10::Storage grad_alive;
+    int64_t numel = 0;
+    at::ScalarType dtype = at::kFloat;
+    DelayCorrection coeffs{};
+  };
   struct Job {
     const void* src;
     void* dst;
     int64_t bytes;
     c10::Storage keep_alive;
     std::shared_ptr<HostTicket> ticket;
+    std::optional<Correction> correct = std::nullopt;
   };
 
   TicketPtr push(const void* src, void* dst, int64_t bytes, const at::Tensor& keep) {
@@ -135,6 +165,11 @@ class HostTransfer : public Transfer {
         std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(delay(rng_)));
       }
       std::memcpy(job.dst, job.src, static_cast<size_t>(job.bytes));
+      if (job.correct) {
+        const Correction& k = *job.correct;
+        correct_on_host(job.dst, k.r, k.grad, k.numel, k.dtype, k.coeffs);
+        job.correct.reset();
+      }
       job.keep_alive = c10::Storage();
       job.ticket->finish();
     }

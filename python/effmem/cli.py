@@ -71,6 +71,7 @@ def _offload_adam(groups, hp, **mode):
 
 _offload_adam_async = functools.partial(_offload_adam, async_step=True)
 _offload_adam_delay = functools.partial(_offload_adam, delay=True)
+_offload_adam_corrected = functools.partial(_offload_adam, delay=True, delay_correction=True)
 
 
 def _torch_clip(opt, params, max_norm):
@@ -96,11 +97,14 @@ DEMO_CONFIGS: List[DemoConfig] = [
                _offload_adam_async, _optimizer_clip, attach=True),
     DemoConfig("OffloadAdam delay (one-step-stale gradients)", torch.bfloat16, _offload_adam_delay,
                _optimizer_clip),
+    DemoConfig("OffloadAdam delay + delay_correction (predicted weights)", torch.bfloat16,
+               _offload_adam_corrected, _optimizer_clip),
 ]
-# Their loss curves are printed side by side (FusedAdam bf16 is the exact reference for all three).
+# Their loss curves are printed side by side (FusedAdam bf16 is the exact reference for the others).
 CURVE_CONFIGS = ("FusedAdam (bf16 + fp32 master)", "OffloadAdam (bf16, master + moments on the host)",
                  "OffloadAdam async_step (exact, update behind the next forward)",
-                 "OffloadAdam delay (one-step-stale gradients)")
+                 "OffloadAdam delay (one-step-stale gradients)",
+                 "OffloadAdam delay + delay_correction (predicted weights)")
 CURVE_POINTS = 8
 
 # Sized so that all seven CPU runs finish in under two minutes on two cores (78 s measured).
@@ -292,7 +296,8 @@ def loss_curves(runs: List[dict]) -> str:
     edges = [round(i * steps / CURVE_POINTS) for i in range(CURVE_POINTS + 1)]
     head = [f"{b}" for b in edges[1:]]
     lines = ["loss curves (training loss, mean over each eighth of the steps; delay applies each step's "
-             "gradient one step late, the others are exact):",
+             "gradient one step late, delay_correction takes it at weights predicted a step ahead, the others "
+             "are exact):",
              "  " + "steps up to".ljust(64) + "".join(h.rjust(8) for h in head)]
     for r in picked:
         means = [statistics.fmean(r["losses"][a:b]) for a, b in zip(edges, edges[1:])]

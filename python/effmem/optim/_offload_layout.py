@@ -74,7 +74,7 @@ def build_engine(opt, backend: Optional[str], num_threads: int, pin_state: bool,
                             pin_state=pin_state, overlap=opt._overlap, delay=opt._delay, landing_chunk_numel=chunk,
                             landing_chunks=LANDING_CHUNKS, host_delay_us=float(host_delay_us), seed=0,
                             state_bits=state_bits, install_in_forward=opt._async,
-                            salt_base=opt._first)
+                            salt_base=opt._first, delay_correction=opt._delay_correction)
 
 
 def assign_buckets(tensors: Sequence[Tuple[int, object]], bucket_size: int) -> List[int]:

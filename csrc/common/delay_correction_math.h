@@ -1,0 +1,86 @@
+// OffloadAdam(delay=True, delay_correction=True): the next step's weights, predicted on the device from the
+// gradient it has just made, so that the next forward runs on (nearly) the weights exact Adam would give it
+// instead of one step old ones. Written once for the host backend and the CUDA kernel (the same bits).
+//
+// Step t+1 of Adam (adam_math.h; c the clip/unscale factor, D = sqrt(v_{t+1} / bc2) + eps) splits into a
+// part the host knows when its update of step t ends, and a part only the device has:
+//   w_{t+1} = w_t * (1 - lr wd) - lr / bc1 * (beta1 m_t + (1 - beta1) (c g)) / D,
+//   v_{t+1} = beta2 v_t + (1 - beta2) (c g)^2.
+// The host writes, beside the new weights (predict):
+//   r    = sqrt(beta2 v_t / bc2)                                      (the new v without the new gradient)
+//   pred = w_t * (1 - lr wd) - lr / bc1 * (beta1 m_t + L2 term) / (r + eps)
+// and the device, once backward has made g (correct):
+//   w    = pred - lr (1 - beta1) / bc1 * (c g) / (sqrt(r^2 + (1 - beta2) / bc2 (c g)^2) + eps).
+// The gradient's part has Adam's exact denominator (a first gradient, v_t = 0, moves a weight by at most
+// about lr (1 - beta1) / sqrt(1 - beta2) / bc1 * sqrt(bc2), as Adam's own step); the momentum's part lacks
+// only the new gradient's share of v. `c` is the previous step's factor (the clip norm is not known yet), a
+// non-finite gradient (a step GradScaler will skip) adds nothing, and the learning rate is this step's. Only
+// the weights the next forward reads are predicted: the host's master, moments and weights stay exact Adam,
+// fed the gradients taken at the predicted weights.
+#pragma once
+
+#include <cmath>
+
+#include "adam_math.h"
+#include "hd.h"
+
+namespace effmem {
+
+struct DelayPrediction {
+  float decay_factor;  // 1 - lr wd (AdamW), 1 (Adam)
+  float momentum;      // lr beta1 / bc1
+  float l2;            // lr (1 - beta1) wd / bc1 in L2 mode, else 0: the weight decay's share of the gradient
+  float v_scale;       // sqrt(beta2) / sqrt(bc2)
+  float eps;
+};
+
+struct DelayCorrection {
+  float grad_scale;  // the previous step's clip/unscale factor
+  float step;        // lr (1 - beta1) / bc1
+  float g2_scale;    // (1 - beta2) / bc2
+  float eps;
+};
+
+// Both for the step after `step` (the count after the host's update), from the hyper-parameters as adam_coeffs
+// takes them (the bias corrections in double, rounded once).
+EFFMEM_HD DelayPrediction delay_prediction(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                           bool decoupled, bool bias_correction, double step) {
+  lr = static_cast<double>(static_cast<float>(lr));
+  const double bc1 = bias_correction ? 1.0 - pow_step(beta1, step + 1.0) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - pow_step(beta2, step + 1.0) : 1.0;
+  DelayPrediction p;
+  p.decay_factor = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
+  p.momentum = static_cast<float>(lr * beta1 / bc1);
+  p.l2 = static_cast<float>(decoupled ? 0.0 : lr * (1.0 - beta1) * weight_decay / bc1);
+  p.v_scale = static_cast<float>(sqrt(beta2 / bc2));
+  p.eps = static_cast<float>(eps);
+  return p;
+}
+
+EFFMEM_HD DelayCorrection delay_correction(double lr, double beta1, double beta2, double eps, bool bias_correction,
+                                           double step, double grad_scale) {
+  lr = static_cast<double>(static_cast<float>(lr));
+  const double bc1 = bias_correction ? 1.0 - pow_step(beta1, step + 1.0) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - pow_step(beta2, step + 1.0) : 1.0;
+  return {static_cast<float>(grad_scale), static_cast<float>(lr * (1.0 - beta1) / bc1),
+          static_cast<float>((1.0 - beta2) / bc2), static_cast<float>(eps)};
+}
+
+// The host's half, from the master weight and moments after its update. r is stored in the weights' dtype
+// and read back from it, so pred takes r as stored (`round`: the storage type's rounding).
+template <class Round>
+EFFMEM_HD void delay_predict(float w, float m, float v, const DelayPrediction& c, Round round, float* pred,
+                             float* r) {
+  *r = round(sqrtf(v) * c.v_scale);
+  *pred = w * c.decay_factor - (c.momentum * m + c.l2 * w) / (*r + c.eps);
+}
+
+// The device's half.
+EFFMEM_HD float delay_correct(float pred, float r, float g, const DelayCorrection& c) {
+  float gs = g * c.grad_scale;
+  if (!(fabsf(gs) <= 3.40282347e38f)) gs = 0.0f;  // inf or NaN: GradScaler skips this step
+  const float d = sqrtf(r * r + c.g2_scale * (gs * gs)) + c.eps;
+  return pred - c.step * gs / d;
+}
+
+}  // namespace effmem

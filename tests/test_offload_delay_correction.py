@@ -1,0 +1,154 @@
+"""OffloadAdam(delay=True, delay_correction=True) on the host transfer backend.
+
+The host's master weights and moments are exact Adam fed the gradients the model made; those gradients are
+taken at weights predicted from the previous gradient (common/delay_correction_math.h). The reference below
+is FusedAdam whose model's forward runs on the same predictions (effmem.reference, float32 torch ops), so the
+two agree bit for bit: which weights each forward reads, every loss, the state and the final weights.
+"""
+import copy
+
+import pytest
+import torch
+
+from effmem import FusedAdam, OffloadAdam, demo_model
+from effmem.cli import lr_lambda
+from effmem.optim import _adam8
+from effmem.reference import delay_correction_weights
+from offload_helpers import HP, assert_same_training, batches, finish_step, tiny_gpt, train
+
+
+def moments(state):
+    """Adam's moments from FusedAdam's state, 8-bit ones decoded (torch ops) as the engine's update decodes them."""
+    if "exp_avg_codes" not in state:
+        return state["exp_avg"], state["exp_avg_sq"]
+    return tuple(_adam8.decode(state[f"{key}_codes"].reshape(-1), state[f"{key}_scale"], key == "exp_avg_sq")
+                 .view_as(state[f"{key}_codes"]) for key in ("exp_avg", "exp_avg_sq"))
+
+
+def train_predicted_reference(model, opt, data, *, accum=1, clip=None, sched=None, predict_clipped=True):
+    """FusedAdam on the gradients of a shadow model whose forward k reads the engine's prediction: the
+    initial weights at steps 1 and 2 (step 1's update is installed in step 2's backward), then the prediction
+    made from the state before step k-1's update and step k-1's gradient (its sum over `accum` micro-batches),
+    with step k-2's clip factor (1 without predict_clipped: the wrong one, for a test that it matters)."""
+    shadow = copy.deepcopy(model)
+    params = list(model.parameters())
+    forward = [p.detach().clone() for p in params]
+    losses, lrs, factor = [], None, 1.0
+    for k in range(1, len(data) // accum + 1):
+        with torch.no_grad():
+            for s, w in zip(shadow.parameters(), forward):
+                s.copy_(w)
+        for x, y in data[(k - 1) * accum:k * accum]:
+            _, loss = shadow(x, y)
+            (loss / accum).backward()
+            losses.append(loss.item())
+        if k >= 2:
+            forward = []
+            group_of = {p: (g, lr) for g, lr in zip(opt.param_groups, lrs) for p in g["params"]}
+            for p, s in zip(params, shadow.parameters()):
+                st = opt.state[p]
+                group, lr = group_of[p]
+                master = st["master"] if "master" in st else p.detach()
+                forward.append(delay_correction_weights(master.float(), *moments(st), s.grad, p.dtype, group, lr, float(st["step"]),
+                                         factor))
+        for p, s in zip(params, shadow.parameters()):
+            p.grad, s.grad = s.grad, None
+        lrs = [g["lr"] for g in opt.param_groups]   # what this step's update runs with
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+            factor = float(next(iter(opt._pending_grad_scale.values()))) if predict_clipped else 1.0
+        finish_step(opt, None, sched)
+    return losses
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode,device", [("plain", "cpu"), ("sched", "cpu"), ("host_delays", "cpu"), ("8bit", "cpu"),
+                                         pytest.param("plain", "cuda", marks=pytest.mark.cuda),
+                                         pytest.param("8bit", "cuda", marks=pytest.mark.cuda)])
+def test_delay_correction_trains_on_the_predicted_weights_bit_for_bit(dtype, mode, device):
+    """On a GPU the prediction is corrected by the CUDA kernel on the upload stream (csrc/cuda/elementwise.cu)."""
+    data = [(x.to(device), y.to(device)) for x, y in batches(12)]
+    ref = tiny_gpt(dtype).to(device)
+    model = copy.deepcopy(ref)
+    bits = 8 if mode == "8bit" else 32
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), state_bits=bits, **HP)
+    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
+                      state_bits=bits, _host_delay_us=200.0 if mode == "host_delays" else 0.0, **HP)
+    sched = (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(12))) if mode == "sched" else (lambda o: None)
+    la = train_predicted_reference(ref, fused, data, sched=sched(fused))
+    lb = train(model, off, data, sched=sched(off))
+    assert la[-1] < la[0]
+    assert la == lb
+    off.flush()   # the exact weights of the last update, not its prediction
+    assert_same_training(ref, model, fused, off)
+    c = off.counters()
+    n = sum(p.numel() for p in model.parameters())
+    size = torch.finfo(dtype).bits // 8
+    # Every step after the first installs a prediction (weights and r: twice the bytes) in the next backward;
+    # the flush puts the last update's exact weights up.
+    assert c["bytes_down"] == 12 * n * size
+    assert c["bytes_up"] == (2 * 11 + 1) * n * size
+    off.close()
+
+
+def test_delay_correction_needs_delay():
+    model = tiny_gpt(torch.float32)
+    with pytest.raises(ValueError, match="delay_correction: corrects delay=True"):
+        OffloadAdam(model.parameters(), delay_correction=True)
+    with pytest.raises(ValueError, match="delay_correction: expected True or False"):
+        OffloadAdam(model.parameters(), delay=True, delay_correction=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_delay_correction_with_device_accumulation_predicts_from_the_summed_gradient(dtype):
+    data = batches(12)
+    ref = tiny_gpt(dtype)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
+                      device_accumulation=1 << 30, **HP)
+    la = train_predicted_reference(ref, fused, data, accum=3)
+    lb = train(model, off, data, accum=3)
+    assert la == lb
+    off.flush()
+    assert_same_training(ref, model, fused, off)
+    c = off.counters()
+    n = sum(p.numel() for p in model.parameters())
+    size = torch.finfo(dtype).bits // 8
+    assert c["bytes_down"] == 4 * n * size   # once per step
+    assert c["bytes_up"] == (2 * 3 + 1) * n * size
+    off.close()
+
+
+def test_delay_correction_with_host_accumulation_installs_as_plain_delay():
+    """The last micro-batch's gradient alone is not the step's: those installs are plain delay's."""
+    data = batches(12)
+    models = [tiny_gpt(torch.bfloat16) for _ in range(2)]
+    opts = [OffloadAdam(demo_model.decay_groups(m, 0.1), delay=True, delay_correction=c, bucket_size=5000, **HP)
+            for m, c in zip(models, (False, True))]
+    la, lb = (train(m, o, data, accum=3) for m, o in zip(models, opts))
+    assert la == lb
+    assert opts[0].counters()["bytes_up"] == opts[1].counters()["bytes_up"]
+    for o in opts:
+        o.flush()
+    assert_same_training(*models, *opts)
+    for o in opts:
+        o.close()
+
+
+def test_delay_correction_uses_the_previous_steps_clip_factor():
+    data = batches(12)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
+                      **HP)
+    la = train_predicted_reference(ref, fused, data, clip=0.05)
+    lb = train(model, off, data, clip=0.05)
+    # The two norms may differ in their last bit (summed in other orders), so the steps may too.
+    assert la == pytest.approx(lb, rel=1e-4)
+    other = tiny_gpt(torch.bfloat16)
+    wrong = train_predicted_reference(other, FusedAdam(demo_model.decay_groups(other, 0.1), **HP), data, clip=0.05,
+                                      predict_clipped=False)
+    assert lb != pytest.approx(wrong, rel=1e-3)   # predicting from the unclipped gradient would show
+    off.close()
