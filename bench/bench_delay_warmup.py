@@ -4,7 +4,7 @@
                                        [--torch-stale] [--schedule] [--optimizers]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
-Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0: plain
+Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0 (--clip): plain
 OffloadAdam (exact), then delay=True with each warm-up, delay=True with delay_correction=True
 with each of --correction-warmups, and (--torch-stale) torch's AdamW fed
 one-step-stale gradients, the same math as delay without effmem. --schedule: the learning rate
@@ -26,6 +26,7 @@ from effmem import OffloadAdam, demo_model  # noqa: E402
 
 
 SEED = 0   # --seeds: the model's initialisation and the batches' order (0: the figures in the README)
+CLIP = 1.0   # --clip: the global norm clipped to (0: none)
 
 
 def model():
@@ -56,7 +57,8 @@ def run_offload(corpus, steps, delay, warmup, schedule=False, correction=False):
     for x in batches(corpus, steps):
         loss = m(input_ids=x, labels=x).loss
         loss.backward()
-        opt.clip_grad_norm_(1.0)
+        if CLIP:
+            opt.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -76,7 +78,8 @@ def run_torch(corpus, steps, schedule=False, stale=True, make_opt=None):
     for x in batches(corpus, steps):
         loss = m(input_ids=x, labels=x).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        if CLIP:
+            torch.nn.utils.clip_grad_norm_(ps, CLIP)
         current = [p.grad.clone() for p in ps]
         if not stale:
             opt.step()
@@ -100,7 +103,7 @@ OPTIMIZERS = {"AdamW without momentum (beta1=0)": lambda ps: torch.optim.AdamW(p
 
 
 def main(argv=None):
-    global SEED
+    global SEED, CLIP
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=common.count, default=400)
     parser.add_argument("--warmups", type=int, nargs="*", default=[0, 50, 100, 200])
@@ -109,6 +112,7 @@ def main(argv=None):
     parser.add_argument("--seeds", type=common.count, default=1,
                         help="repeat everything for this many initialisations and batch orders; print each "
                              "row's mean gap to exact over them")
+    parser.add_argument("--clip", type=float, default=1.0, help="the global norm clipped to (0: no clipping)")
     parser.add_argument("--noise", action="store_true",
                         help="also torch's AdamW with exact gradients: the same math as exact OffloadAdam, "
                              "other roundings, so its gap is how far two exact runs drift apart")
@@ -117,6 +121,7 @@ def main(argv=None):
     parser.add_argument("--optimizers", action="store_true",
                         help="also torch's AdamW without momentum and SGD, each exact against one-step stale")
     args = parser.parse_args(argv)
+    CLIP = args.clip
     warnings.simplefilter("ignore")
     corpus = torch.tensor(list(demo_model.stdlib_corpus(max_bytes=1 << 20)), dtype=torch.long)
     gaps = {}

@@ -39,12 +39,15 @@ def test_rows_survive_a_failing_variant_and_exact_modes_match_fused(monkeypatch)
     rows, saves = [], []
     bench.step_comparison(args, "cpu", rows, lambda: saves.append([r["name"] for r in rows]))
     names = [r["name"] for r in rows]
-    assert names[0] == "fused" and names[-1] == "torchao_offload" and len(names) == 9
+    assert names[0] == "fused" and names[-1] == "torchao_offload" and len(names) == 10
     assert saves == [names[:i + 1] for i in range(len(names))]  # saved after every variant
     loss = {r["name"]: r["held_out_loss"] for r in rows}
     for exact in ("offload", "offload_overlap", "offload_async", "offload_async_device_state",
                   "offload_device_accum"):
         assert loss[exact] == loss["fused"], exact   # same start, same data, same math
+    # delay_correction's first step is exact, the second's gradients come from exact weights too (its first
+    # prediction is read by a third forward), and the flush installs the update's own weights
+    assert loss["offload_delay_correction"] == loss["fused"]
     kept = {r["name"]: r["device_state_fraction"] for r in rows if "device_state_fraction" in r}
     share = bench.DEVICE_STATE_SHARE   # a prefix of whole buckets: at most the share, not far below it
     assert share / 2 < kept.pop("offload_async_device_state") <= share and set(kept.values()) == {0.0}

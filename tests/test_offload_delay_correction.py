@@ -25,11 +25,13 @@ def moments(state):
                  .view_as(state[f"{key}_codes"]) for key in ("exp_avg", "exp_avg_sq"))
 
 
-def train_predicted_reference(model, opt, data, *, accum=1, clip=None, sched=None, predict_clipped=True):
-    """FusedAdam on the gradients of a shadow model whose forward k reads the engine's prediction: the
-    initial weights at steps 1 and 2 (step 1's update is installed in step 2's backward), then the prediction
+def train_predicted_reference(model, opt, data, *, accum=1, clip=None, sched=None, predict_clipped=True,
+                              flush_after=()):
+    """FusedAdam on the gradients of a shadow model whose forward k reads the engine's prediction: exact
+    weights at steps 1 and 2 (the first step is taken exactly: nothing to predict from), then the prediction
     made from the state before step k-1's update and step k-1's gradient (its sum over `accum` micro-batches),
-    with step k-2's clip factor (1 without predict_clipped: the wrong one, for a test that it matters)."""
+    with step k-2's clip factor (1 without predict_clipped: the wrong one, for a test that it matters). After
+    the steps in flush_after the next forward reads the exact weights (the flush put them up)."""
     shadow = copy.deepcopy(model)
     params = list(model.parameters())
     forward = [p.detach().clone() for p in params]
@@ -58,6 +60,8 @@ def train_predicted_reference(model, opt, data, *, accum=1, clip=None, sched=Non
             opt.clip_grad_norm_(clip)
             factor = float(next(iter(opt._pending_grad_scale.values()))) if predict_clipped else 1.0
         finish_step(opt, None, sched)
+        if k == 1 or k in flush_after:
+            forward = [p.detach().clone() for p in params]
     return losses
 
 
@@ -84,10 +88,10 @@ def test_delay_correction_trains_on_the_predicted_weights_bit_for_bit(dtype, mod
     c = off.counters()
     n = sum(p.numel() for p in model.parameters())
     size = torch.finfo(dtype).bits // 8
-    # Every step after the first installs a prediction (weights and r: twice the bytes) in the next backward;
-    # the flush puts the last update's exact weights up.
+    # The first step installs its weights at once, every later backward a prediction (weights and r: twice
+    # the bytes), and the flush the last update's own weights.
     assert c["bytes_down"] == 12 * n * size
-    assert c["bytes_up"] == (2 * 11 + 1) * n * size
+    assert c["bytes_up"] == (1 + 2 * 11 + 1) * n * size
     off.close()
 
 
@@ -116,16 +120,17 @@ def test_delay_correction_with_device_accumulation_predicts_from_the_summed_grad
     n = sum(p.numel() for p in model.parameters())
     size = torch.finfo(dtype).bits // 8
     assert c["bytes_down"] == 4 * n * size   # once per step
-    assert c["bytes_up"] == (2 * 3 + 1) * n * size
+    assert c["bytes_up"] == (1 + 2 * 3 + 1) * n * size
     off.close()
 
 
 def test_delay_correction_with_host_accumulation_installs_as_plain_delay():
-    """The last micro-batch's gradient alone is not the step's: those installs are plain delay's."""
+    """The last micro-batch's gradient alone is not the step's: those installs are plain delay's (after the
+    first step, taken exactly)."""
     data = batches(12)
     models = [tiny_gpt(torch.bfloat16) for _ in range(2)]
-    opts = [OffloadAdam(demo_model.decay_groups(m, 0.1), delay=True, delay_correction=c, bucket_size=5000, **HP)
-            for m, c in zip(models, (False, True))]
+    opts = [OffloadAdam(demo_model.decay_groups(m, 0.1), delay=True, delay_correction=c, delay_warmup=1,
+                        bucket_size=5000, **HP) for m, c in zip(models, (False, True))]
     la, lb = (train(m, o, data, accum=3) for m, o in zip(models, opts))
     assert la == lb
     assert opts[0].counters()["bytes_up"] == opts[1].counters()["bytes_up"]
@@ -152,3 +157,38 @@ def test_delay_correction_uses_the_previous_steps_clip_factor():
                                       predict_clipped=False)
     assert lb != pytest.approx(wrong, rel=1e-3)   # predicting from the unclipped gradient would show
     off.close()
+
+
+def test_delay_correction_goes_on_predicting_after_a_flush_and_a_resumed_run_takes_its_first_step_exactly():
+    """A flush (evaluation, a checkpoint) puts the update's own weights up; the next backward still predicts
+    from it. A run resumed from a checkpoint has no update to predict from: its first step is exact."""
+    data = batches(14)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
+                      **HP)
+    la = train_predicted_reference(ref, fused, data[:8], flush_after=(3, 6))
+    lb = []
+    for k, (x, y) in enumerate(data[:8], start=1):
+        lb += train(model, off, [(x, y)])
+        if k in (3, 6):
+            off.flush()
+    assert la == lb
+    saved = copy.deepcopy((model.state_dict(), off.state_dict()))   # flushes: the weights of 8 steps
+    # Resumed in a new optimizer (FusedAdam's checkpoints are interchangeable with it), against the reference
+    # resumed from the same checkpoint, whose first step is exact.
+    resumed = tiny_gpt(torch.bfloat16)
+    resumed.load_state_dict(saved[0])
+    off2 = OffloadAdam(demo_model.decay_groups(resumed, 0.1), delay=True, delay_correction=True, bucket_size=5000,
+                       **HP)
+    off2.load_state_dict(saved[1])
+    ref2 = tiny_gpt(torch.bfloat16)
+    ref2.load_state_dict(saved[0])
+    fused2 = FusedAdam(demo_model.decay_groups(ref2, 0.1), **HP)
+    fused2.load_state_dict(saved[1])
+    assert train_predicted_reference(ref2, fused2, data[8:]) == train(resumed, off2, data[8:])
+    off2.flush()
+    assert_same_training(ref2, resumed, fused2, off2)
+    for o in (off, off2):
+        o.close()

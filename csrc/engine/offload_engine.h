@@ -196,6 +196,9 @@ class OffloadEngine {
     std::shared_future<void> updated;
     TicketPtr uploaded[2];
     TicketPtr ahead_uploaded;    // delay_correction: the last upload that read its part of bucket.ahead
+    // delay_correction: bucket.ahead holds the prediction for the coming step, not yet installed (also
+    // after a flush put the update's own weights up: the next backward still predicts from it)
+    bool predictable = false;
     // delay_correction: the device holds the prediction, not staging[pending_side]'s weights (until step();
     // a flush before it puts those back)
     bool predicted = false;

@@ -69,11 +69,12 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
     bool now, whole;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      now = p.pending_upload && (!accumulating_ || p.pending_side == side_);
       whole = !accumulating_ && !p.has_grad;  // this gradient is the step's whole gradient
+      // delay_correction predicts from a whole gradient only (with accumulation on the host, earlier
+      // micro-batches' parts are not on the device; device_accumulation hands the sum over here), also
+      // after a flush installed the update's own weights.
+      now = (p.pending_upload && (!accumulating_ || p.pending_side == side_)) || (whole && p.predictable);
     }
-    // delay_correction predicts from a whole gradient only (with accumulation on the host, earlier
-    // micro-batches' parts are not on the device; device_accumulation hands the sum over here).
     if (now) install(i, whole ? &grad : nullptr);
   }
   bool accumulate_into_staging, take_sq_sum;

@@ -33,6 +33,7 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
     if (options_.delay) {
       // Supersedes weights still pending from an earlier step, if any.
       p.pending_upload = true;
+      p.predictable = options_.delay_correction;
       p.pending_side = side_;
       p.updated = updated;
     }
@@ -172,13 +173,13 @@ void OffloadEngine::install(int64_t i, const at::Tensor* grad) {
   std::shared_future<void> updated;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!p.pending_upload) return;
+    if (!p.pending_upload && !(grad != nullptr && p.predictable)) return;
     updated = p.updated;
   }
   updated.wait();  // normally long done: it ran during this forward and backward
   check_installable();  // a failed update left no weights to install
   std::lock_guard<std::mutex> lock(mu_);
-  if (p.pending_upload) {
+  if (p.pending_upload || (grad != nullptr && p.predictable)) {
     upload_pending_locked(p, grad);
     ++installed_since_step_;
   }
@@ -219,11 +220,11 @@ void OffloadEngine::install_for_forward(const std::vector<int64_t>& ids) {
 void OffloadEngine::upload_pending_locked(Param& p, const at::Tensor* grad) {
   const int64_t esize = element_size(p.dtype);
   if (p.numel == 0) {
-    p.pending_upload = false;
+    p.pending_upload = p.predictable = false;
     return;
   }
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
-  if (grad != nullptr && options_.delay_correction) {
+  if (grad != nullptr && p.predictable) {
     // The prediction instead of the new weights; the new weights stay in the staging for a flush.
     const GroupHparams& h = groups_[static_cast<size_t>(p.group)];
     const float step = static_cast<const float*>(steps_->data())[&p - params_.data()];
@@ -231,7 +232,7 @@ void OffloadEngine::upload_pending_locked(Param& p, const at::Tensor* grad) {
     p.ahead_uploaded = transfer_->upload_corrected(
         ahead + p.offset * esize, ahead + (b.numel + p.offset) * esize, p.tensor, *grad, p.numel * esize,
         delay_correction(h.lr, h.beta1, h.beta2, h.eps, h.bias_correction, step, last_grad_scale_));
-    p.pending_upload = false;
+    p.pending_upload = p.predictable = false;
     p.predicted = true;
     bytes_up_ += 2 * p.numel * esize;
     return;
@@ -274,6 +275,8 @@ void OffloadEngine::step(double grad_scale) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A prediction is for the step right after its update: this step's updates make the next ones.
+    for (Param& p : params_) p.predictable = false;
     const size_t nb = buckets_.size();
     for (size_t k = 0; k < nb; ++k) {
       // Buckets follow backward order; when the next forward installs the weights, the update
@@ -351,7 +354,7 @@ void OffloadEngine::discard_pending() {
   wait_staged();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (Param& p : params_) p.pending_upload = p.predicted = false;
+    for (Param& p : params_) p.pending_upload = p.predictable = p.predicted = false;
   }
   transfer_->wait_uploads();  // the host state is written next
   check_usable();

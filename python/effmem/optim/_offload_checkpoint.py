@@ -56,6 +56,7 @@ class OffloadCheckpoint:
                             "are refused until a load_state_dict completes")
             raise
         self._step_count = int(max((step for _, _, step in plan), default=0))
+        self._exact_next = True   # delay_correction: the dropped update's prediction went with it
         # A consistent state again: a failed overlap backward is behind us, opt.state is the engine's.
         self._broken = None
         self._open_tasks.clear()

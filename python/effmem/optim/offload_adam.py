@@ -119,18 +119,18 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             backward raises. Costs a second gradient staging buffer in host
             memory, as ``delay``. Call ``flush()`` before reading the
             parameters outside training.
-        delay_correction: with ``delay=True``, runs the next forward on weights predicted from this
-            step's gradient instead of one-step-old ones. The host's update writes, beside the new
-            weights, a prediction of the next step's weights without its gradient and Adam's denominator
-            without it (``common/delay_correction_math.h``); as backward hands each parameter's gradient
-            over, the device adds that gradient's Adam step (its exact denominator, the previous step's
-            clip factor and the current learning rate). The next gradient is then taken at nearly the
-            weights exact Adam would have, and the host applies it to its exact master and moments: a
-            2-layer Llama from scratch ended within 0.1-0.3% of exact Adam's loss where plain delay ended
-            22% above (``bench/bench_delay_warmup.py``). Costs 2 B/param more per step up the link and
-            4 B/param of pinned host memory (for bf16), and a device kernel per parameter. With
-            accumulation on the host only buckets kept by ``device_accumulation`` are predicted (the
-            others go up as plain delay's); a flush installs the exact weights.
+        delay_correction: with ``delay=True``, the next forward runs on weights predicted from this step's
+            gradient instead of one-step-old ones. The host's update writes, beside the new weights, the next
+            step's weights without its gradient's part and Adam's denominator without it
+            (``csrc/common/delay_correction_math.h``); as backward hands each parameter's gradient over, the
+            device adds that gradient's Adam step (its own denominator, the previous step's clip factor, the
+            last step's learning rate). The next gradient is thus taken at nearly the weights exact Adam
+            would have, and the host applies it to its exact master and moments. The first step (and the
+            first after ``load_state_dict``) is taken exactly, having nothing to predict from. Costs 2 B/param
+            more up the link per step and 4 B/param of pinned host memory (bf16), and a device kernel per
+            parameter. With accumulation on the host, buckets not kept by ``device_accumulation`` go up as
+            plain delay's (the device has only the last micro-batch's gradient). A flush installs the update's
+            own weights; the next backward predicts from it again.
         delay_warmup: with ``delay=True``, the number of exact steps taken
             first (each installs its weights before returning), counted from
             the first step or a loaded checkpoint's. Default 0: on a small Llama
@@ -252,6 +252,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._resident, self._resident_opt, self._first = [], None, 0
         self._accumulating = False
         self._step_count = 0  # steps taken (restored by load_state_dict): the warm-up's clock
+        # delay_correction: the next step installs its weights at once (the first, and the first after a load:
+        # their forwards have no update to predict from)
+        self._exact_next = True
         self._hooks = []
         self._ddp_handles = []
         self._lock = threading.Lock()
@@ -433,7 +436,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
             self._queued.clear()
             self._step_count += 1
-        if self._delay and not self._async and self._step_count <= self._delay_warmup:
+        exact, self._exact_next = self._exact_next and self._delay_correction, False
+        if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._engine.synchronize()
         self._in_backward = False
