@@ -13,24 +13,35 @@
 //   w    = pred - lr (1 - beta1) / bc1 * (c g) / (sqrt(r^2 + (1 - beta2) / bc2 (c g)^2) + eps).
 // The gradient's part has Adam's exact denominator (a first gradient, v_t = 0, moves a weight by at most
 // about lr (1 - beta1) / sqrt(1 - beta2) / bc1 * sqrt(bc2), as Adam's own step); the momentum's part lacks
-// only the new gradient's share of v. `c` is the previous step's factor (the clip norm is not known yet), a
+// only the new gradient's share of v. In L2 mode (Adam: the weight decay wd w added to the gradient) r also
+// takes that known part's share, r = sqrt((beta2 v_t + (1 - beta2) (wd w)^2) / bc2), so that its term in
+// pred is bounded as Adam's step is (only the cross term 2 (c g) (wd w) of v is left out). r is kept in the
+// weights' dtype, except bf16 for float16 weights (whose range would flush a small r to 0). `c` is the previous step's factor (the clip norm is not known yet), a
 // non-finite gradient (a step GradScaler will skip) adds nothing, and the learning rate is this step's. Only
 // the weights the next forward reads are predicted: the host's master, moments and weights stay exact Adam,
 // fed the gradients taken at the predicted weights.
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "adam_math.h"
+#include "float_bits.h"
 #include "hd.h"
 
 namespace effmem {
+
+// How r is stored for weights stored as T.
+template <class T>
+using DelayR = std::conditional_t<std::is_same_v<T, f16_t>, bf16_t, T>;
 
 struct DelayPrediction {
   float decay_factor;  // 1 - lr wd (AdamW), 1 (Adam)
   float momentum;      // lr beta1 / bc1
   float l2;            // lr (1 - beta1) wd / bc1 in L2 mode, else 0: the weight decay's share of the gradient
   float v_scale;       // sqrt(beta2) / sqrt(bc2)
+  float v_coef;        // L2 mode: beta2 / bc2
+  float wd2;           // L2 mode: (1 - beta2) / bc2 * wd^2, else 0
   float eps;
 };
 
@@ -53,6 +64,8 @@ EFFMEM_HD DelayPrediction delay_prediction(double lr, double beta1, double beta2
   p.momentum = static_cast<float>(lr * beta1 / bc1);
   p.l2 = static_cast<float>(decoupled ? 0.0 : lr * (1.0 - beta1) * weight_decay / bc1);
   p.v_scale = static_cast<float>(sqrt(beta2 / bc2));
+  p.v_coef = static_cast<float>(beta2 / bc2);
+  p.wd2 = static_cast<float>(decoupled ? 0.0 : (1.0 - beta2) / bc2 * weight_decay * weight_decay);
   p.eps = static_cast<float>(eps);
   return p;
 }
@@ -66,12 +79,12 @@ EFFMEM_HD DelayCorrection delay_correction(double lr, double beta1, double beta2
           static_cast<float>((1.0 - beta2) / bc2), static_cast<float>(eps)};
 }
 
-// The host's half, from the master weight and moments after its update. r is stored in the weights' dtype
-// and read back from it, so pred takes r as stored (`round`: the storage type's rounding).
+// The host's half, from the master weight and moments after its update. pred takes r as stored (`round`:
+// the rounding of r's storage type), which the device reads back.
 template <class Round>
 EFFMEM_HD void delay_predict(float w, float m, float v, const DelayPrediction& c, Round round, float* pred,
                              float* r) {
-  *r = round(sqrtf(v) * c.v_scale);
+  *r = round(c.wd2 == 0.0f ? sqrtf(v) * c.v_scale : sqrtf(v * c.v_coef + c.wd2 * (w * w)));
   *pred = w * c.decay_factor - (c.momentum * m + c.l2 * w) / (*r + c.eps);
 }
 

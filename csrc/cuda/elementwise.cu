@@ -102,14 +102,17 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // OffloadAdam's delay_correction: w = delay_correct(w, r, g), on the engine's upload stream.
+// r is DelayR<T>: T, or bf16 for float16 weights (the same width, so one pack of each per iteration).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    delay_correction_kernel(T* w, const T* r, const T* g, int64_t n, DelayCorrection c, bool vec) {
+    delay_correction_kernel(T* w, const DelayR<T>* r, const T* g, int64_t n, DelayCorrection c, bool vec) {
+  using R = DelayR<T>;
+  static_assert(sizeof(R) == sizeof(T));
   each<T>(
       n, vec,
       [&](int64_t i) {
         Vec<T> wv = *reinterpret_cast<const Vec<T>*>(w + i);
-        const Vec<T> rv = *reinterpret_cast<const Vec<T>*>(r + i);
+        const Vec<R> rv = *reinterpret_cast<const Vec<R>*>(r + i);
         const Vec<T> gv = *reinterpret_cast<const Vec<T>*>(g + i);
 #pragma unroll
         for (int k = 0; k < Vec<T>::kN; ++k) {
@@ -229,7 +232,7 @@ void launch_delay_correction(void* w, const void* r, const void* g, int64_t n, a
   dispatch_float_dtype(dtype, "params", [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* wp = static_cast<T*>(w);
-    const T* rp = static_cast<const T*>(r);
+    const DelayR<T>* rp = static_cast<const DelayR<T>*>(r);
     const T* gp = static_cast<const T*>(g);
     delay_correction_kernel<T><<<blocks_for<T>(n), kThreads, 0, stream>>>(wp, rp, gp, n, c,
                                                                           all_aligned(wp, rp, gp));

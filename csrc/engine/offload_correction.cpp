@@ -17,7 +17,7 @@ namespace {
 template <class T>
 void predict_typed(const float* w, const float* m, const float* v, const uint8_t* m8, const uint8_t* v8,
                    const float* m_scale, const float* v_scale, int64_t first_block_element, int64_t n,
-                   const DelayPrediction& c, T* pred, T* r) {
+                   const DelayPrediction& c, T* pred, DelayR<T>* r) {
   for (int64_t i = 0; i < n; ++i) {
     float mi, vi;
     if (m8 != nullptr) {  // 8-bit moments: decoded as the next update will decode them
@@ -29,14 +29,14 @@ void predict_typed(const float* w, const float* m, const float* v, const uint8_t
       vi = v[i];
     }
     float p, q;
-    delay_predict(w[i], mi, vi, c, round_to<T>, &p, &q);
+    delay_predict(w[i], mi, vi, c, round_to<DelayR<T>>, &p, &q);
     store_float(pred + i, round_to<T>(p));
     store_float(r + i, q);
   }
 }
 
 template <class T>
-void correct_typed(T* w, const T* r, const T* g, int64_t n, const DelayCorrection& c) {
+void correct_typed(T* w, const DelayR<T>* r, const T* g, int64_t n, const DelayCorrection& c) {
   for (int64_t i = 0; i < n; ++i) {
     store_float(w + i, round_to<T>(delay_correct(load_as_float(w + i), load_as_float(r + i),
                                                  load_as_float(g + i), c)));
@@ -71,7 +71,7 @@ void OffloadEngine::predict_span(const Param& p, int64_t off, int64_t n, const G
     case cpu::kBF16:
       return predict_typed(w, m, v, m8, v8, ms, vs, off, n, c, static_cast<bf16_t*>(pred), static_cast<bf16_t*>(r));
     default:
-      return predict_typed(w, m, v, m8, v8, ms, vs, off, n, c, static_cast<f16_t*>(pred), static_cast<f16_t*>(r));
+      return predict_typed(w, m, v, m8, v8, ms, vs, off, n, c, static_cast<f16_t*>(pred), static_cast<bf16_t*>(r));
   }
 }
 
@@ -84,7 +84,7 @@ void correct_on_host(void* w, const void* r, const void* g, int64_t n, at::Scala
       return correct_typed(static_cast<bf16_t*>(w), static_cast<const bf16_t*>(r), static_cast<const bf16_t*>(g),
                            n, c);
     case at::kHalf:
-      return correct_typed(static_cast<f16_t*>(w), static_cast<const f16_t*>(r), static_cast<const f16_t*>(g), n,
+      return correct_typed(static_cast<f16_t*>(w), static_cast<const bf16_t*>(r), static_cast<const f16_t*>(g), n,
                            c);
     default:
       TORCH_CHECK_TYPE(false, "delay_correction: parameters must be float32, bfloat16 or float16, got ", dtype);

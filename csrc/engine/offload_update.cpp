@@ -322,6 +322,17 @@ void OffloadEngine::zero_grad() {
   }
   wait_idle();
   wait_staged();
+  {
+    // delay_correction: predictions made from the gradients dropped here give way to the update's own
+    // weights, and the next backward predicts again.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Param& p : params_) {
+      if (p.predicted) {
+        upload_pending_locked(p);
+        p.predictable = true;
+      }
+    }
+  }
   // Overlap mode without step(): updates that ran during backward uploaded
   // weights that the next forward must wait for.
   transfer_->fence();

@@ -188,16 +188,17 @@ class CudaTransfer : public Transfer {
     check_device(grad);
     DeviceGuard guard(index_of(device_));
     std::lock_guard<std::mutex> lock(mu_);
-    readers_ = record(device_, current(), kStreamEvent);  // the old weights' readers, and grad's maker
-    EFFMEM_CUDA_OK(cudaStreamWaitEvent(up_raw_, readers_->get(), 0));
-    EFFMEM_CUDA_OK(cudaMemcpyAsync(dst.data_ptr(), pred, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
-                                   up_raw_));
     // Scratch from the caching allocator on h2d: freed below, reused only by later work on that stream.
+    // First, so that running out of memory leaves the parameter as it was.
     c10::DataPtr scratch;
     {
       c10::cuda::CUDAStreamGuard on_up(up_);
       scratch = c10::cuda::CUDACachingAllocator::get()->allocate(static_cast<size_t>(bytes));
     }
+    readers_ = record(device_, current(), kStreamEvent);  // the old weights' readers, and grad's maker
+    EFFMEM_CUDA_OK(cudaStreamWaitEvent(up_raw_, readers_->get(), 0));
+    EFFMEM_CUDA_OK(cudaMemcpyAsync(dst.data_ptr(), pred, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                                   up_raw_));
     EFFMEM_CUDA_OK(cudaMemcpyAsync(scratch.get(), r, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, up_raw_));
     cuda::launch_delay_correction(dst.data_ptr(), scratch.get(), grad.data_ptr(), dst.numel(), dst.scalar_type(),
                                   c, up_raw_);

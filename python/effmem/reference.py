@@ -252,16 +252,25 @@ def adam8_step(master: Tensor, grad: Tensor, m_codes: Tensor, v_codes: Tensor, m
 def delay_correction_weights(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, dtype,
                              group: dict, lr: float, step: float, grad_scale: float = 1.0) -> Tensor:
     """OffloadAdam(delay=True, delay_correction=True): the weights the next forward reads, from the float32
-    state after `step` updates (run with `lr` and group's other hyper-parameters, AdamW) and the next gradient
+    state after `step` updates (run with `lr` and group's other hyper-parameters) and the next gradient
     (csrc/common/delay_correction_math.h: delay_predict on the host, rounded to `dtype`, then delay_correct),
     operation by operation in float32."""
     import math
     f = lambda x: torch.tensor(x, dtype=torch.float32, device=master.device)   # noqa: E731  (a double rounded once)
     lr = float(f(lr))
     (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
-    bc1, bc2 = 1.0 - _pow_step(b1, step + 1.0), 1.0 - _pow_step(b2, step + 1.0)
-    r = (sqrt32(exp_avg_sq) * f(math.sqrt(b2 / bc2))).to(dtype).float()
-    pred = master * f(1.0 - lr * wd) - (f(lr * b1 / bc1) * exp_avg + f(0.0) * master) / (r + f(eps))
+    decoupled = group.get("decoupled_weight_decay", True)
+    bc1, bc2 = ((1.0 - _pow_step(b1, step + 1.0), 1.0 - _pow_step(b2, step + 1.0))
+                if group.get("bias_correction", True) else (1.0, 1.0))
+    r_dtype = torch.bfloat16 if dtype == torch.float16 else dtype   # float16's range would flush small r to 0
+    wd2 = f(0.0 if decoupled else (1.0 - b2) / bc2 * wd * wd)
+    if float(wd2) == 0.0:
+        r = sqrt32(exp_avg_sq) * f(math.sqrt(b2 / bc2))
+    else:   # the weight decay's share of the new v too
+        r = sqrt32(exp_avg_sq * f(b2 / bc2) + wd2 * (master * master))
+    r = r.to(r_dtype).float()
+    decay, l2 = (f(1.0 - lr * wd), f(0.0)) if decoupled else (f(1.0), f(lr * (1.0 - b1) * wd / bc1))
+    pred = master * decay - (f(lr * b1 / bc1) * exp_avg + l2 * master) / (r + f(eps))
     pred = pred.to(dtype).float()
     gs = grad.float() * f(grad_scale)
     gs = torch.where(gs.abs() <= torch.finfo(torch.float32).max, gs, torch.zeros_like(gs))   # GradScaler's skip
