@@ -80,12 +80,12 @@ EFFMEM_HD DelayCorrection delay_correction(double lr, double beta1, double beta2
 }
 
 // The host's half, from the master weight and moments after its update. pred takes r as stored (`round`:
-// the rounding of r's storage type), which the device reads back.
-template <class Round>
-EFFMEM_HD void delay_predict(float w, float m, float v, const DelayPrediction& c, Round round, float* pred,
-                             float* r) {
-  *r = round(c.wd2 == 0.0f ? sqrtf(v) * c.v_scale : sqrtf(v * c.v_coef + c.wd2 * (w * w)));
-  *pred = w * c.decay_factor - (c.momentum * m + c.l2 * w) / (*r + c.eps);
+// the rounding of r's storage type), which the device reads back. F is float, or a CPU kernel's SIMD vector
+// (as adam_update's): the same IEEE operations either way.
+template <class F, class Round>
+EFFMEM_HD void delay_predict(F w, F m, F v, const DelayPrediction& c, Round round, F* pred, F* r) {
+  *r = round(c.wd2 == 0.0f ? sqrt_(v) * F(c.v_scale) : sqrt_(v * F(c.v_coef) + F(c.wd2) * (w * w)));
+  *pred = w * F(c.decay_factor) - (F(c.momentum) * m + F(c.l2) * w) / (*r + F(c.eps));
 }
 
 // The device's half.

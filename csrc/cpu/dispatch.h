@@ -9,6 +9,7 @@
 
 #include "common/adam8_math.h"
 #include "common/adam_math.h"
+#include "common/delay_correction_math.h"
 #include "common/quant_math.h"
 #include "common/swiglu_math.h"
 
@@ -16,6 +17,15 @@ namespace effmem::cpu {
 
 // Storage formats, indexed as in the tables below.
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNumDTypes = 3 };
+
+// OffloadAdam's delay_correction: where an update also writes the prediction of the next step's weights
+// (common/delay_correction_math.h) from the state it has just written: pred in the weights' dtype, r in
+// DelayR of it. Null pred: no prediction (FusedAdam, the engine's other modes).
+struct DelayOut {
+  void* pred = nullptr;
+  void* r = nullptr;
+  const DelayPrediction* c = nullptr;
+};
 
 // One contiguous span of an Adam update. For fp32 params `master` is the
 // param itself and `param` is unused.
@@ -25,6 +35,7 @@ struct AdamSpan {
   float* master;
   float* exp_avg;
   float* exp_avg_sq;
+  DelayOut delay = {};
 };
 
 using AdamFn = void (*)(const AdamSpan& span, int64_t n, const AdamCoeffs& c);
@@ -43,6 +54,7 @@ struct Adam8Span {
   float* v_scale;
   uint64_t first;
   uint64_t seed_m, seed_v;
+  DelayOut delay = {};   // predicted from the moments as stored (decoded again), as the next update reads them
 };
 
 using Adam8Fn = void (*)(const Adam8Span& span, int64_t n, const AdamCoeffs& c);

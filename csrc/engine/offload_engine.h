@@ -234,9 +234,7 @@ class OffloadEngine {
   // `grad` (the whole step's gradient, just made), the weights predicted from it instead.
   void install(int64_t i, const at::Tensor* grad = nullptr);
   void upload_pending_locked(Param& p, const at::Tensor* grad = nullptr);  // caller holds mu_; the update is done
-  // delay_correction: the prediction's inputs for the next step, from the state a bucket update has just
-  // written (elements [off, off + n) of param j).
-  void predict_span(const Param& p, int64_t off, int64_t n, const GroupHparams& h, float step) const;
+
   void accumulate(int64_t i, const at::Tensor& grad);
   // Once clipping is in use (grad_sq_sums was called), grad_ready queues the sum of squares of param i's
   // gradient (the gen-th it got, landed in `data` by the copy `staged`) on the add lane, after its copy

@@ -94,10 +94,10 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
     cpu::Adam8Span span8;
     int64_t n;
     size_t coeff;
-    int64_t param, off;  // delay_correction's prediction: which elements
-    float step;
   };
   std::vector<AdamCoeffs> coeffs;
+  std::vector<DelayPrediction> predictions;   // delay_correction: per parameter, as coeffs
+  char* ahead = options_.delay_correction ? static_cast<char*>(b.ahead->data()) : nullptr;
   std::vector<Work> work;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -107,6 +107,10 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
       steps[j] += 1.0f;
       coeffs.push_back(adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
                                    h.bias_correction, steps[j], grad_scale));
+      if (ahead != nullptr) {
+        predictions.push_back(delay_prediction(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
+                                               h.bias_correction, steps[j]));
+      }
       char* stage = staging_of(p, side);
       float* master = static_cast<float*>(b.master->data()) + p.offset;
       for (int64_t off = 0; off < p.numel; off += cpu::kAdamSpan) {
@@ -116,9 +120,10 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
         Work w{};
         w.n = std::min(cpu::kAdamSpan, p.numel - off);
         w.coeff = coeffs.size() - 1;
-        w.param = j;
-        w.off = off;
-        w.step = steps[j];
+        // delay_correction: the update also writes the next step's prediction into bucket.ahead (the
+        // DelayPrediction's address is set below, once `predictions` stops growing)
+        const cpu::DelayOut out = ahead == nullptr ? cpu::DelayOut{} : cpu::DelayOut{
+            ahead + (p.offset + off) * esize, ahead + (b.numel + p.offset + off) * esize, nullptr};
         if (eight) {
           // Spans start on 8-bit blocks (kAdamSpan is a multiple of kAdam8Block); the salt is the
           // parameter's place in the optimizer, as FusedAdam's.
@@ -129,24 +134,23 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
                      static_cast<uint8_t*>(b.exp_avg_sq->data()) + p.offset + off,
                      static_cast<float*>(b.exp_avg_scale->data()) + blk,
                      static_cast<float*>(b.exp_avg_sq_scale->data()) + blk, static_cast<uint64_t>(off),
-                     adam8_seed(steps[j], salt, false), adam8_seed(steps[j], salt, true)};
+                     adam8_seed(steps[j], salt, false), adam8_seed(steps[j], salt, true), out};
         } else {
           w.span = {g, g, master + off, static_cast<float*>(b.exp_avg->data()) + p.offset + off,
-                    static_cast<float*>(b.exp_avg_sq->data()) + p.offset + off};
+                    static_cast<float*>(b.exp_avg_sq->data()) + p.offset + off, out};
         }
         work.push_back(w);
       }
     }
+  }
+  if (ahead != nullptr) {
+    for (Work& w : work) w.span.delay.c = w.span8.delay.c = &predictions[w.coeff];
   }
   pool_->run(static_cast<int64_t>(work.size()), [&](int64_t k) {
     if (eight) {
       fn8(work[k].span8, work[k].n, coeffs[work[k].coeff]);
     } else {
       fn(work[k].span, work[k].n, coeffs[work[k].coeff]);
-    }
-    if (options_.delay_correction) {  // while the span's state is in cache
-      const Param& p = params_[static_cast<size_t>(work[k].param)];
-      predict_span(p, work[k].off, work[k].n, hparams[static_cast<size_t>(p.group)], work[k].step);
     }
   });
   updates_ += static_cast<int64_t>(ids.size());
