@@ -1,7 +1,8 @@
 """What OffloadAdam(delay=True) costs in loss, with and without delay_warmup, on the CPU.
 
     python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--correction-warmups 0]
-                                       [--torch-stale] [--schedule] [--optimizers]
+                                       [--seeds 1] [--clip 1.0] [--noise] [--torch-stale] [--schedule]
+                                       [--optimizers]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0 (--clip): plain
@@ -10,10 +11,12 @@ with each of --correction-warmups, and (--torch-stale) torch's AdamW fed
 one-step-stale gradients, the same math as delay without effmem. --schedule: the learning rate
 of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) instead of a constant
 one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
-against one-step-stale: which update rules staleness hurts. Prints the mean loss of the last 10
-steps of each and its gap to the exact run.
+against one-step-stale: which update rules staleness hurts. --noise: torch's AdamW on exact gradients,
+how far two exact runs drift apart. Prints the mean loss of the last 10 steps of each and its gap to
+the exact run, per seed, and with --seeds > 1 each row's mean gap over the seeds.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
@@ -25,40 +28,47 @@ import common  # noqa: E402
 from effmem import OffloadAdam, demo_model  # noqa: E402
 
 
-SEED = 0   # --seeds: the model's initialisation and the batches' order (0: the figures in the README)
-CLIP = 1.0   # --clip: the global norm clipped to (0: none)
+@dataclasses.dataclass
+class Setting:
+    """What the runs of one comparison share. seed: the model's initialisation and the batches' order (0: the
+    README's single-seed figures); clip: the global norm clipped to (0: none)."""
+    corpus: torch.Tensor
+    steps: int
+    schedule: bool = False
+    seed: int = 0
+    clip: float = 1.0
 
 
-def model():
+def model(seed):
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2))
 
 
-def batches(corpus, steps):
-    g = torch.Generator().manual_seed(1 + SEED)
-    for _ in range(steps):
-        i = torch.randint(0, len(corpus) - 65, (16,), generator=g)
-        yield torch.stack([corpus[j:j + 64] for j in i])
+def batches(s: Setting):
+    g = torch.Generator().manual_seed(1 + s.seed)
+    for _ in range(s.steps):
+        i = torch.randint(0, len(s.corpus) - 65, (16,), generator=g)
+        yield torch.stack([s.corpus[j:j + 64] for j in i])
 
 
-def scheduler(opt, steps, schedule):
+def scheduler(opt, s: Setting):
     from effmem.cli import lr_lambda
-    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps) if schedule else (lambda step: 1.0))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.steps) if s.schedule else (lambda step: 1.0))
 
 
-def run_offload(corpus, steps, delay, warmup, schedule=False, correction=False):
-    m = model()
+def run_offload(s: Setting, delay, warmup, correction=False):
+    m = model(s.seed)
     opt = OffloadAdam(m.parameters(), lr=3e-3, weight_decay=0.1, delay=delay, delay_warmup=warmup,
                       delay_correction=correction)
-    sched = scheduler(opt, steps, schedule)
+    sched = scheduler(opt, s)
     losses = []
-    for x in batches(corpus, steps):
+    for x in batches(s):
         loss = m(input_ids=x, labels=x).loss
         loss.backward()
-        if CLIP:
-            opt.clip_grad_norm_(CLIP)
+        if s.clip:
+            opt.clip_grad_norm_(s.clip)
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -68,18 +78,18 @@ def run_offload(corpus, steps, delay, warmup, schedule=False, correction=False):
     return sum(tail) / len(tail)
 
 
-def run_torch(corpus, steps, schedule=False, stale=True, make_opt=None):
+def run_torch(s: Setting, stale=True, make_opt=None):
     """torch's AdamW (or `make_opt(params)`), fed one-step-stale gradients (`stale`) or exact ones."""
-    m = model()
+    m = model(s.seed)
     ps = list(m.parameters())
     opt = make_opt(ps) if make_opt else torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)
-    sched = scheduler(opt, steps, schedule)
+    sched = scheduler(opt, s)
     losses, previous = [], None
-    for x in batches(corpus, steps):
+    for x in batches(s):
         loss = m(input_ids=x, labels=x).loss
         loss.backward()
-        if CLIP:
-            torch.nn.utils.clip_grad_norm_(ps, CLIP)
+        if s.clip:
+            torch.nn.utils.clip_grad_norm_(ps, s.clip)
         current = [p.grad.clone() for p in ps]
         if not stale:
             opt.step()
@@ -103,7 +113,6 @@ OPTIMIZERS = {"AdamW without momentum (beta1=0)": lambda ps: torch.optim.AdamW(p
 
 
 def main(argv=None):
-    global SEED, CLIP
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=common.count, default=400)
     parser.add_argument("--warmups", type=int, nargs="*", default=[0, 50, 100, 200])
@@ -121,35 +130,35 @@ def main(argv=None):
     parser.add_argument("--optimizers", action="store_true",
                         help="also torch's AdamW without momentum and SGD, each exact against one-step stale")
     args = parser.parse_args(argv)
-    CLIP = args.clip
     warnings.simplefilter("ignore")
     corpus = torch.tensor(list(demo_model.stdlib_corpus(max_bytes=1 << 20)), dtype=torch.long)
     gaps = {}
-    for SEED in range(args.seeds):
-        exact = run_offload(corpus, args.steps, False, 0, args.schedule)
+    for seed in range(args.seeds):
+        s = Setting(corpus, args.steps, args.schedule, seed, args.clip)
+        exact = run_offload(s, False, 0)
         print(f"{args.steps} steps, {'warm-up + cosine' if args.schedule else 'constant'} learning rate, seed "
-              f"{SEED}; final loss (mean of the last 10): exact OffloadAdam {exact:.4f}", flush=True)
+              f"{seed}; final loss (mean of the last 10): exact OffloadAdam {exact:.4f}", flush=True)
 
         def report(name, loss, exact=exact):
             gaps.setdefault(name, []).append((loss - exact) / exact)
             print(f"  {name:<48s} {loss:.4f}  ({gaps[name][-1]:+.2%})", flush=True)
         for w in args.warmups:
-            report(f"delay, delay_warmup={w}", run_offload(corpus, args.steps, True, w, args.schedule))
+            report(f"delay, delay_warmup={w}", run_offload(s, True, w))
         for w in args.correction_warmups:
-            report(f"delay + delay_correction, delay_warmup={w}",
-                   run_offload(corpus, args.steps, True, w, args.schedule, correction=True))
+            report(f"delay + delay_correction, delay_warmup={w}", run_offload(s, True, w, correction=True))
         if args.noise:
-            report("torch AdamW, exact gradients (noise floor)", run_torch(corpus, args.steps, args.schedule, stale=False))
+            report("torch AdamW, exact gradients (noise floor)", run_torch(s, stale=False))
         if args.torch_stale:
-            report("torch AdamW, one-step-stale gradients", run_torch(corpus, args.steps, args.schedule))
+            report("torch AdamW, one-step-stale gradients", run_torch(s))
     if args.seeds > 1:
         print(f"gap to exact OffloadAdam over {args.seeds} seeds: mean (min .. max)")
         for name, g in gaps.items():
             print(f"  {name:<48s} {sum(g) / len(g):+.2%}  ({min(g):+.2%} .. {max(g):+.2%})")
     if args.optimizers:
+        s = Setting(corpus, args.steps, args.schedule, 0, args.clip)
         for name, make in OPTIMIZERS.items():
-            ref = run_torch(corpus, args.steps, args.schedule, stale=False, make_opt=make)
-            loss = run_torch(corpus, args.steps, args.schedule, make_opt=make)
+            ref = run_torch(s, stale=False, make_opt=make)
+            loss = run_torch(s, make_opt=make)
             print(f"  {name}: exact {ref:.4f}, one-step-stale {loss:.4f}  ({(loss - ref) / ref:+.1%})")
 
 

@@ -31,8 +31,9 @@
 #                                    by the session's device time before its device_state row)
 #   next: build cuda_tests first (2026-11-30 added OffloadAdam's delay_correction: a CUDA kernel and scratch
 #   memory on the engine's upload stream, csrc/engine/transfer_cuda.cpp upload_corrected, never run on a GPU;
-#   test_offload_delay_correction.py's [cuda] cases check it bit for bit; 2026-11-29 changed the 8-bit Adam kernel, csrc/cuda/adam8_kernel.cuh: a block
-#   with an infinite moment takes its finite maximum; test_adam8.py::test_cuda_matches_cpu_bit_for_bit now feeds
+#   test_offload_delay_correction.py's [cuda] cases check it bit for bit; bench_offload.py's
+#   offload_delay_correction row times it; 2026-11-29 changed the 8-bit Adam kernel, csrc/cuda/adam8_kernel.cuh:
+#   a block with an infinite moment takes its finite maximum; test_adam8.py::test_cuda_matches_cpu_bit_for_bit now feeds
 #   it infinities; never run on a GPU yet; nor have, from 2026-11-29's second session, FusedAdam's compiled step
 #   with a CPU lr tensor on CUDA params (test_adam.py::test_compiled_step_*[cuda], the lr copied in the graph) and
 #   the delay mode's fences after a failed backward (test_offload_delay.py::test_delay_retry_*[cuda-*], and the

@@ -17,6 +17,12 @@ from effmem.reference import delay_correction_weights
 from offload_helpers import HP, assert_same_training, batches, finish_step, tiny_gpt, train
 
 
+def corrected(model, **kw):
+    """The OffloadAdam under test: delay with delay_correction, small buckets, the tests' hyper-parameters."""
+    kw = {"delay": True, "delay_correction": True, "bucket_size": 5000, **kw}
+    return OffloadAdam(demo_model.decay_groups(model, 0.1), **kw, **HP)
+
+
 def moments(state):
     """Adam's moments from FusedAdam's state, 8-bit ones decoded (torch ops) as the engine's update decodes them."""
     if "exp_avg_codes" not in state:
@@ -53,8 +59,8 @@ def train_predicted_reference(model, opt, data, *, accum=1, clip=None, sched=Non
                 st = opt.state[p]
                 group, lr = group_of[p]
                 master = st["master"] if "master" in st else p.detach()
-                forward.append(delay_correction_weights(master.float(), *moments(st), s.grad, p.dtype, group, lr, float(st["step"]),
-                                         factor))
+                forward.append(delay_correction_weights(master.float(), *moments(st), s.grad, p.dtype, group, lr,
+                                                        float(st["step"]), factor))
         for p, s in zip(params, shadow.parameters()):
             p.grad, s.grad = s.grad, None
         lrs = [g["lr"] for g in opt.param_groups]   # what this step's update runs with
@@ -85,8 +91,7 @@ def test_delay_correction_trains_on_the_predicted_weights_bit_for_bit(dtype, mod
     bits = 8 if mode == "8bit" else 32
     kw = dict(state_bits=bits, decoupled_weight_decay=mode != "l2", bias_correction=mode != "no_bias_correction")
     fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **kw, **HP)
-    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
-                      _host_delay_us=200.0 if mode == "host_delays" else 0.0, **kw, **HP)
+    off = corrected(model, _host_delay_us=200.0 if mode == "host_delays" else 0.0, **kw)
     sched = (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(12))) if mode == "sched" else (lambda o: None)
     la = train_predicted_reference(ref, fused, data, sched=sched(fused))
     lb = train(model, off, data, sched=sched(off))
@@ -118,8 +123,7 @@ def test_delay_correction_with_device_accumulation_predicts_from_the_summed_grad
     ref = tiny_gpt(dtype)
     model = copy.deepcopy(ref)
     fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
-    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
-                      device_accumulation=1 << 30, **HP)
+    off = corrected(model, device_accumulation=1 << 30)
     la = train_predicted_reference(ref, fused, data, accum=3)
     lb = train(model, off, data, accum=3)
     assert la == lb
@@ -138,8 +142,7 @@ def test_delay_correction_with_host_accumulation_installs_as_plain_delay():
     first step, taken exactly)."""
     data = batches(12)
     models = [tiny_gpt(torch.bfloat16) for _ in range(2)]
-    opts = [OffloadAdam(demo_model.decay_groups(m, 0.1), delay=True, delay_correction=c, delay_warmup=1,
-                        bucket_size=5000, **HP) for m, c in zip(models, (False, True))]
+    opts = [corrected(m, delay_correction=c, delay_warmup=1) for m, c in zip(models, (False, True))]
     la, lb = (train(m, o, data, accum=3) for m, o in zip(models, opts))
     assert la == lb
     assert opts[0].counters()["bytes_up"] == opts[1].counters()["bytes_up"]
@@ -155,8 +158,7 @@ def test_delay_correction_uses_the_previous_steps_clip_factor():
     ref = tiny_gpt(torch.bfloat16)
     model = copy.deepcopy(ref)
     fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
-    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
-                      **HP)
+    off = corrected(model)
     la = train_predicted_reference(ref, fused, data, clip=0.05)
     lb = train(model, off, data, clip=0.05)
     # The two norms may differ in their last bit (summed in other orders), so the steps may too.
@@ -175,8 +177,7 @@ def test_delay_correction_goes_on_predicting_after_a_flush_and_a_resumed_run_tak
     ref = tiny_gpt(torch.bfloat16)
     model = copy.deepcopy(ref)
     fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
-    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
-                      **HP)
+    off = corrected(model)
     la = train_predicted_reference(ref, fused, data[:8], flush_after=(3, 6))
     lb = []
     for k, (x, y) in enumerate(data[:8], start=1):
@@ -189,8 +190,7 @@ def test_delay_correction_goes_on_predicting_after_a_flush_and_a_resumed_run_tak
     # resumed from the same checkpoint, whose first step is exact.
     resumed = tiny_gpt(torch.bfloat16)
     resumed.load_state_dict(saved[0])
-    off2 = OffloadAdam(demo_model.decay_groups(resumed, 0.1), delay=True, delay_correction=True, bucket_size=5000,
-                       **HP)
+    off2 = corrected(resumed)
     off2.load_state_dict(saved[1])
     ref2 = tiny_gpt(torch.bfloat16)
     ref2.load_state_dict(saved[0])
@@ -220,8 +220,7 @@ def test_delay_correction_predicts_the_next_weights_within_a_fraction_of_a_step(
 def test_zero_grad_without_a_step_puts_the_exact_weights_back_and_the_next_backward_predicts_again():
     data = batches(4)
     model = tiny_gpt(torch.bfloat16)
-    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, bucket_size=5000,
-                      **HP)
+    off = corrected(model)
     train(model, off, data[:2])
     before = [p.detach().clone() for p in model.parameters()]   # predicted in the second backward
     model(*data[2])[1].backward()    # installs the prediction made from this gradient

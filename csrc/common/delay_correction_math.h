@@ -16,10 +16,11 @@
 // only the new gradient's share of v. In L2 mode (Adam: the weight decay wd w added to the gradient) r also
 // takes that known part's share, r = sqrt((beta2 v_t + (1 - beta2) (wd w)^2) / bc2), so that its term in
 // pred is bounded as Adam's step is (only the cross term 2 (c g) (wd w) of v is left out). r is kept in the
-// weights' dtype, except bf16 for float16 weights (whose range would flush a small r to 0). `c` is the previous step's factor (the clip norm is not known yet), a
-// non-finite gradient (a step GradScaler will skip) adds nothing, and the learning rate is this step's. Only
-// the weights the next forward reads are predicted: the host's master, moments and weights stay exact Adam,
-// fed the gradients taken at the predicted weights.
+// weights' dtype, except bf16 for float16 weights (whose range would flush a small r to 0). `c` is the
+// previous step's factor (the clip norm is not known yet), a non-finite gradient (a step GradScaler will skip)
+// adds nothing, and the learning rate is the previous update's (a scheduler's change reaches the prediction a
+// step late). Only the weights the next forward reads are predicted: the host's master, moments and weights
+// stay exact Adam, fed the gradients taken at the predicted weights.
 #pragma once
 
 #include <cmath>
@@ -39,44 +40,43 @@ struct DelayPrediction {
   float decay_factor;  // 1 - lr wd (AdamW), 1 (Adam)
   float momentum;      // lr beta1 / bc1
   float l2;            // lr (1 - beta1) wd / bc1 in L2 mode, else 0: the weight decay's share of the gradient
-  float v_scale;       // sqrt(beta2) / sqrt(bc2)
+  float v_scale;       // sqrt(beta2 / bc2)
   float v_coef;        // L2 mode: beta2 / bc2
   float wd2;           // L2 mode: (1 - beta2) / bc2 * wd^2, else 0
   float eps;
 };
 
 struct DelayCorrection {
-  float grad_scale;  // the previous step's clip/unscale factor
+  float grad_scale;  // the clip/unscale factor of the update that made the prediction
   float step;        // lr (1 - beta1) / bc1
   float g2_scale;    // (1 - beta2) / bc2
   float eps;
 };
 
-// Both for the step after `step` (the count after the host's update), from the hyper-parameters as adam_coeffs
-// takes them (the bias corrections in double, rounded once).
-EFFMEM_HD DelayPrediction delay_prediction(double lr, double beta1, double beta2, double eps, double weight_decay,
-                                           bool decoupled, bool bias_correction, double step) {
-  lr = static_cast<double>(static_cast<float>(lr));
-  const double bc1 = bias_correction ? 1.0 - pow_step(beta1, step + 1.0) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - pow_step(beta2, step + 1.0) : 1.0;
-  DelayPrediction p;
-  p.decay_factor = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
-  p.momentum = static_cast<float>(lr * beta1 / bc1);
-  p.l2 = static_cast<float>(decoupled ? 0.0 : lr * (1.0 - beta1) * weight_decay / bc1);
-  p.v_scale = static_cast<float>(sqrt(beta2 / bc2));
-  p.v_coef = static_cast<float>(beta2 / bc2);
-  p.wd2 = static_cast<float>(decoupled ? 0.0 : (1.0 - beta2) / bc2 * weight_decay * weight_decay);
-  p.eps = static_cast<float>(eps);
-  return p;
-}
+struct DelayCoeffs {
+  DelayPrediction predict;
+  DelayCorrection correct;
+};
 
-EFFMEM_HD DelayCorrection delay_correction(double lr, double beta1, double beta2, double eps, bool bias_correction,
-                                           double step, double grad_scale) {
+// Both halves' constants for the step after `step` (the count after the host's update), from the update's
+// hyper-parameters and clip/unscale factor, as adam_coeffs takes them (lr rounded to float first; the bias
+// corrections in double, rounded once).
+EFFMEM_HD DelayCoeffs delay_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                   bool decoupled, bool bias_correction, double step, double grad_scale) {
   lr = static_cast<double>(static_cast<float>(lr));
   const double bc1 = bias_correction ? 1.0 - pow_step(beta1, step + 1.0) : 1.0;
   const double bc2 = bias_correction ? 1.0 - pow_step(beta2, step + 1.0) : 1.0;
-  return {static_cast<float>(grad_scale), static_cast<float>(lr * (1.0 - beta1) / bc1),
-          static_cast<float>((1.0 - beta2) / bc2), static_cast<float>(eps)};
+  DelayCoeffs c;
+  c.predict.decay_factor = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
+  c.predict.momentum = static_cast<float>(lr * beta1 / bc1);
+  c.predict.l2 = static_cast<float>(decoupled ? 0.0 : lr * (1.0 - beta1) * weight_decay / bc1);
+  c.predict.v_scale = static_cast<float>(sqrt(beta2 / bc2));
+  c.predict.v_coef = static_cast<float>(beta2 / bc2);
+  c.predict.wd2 = static_cast<float>(decoupled ? 0.0 : (1.0 - beta2) / bc2 * weight_decay * weight_decay);
+  c.predict.eps = static_cast<float>(eps);
+  c.correct = {static_cast<float>(grad_scale), static_cast<float>(lr * (1.0 - beta1) / bc1),
+               static_cast<float>((1.0 - beta2) / bc2), static_cast<float>(eps)};
+  return c;
 }
 
 // The host's half, from the master weight and moments after its update. pred takes r as stored (`round`:

@@ -17,7 +17,6 @@
 #include <tuple>
 
 #include "common/checks.h"
-#include "common/delay_correction_math.h"
 #include "common/rms_norm_math.h"
 #include "common/swiglu_math.h"
 #include "cuda/dtype_dispatch.cuh"

@@ -2,9 +2,6 @@
 // cpu/kernels.inc, DelayOut).
 #include <c10/util/Exception.h>
 
-#include <cmath>
-
-#include "common/delay_correction_math.h"
 #include "common/storage.h"
 #include "engine/delay_correction.h"
 

@@ -196,9 +196,11 @@ class OffloadEngine {
     std::shared_future<void> updated;
     TicketPtr uploaded[2];
     TicketPtr ahead_uploaded;    // delay_correction: the last upload that read its part of bucket.ahead
-    // delay_correction: bucket.ahead holds the prediction for the coming step, not yet installed (also
-    // after a flush put the update's own weights up: the next backward still predicts from it)
+    // delay_correction: bucket.ahead holds the prediction for the coming step, not yet installed by a
+    // corrected install (plain ones, a flush's, leave it: the next backward still predicts from it), and the
+    // correction's constants, those of the update that wrote it
     bool predictable = false;
+    DelayCorrection correction{};
     // delay_correction: the device holds the prediction, not staging[pending_side]'s weights (until step();
     // a flush before it puts those back)
     bool predicted = false;
@@ -234,7 +236,10 @@ class OffloadEngine {
   // `grad` (the whole step's gradient, just made), the weights predicted from it instead.
   void install(int64_t i, const at::Tensor* grad = nullptr);
   void upload_pending_locked(Param& p, const at::Tensor* grad = nullptr);  // caller holds mu_; the update is done
-
+  // Whether install(i, grad) has anything to put up: pending weights, or with a gradient a prediction.
+  static bool installable(const Param& p, const at::Tensor* grad) {
+    return p.pending_upload || (grad != nullptr && p.predictable);
+  }
   void accumulate(int64_t i, const at::Tensor& grad);
   // Once clipping is in use (grad_sq_sums was called), grad_ready queues the sum of squares of param i's
   // gradient (the gen-th it got, landed in `data` by the copy `staged`) on the add lane, after its copy
@@ -261,7 +266,6 @@ class OffloadEngine {
   bool accumulating_ = false;
   bool eager_sq_ = false;  // clipping is in use: sums of squares are taken as the gradients land
   int side_ = 0;  // the staging this round's gradients land in (delay mode alternates)
-  double last_grad_scale_ = 1.0;  // delay_correction: the last step's factor, the next one's estimate
 
   // The workers' lanes; qmu_ guards them, error_ and the chunk free list.
   std::mutex qmu_;

@@ -107,9 +107,11 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
       steps[j] += 1.0f;
       coeffs.push_back(adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
                                    h.bias_correction, steps[j], grad_scale));
-      if (ahead != nullptr) {
-        predictions.push_back(delay_prediction(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
-                                               h.bias_correction, steps[j]));
+      if (ahead != nullptr) {   // the install's correction is this update's too (its hyper-parameters, scale)
+        const DelayCoeffs d = delay_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
+                                           h.bias_correction, steps[j], grad_scale);
+        predictions.push_back(d.predict);
+        params_[static_cast<size_t>(j)].correction = d.correct;
       }
       char* stage = staging_of(p, side);
       float* master = static_cast<float*>(b.master->data()) + p.offset;
@@ -177,13 +179,13 @@ void OffloadEngine::install(int64_t i, const at::Tensor* grad) {
   std::shared_future<void> updated;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!p.pending_upload && !(grad != nullptr && p.predictable)) return;
+    if (!installable(p, grad)) return;
     updated = p.updated;
   }
   updated.wait();  // normally long done: it ran during this forward and backward
   check_installable();  // a failed update left no weights to install
   std::lock_guard<std::mutex> lock(mu_);
-  if (p.pending_upload || (grad != nullptr && p.predictable)) {
+  if (installable(p, grad)) {
     upload_pending_locked(p, grad);
     ++installed_since_step_;
   }
@@ -230,12 +232,9 @@ void OffloadEngine::upload_pending_locked(Param& p, const at::Tensor* grad) {
   const Bucket& b = buckets_[static_cast<size_t>(p.bucket)];
   if (grad != nullptr && p.predictable) {
     // The prediction instead of the new weights; the new weights stay in the staging for a flush.
-    const GroupHparams& h = groups_[static_cast<size_t>(p.group)];
-    const float step = static_cast<const float*>(steps_->data())[&p - params_.data()];
     const char* ahead = static_cast<const char*>(b.ahead->data());
-    p.ahead_uploaded = transfer_->upload_corrected(
-        ahead + p.offset * esize, ahead + (b.numel + p.offset) * esize, p.tensor, *grad, p.numel * esize,
-        delay_correction(h.lr, h.beta1, h.beta2, h.eps, h.bias_correction, step, last_grad_scale_));
+    p.ahead_uploaded = transfer_->upload_corrected(ahead + p.offset * esize, ahead + (b.numel + p.offset) * esize,
+                                                   p.tensor, *grad, p.numel * esize, p.correction);
     p.pending_upload = p.predictable = false;
     p.predicted = true;
     bytes_up_ += 2 * p.numel * esize;
@@ -257,10 +256,6 @@ void OffloadEngine::upload_pending_locked(Param& p, const at::Tensor* grad) {
 void OffloadEngine::step(double grad_scale) {
   check_usable();
   transfer_->record_readers();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    last_grad_scale_ = grad_scale;
-  }
   if (options_.delay) {
     // Every weight still pending goes up before the next update is queued
     // (else that update would supersede it, and it would never go up): those
@@ -326,9 +321,9 @@ void OffloadEngine::zero_grad() {
   }
   wait_idle();
   wait_staged();
-  {
-    // delay_correction: predictions made from the gradients dropped here give way to the update's own
-    // weights, and the next backward predicts again.
+  if (options_.delay_correction) {
+    // Predictions made from the gradients dropped here give way to the update's own weights, and the next
+    // backward predicts again.
     std::lock_guard<std::mutex> lock(mu_);
     for (Param& p : params_) {
       if (p.predicted) {

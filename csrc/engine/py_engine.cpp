@@ -99,7 +99,8 @@ void bind_engine(py::module_& m) {
            py::arg("num_threads") = 1, py::arg("pin_state") = true, py::arg("overlap") = false, py::arg("delay") = false,
            py::arg("landing_chunk_numel") = int64_t(1) << 22, py::arg("landing_chunks") = 4,
            py::arg("host_delay_us") = 0.0, py::arg("seed") = 0, py::arg("state_bits") = 32,
-           py::arg("install_in_forward") = false, py::arg("salt_base") = 0, py::arg("delay_correction") = false)
+           py::arg("install_in_forward") = false, py::arg("salt_base") = 0,
+           py::arg("delay_correction") = false)
       .def(
           "set_group",
           [](E& e, int64_t group, double lr, double beta1, double beta2, double eps, double weight_decay,

@@ -107,7 +107,7 @@ CURVE_CONFIGS = ("FusedAdam (bf16 + fp32 master)", "OffloadAdam (bf16, master + 
                  "OffloadAdam delay + delay_correction (predicted weights)")
 CURVE_POINTS = 8
 
-# Sized so that all seven CPU runs finish in under two minutes on two cores (78 s measured).
+# Sized so that all eight CPU runs finish in under two minutes on two cores (78 s measured with seven).
 CPU_DEFAULTS = dict(steps=200, layers=4, d_model=128, seq_len=64, batch_size=12)
 GPU_DEFAULTS = dict(steps=600, layers=6, d_model=384, seq_len=256, batch_size=32)
 HYPERPARAMETERS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)

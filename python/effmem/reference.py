@@ -199,14 +199,18 @@ def _pow_step(base: float, step: float) -> float:
     return result
 
 
+def _bias_corrections(beta1: float, beta2: float, enabled: bool, step: float):
+    """1 - beta^t of both moments at step count t, in double (adam_math.h's), or 1 without bias correction."""
+    return (1.0 - _pow_step(beta1, step), 1.0 - _pow_step(beta2, step)) if enabled else (1.0, 1.0)
+
+
 def adam_coeffs(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale=1.0):
     """adam_math.h's adam_coeffs: the per-tensor constants, each rounded to float32 where the kernel does."""
     import math
     import numpy as np
     f = np.float32
     lr = float(f(lr))
-    bc1 = 1.0 - _pow_step(beta1, step) if bias_correction else 1.0
-    bc2 = 1.0 - _pow_step(beta2, step) if bias_correction else 1.0
+    bc1, bc2 = _bias_corrections(beta1, beta2, bias_correction, step)
     return dict(beta1=f(beta1), beta2=f(beta2), omb1=f(1.0 - beta1), omb2=f(1.0 - beta2), eps=f(eps),
                 l2=not decoupled and weight_decay != 0.0, weight_decay=f(weight_decay),
                 decay=f(1.0 - lr * weight_decay if decoupled else 1.0), step_size=f(lr / bc1),
@@ -260,8 +264,7 @@ def delay_correction_weights(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     lr = float(f(lr))
     (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", True)
-    bc1, bc2 = ((1.0 - _pow_step(b1, step + 1.0), 1.0 - _pow_step(b2, step + 1.0))
-                if group.get("bias_correction", True) else (1.0, 1.0))
+    bc1, bc2 = _bias_corrections(b1, b2, group.get("bias_correction", True), step + 1.0)
     r_dtype = torch.bfloat16 if dtype == torch.float16 else dtype   # float16's range would flush small r to 0
     wd2 = f(0.0 if decoupled else (1.0 - b2) / bc2 * wd * wd)
     if float(wd2) == 0.0:

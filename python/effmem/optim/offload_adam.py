@@ -119,23 +119,25 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             backward raises. Costs a second gradient staging buffer in host
             memory, as ``delay``. Call ``flush()`` before reading the
             parameters outside training.
-        delay_correction: with ``delay=True``, the next forward runs on weights predicted from this step's
-            gradient instead of one-step-old ones. The host's update writes, beside the new weights, the next
-            step's weights without its gradient's part and Adam's denominator without it
-            (``csrc/common/delay_correction_math.h``); as backward hands each parameter's gradient over, the
-            device adds that gradient's Adam step (its own denominator, the previous step's clip factor, the
-            last step's learning rate). The next gradient is thus taken at nearly the weights exact Adam
-            would have, and the host applies it to its exact master and moments. The first step (and the
-            first after ``load_state_dict``) is taken exactly, having nothing to predict from. Costs 2 B/param
-            more up the link per step and 4 B/param of pinned host memory (bf16), and a device kernel per
-            parameter. With accumulation on the host, buckets not kept by ``device_accumulation`` go up as
-            plain delay's (the device has only the last micro-batch's gradient). A flush installs the update's
-            own weights; the next backward predicts from it again.
+        delay_correction: with ``delay=True``, the next forward runs on
+            weights predicted from this step's gradient instead of one-step
+            old ones (the host's update writes a prediction without that
+            gradient, and the device adds its Adam step as backward hands
+            it over: ``csrc/common/delay_correction_math.h``); the host's
+            master and moments stay exact Adam. The first step, and the
+            first after ``load_state_dict``, are exact; a flush installs
+            the update's own weights, and so does a ``zero_grad()`` that
+            drops an unstepped backward's gradients. With accumulation on
+            the host, buckets not kept by ``device_accumulation`` go up as
+            plain delay's. Costs 2 B/param more up the link per step,
+            4 B/param of pinned host memory (bf16) and host time; the
+            README gives the figures.
         delay_warmup: with ``delay=True``, the number of exact steps taken
             first (each installs its weights before returning), counted from
             the first step or a loaded checkpoint's. Default 0: on a small Llama
             from scratch no warm-up short of the run closed the loss gap of
-            one-step staleness (bench/bench_delay_warmup.py; figures in the README).
+            one-step staleness (bench/bench_delay_warmup.py; figures in the
+            README); ``delay_correction`` does.
         state_bits: 32 (float32 moments) or 8 (8-bit moments with a float32 scale per 256
             elements, as FusedAdam's: about 6 bytes per parameter on the host with the fp32 master,
             instead of 12; the same bits as FusedAdam(state_bits=8) fed the same gradients).
