@@ -1,6 +1,6 @@
 // delay_correction's device half (common/delay_correction_math.h): w = delay_correct(w, r, g) elementwise over
-// n elements of one dtype, on the host (the host backend's copy thread) or as a CUDA kernel on a stream
-// (csrc/cuda/elementwise.cu; the same bits).
+// n elements of one dtype, as a CUDA kernel on a stream (csrc/cuda/elementwise.cu); the host backend's copy
+// thread runs the same math (transfer_host.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -10,11 +10,6 @@
 #include "common/delay_correction_math.h"
 
 struct CUstream_st;
-
-namespace effmem::engine {
-void correct_on_host(void* w, const void* r, const void* g, int64_t n, at::ScalarType dtype,
-                     const DelayCorrection& c);
-}  // namespace effmem::engine
 
 namespace effmem::cuda {
 void launch_delay_correction(void* w, const void* r, const void* g, int64_t n, at::ScalarType dtype,

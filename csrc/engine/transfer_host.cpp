@@ -13,11 +13,34 @@
 #include <random>
 #include <thread>
 
+#include "common/storage.h"
 #include "engine/delay_correction.h"
 #include "engine/transfer.h"
 
 namespace effmem::engine {
 namespace {
+
+// delay_correction's device half as this backend runs it: w = delay_correct(w, r, g) over n elements.
+template <class T>
+void correct_typed(void* w_out, const void* r_in, const void* g_in, int64_t n, const DelayCorrection& c) {
+  T* w = static_cast<T*>(w_out);
+  const DelayR<T>* r = static_cast<const DelayR<T>*>(r_in);
+  const T* g = static_cast<const T*>(g_in);
+  for (int64_t i = 0; i < n; ++i) {
+    store_float(w + i, round_to<T>(delay_correct(load_as_float(w + i), load_as_float(r + i),
+                                                 load_as_float(g + i), c)));
+  }
+}
+
+void correct_on_host(void* w, const void* r, const void* g, int64_t n, at::ScalarType dtype,
+                     const DelayCorrection& c) {
+  switch (dtype) {
+    case at::kFloat: return correct_typed<float>(w, r, g, n, c);
+    case at::kBFloat16: return correct_typed<bf16_t>(w, r, g, n, c);
+    case at::kHalf: return correct_typed<f16_t>(w, r, g, n, c);
+    default: TORCH_CHECK_TYPE(false, "delay_correction: parameters must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
 
 class HostTicket : public Ticket {
  public:
@@ -86,15 +109,10 @@ class HostTransfer : public Transfer {
                              int64_t bytes, const DelayCorrection& c) override {
     TORCH_CHECK(dst.device().is_cpu() && grad.device().is_cpu(),
                 "OffloadAdam (host backend): expected CPU tensors, got ", dst.device(), " and ", grad.device());
-    Job job{pred, dst.data_ptr(), bytes, dst.storage(), std::make_shared<HostTicket>()};
-    job.correct = Correction{r, grad.data_ptr(), grad.storage(), dst.numel(), dst.scalar_type(), c};
-    auto ticket = job.ticket;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(std::move(job));
-      last_upload_ = ticket;
-    }
-    cv_.notify_one();
+    auto ticket = push(pred, dst.data_ptr(), bytes, dst,
+                       Correction{r, grad.data_ptr(), grad.storage(), dst.numel(), dst.scalar_type(), c});
+    std::lock_guard<std::mutex> lock(mu_);
+    last_upload_ = ticket;
     return ticket;
   }
 
@@ -140,11 +158,12 @@ class HostTransfer : public Transfer {
     std::optional<Correction> correct = std::nullopt;
   };
 
-  TicketPtr push(const void* src, void* dst, int64_t bytes, const at::Tensor& keep) {
+  TicketPtr push(const void* src, void* dst, int64_t bytes, const at::Tensor& keep,
+                 std::optional<Correction> correct = std::nullopt) {
     auto ticket = std::make_shared<HostTicket>();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back({src, dst, bytes, keep.storage(), ticket});
+      jobs_.push_back({src, dst, bytes, keep.storage(), ticket, std::move(correct)});
     }
     cv_.notify_one();
     return ticket;

@@ -1,6 +1,8 @@
 """OffloadAdam's engine and its layout (a mixin of OffloadAdam): built over every parameter of every group,
 built again over all of them when a group is added (the state carried over exactly), the state views torch's
-optimizer API hands out, and the fp32 masters read from the parameters at their first use."""
+optimizer API hands out, the fp32 masters read from the parameters at their first use, and what the engine takes
+from the optimizer at a step besides the hooks' gradients (the groups' hyper-parameters, gradients left in
+p.grad)."""
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -122,3 +124,24 @@ class OffloadBuild:
         for i in sorted(self._masters_pending):
             self._views[i][0].copy_(self._local[i])
         self._masters_pending.clear()
+
+    def _sync_groups(self) -> None:
+        _validate.groups(self.param_groups)  # all of them before the engine takes any
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            self._engine.set_group(gi, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                                   weight_decay=float(group["weight_decay"]),
+                                   decoupled=bool(group["decoupled_weight_decay"]),
+                                   bias_correction=bool(group["bias_correction"]))
+
+    def _take_leftover_grads(self) -> None:
+        """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                continue
+            if i in self._streamed:  # DDP's copy of what its comm hook already handed over
+                p.grad = None
+                continue
+            self._begin_backward()
+            self._hand_off(p)

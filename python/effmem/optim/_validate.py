@@ -360,3 +360,20 @@ def complete_groups(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for key, value in optimizer.defaults.items():
             group.setdefault(key, value)
+
+
+def offload_modes(*, overlap, delay, async_step, pin_state, delay_correction, stream_grads) -> None:
+    """OffloadAdam's mode flags: booleans (a string "False" would be taken for True), one mode at most, and
+    delay_correction only on top of delay."""
+    for flag, value in (("overlap", overlap), ("delay", delay), ("async_step", async_step),
+                        ("pin_state", pin_state), ("delay_correction", delay_correction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}: expected True or False, got {value!r}")
+    if stream_grads is not None and not isinstance(stream_grads, bool):
+        raise ValueError(f"stream_grads: expected True, False or None (the default), got {stream_grads!r}")
+    if sum((overlap, delay, async_step)) > 1:
+        raise ValueError("overlap, delay, async_step: choose one (overlap updates during backward, delay and "
+                         "async_step during the next forward; delay with stale gradients)")
+    if delay_correction and not delay:
+        raise ValueError("delay_correction: corrects delay=True's stale gradients; pass delay=True too "
+                         "(async_step and the default are exact already)")

@@ -218,12 +218,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         device_state: int = 0,
         _host_delay_us: float = 0.0,
     ):
-        for flag, value in (("overlap", overlap), ("delay", delay), ("async_step", async_step),
-                            ("pin_state", pin_state), ("delay_correction", delay_correction)):
-            if not isinstance(value, bool):   # "False" would be taken for True
-                raise ValueError(f"{flag}: expected True or False, got {value!r}")
-        if stream_grads is not None and not isinstance(stream_grads, bool):
-            raise ValueError(f"stream_grads: expected True, False or None (the default), got {stream_grads!r}")
+        _validate.offload_modes(overlap=overlap, delay=delay, async_step=async_step, pin_state=pin_state,
+                                delay_correction=delay_correction, stream_grads=stream_grads)
         _validate.whole(bucket_size, "bucket_size", 1, "elements")
         num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
                                       "num_threads", 1)
@@ -231,9 +227,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self.state_bits = _validate.state_bits(state_bits)
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
                             host_delay_us=_host_delay_us, state_bits=self.state_bits)
-        if sum(map(bool, (overlap, delay, async_step))) > 1:
-            raise ValueError("overlap, delay, async_step: choose one (overlap updates during backward, delay and "
-                             "async_step during the next forward; delay with stale gradients)")
         self._overlap = bool(overlap)
         # async_step runs on delay mode's machinery (double staging, weights installed later), installing
         # in the forward (attach()) instead of the next backward.
@@ -242,9 +235,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._forward_hooks = []
         self._attached = None  # the model given to attach() (weakly), re-attached by add_param_group
         self._delay_warmup = _validate.whole(delay_warmup, "delay_warmup", 0, "steps")
-        if delay_correction and not delay:
-            raise ValueError("delay_correction: corrects delay=True's stale gradients; pass delay=True too "
-                             "(async_step and the default are exact already)")
         self._delay_correction = delay_correction
         self._device_accumulation = _validate.whole(device_accumulation, "device_accumulation", 0, "bytes")
         self._device_state = _validate.whole(device_state, "device_state", 0, "bytes")
@@ -280,16 +270,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # indices whose fp32 master is still to be read from the parameter, at the first use (so that
         # weights loaded into the model after the optimizer, or after its checkpoint, are the ones trained)
         self._masters_pending = set(range(len(self._params)))
-
-    def _sync_groups(self) -> None:
-        _validate.groups(self.param_groups)  # all of them before the engine takes any
-        for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            self._engine.set_group(gi, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                                   weight_decay=float(group["weight_decay"]),
-                                   decoupled=bool(group["decoupled_weight_decay"]),
-                                   bias_correction=bool(group["bias_correction"]))
 
     # ------------------------------------------------------------------ gradients
 
@@ -336,17 +316,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._track_backward()
         self._engine.grad_ready(i, g)
         self._queued.add(i)
-
-    def _take_leftover_grads(self) -> None:
-        """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
-        for i, p in enumerate(self._params):
-            if p.grad is None:
-                continue
-            if i in self._streamed:  # DDP's copy of what its comm hook already handed over
-                p.grad = None
-                continue
-            self._begin_backward()
-            self._hand_off(p)
 
     def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
         """Under DDP, hand each bucket's gradients to the engine as soon as its all-reduce completes.
