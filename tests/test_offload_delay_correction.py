@@ -203,6 +203,26 @@ def test_delay_correction_goes_on_predicting_after_a_flush_and_a_resumed_run_tak
         o.close()
 
 
+def test_delay_correction_after_a_warm_up_predicts_only_for_the_steps_after_it():
+    """delay_warmup=W: steps 1..W install their weights at once (as a flush would); only step W's update
+    writes a prediction for the backward after it: those of steps 1..W-1 would go up only to be replaced by
+    the next step's own weights."""
+    data, warmup = batches(8), 3
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = corrected(model, delay_warmup=warmup)
+    la = train_predicted_reference(ref, fused, data, flush_after=range(1, warmup + 1))
+    lb = train(model, off, data)
+    assert la == lb
+    off.flush()
+    assert_same_training(ref, model, fused, off)
+    n = sum(p.numel() for p in model.parameters())
+    # the warm-up's own weights, then the predictions of steps W..7 (weights and r), then the flush's
+    assert off.counters()["bytes_up"] == (warmup + 2 * (len(data) - warmup) + 1) * n * 2
+    off.close()
+
+
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_delay_correction_predicts_the_next_weights_within_a_fraction_of_a_step(decoupled):
     """Each prediction against the weights exact Adam reaches with the same gradient. It lacks v's share of the

@@ -124,8 +124,11 @@ class OffloadEngine {
   std::vector<double> grad_sq_sums();
   // Updates every parameter holding a pending gradient, gradients first
   // multiplied by grad_scale; returns once the new weights are ordered
-  // before the parameters' next readers (delay mode: at once).
-  void step(double grad_scale);
+  // before the parameters' next readers (delay mode: at once). predict:
+  // with delay_correction, whether the updates write the next backward's
+  // prediction (false where the caller installs the next step's own weights
+  // anyway: a warm-up step follows, whose synchronize would supersede it).
+  void step(double grad_scale, bool predict = true);
   void zero_grad();
   // Waits for the worker and every copy; in delay mode first installs the
   // weights not yet uploaded, so the parameters hold the latest update.
@@ -228,9 +231,11 @@ class OffloadEngine {
   void worker_loop(Lane& lane);
   void wait_idle();
   // Queues the update of the given params of one bucket (caller holds mu_).
-  void queue_update_locked(int64_t bucket, std::vector<int64_t> params, double grad_scale);
+  // predict: delay_correction's prediction is written (step()'s predict).
+  void queue_update_locked(int64_t bucket, std::vector<int64_t> params, double grad_scale, bool predict = false);
   void run_update(int64_t bucket, const std::vector<int64_t>& params, double grad_scale,
-                  const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams, int side);
+                  const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams, int side,
+                  bool predict);
   void record_error(std::exception_ptr e);
   // Delay mode: uploads param i's pending weights once its update is done; with delay_correction and
   // `grad` (the whole step's gradient, just made), the weights predicted from it instead.

@@ -14,7 +14,8 @@ namespace effmem::engine {
 
 // ------------------------------------------------------------------ updates
 
-void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids, double grad_scale) {
+void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids, double grad_scale,
+                                        bool predict) {
   if (ids.empty()) return;
   // The update waits for the copies that filled the staging, and for the
   // last upload that read the host memory it is about to overwrite.
@@ -33,7 +34,7 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
     if (options_.delay) {
       // Supersedes weights still pending from an earlier step, if any.
       p.pending_upload = true;
-      p.predictable = options_.delay_correction;
+      p.predictable = predict && options_.delay_correction;
       p.pending_side = side_;
       p.updated = updated;
     }
@@ -46,7 +47,7 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
     adds_before = adds_lane_.queued;
   }
   enqueue(updates_lane_, [this, bucket, ids = std::move(ids), grad_scale, waits = std::move(waits),
-                          hparams = groups_, done, side = side_, adds_before] {
+                          hparams = groups_, done, side = side_, adds_before, predict] {
     // The error is recorded before `updated` is signalled, so that whoever
     // waited for it sees the failure and installs nothing.
     try {
@@ -56,7 +57,7 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
         std::unique_lock<std::mutex> lock(qmu_);
         idle_cv_.wait(lock, [&] { return adds_lane_.done >= adds_before; });
       }
-      run_update(bucket, ids, grad_scale, waits, hparams, side);
+      run_update(bucket, ids, grad_scale, waits, hparams, side, predict);
     } catch (...) {
       record_error(std::current_exception());
     }
@@ -66,7 +67,7 @@ void OffloadEngine::queue_update_locked(int64_t bucket, std::vector<int64_t> ids
 
 void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, double grad_scale,
                                const std::vector<TicketPtr>& waits, const std::vector<GroupHparams>& hparams,
-                               int side) {
+                               int side, bool predict) {
   std::string fail;
   int64_t fail_delay_ms = 0;
   {
@@ -97,7 +98,7 @@ void OffloadEngine::run_update(int64_t bucket, const std::vector<int64_t>& ids, 
   };
   std::vector<AdamCoeffs> coeffs;
   std::vector<DelayPrediction> predictions;   // delay_correction: per parameter, as coeffs
-  char* ahead = options_.delay_correction ? static_cast<char*>(b.ahead->data()) : nullptr;
+  char* ahead = predict && options_.delay_correction ? static_cast<char*>(b.ahead->data()) : nullptr;
   std::vector<Work> work;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -253,7 +254,7 @@ void OffloadEngine::upload_pending_locked(Param& p, const at::Tensor* grad) {
   bytes_up_ += p.numel * esize;
 }
 
-void OffloadEngine::step(double grad_scale) {
+void OffloadEngine::step(double grad_scale, bool predict) {
   check_usable();
   transfer_->record_readers();
   if (options_.delay) {
@@ -286,7 +287,7 @@ void OffloadEngine::step(double grad_scale) {
         const Param& p = params_[static_cast<size_t>(j)];
         if (p.has_grad && !p.queued) ready.push_back(j);
       }
-      queue_update_locked(static_cast<int64_t>(b), std::move(ready), grad_scale);
+      queue_update_locked(static_cast<int64_t>(b), std::move(ready), grad_scale, predict);
     }
     if (options_.delay) {
       for (Param& p : params_) p.queued = p.landed = p.predicted = false;

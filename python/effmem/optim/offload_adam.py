@@ -401,7 +401,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         scale, self._clip_scale = self._clip_scale, 1.0
         # device_state's parameters first: their kernel runs on the device while the host updates the rest
         self._step_resident(scale)
-        self._engine.step(scale)
+        # delay_correction: no prediction for a warm-up step's backward (its synchronize supersedes it)
+        self._engine.step(scale, predict=self._step_count + 2 > self._delay_warmup)
         try:
             self._sync_state(self._queued)
         finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
