@@ -133,6 +133,13 @@ class OffloadEngine {
   // Waits for the worker and every copy; in delay mode first installs the
   // weights not yet uploaded, so the parameters hold the latest update.
   void synchronize();
+  // delay_correction: whether a synchronize() since the last step() or zero_grad() put an update's own
+  // weights back in place of a prediction made from gradients still pending (a flush between backward and
+  // step): the next forward reads them unless that step's weights go up at once.
+  bool prediction_replaced() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return prediction_replaced_;
+  }
   // Waits as synchronize() does, but drops the weights not yet uploaded (delay
   // mode) instead of installing them: the caller is replacing the state
   // (load_state_dict), and the parameters may already hold the weights that
@@ -271,6 +278,7 @@ class OffloadEngine {
   bool accumulating_ = false;
   bool eager_sq_ = false;  // clipping is in use: sums of squares are taken as the gradients land
   int side_ = 0;  // the staging this round's gradients land in (delay mode alternates)
+  bool prediction_replaced_ = false;  // see prediction_replaced()
 
   // The workers' lanes; qmu_ guards them, error_ and the chunk free list.
   std::mutex qmu_;

@@ -74,6 +74,13 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
       // micro-batches' parts are not on the device; device_accumulation hands the sum over here), also
       // after a flush installed the update's own weights.
       now = (p.pending_upload && (!accumulating_ || p.pending_side == side_)) || (whole && p.predictable);
+      // A prediction kept over steps without a gradient (an odd number of them) has its update's own weights,
+      // which a flush would install instead, in the staging this gradient lands in: they move to the other.
+      if (now && whole && p.predictable && !p.pending_upload && p.pending_side == side_ && p.dtype != cpu::kF32) {
+        if (const TicketPtr& reader = p.uploaded[side_ ^ 1]) reader->wait();   // normally long done
+        std::memcpy(staging_of(p, side_ ^ 1), staging_of(p, side_), static_cast<size_t>(bytes));
+        p.pending_side = side_ ^ 1;
+      }
     }
     if (now) install(i, whole ? &grad : nullptr);
   }

@@ -275,8 +275,8 @@ void OffloadEngine::step(double grad_scale, bool predict) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // A prediction is for the step right after its update: this step's updates make the next ones.
-    for (Param& p : params_) p.predictable = false;
+    // A prediction is for its parameter's next update: this step's updates make new ones (queue_update_locked),
+    // and a parameter without a gradient in this step keeps its own (its state is the update's that wrote it).
     const size_t nb = buckets_.size();
     for (size_t k = 0; k < nb; ++k) {
       // Buckets follow backward order; when the next forward installs the weights, the update
@@ -291,6 +291,7 @@ void OffloadEngine::step(double grad_scale, bool predict) {
     }
     if (options_.delay) {
       for (Param& p : params_) p.queued = p.landed = p.predicted = false;
+      prediction_replaced_ = false;
       installed_since_step_ = 0;
       side_ ^= 1;  // the next step's gradients land beside the weights being computed
     }
@@ -332,6 +333,7 @@ void OffloadEngine::zero_grad() {
         p.predictable = true;
       }
     }
+    prediction_replaced_ = false;   // the gradients it was about go with this zero_grad
   }
   // Overlap mode without step(): updates that ran during backward uploaded
   // weights that the next forward must wait for.
@@ -352,6 +354,7 @@ void OffloadEngine::synchronize() {
     check_usable();  // install nothing from a failed update
     std::lock_guard<std::mutex> lock(mu_);
     for (Param& p : params_) {
+      prediction_replaced_ = prediction_replaced_ || p.predicted;
       if (p.pending_upload || p.predicted) upload_pending_locked(p);
     }
   }

@@ -114,6 +114,7 @@ void bind_engine(py::module_& m) {
       .def("grad_sq_sums", guarded(&E::grad_sq_sums),
            "Per parameter, the sum of squares of its pending gradient (0.0 without one)")
       .def("step", guarded(&E::step), py::arg("grad_scale") = 1.0, py::arg("predict") = true)
+      .def("prediction_replaced", &E::prediction_replaced)
       .def("zero_grad", guarded(&E::zero_grad))
       .def("synchronize", guarded(&E::synchronize))
       .def("discard_pending", guarded(&E::discard_pending),

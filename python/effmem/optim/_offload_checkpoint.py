@@ -18,6 +18,11 @@ class OffloadCheckpoint:
         self._check_open()
         self._check_state()
         self._engine.synchronize()
+        if self._delay_correction:
+            # As a run resumed from this checkpoint will: no prediction (its update's learning rate and clip
+            # factor are not in the checkpoint), the next step's weights up at once; so both take the same steps
+            self._engine.discard_pending()
+            self._exact_next = True
         self._sync_state()
         sd = super().state_dict()
         sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]

@@ -125,9 +125,13 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             gradient, and the device adds its Adam step as backward hands
             it over: ``csrc/common/delay_correction_math.h``); the host's
             master and moments stay exact Adam. The first step, and the
-            first after ``load_state_dict``, are exact; a flush installs
-            the update's own weights, and so does a ``zero_grad()`` that
-            drops an unstepped backward's gradients. With accumulation on
+            first after ``load_state_dict()`` or ``state_dict()`` (a
+            checkpoint holds no prediction: saving and resumed runs take the
+            same steps), are exact; a parameter without a gradient in a step
+            keeps its prediction for its next one. A flush installs the
+            update's own weights (one between backward and ``step()`` makes
+            that step install its own at once), and so does a
+            ``zero_grad()`` that drops an unstepped backward's gradients. With accumulation on
             the host, buckets not kept by ``device_accumulation`` go up as
             plain delay's. Costs 2 B/param more up the link per step,
             4 B/param of pinned host memory (bf16) and host time; the
@@ -401,14 +405,17 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         scale, self._clip_scale = self._clip_scale, 1.0
         # device_state's parameters first: their kernel runs on the device while the host updates the rest
         self._step_resident(scale)
-        # delay_correction: no prediction for a warm-up step's backward (its synchronize supersedes it)
+        # delay_correction: a flush since backward put the last update's weights back in place of the
+        # prediction, so this step's go up at once; no prediction for a warm-up step's backward (its
+        # synchronize supersedes it)
+        replaced = self._delay_correction and self._engine.prediction_replaced()
         self._engine.step(scale, predict=self._step_count + 2 > self._delay_warmup)
         try:
             self._sync_state(self._queued)
         finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
             self._queued.clear()
             self._step_count += 1
-        exact, self._exact_next = self._exact_next and self._delay_correction, False
+        exact, self._exact_next = (self._exact_next or replaced) and self._delay_correction, False
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._engine.synchronize()

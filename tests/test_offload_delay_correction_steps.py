@@ -1,0 +1,150 @@
+"""OffloadAdam(delay=True, delay_correction=True) across steps that are not alike: parameters without a
+gradient in some steps (a routed model), a flush between backward and step(), and a checkpoint taken mid-run.
+The reference of test_offload_delay_correction.py is FusedAdam on the predictions' weights, bit for bit."""
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from effmem import FusedAdam, OffloadAdam, demo_model
+from effmem.reference import delay_correction_weights
+from offload_helpers import HP, assert_same_training, batches, tiny_gpt, train
+from test_offload_delay_correction import corrected, train_predicted_reference
+
+# which expert each step routes to: expert 0 skips one step (its gradient lands in the staging that holds its
+# update's weights), then none, then four; expert 1 three, then four; expert 3 gets its first gradient at step 8
+ROUTES = [0, 1, 0, 0, 2, 1, 1, 3, 0, 2, 2, 1]
+
+
+class Routed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x, expert):
+        return self.out(torch.relu(self.experts[expert](torch.relu(self.inp(x)))))
+
+
+def routed_batches():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 8, generator=g)
+    return [(e, x, x @ w) for e, x in ((e, torch.randn(64, 16, generator=g)) for e in ROUTES)]
+
+
+def routed_loss(model, batch):
+    expert, x, y = batch
+    return F.mse_loss(model(x.to(torch.bfloat16), expert).float(), y)
+
+
+def train_routed_reference(model, opt, data):
+    """FusedAdam on the gradients of a shadow model whose forward reads, per parameter, what the engine puts
+    up: after step k, the prediction made from the state before it and its gradient where it had one and had
+    been updated before (and k > 1, the first step being exact); its own weights where it had no gradient (its
+    last update's, installed at step k); where it got its first gradient, the weights from before it (plain
+    delay: no update to predict from)."""
+    shadow = copy.deepcopy(model)
+    params = list(model.parameters())
+    forward = [p.detach().clone() for p in params]
+    losses = []
+    for k, batch in enumerate(data, start=1):
+        with torch.no_grad():
+            for s, w in zip(shadow.parameters(), forward):
+                s.copy_(w)
+        loss = routed_loss(shadow, batch)
+        loss.backward()
+        losses.append(loss.item())
+        lr = opt.param_groups[0]["lr"]
+        predicted = []
+        for p, s in zip(params, shadow.parameters()):
+            st = opt.state.get(p)
+            predicted.append(delay_correction_weights(st["master"], st["exp_avg"], st["exp_avg_sq"], s.grad, p.dtype,
+                                                      opt.param_groups[0], lr, float(st["step"]))
+                             if s.grad is not None and st and k > 1 else None)
+        had = [s.grad is not None for s in shadow.parameters()]
+        before = [p.detach().clone() for p in params]
+        for p, s in zip(params, shadow.parameters()):
+            p.grad, s.grad = s.grad, None
+        opt.step()
+        opt.zero_grad()
+        forward = [n if n is not None else (p.detach().clone() if k == 1 or not h else b)
+                   for n, p, b, h in zip(predicted, params, before, had)]
+    return losses
+
+
+def test_a_parameter_without_a_gradient_keeps_its_prediction_for_its_next_one():
+    """Plain delay's staleness for a parameter whose gradient skipped a step cost a routed model 6-10% of
+    loss; its state has not changed since the update that wrote its prediction, which holds."""
+    data = routed_batches()
+    ref = Routed().to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), **HP)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, bucket_size=700, **HP)
+    la = train_routed_reference(ref, fused, data)
+    lb = []
+    for batch in data:
+        loss = routed_loss(model, batch)
+        loss.backward()
+        lb.append(loss.item())
+        off.step()
+        off.zero_grad()
+    assert la == lb
+    # Expert 0 last stepped at 9 (three steps without a gradient since): its gradient lands in the staging of
+    # its update's weights, which moved to the other side first, so a zero_grad puts those back.
+    routed_loss(model, (0, *data[0][1:])).backward()
+    assert not torch.equal(model.experts[0].weight, off.state[model.experts[0].weight]["master"].bfloat16())
+    off.zero_grad()
+    for m in (model.inp, model.out, model.experts[0]):   # those this backward gave a gradient (expert 1 has
+        for p in m.parameters():                         # step 12's update pending)
+            assert torch.equal(p, off.state[p]["master"].to(p.dtype))
+    off.flush()
+    assert_same_training(ref, model, fused, off)
+    off.close()
+
+
+def test_a_flush_between_backward_and_step_makes_that_step_install_its_weights():
+    """The flush puts the last update's weights back in place of the prediction made from the pending
+    gradients; that step then installs its own weights at once (as a flush after it would have), rather than
+    leaving the next forward one step stale."""
+    data = batches(8)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = corrected(model)
+    la = train_predicted_reference(ref, fused, data, flush_after=(3, 6))
+    lb = []
+    for k, (x, y) in enumerate(data, start=1):
+        _, loss = model(x, y)
+        loss.backward()
+        lb.append(loss.item())
+        if k in (3, 6):
+            off.flush()
+            assert all(torch.equal(p, off.state[p]["master"].bfloat16()) for p in model.parameters())
+        off.step()
+        off.zero_grad()
+    assert la == lb
+    off.flush()
+    assert_same_training(ref, model, fused, off)
+    off.close()
+
+
+def test_a_run_resumed_from_a_checkpoint_takes_the_steps_of_the_run_that_saved_it():
+    """The checkpoint has no prediction to resume from (nor the last update's learning rate and clip factor):
+    the saving run drops its own at state_dict(), so that both take the next step exactly."""
+    data = batches(12)
+    model = tiny_gpt(torch.bfloat16)
+    off = corrected(model)
+    saving = train(model, off, data[:6])
+    saved = copy.deepcopy((model.state_dict(), off.state_dict()))
+    saving += train(model, off, data[6:])
+    resumed_model = tiny_gpt(torch.bfloat16)
+    resumed_model.load_state_dict(saved[0])
+    resumed = corrected(resumed_model)
+    resumed.load_state_dict(saved[1])
+    assert saving[6:] == train(resumed_model, resumed, data[6:])
+    for o in (off, resumed):
+        o.flush()
+    assert_same_training(model, resumed_model, off, resumed)
+    for o in (off, resumed):
+        o.close()
