@@ -14,6 +14,7 @@
 // hidden gradient sums the chunks' products in float32 and is rounded once.
 #include "common/linear_ce.h"
 
+#include <ATen/Context.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -51,11 +52,27 @@ int64_t chunk_size(int64_t tokens, int64_t vocab, int64_t requested) {
   return std::max<int64_t>(1, std::min({vocab, share, fit >= 128 ? fit / 128 * 128 : fit}));
 }
 
+// Whether a bf16 tensor on the CPU takes part in the products as it is: where the CPU has bf16 dot
+// products (AVX512-BF16 or AMX) and ATen's oneDNN is on, they run at about twice the float32 products'
+// rate, in float accumulation, rounded once to bf16 (the unfused path's logits are rounded so too).
+// Elsewhere (and for fp16, whose CPU products ATen emulates) the inputs are converted to float32 once.
+bool cpu_bf16_products(const at::Tensor& t) {
+  if (t.is_cuda() || t.scalar_type() != at::kBFloat16) return false;
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+  return has && at::globalContext().userEnabledMkldnn();
+#else
+  return false;
+#endif
+}
+
 // a @ b with float32 output and float accumulation. bf16/fp16 inputs on CUDA use
 // ATen's mm with an output dtype where this torch has it (cuBLAS then rounds only
-// once, to float32); elsewhere the inputs are converted to float32 first.
+// once, to float32); bf16 ones on the CPU (cpu_bf16_products) a bf16 product, exactly
+// converted; elsewhere the inputs are converted to float32 first.
 at::Tensor mm_float(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) return at::mm(a, b);
+  if (cpu_bf16_products(a) && cpu_bf16_products(b)) return at::mm(a, b).to(at::kFloat);
   if (a.is_cuda()) {
     static const auto op = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
     if (op.has_value()) {
@@ -178,9 +195,11 @@ CeState empty_state(int64_t n, const at::TensorOptions& opts) {
   return CeState{at::full({n}, -INFINITY, opts), at::zeros({n}, opts), at::full({n}, NAN, opts), at::zeros({n}, opts)};
 }
 
-// On the CPU a bf16/fp16 hidden is converted to float once, not once per chunk.
+// On the CPU a bf16/fp16 hidden is converted to float once, not once per chunk (unless its products
+// run in bf16: cpu_bf16_products).
 at::Tensor gemm_input(const at::Tensor& t) {
-  return t.is_cuda() || t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
+  return t.is_cuda() || t.scalar_type() == at::kFloat || cpu_bf16_products(t) ? t.contiguous()
+                                                                               : t.to(at::kFloat).contiguous();
 }
 
 }  // namespace
@@ -230,7 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   const at::Tensor h = gemm_input(hidden);
   const at::ScalarType dz_dtype = h.scalar_type();
   // Every chunk reads the whole weight: a bf16/fp16 one on the CPU is converted to float once, here (the
-  // logits' and the hidden gradient's products both read it in float there; CUDA reads it as it is).
+  // logits' and the hidden gradient's products both read it in float there; CUDA, and the CPU's bf16
+  // products, read it as it is).
   const at::Tensor w = gemm_input(weight);   // hidden's dtype (check_args), so dz_dtype too
   const bool need_sum = label_smoothing > 0.0;
   const bool sums_in_buffer = want_w && hidden.is_cuda() && weight.scalar_type() != at::kFloat;
@@ -245,7 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
     // These tokens' hidden gradient is whole after one product: rounded once to hidden's dtype.
     if (want_h) {
       at::Tensor rows_h = grad_h.narrow(0, a, len);
-      if (rows_h.scalar_type() == at::kFloat && dz.scalar_type() == at::kFloat) {
+      if ((rows_h.scalar_type() == at::kFloat || !rows_h.is_cuda()) && dz.scalar_type() == rows_h.scalar_type() &&
+          w.scalar_type() == rows_h.scalar_type()) {
         at::mm_out(rows_h, dz, w);
       } else {
         rows_h.copy_(mm_float(dz, w));

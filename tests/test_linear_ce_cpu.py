@@ -1,0 +1,42 @@
+"""The fused linear cross-entropy's bf16 products on the CPU (common/linear_ce.cpp, cpu_bf16_products).
+
+Where the CPU has bf16 dot products (AVX512-BF16, AMX) and ATen's oneDNN is on, bf16 inputs take part in the
+products as they are (about twice float32's rate there: `bench/bench_linear_ce.py --device cpu --dtype bf16`);
+elsewhere they are converted to float32 once. Both ways keep the error bound of test_linear_ce.py (at most
+twice the unfused bf16 computation's, against float64); turning oneDNN off picks the float32 way.
+"""
+import pytest
+import torch
+
+from effmem import linear_cross_entropy
+from test_linear_ce import grads, problem, rel, unfused
+
+
+def cpu_has_bf16_dot() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+@pytest.mark.parametrize("way", [dict(vocab_chunk=512), dict(grad_in_forward=True, token_chunk=64)],
+                         ids=["recompute", "grad_in_forward"])
+def test_bf16_products_on_the_cpu_either_way(way):
+    losses = {}
+    for onednn in (True, False):
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            hidden, weight, target, bias = problem(n=512, h=64, v=3000, dtype=torch.bfloat16)
+            exact64 = [t.detach().double().requires_grad_(True) for t in (hidden, weight, bias)]
+            ref_loss, ref_grads = grads(unfused, *exact64, target=target)
+            base_loss, base_grads = grads(unfused, hidden, weight, bias, target=target)
+            loss, got = grads(linear_cross_entropy, hidden, weight, bias, target=target, **way)
+        floor = 4 * torch.finfo(torch.float32).eps
+        assert rel(loss, ref_loss) <= 2 * rel(base_loss, ref_loss) + floor
+        for g, b, r in zip(got, base_grads, ref_grads):
+            assert g.dtype == torch.bfloat16
+            assert rel(g, r) <= 2 * rel(b, r) + floor
+        losses[onednn] = loss
+    # the bf16 products round each logit to bf16 (as the unfused path does); float32 ones do not
+    assert torch.equal(losses[True], losses[False]) != cpu_has_bf16_dot()
