@@ -218,7 +218,9 @@ def test_the_ops_refuse_bad_options_by_name(device):
     ones, lse = torch.ones(7, device=device), torch.zeros(7, device=device)
     for options, message in (((0., 0., -5), r"vocab_chunk must be >= 0 \(0: automatic\), got -5"),
                              ((1.5, 0., 0), r"label_smoothing must be in \[0, 1\], got 1.5"),
-                             ((0., float("inf"), 0), r"softcap must be a finite number >= 0 \(0: none\), got inf")):
+                             ((0., float("inf"), 0), r"softcap must be 0 \(none\) or a number in float32's normal "
+                              r"range \[1.175e-38, 3.403e\+38\], got inf"),
+                             ((0., 1e39, 0), r"softcap must be 0 \(none\) or a number in float32's normal range")):
         with pytest.raises(ValueError, match=message):
             OPS.linear_ce_forward(hidden, weight, bias, target, -100, *options)
         with pytest.raises(ValueError, match=message):
@@ -322,8 +324,10 @@ def test_bad_arguments_name_the_argument():
     hidden, weight, target, bias = problem()
     with pytest.raises(ValueError, match="reduction: expected one of"):
         linear_cross_entropy(hidden, weight, target, reduction="avg")
-    with pytest.raises(ValueError, match="logit_softcap: expected None or a finite number > 0"):
-        linear_cross_entropy(hidden, weight, target, logit_softcap=0.0)
+    # 1e39 and 1e-46 leave float32 (inf, 0), and the loss or its gradients were NaN
+    for cap in (0.0, 1e39, 1e-46):
+        with pytest.raises(ValueError, match="logit_softcap: expected None or a number > 0 in float32's normal range"):
+            linear_cross_entropy(hidden, weight, target, logit_softcap=cap)
     with pytest.raises(ValueError, match="label_smoothing"):
         linear_cross_entropy(hidden, weight, target, label_smoothing=1.5)
     with pytest.raises(ValueError, match=r"target: expected shape \(300,\)"):
@@ -339,7 +343,7 @@ def test_bad_arguments_name_the_argument():
     for value in (None, 1.5, "-100", True):   # torch takes an int; 1.5 was truncated, None crashed
         with pytest.raises(TypeError, match="ignore_index: expected an int"):
             linear_cross_entropy(hidden, weight, target, ignore_index=value)
-    with pytest.raises(ValueError, match="logit_softcap: expected None or a finite number > 0, got True"):
+    with pytest.raises(ValueError, match="logit_softcap: expected None or a number > 0 in .*, got True"):
         linear_cross_entropy(hidden, weight, target, logit_softcap=True)
     # another device: the meta device gave garbage before
     for name, args in (("weight", (hidden, weight.to("meta"), target)), ("target", (hidden, weight, target.to("meta"))),
@@ -352,8 +356,13 @@ def test_bad_arguments_name_the_argument():
     # "target[0] = 46 is not a class index in [0, 0)"; 2**70: "Expected a value of type 'int' ... found 'int'")
     with pytest.raises(TypeError, match="bias: expected a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
         linear_cross_entropy(hidden, weight, target, bias.detach().to_sparse())
-    with pytest.raises(ValueError, match="weight: expected \\[V, H\\] with V >= 1 vocabulary rows, got shape \\(0, "):
+    with pytest.raises(ValueError, match="weight: expected \\[V, H\\] with V >= 1 vocabulary rows and a hidden size "
+                       "H >= 1, got shape \\(0, "):
         linear_cross_entropy(hidden, weight[:0], target)
+    with pytest.raises(ValueError, match="weight: expected .* a hidden size H >= 1, got shape \\(1000, 0\\)"):
+        linear_cross_entropy(hidden[:, :0], weight[:, :0], target)   # said "cannot reshape tensor of 0 elements"
+    with pytest.raises(ValueError, match=r"vocab_chunk: expected an int in \[0, 2\*\*63\)"):
+        linear_cross_entropy(hidden, weight, target, vocab_chunk=2 ** 63)   # "expected 'int' ... found 'int'"
     with pytest.raises(ValueError, match="ignore_index: expected an int64"):
         linear_cross_entropy(hidden, weight, target, ignore_index=2 ** 70)
     with pytest.raises(ValueError, match="hidden: expected .*at least one dimension"):

@@ -29,6 +29,7 @@ std::string describe(const at::Tensor& t) {
   std::ostringstream out;
   out << "a " << t.scalar_type() << " tensor of shape " << t.sizes();
   if (t.layout() != at::kStrided) out << " and layout " << t.layout();
+  if (t.layout() == at::kStrided && !t.is_contiguous()) out << " and strides " << t.strides() << " (not contiguous)";
   out << " on " << t.device();
   return out.str();
 }

@@ -137,7 +137,9 @@ void check_args(const at::Tensor& hidden, const at::Tensor& weight, const std::o
   }
   TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0,
                     "label_smoothing must be in [0, 1], got ", label_smoothing);
-  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be a finite number >= 0 (0: none), got ",
+  // the logits are divided by it in float32: past its range, or below its normal numbers, came NaN
+  TORCH_CHECK_VALUE(softcap == 0.0 || (softcap >= 1.1754943508222875e-38 && softcap <= 3.4028234663852886e38),
+                    "softcap must be 0 (none) or a number in float32's normal range [1.175e-38, 3.403e+38], got ",
                     softcap);
 }
 

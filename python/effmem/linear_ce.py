@@ -14,14 +14,21 @@ Two ways, one op family (C++/CUDA, formulas in csrc/common/linear_ce_math.h):
   its own memory for a float32 weight, so this is the default for a float32 weight or a frozen one;
   a bf16 weight's sum costs a float32 buffer (grad_in_forward=True asks for it).
 """
-import math
+import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from effmem.optim._validate import F32_MAX, F32_TINY
+
 _lib = torch.ops.effmem
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def _real(x) -> bool:
+    """A Python or NumPy number, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _fake_checks(op: str, options, hidden, weight, bias, target, **per_token) -> None:
@@ -39,8 +46,10 @@ def _fake_checks(op: str, options, hidden, weight, bias, target, **per_token) ->
     label_smoothing, softcap, (chunk_name, chunk) = options
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"effmem::{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
-        raise ValueError(f"effmem::{op}: softcap must be a finite number >= 0 (0: none), got {softcap}")
+    # the logits are divided by it in float32: past its range, or below its normal numbers, came NaN
+    if not (softcap == 0.0 or F32_TINY <= softcap <= F32_MAX):
+        raise ValueError(f"effmem::{op}: softcap must be 0 (none) or a number in float32's normal range "
+                         f"[1.175e-38, 3.403e+38], got {softcap}")
     if chunk < 0:
         raise ValueError(f"effmem::{op}: {chunk_name} must be >= 0 (0: automatic), got {chunk}")
     for name, t, want in (("target", target, (n,)), ("bias", bias, (weight.shape[0],)),
@@ -207,16 +216,16 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+    if not _real(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
-    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0
-                                          and math.isfinite(logit_softcap) and not isinstance(logit_softcap, bool)):
-        raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
+    if logit_softcap is not None and not (_real(logit_softcap) and F32_TINY <= logit_softcap <= F32_MAX):
+        raise ValueError(f"logit_softcap: expected None or a number > 0 in float32's normal range "
+                         f"[1.175e-38, 3.403e+38] (the logits are divided by it in float32), got {logit_softcap!r}")
     for name, n in (("vocab_chunk", vocab_chunk), ("token_chunk", token_chunk)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name}: expected an int >= 0 (0: automatic), got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n < 2 ** 63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63) (0: automatic), got {n!r}")
     check_grad_in_forward(grad_in_forward)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
     if not -2 ** 63 <= ignore_index < 2 ** 63:
         raise ValueError(f"ignore_index: expected an int64 (target's dtype), got {ignore_index}")
@@ -228,8 +237,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             raise ValueError(f"{name}: expected a tensor on {hidden.device} (hidden's device), got one on {t.device}")
         if t is not None and t.layout != torch.strided:
             raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    if weight.dim() != 2 or weight.shape[0] == 0:
-        raise ValueError(f"weight: expected [V, H] with V >= 1 vocabulary rows, got shape {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(f"weight: expected [V, H] with V >= 1 vocabulary rows and a hidden size H >= 1, got shape "
+                         f"{tuple(weight.shape)}")
     if hidden.dim() < 1:
         raise ValueError("hidden: expected [..., H], at least one dimension, got a 0-dimensional tensor")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):

@@ -116,6 +116,7 @@ def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_a
 @torch.library.register_fake("effmem::adam8_encode")
 def _adam8_encode_fake(m, v, step, salt):
     from effmem.optim._adam8 import blocks as count_blocks
+    _one_device("adam8_encode", [("m", m), ("v", v)])
     n, blocks = m.numel(), count_blocks(m.numel())
     return (m.new_empty((n,), dtype=torch.uint8), m.new_empty((n,), dtype=torch.uint8),
             m.new_empty((blocks,), dtype=torch.float32), m.new_empty((blocks,), dtype=torch.float32))
@@ -123,6 +124,7 @@ def _adam8_encode_fake(m, v, step, salt):
 
 @torch.library.register_fake("effmem::adam8_decode")
 def _adam8_decode_fake(codes, scales, second):
+    _one_device("adam8_decode", [("codes", codes), ("scales", scales)])
     return scales.new_empty((codes.numel(),), dtype=torch.float32)
 
 

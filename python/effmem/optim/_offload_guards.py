@@ -231,7 +231,16 @@ class OffloadGuards:
     def _check_params(self) -> None:
         """The engine updates the memory each parameter had when the optimizer was built. A
         parameter given new memory since (p.data = ..., model.half(), model.to(...)) would no
-        longer be trained, silently: refuse."""
+        longer be trained, silently: refuse. So is one taken out of (or put into) a param group's list
+        by hand, which FusedAdam would follow; and a step count written in place into opt.state."""
+        listed = [p for g in self.param_groups for p in g["params"]]
+        if len(listed) != len(self._all_params) or any(a is not b for a, b in zip(listed, self._all_params)):
+            raise RuntimeError(
+                f"OffloadAdam: param_groups' 'params' lists hold {len(listed)} tensors where the optimizer was "
+                f"built over {len(self._all_params)} (or others): the engine trains the parameters it was given, "
+                "so a change made to those lists would be ignored. Use add_param_group() for new parameters, or "
+                "build a new optimizer (carrying the state over with state_dict() / load_state_dict()).")
+        self._check_steps()
         for i, (p, held) in enumerate(zip(self._params, self._local)):
             t = p._local_tensor if _validate.is_dtensor(p) else p
             if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape:
@@ -246,6 +255,17 @@ class OffloadGuards:
                 "engine updates the memory it was given, so that parameter would silently stop training. Build "
                 "the optimizer after changing the model, carrying its state over with state_dict() / "
                 "load_state_dict().")
+
+    def _check_steps(self) -> None:
+        """opt.state[p]['step'] is a view of the engine's float32 step count, which the update's bias
+        corrections read: one written in place must be a whole number >= 0, as FusedAdam requires of its own
+        (a negative or non-finite one made the weights NaN, silently; a fraction stepped as step 1.5)."""
+        s = self._steps
+        bad = ~(torch.isfinite(s) & (s >= 0) & (s == s.floor()))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"OffloadAdam: opt.state[p]['step'] of parameter {i + self._first} holds "
+                             f"{float(s[i])!r}; expected a whole number >= 0 (a step count)")
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

@@ -31,6 +31,16 @@ def whole(value: Any, name: str, minimum: int, unit: str = "") -> int:
     return value
 
 
+# The kernels compute in float32: a hyper-parameter past its range became inf there (every weight NaN), and an
+# eps below its normal range 0 or a denormal (a zero gradient's element NaN).
+F32_MAX = 3.4028234663852886e38
+F32_TINY = 1.1754943508222875e-38
+
+
+def in_f32(x: float) -> bool:
+    return math.isfinite(x) and abs(x) <= F32_MAX
+
+
 def lr_tensor_shape(lr: Tensor, where: str = "lr") -> None:
     """A one-element floating tensor (its value not read), or a ValueError naming the argument."""
     if lr.numel() != 1 or not lr.is_floating_point():
@@ -45,10 +55,12 @@ def lr_value(lr: Any, where: str = "lr") -> None:
     if isinstance(lr, Tensor):
         lr_tensor_shape(lr, where)
         value = float(lr)
-        if not (value >= 0.0 and math.isfinite(value)):
+        if not (value >= 0.0 and in_f32(value)):
             raise ValueError(f"{where}: expected a finite number >= 0, got a tensor holding {value!r}")
-    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0.0 and math.isfinite(lr)):
-        raise ValueError(f"{where}: expected a finite number >= 0, got {lr!r}")
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0.0 and in_f32(lr)):
+        past = (" (past float32's range: the update runs in float32)"
+                if isinstance(lr, numbers.Real) and math.isfinite(lr) and lr > 0 else "")
+        raise ValueError(f"{where}: expected a finite number >= 0, got {lr!r}{past}")
 
 
 def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
@@ -57,8 +69,9 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
     if check_lr:
         lr_value(group["lr"])
     eps = group["eps"]
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps > 0.0 and math.isfinite(eps)):
-        raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps >= F32_TINY and in_f32(eps)):
+        raise ValueError(f"eps: expected a finite number > 0 in float32's normal range [{F32_TINY:.4g}, "
+                         f"{F32_MAX:.4g}] (the update divides by it in float32), got {eps!r}")
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
@@ -66,8 +79,8 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
         if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
             raise ValueError(f"{name}: expected a number in [0, 1), got {beta!r}")
     wd = group["weight_decay"]
-    if isinstance(wd, bool) or not isinstance(wd, numbers.Real) or not (wd >= 0.0 and math.isfinite(wd)):
-        raise ValueError(f"weight_decay: expected a finite number >= 0, got {wd!r}")
+    if isinstance(wd, bool) or not isinstance(wd, numbers.Real) or not (wd >= 0.0 and in_f32(wd)):
+        raise ValueError(f"weight_decay: expected a finite number >= 0 within float32's range, got {wd!r}")
     for flag in ("decoupled_weight_decay", "bias_correction"):
         if not isinstance(group[flag], bool):
             raise ValueError(f"{flag}: expected True or False, got {group[flag]!r}")
