@@ -93,3 +93,13 @@ def test_a_tensor_described_in_an_error_says_it_is_not_contiguous():
     m = torch.randn(600)[::2]
     with pytest.raises(ValueError, match=r"m must be a contiguous .* got .*strides \[2\] \(not contiguous\)"):
         OPS.adam8_encode(m, torch.rand(300), 1.0, 0)
+
+
+def test_offload_num_threads_and_compress_names_from_are_named():
+    p = torch.nn.Parameter(torch.ones(3))
+    for n in (100000, 2 ** 40):   # "Resource temporarily unavailable"; pybind's "incompatible constructor arguments"
+        with pytest.raises(ValueError, match=r"num_threads: expected an int in \[1, 1024\]"):
+            OffloadAdam([p], num_threads=n)
+    from effmem import compress_activations
+    with pytest.raises(TypeError, match="names_from: expected the model"):   # 'str' object has no attribute
+        compress_activations(names_from="m")

@@ -98,6 +98,9 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     config = CompressConfig(bits=bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
                             seed=seed, exclude_modules=exclude_modules, exclude=exclude,
                             pack_bool_masks=pack_bool_masks, track_exact=track_exact, record=record)
+    if names_from is not None and not isinstance(names_from, nn.Module):
+        raise TypeError(f"names_from: expected the model (an nn.Module) whose modules name the statistics, got "
+                        f"{type(names_from).__name__}")
     if module is None:
         if names_from is None and config.exclude_modules:
             raise ValueError("exclude_modules needs to know the modules: pass names_from=model, "

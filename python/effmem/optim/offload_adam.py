@@ -227,6 +227,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         _validate.whole(bucket_size, "bucket_size", 1, "elements")
         num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
                                       "num_threads", 1)
+        if num_threads > 1024:   # the engine starts them: 100000 failed as "Resource temporarily unavailable"
+            raise ValueError(f"num_threads: expected an int in [1, 1024] (threads the engine starts), got {num_threads}")
         self._engine = None
         self.state_bits = _validate.state_bits(state_bits)
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
