@@ -113,3 +113,83 @@ def test_a_gpu_count_plans_gpus_on_a_machine_without_one():
     p = effmem.plan("gpt2", batch=8, seq=64, gpus=8)
     assert p.device == "cuda" and p.gpus == 8
     assert effmem.plan("gpt2", batch=8, seq=64, gpus=2, device="cpu").device == "cpu"
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--host-memory"])
+def test_a_size_past_floats_range_is_refused_by_name(capsys, flag):
+    """'1e400GB' read as infinity bytes: an OverflowError traceback (exit code 1) where 'infGB' got the
+    usual one-line error."""
+    what = flag[2:].replace("-", "_")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "llama-7b", flag, "1e400GB"])
+    assert exit_.value.code == 2
+    assert f"effmem plan: error: {what}: expected a size such as 80GB" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"{what}: expected a size such as 80GB.*'1e400GB'"):
+        effmem.plan("llama-7b", **{what: "1e400GB"})
+    with pytest.raises(ValueError, match=f"{what}: expected a positive, finite size"):
+        parse_bytes(10 ** 400, what)   # an int float() cannot hold: math.isfinite raised OverflowError
+
+
+def test_gpu_memory_capped_by_the_host_on_a_cpu_says_so(capsys):
+    """--device cpu --gpu-memory 80GB planned for the host's 25 GB without a word."""
+    p = effmem.plan("gpt2", batch=2, seq=64, device="cpu", gpu_memory="80GB", host_memory="16GB", gpus=2)
+    assert p.gpu_memory == 8 * 10 ** 9
+    note = ("gpu_memory: 80 GB given, but on device cpu a rank has the host memory's share: planned for 8 GB "
+            "(host_memory 16 GB / 2 ranks)")
+    assert note in p.notes and note in p.as_dict()["notes"]
+    main(["plan", "gpt2", "--batch", "2", "--seq", "64", "--device", "cpu", "--gpu-memory", "80GB",
+          "--host-memory", "16GB"])
+    assert "note: gpu_memory: 80 GB given, but on device cpu a rank has the host memory's share: planned for " \
+           "16 GB (host_memory 16 GB)" in capsys.readouterr().out
+    within = effmem.plan("gpt2", batch=2, seq=64, device="cpu", gpu_memory="4GB", host_memory="16GB")
+    assert within.gpu_memory == 4 * 10 ** 9 and not any("gpu_memory" in n for n in within.notes)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(headroom="0.1"), ValueError, r"headroom: expected a fraction in \[0, 1\), got '0.1'"),
+    (dict(headroom=True), ValueError, r"headroom: expected a fraction in \[0, 1\), got True"),
+    (dict(rates="fast"), TypeError, "rates: expected an effmem.plan.Rates .*got str"),
+    (dict(clipping="no"), TypeError, "clipping: expected True or False, got 'no'"),
+    (dict(clipping=0), TypeError, "clipping: expected True or False, got 0"),
+    # inputs=5 made every trace fail, and the plan fell back to the closed form without refusing it
+    (dict(inputs=5), TypeError, r"inputs: expected a callable\(batch, seq, device\) -> \(args, kwargs\), got int"),
+])
+def test_keywords_of_the_wrong_type_name_themselves(bad, error, match):
+    with pytest.raises(error, match=match):
+        effmem.plan("gpt2", batch=2, seq=64, **bad)
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("index, accumulation, match", [
+    (2, 2, r"index: expected a micro-batch in 0..1 \(accumulation = 2\), got 2"),
+    (-1, 2, "index: expected an int >= 0, got -1"),
+    (0, 0, "accumulation: expected an int >= 1, got 0"),
+    (0, 2.0, "accumulation: expected an int >= 1, got 2.0"),
+])
+def test_micro_batch_refuses_an_index_outside_the_step(index, accumulation, match):
+    from effmem.plan import Plan
+    with pytest.raises(ValueError, match=match):
+        Plan.micro_batch(None, index, accumulation)
+    Plan.micro_batch(None, 1, 2)   # the last of two: a plain context
+
+
+def test_apply_refuses_a_model_other_than_the_planned_one():
+    """plan.apply prepared any module: an nn.Linear, a Llama of another size, for memory the plan never counted."""
+    import transformers
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    p = effmem.plan(cfg, batch=2, seq=32, device="cpu", host_memory="8GB")
+
+    def llama(**change):
+        c = dict(cfg, **change)
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(c.pop("model_type"),
+                                                                                                **c))
+    with pytest.raises(ValueError, match=rf"model: Linear has 4,160 parameters, the plan's llama {p.params:,}"):
+        p.apply(torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"model: LlamaForCausalLM has [0-9,]+ parameters, the plan's llama"):
+        p.apply(llama(num_hidden_layers=3))
+    same = llama()
+    for q in same.model.embed_tokens.parameters():
+        q.requires_grad_(False)   # frozen by the user: still the planned model
+    model, opt = p.apply(same)
+    assert isinstance(opt, torch.optim.Optimizer)

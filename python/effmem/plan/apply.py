@@ -10,6 +10,7 @@ from effmem.activations.cache import no_training_cache
 from effmem.compress import compress_activations
 from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
+from effmem.optim._validate import whole
 from effmem.plan.model import Trainable, find_blocks
 from effmem.plan.report import _trainable, code_for
 
@@ -52,6 +53,7 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     cfg = c.config
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _check_same_model(plan, model)
     if cfg.sharding != "none":
         _check_distributed(plan, c.name)
     spec = plan.spec
@@ -106,9 +108,27 @@ def micro_batch(opt, index: int, accumulation: int):
     """The context for micro-batch `index` (from 0) of `accumulation`: OffloadAdam's ``accumulating()``
     for all but the last, which its overlap mode needs and under which device_accumulation keeps gradients
     on the GPU; nothing otherwise."""
+    # an index past the last (or an accumulation of 0) put every micro-batch outside accumulating(): OffloadAdam
+    # sent the gradients each time, or never left accumulating, without a word
+    whole(accumulation, "accumulation", 1)
+    whole(index, "index", 0)
+    if index >= accumulation:
+        raise ValueError(f"index: expected a micro-batch in 0..{accumulation - 1} (accumulation = {accumulation}), "
+                         f"got {index}")
     if isinstance(opt, OffloadAdam) and index < accumulation - 1:
         return opt.accumulating()
     return contextlib.nullcontext()
+
+
+def _check_same_model(plan, model: nn.Module) -> None:
+    """Refuse a model other than the planned one: its memory is not what the plan counted (an nn.Linear, or a
+    Llama of another size, was prepared without a word). The total parameter count (tied weights once, as the
+    plan counts them) does not depend on what is frozen or on the device or dtype, so the planned model itself,
+    from a config or as a module, always passes."""
+    n = sum(p.numel() for p in model.parameters())
+    if n != plan.params:
+        raise ValueError(f"model: {type(model).__name__} has {n:,} parameters, the plan's {plan.model} "
+                         f"{plan.params:,}: apply() prepares the model that was planned (plan this one first)")
 
 
 def _check_distributed(plan, name: str) -> None:

@@ -13,7 +13,7 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     if text is None:
         return None
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not math.isfinite(text) or text < 1:
+        if not _finite(text) or text < 1:
             raise ValueError(f"{what}: expected a positive, finite size, got {text!r}")
         if text < 1 << 20:   # gpu_memory=80: 80 bytes (nothing fits), where 80 GB was meant
             raise ValueError(f"{what}: {text!r} is {int(text)} bytes, less than a MiB: give a size with its unit "
@@ -26,13 +26,26 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
     scale = {"B": 1}
     for i, p in enumerate("KMGT", start=1):
         scale[f"{p}B"], scale[f"{p}IB"] = 10 ** (3 * i), 1 << (10 * i)
-    n = int(float(m.group(1)) * scale[unit])
+    size = float(m.group(1)) * scale[unit]
+    if not _finite(size):   # '1e400GB': an OverflowError from int() below, a traceback from the command
+        raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r} "
+                         "(more than a float holds)")
+    n = int(size)
     if n < 1:   # '0.5B': not a size (and 0 would read as 'not given')
         raise ValueError(f"{what}: expected a positive size, got {text!r} ({n} bytes)")
     if n < 1 << 20:   # '--gpu-memory 80': 80 bytes, where 80GB was meant (and '1KB' is no memory to plan for)
         raise ValueError(f"{what}: {text!r} is {n} bytes, less than a MiB: "
                          + (f"give a unit (for example {text}GB)" if m.group(2) is None else "expected a memory size"))
     return n
+
+
+def _finite(x: Union[int, float]) -> bool:
+    """Whether x is finite as a float too: the plan sums sizes in floats, and an int past float's range
+    (10**400) makes math.isfinite itself raise an OverflowError."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def machine() -> Dict[str, object]:

@@ -2,6 +2,7 @@
 import contextlib
 import gc
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
@@ -266,6 +267,8 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
     (default: this machine's). device: "cuda" or "cpu" (default: cuda when there is a GPU or
     gpu_memory was given). trainable: regular expressions of the parameters that train (model.py's
     Trainable). clipping: the recipe clips by global norm (rules out OffloadAdam's overlap mode).
+    headroom: the share of gpu_memory a pick leaves free. inputs: callable(batch, seq, device) -> (args, kwargs)
+    for the model's training forward (default: token ids and labels). rates: an effmem.plan.Rates.
     """
     with _collector_paused():
         return _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, device, clipping,
@@ -287,6 +290,33 @@ def _collector_paused():
             gc.enable()
 
 
+def _check_options(headroom, clipping, inputs, rates) -> None:
+    """The keywords _plan only compares or calls: a wrong type failed deep inside (a TypeError from a
+    comparison, an AttributeError from rates) or, worse, passed: clipping='no' is truthy, and inputs=5 made
+    every trace fail, which the planner takes for a model it cannot trace (the closed form, silently)."""
+    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom!r}")
+    if not isinstance(clipping, bool):
+        raise TypeError(f"clipping: expected True or False, got {clipping!r}")
+    if inputs is not None and not callable(inputs):
+        raise TypeError(f"inputs: expected a callable(batch, seq, device) -> (args, kwargs), got "
+                        f"{type(inputs).__name__}")
+    if rates is not None and not isinstance(rates, Rates):
+        raise TypeError(f"rates: expected an effmem.plan.Rates (effmem.plan.calibrate() makes one), got "
+                        f"{type(rates).__name__}")
+
+
+def _cpu_share(gpu_mem: Optional[int], host_mem: int, world: int) -> Tuple[int, Optional[str]]:
+    """A CPU rank's memory: gpu_memory where given, at most the host's share per rank; and a note where the
+    share cut gpu_memory down (the plan said '1 x cpu with 25.3 GB' for --gpu-memory 80GB, without a word)."""
+    share = host_mem // world
+    if gpu_mem is None or gpu_mem <= share:
+        return gpu_mem or share, None
+    per = f" / {world} ranks" if world > 1 else ""
+    return share, (f"gpu_memory: {gpu_mem / GB:.3g} GB given, but on device cpu a rank has the host memory's share:"
+                   f" planned for {share / GB:.3g} GB (host_memory {host_mem / GB:.3g} GB{per})")
+
+
 def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, device, clipping, headroom, inputs,
           rates) -> Plan:
     t0 = time.perf_counter()
@@ -295,8 +325,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         whole(seq, "seq", 1)
     if accum is not None:
         whole(accum, "accum", 1)
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom!r}")
+    _check_options(headroom, clipping, inputs, rates)
     here = machine()
     gpu_mem = parse_bytes(gpu_memory, "gpu_memory")
     if device is None:   # GPU memory or a GPU count asks for GPUs, also on a machine without one
@@ -304,13 +333,14 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
     host_mem = parse_bytes(host_memory, "host_memory") or here["host_memory"]
+    capped = None   # a note where the host's share cut gpu_memory down (device cpu)
     if device == "cpu":
         # One process, or `gpus` CPU ranks under torch.distributed (gloo): what the tests run.
         world = gpus if gpus is not None else 1
         whole(world, "gpus", 1)
         # the ranks share the machine's memory: each rank's peak within its share (no candidate keeps state
         # on the host on a CPU, so that is the whole of the fit)
-        gpu_mem = min(gpu_mem or host_mem // world, host_mem // world)
+        gpu_mem, capped = _cpu_share(gpu_mem, host_mem, world)
     else:
         world = gpus if gpus is not None else max(1, here["gpus"])
         if gpu_mem is None:  # this machine's GPU, or an 80 GB one where there is none
@@ -322,7 +352,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
 
     spec = model_spec(model, trainable)
     share = _trainable_share(spec)
-    notes = []
+    notes = [capped] if capped else []
     limit = _position_limit(spec)
     if seq is None:
         seq = min(2048, limit[0]) if limit else 2048
