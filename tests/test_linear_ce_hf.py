@@ -228,8 +228,12 @@ def test_tiny_llama_trains_the_same_in_bf16():
     (float32 logits from the bf16 products), and the model's loss with its head computed in float32.
     bf16 noise, stated: the model's own curve differs from the float32-head curve by the rounding
     of its logits to bf16 (about 2% at some steps here). The fused curve follows the float32-head
-    curve within 0.5%, differs from the model's own by no more than that noise, and ends within 1%."""
+    curve within 0.5%, differs from the model's own by no more than that noise, and ends within 1%.
+    On a CPU with bf16 dot products the fused logits are rounded to bf16 as the model's own are
+    (test_linear_ce_cpu.py): there its curve lies within that noise of both (0.85% from the float32
+    head's, 1.2% from the model's own, where those two are 2.0% apart)."""
     import torch.nn.functional as F
+    from test_linear_ce_cpu import cpu_has_bf16_dot
 
     curves = {}
     for mode in ("own", "fused", "float32_head"):
@@ -255,7 +259,10 @@ def test_tiny_llama_trains_the_same_in_bf16():
     own, fused, f32 = curves["own"], curves["fused"], curves["float32_head"]
     diff = lambda a, b: ((a - b).abs() / b).max().item()  # noqa: E731
     assert own[-1] < own[0] * 0.8                               # it learned something
-    assert diff(fused, f32) <= 0.005
+    if cpu_has_bf16_dot() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
+        assert diff(fused, f32) <= diff(own, f32) and diff(fused, own) <= diff(f32, own)
+    else:
+        assert diff(fused, f32) <= 0.005
     assert diff(fused, own) <= 1.25 * diff(f32, own) + 0.002
     assert abs(fused[-5:].mean() - own[-5:].mean()) <= 0.01 * own[-5:].mean()
 

@@ -148,3 +148,48 @@ def test_a_run_resumed_from_a_checkpoint_takes_the_steps_of_the_run_that_saved_i
     assert_same_training(model, resumed_model, off, resumed)
     for o in (off, resumed):
         o.close()
+
+
+def test_a_kept_prediction_survives_a_dropped_micro_batch():
+    """Expert 0, without a gradient at step 3, gets its next first gradient inside accumulating() (it lands in
+    the staging holding its update's weights), which a zero_grad drops; the next whole gradient installs the
+    prediction, and a flush must put those weights back, not the dropped gradient (it did, a review found)."""
+    data = routed_batches()
+    model = Routed().to(torch.bfloat16)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, bucket_size=700, **HP)
+    for batch in ((0, *data[0][1:]), (0, *data[1][1:]), (1, *data[2][1:])):
+        routed_loss(model, batch).backward()
+        off.step()
+        off.zero_grad()
+    with off.accumulating():
+        routed_loss(model, (0, *data[3][1:])).backward()
+    off.zero_grad()
+    routed_loss(model, (0, *data[4][1:])).backward()
+    weight = model.experts[0].weight
+    assert not torch.equal(weight, off.state[weight]["master"].bfloat16())   # the prediction
+    off.flush()
+    for m in (model.inp, model.out, model.experts[0], model.experts[1]):   # the stepped ones
+        for p in m.parameters():
+            assert torch.equal(p, off.state[p]["master"].to(p.dtype))
+    off.close()
+
+
+def test_state_assigned_by_hand_drops_the_predictions_made_from_the_state_it_replaces():
+    """An entry of opt.state assigned (ZeroRedundancyOptimizer's load does so) is loaded at step(): expert 0,
+    without a gradient in that step, kept a prediction made from the state replaced, and its next backward
+    put one forward on it. As after a load_state_dict, predictions go and that step is exact."""
+    data = routed_batches()
+    model = Routed().to(torch.bfloat16)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, bucket_size=700, **HP)
+    for batch in ((0, *data[0][1:]), (0, *data[1][1:])):
+        routed_loss(model, batch).backward()
+        off.step()
+        off.zero_grad()
+    weight = model.experts[0].weight
+    off.state[weight] = dict(off.state[weight], exp_avg=torch.zeros_like(off.state[weight]["exp_avg"]))
+    routed_loss(model, (1, *data[2][1:])).backward()
+    off.step()   # loads the entry, and installs this step's weights at once
+    off.zero_grad()
+    routed_loss(model, (0, *data[3][1:])).backward()   # no prediction from the replaced state
+    assert torch.equal(weight, off.state[weight]["master"].bfloat16())
+    off.close()

@@ -188,6 +188,7 @@ def test_apply_refuses_a_model_other_than_the_planned_one():
         p.apply(torch.nn.Linear(64, 64))
     with pytest.raises(ValueError, match=r"model: LlamaForCausalLM has [0-9,]+ parameters, the plan's llama"):
         p.apply(llama(num_hidden_layers=3))
+    p.apply(llama(vocab_size=260))   # a vocabulary resized for added tokens: still that model (within 5%)
     same = llama()
     for q in same.model.embed_tokens.parameters():
         q.requires_grad_(False)   # frozen by the user: still the planned model

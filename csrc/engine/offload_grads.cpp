@@ -66,7 +66,8 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
     // they do in the last micro-batch (outside accumulating()), so that every
     // micro-batch of a step runs on the same weights; and they must before a
     // gradient lands in the staging that holds them.
-    bool now, whole;
+    bool now, whole, move;
+    TicketPtr reader;
     {
       std::lock_guard<std::mutex> lock(mu_);
       whole = !accumulating_ && !p.has_grad;  // this gradient is the step's whole gradient
@@ -75,12 +76,17 @@ void OffloadEngine::grad_ready(int64_t i, const at::Tensor& grad) {
       // after a flush installed the update's own weights.
       now = (p.pending_upload && (!accumulating_ || p.pending_side == side_)) || (whole && p.predictable);
       // A prediction kept over steps without a gradient (an odd number of them) has its update's own weights,
-      // which a flush would install instead, in the staging this gradient lands in: they move to the other.
-      if (now && whole && p.predictable && !p.pending_upload && p.pending_side == side_ && p.dtype != cpu::kF32) {
-        if (const TicketPtr& reader = p.uploaded[side_ ^ 1]) reader->wait();   // normally long done
-        std::memcpy(staging_of(p, side_ ^ 1), staging_of(p, side_), static_cast<size_t>(bytes));
-        p.pending_side = side_ ^ 1;
-      }
+      // which a flush (or a zero_grad after it) installs, in the staging this round's first gradient lands in
+      // (also inside accumulating(): the prediction may be made after a zero_grad drops that gradient): they
+      // move to the other first. That update is done (it was installed: pending_upload is false).
+      move = !p.has_grad && p.predictable && !p.pending_upload && p.pending_side == side_ && p.dtype != cpu::kF32;
+      if (move) reader = p.uploaded[side_ ^ 1];
+    }
+    if (move) {   // outside the lock: an embedding's weights are large; only this thread hands p's gradients over
+      if (reader) reader->wait();   // the last upload from the other staging: normally long done
+      std::memcpy(staging_of(p, side_ ^ 1), staging_of(p, side_), static_cast<size_t>(bytes));
+      std::lock_guard<std::mutex> lock(mu_);
+      p.pending_side = side_ ^ 1;
     }
     if (now) install(i, whole ? &grad : nullptr);
   }
