@@ -103,3 +103,20 @@ def test_offload_num_threads_and_compress_names_from_are_named():
     from effmem import compress_activations
     with pytest.raises(TypeError, match="names_from: expected the model"):   # 'str' object has no attribute
         compress_activations(names_from="m")
+
+
+@pytest.mark.parametrize("other_group", [False, True])
+def test_fused_adam_refuses_a_parameter_listed_twice_before_changing_anything(other_group):
+    """Appended to a group's list by hand: in one group the step counts advanced before the kernel refused the
+    step; in another group the parameter was stepped twice, silently."""
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = FusedAdam([{"params": [p]}, {"params": [q]}])
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    before = (p.detach().clone(), q.detach().clone())
+    opt.param_groups[1 if other_group else 0]["params"].append(p)
+    with pytest.raises(ValueError, match=r"param_groups\[[01]\]\['params'\]\[1\] \(shape \(3,\)\) is also "
+                                         r"param_groups\[0\]\['params'\]\[0\]"):
+        opt.step()
+    assert float(opt.state[p]["step"]) == 1 and float(opt.state[q]["step"]) == 1
+    assert torch.equal(p.detach(), before[0]) and torch.equal(q.detach(), before[1])

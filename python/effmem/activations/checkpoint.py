@@ -245,6 +245,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     leaves, spec = tree_flatten((rest, kwargs))
     grad_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
     params = [p for p in layer.parameters() if p.requires_grad]
+    held = dict(itertools.chain(layer.named_parameters(), layer.named_buffers()))   # what this forward reads
     tail = {}
 
     def run(x_, *extras):
@@ -252,7 +253,8 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         for i, e in zip(grad_at, extras):
             args_[i] = e
         rest_, kwargs_ = tree_unflatten(args_, spec)
-        out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
+        with _as_in_forward(layer, held):
+            out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
         if not isinstance(out, (Tensor, tuple)):
             raise TypeError(f"compressed checkpointing: the layer returned {type(out).__name__}; expected a "
                             "tensor (or a tuple whose first entry is the hidden state)")
@@ -276,6 +278,19 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     for i, o in zip(tail["grad_at"], outs[1:]):
         out_leaves[i] = o
     return (outs[0], *tree_unflatten(out_leaves, tail["spec"]))
+
+
+def _as_in_forward(layer: nn.Module, held: dict):
+    """The recompute reads the tensors the forward read. Under torch.func.functional_call (MAML, an EMA's
+    weights) those were the call's, put back by the time backward recomputes: the recompute read the module's
+    own, and the call's tensors got no gradient while the module's parameters got one from other weights,
+    silently."""
+    now = dict(itertools.chain(layer.named_parameters(), layer.named_buffers()))
+    changed = {name: t for name, t in held.items() if now.get(name) is not t}
+    if not changed:
+        return nullcontext()
+    from torch.nn.utils.stateless import _reparametrize_module   # what functional_call itself runs
+    return _reparametrize_module(layer, changed)
 
 
 @contextlib.contextmanager

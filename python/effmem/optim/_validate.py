@@ -151,6 +151,23 @@ def params(new: List[Tensor], existing: List[Tensor]) -> None:
                              "each element may be updated by only one parameter")
 
 
+def listed_once(groups) -> None:
+    """Each parameter in one place of the param groups' lists (add_param_group refuses a repeat, a list
+    changed by hand does not): listed twice in one group, the step advanced the step counts before the kernel
+    refused it; in two groups, the parameter was stepped twice, silently."""
+    listed = [p for g in groups for p in g["params"]]
+    if len({id(p) for p in listed}) == len(listed):
+        return
+    where: Dict[int, Tuple[int, int]] = {}
+    for gi, g in enumerate(groups):
+        for i, p in enumerate(g["params"]):
+            if id(p) in where:
+                raise ValueError(f"param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}) is also "
+                                 f"param_groups[{where[id(p)][0]}]['params'][{where[id(p)][1]}]: each parameter "
+                                 "may appear once in an optimizer")
+            where[id(p)] = (gi, i)
+
+
 def grad(p: Tensor) -> Tensor:
     """The gradient of p, checked, in p's memory layout (the kernels walk both as one flat span)."""
     return grad_like(p, p.grad)

@@ -256,6 +256,8 @@ class FusedAdam(AdamBase):
         here would break the compiled graph (a CPU tensor's at every step, a CUDA one's at the first)."""
         _validate.groups(self.param_groups, check_lr=False)
         compiling = torch.compiler.is_compiling()
+        if not compiling:
+            _validate.listed_once(self.param_groups)
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
             if isinstance(lr, Tensor) and compiling:   # the value is the kernel's to check

@@ -133,7 +133,8 @@ def config_layers(cfg: dict) -> int:
 
 
 def find_blocks(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
-    """The decoder layers: the longest ModuleList whose entries are all of one type, in a generative model's
+    """The decoder layers: the longest ModuleList whose entries are all of one type (and which is not inside an
+    entry of another such list: a block's list of heads), in a generative model's
     decoder where transformers names one (get_decoder(): a vision-language model's language model, whose
     vision tower may have more blocks), else in the whole model. Only a model with an output layer
     (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
@@ -156,9 +157,14 @@ def _generative_decoder(model: nn.Module) -> Optional[nn.Module]:
 
 
 def _longest(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
+    lists = [(name, mod) for name, mod in model.named_modules()
+             if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1]
+    # A list inside an entry of another of two or more (each block's heads, each layer's experts) is not the
+    # blocks, however long: two blocks of four heads each had the policy on block 0's heads alone.
+    inner = {n for n, _ in lists for o, om in lists if len(om) >= 2 and o != n and n.startswith(f"{o}." if o else "")}
     best: Tuple[str, Sequence[nn.Module]] = ("", [])
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > len(best[1]) and len({type(m) for m in mod}) == 1:
+    for name, mod in lists:
+        if name not in inner and len(mod) > len(best[1]):
             best = (name, list(mod))
     return best
 
