@@ -120,3 +120,11 @@ def test_fused_adam_refuses_a_parameter_listed_twice_before_changing_anything(ot
         opt.step()
     assert float(opt.state[p]["step"]) == 1 and float(opt.state[q]["step"]) == 1
     assert torch.equal(p.detach(), before[0]) and torch.equal(q.detach(), before[1])
+
+
+@pytest.mark.parametrize("opt_class", [FusedAdam, OffloadAdam])
+def test_a_group_asking_for_a_differentiable_step_is_refused(opt_class):
+    """torch's differentiable=True (a step autograd records) was accepted and stepped under no_grad."""
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="differentiable: differentiable=True is not implemented"):
+        opt_class([{"params": [p], "differentiable": True}])

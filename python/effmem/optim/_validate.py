@@ -90,6 +90,9 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
         if group.get(flag, False):
             raise ValueError(f"{flag}: {flag}=True is not implemented by effmem's Adam; stepping this group "
                              "would silently change the math")
+    if group.get("differentiable", False):   # torch's flag for a step autograd records (meta-learning)
+        raise ValueError("differentiable: differentiable=True is not implemented by effmem's Adam (its step is "
+                         "not recorded by autograd); stepping this group would silently cut the graph")
 
 
 def groups(param_groups: List[Dict[str, Any]], check_lr: bool = True) -> None:

@@ -427,7 +427,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops the pending gradients held by the engine (and any left in p.grad)."""
+        """Drops the pending gradients held by the engine (and any left in p.grad): the only way to drop a
+        backward's gradients, which left p.grad as they were handed over (model.zero_grad() finds none)."""
         super().zero_grad(set_to_none=set_to_none)
         self._check_open()
         self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
