@@ -45,6 +45,8 @@ def test_state_dict_of_an_attached_model_holds_the_last_update(mode, attached):
 def _remove_flush_hooks(opt):
     from effmem.optim._offload_forward import _Flush
     for handle in opt._forward_hooks:
+        if not hasattr(handle, "hooks_dict_ref"):   # attach()'s zero_grad, not a hook
+            continue
         hooks = handle.hooks_dict_ref()
         if hooks is not None and isinstance(hooks.get(handle.id), _Flush):
             handle.remove()
@@ -188,3 +190,39 @@ def test_trainer_resumes_an_attached_offload_adam_bit_for_bit(mode):
         whole = train(out)
         resumed = train(os.path.join(out, "resumed"), resume=os.path.join(out, "checkpoint-2"))
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+
+
+@pytest.mark.parametrize("mode", ["plain", "async_step"])
+def test_zero_grad_of_an_attached_model_drops_the_gradients_handed_over(mode):
+    """Skipping a bad batch with model.zero_grad() (or the Trainer's own call) after its backward: the
+    gradients had left p.grad for the engine, so torch's zero_grad dropped nothing and the batch went into the
+    next step. The attached model's zero_grad drops them too; right after step() it waits for nothing."""
+    import copy
+    import io
+    from effmem import FusedAdam
+    data = batches(3)
+    ref = tiny_gpt(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), lr=1e-2)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, async_step=mode == "async_step")
+    opt.attach(model)
+    for m, o in ((ref, fused), (model, opt)):
+        m(*data[0])[1].backward()
+        m.zero_grad()                    # the bad batch, dropped
+        for x, y in data[1:]:
+            m(x, y)[1].backward()
+            o.step()
+            m.zero_grad()                # right after step: nothing pending
+    opt.flush()
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    copied = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (copied, loaded):       # their zero_grad zeroes their own gradients
+        other(*data[0])[1].backward()
+        other.zero_grad()
+        assert all(p.grad is None for p in other.parameters())
+    opt.close()
+    assert "zero_grad" not in model.__dict__   # close() takes it off

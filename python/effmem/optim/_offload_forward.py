@@ -7,6 +7,7 @@ weights first. So each FSDP unit gets one hook, placed before FSDP's own, for ev
 manages (its subtree, less nested units) and for those of the units it prefetches
 (``set_modules_to_forward_prefetch``): the shards hold the new weights before any all-gather reads them.
 """
+import types
 import weakref
 from typing import Dict, List
 
@@ -24,7 +25,8 @@ class OffloadForward:
 
         async_step (required there): install each parameter's new weights before the forward that reads it (a
         forward pre-hook on every module owning one of this optimizer's parameters, or on every FSDP2 unit: call
-        it after ``fully_shard``). Every mode: ``model.state_dict()`` (a checkpoint, Hugging Face's Trainer
+        it after ``fully_shard``). Every mode: ``model.zero_grad()`` also drops the gradients a backward handed
+        to the engine since the last step; ``model.state_dict()`` (a checkpoint, Hugging Face's Trainer
         saving one, ``save_pretrained``) first waits for the updates in flight and installs their weights
         (``flush()``), and so does a forward in eval mode without gradients (evaluation), which with
         ``delay=True`` would otherwise read weights one step old. Without it, a loop that does not call
@@ -69,6 +71,7 @@ class OffloadForward:
         for module in [model] + [m for m in owners if m is not model]:
             self._forward_hooks.append(module.register_state_dict_pre_hook(_Flush(self)))
         self._forward_hooks.append(model.register_forward_pre_hook(_Flush(self, eval_forward=True)))
+        self._forward_hooks.append(_ZeroGrad(self, model))
 
     def _unit_ids(self, units: Dict[int, nn.Module]) -> Dict[int, List[int]]:
         """Per FSDP unit: its managed parameters' indices and those of the units it prefetches."""
@@ -154,6 +157,35 @@ class _Flush(_EngineHook):
                 opt._engine.fence()
             return   # evaluation is an eval-mode forward without gradients; training in eval mode keeps its overlap
         opt._engine.synchronize()
+
+
+class _ZeroGrad(_EngineHook):
+    """attach()'s model.zero_grad(): also drops the gradients a backward handed to the engine since the last
+    step. They left p.grad as they were handed over, so torch's zero_grad found none to drop (skipping a bad
+    batch sent it into the next step). After step() none is pending: nothing waits (async_step's update runs
+    on). Bound on the model itself (its __dict__): torch.save(model) pickles it as the model's own method."""
+
+    def __init__(self, opt, model: nn.Module):
+        self.opt, self.model = weakref.ref(opt), weakref.ref(model)
+        model.__dict__["_effmem_zero_grad"] = self
+        model.__dict__["zero_grad"] = types.MethodType(_attached_zero_grad, model)
+
+    def remove(self) -> None:
+        model = self.model()
+        if model is not None and model.__dict__.get("_effmem_zero_grad") is self:
+            del model.__dict__["_effmem_zero_grad"], model.__dict__["zero_grad"]
+
+
+def _attached_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    type(module).zero_grad(module, set_to_none)
+    hook = module.__dict__.get("_effmem_zero_grad")
+    opt = hook._engine_open() if isinstance(hook, _ZeroGrad) else None
+    if opt is not None and opt._in_backward:
+        opt.zero_grad(set_to_none)
+
+
+# A bound method pickles as getattr(model, its name): torch.save(model) then loads the class's zero_grad
+_attached_zero_grad.__name__ = "zero_grad"
 
 
 class _Installer(_EngineHook):

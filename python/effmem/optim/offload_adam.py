@@ -427,8 +427,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops the pending gradients held by the engine (and any left in p.grad): the only way to drop a
-        backward's gradients, which left p.grad as they were handed over (model.zero_grad() finds none)."""
+        """Drops the pending gradients held by the engine (and any left in p.grad). A backward's gradients
+        left p.grad as they were handed over: torch's model.zero_grad() finds none (an attached model's drops
+        them through this)."""
         super().zero_grad(set_to_none=set_to_none)
         self._check_open()
         self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
