@@ -206,6 +206,8 @@ def test_zero_grad_of_an_attached_model_drops_the_gradients_handed_over(mode):
     fused = FusedAdam(ref.parameters(), lr=1e-2)
     opt = OffloadAdam(model.parameters(), lr=1e-2, async_step=mode == "async_step")
     opt.attach(model)
+    opt.attach(model)   # again (as after add_param_group): one hook still
+    assert len(model.__dict__["_effmem_zero_grad"]) == 1
     for m, o in ((ref, fused), (model, opt)):
         m(*data[0])[1].backward()
         m.zero_grad()                    # the bad batch, dropped

@@ -167,21 +167,24 @@ class _ZeroGrad(_EngineHook):
 
     def __init__(self, opt, model: nn.Module):
         self.opt, self.model = weakref.ref(opt), weakref.ref(model)
-        model.__dict__["_effmem_zero_grad"] = self
+        model.__dict__.setdefault("_effmem_zero_grad", []).append(self)   # one per optimizer attached
         model.__dict__["zero_grad"] = types.MethodType(_attached_zero_grad, model)
 
     def remove(self) -> None:
         model = self.model()
-        if model is not None and model.__dict__.get("_effmem_zero_grad") is self:
-            del model.__dict__["_effmem_zero_grad"], model.__dict__["zero_grad"]
+        hooks = model.__dict__.get("_effmem_zero_grad", []) if model is not None else []
+        if any(h is self for h in hooks):
+            hooks[:] = [h for h in hooks if h is not self]
+            if not hooks:
+                del model.__dict__["_effmem_zero_grad"], model.__dict__["zero_grad"]
 
 
 def _attached_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     type(module).zero_grad(module, set_to_none)
-    hook = module.__dict__.get("_effmem_zero_grad")
-    opt = hook._engine_open() if isinstance(hook, _ZeroGrad) else None
-    if opt is not None and opt._in_backward:
-        opt.zero_grad(set_to_none)
+    for hook in module.__dict__.get("_effmem_zero_grad", ()):
+        opt = hook._engine_open()
+        if opt is not None and opt._in_backward:
+            opt.zero_grad(set_to_none)
 
 
 # A bound method pickles as getattr(model, its name): torch.save(model) then loads the class's zero_grad
