@@ -1,7 +1,7 @@
 """The fused linear cross-entropy's bf16 products on the CPU (common/linear_ce.cpp, cpu_bf16_products).
 
 Where the CPU has bf16 dot products (AVX512-BF16, AMX) and ATen's oneDNN is on, bf16 inputs take part in the
-products as they are (about twice float32's rate there: `bench/bench_linear_ce.py --device cpu --dtype bf16`);
+products as they are (faster than float32 there: `bench/bench_linear_ce.py --device cpu --dtype bf16`);
 elsewhere they are converted to float32 once. Both ways keep the error bound of test_linear_ce.py (at most
 twice the unfused bf16 computation's, against float64); turning oneDNN off picks the float32 way.
 """

@@ -206,7 +206,8 @@ class OffloadEngine {
     std::shared_future<void> updated;
     TicketPtr uploaded[2];
     TicketPtr ahead_uploaded;    // delay_correction: the last upload that read its part of bucket.ahead
-    // delay_correction: bucket.ahead holds the prediction for the coming step, not yet installed by a
+    // delay_correction: bucket.ahead holds the prediction for its next update (kept over steps without a
+    // gradient), not yet installed by a
     // corrected install (plain ones, a flush's, leave it: the next backward still predicts from it), and the
     // correction's constants, those of the update that wrote it
     bool predictable = false;

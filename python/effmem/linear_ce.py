@@ -210,7 +210,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
 
     Logits and their softmax are computed in float32 from products that accumulate in float32
     (bf16/fp16 products on CUDA round once, to float32; bf16 ones on a CPU with bf16 dot products round
-    once to bf16, as the unfused logits are, at twice float32's rate there); the loss is float32. Under autocast the
+    once to bf16, as the unfused logits are, and run faster there); the loss is float32. Under autocast the
     inputs are cast as ``F.linear`` would cast them. The gradients of ``hidden``, ``weight`` and
     ``bias`` are those of the unfused computation. On the CPU a target outside ``[0, V)`` raises;
     on CUDA (where checking would cost a host sync) that token's loss is NaN.

@@ -18,11 +18,7 @@ class OffloadCheckpoint:
         self._check_open()
         self._check_state()
         self._engine.synchronize()
-        if self._delay_correction:
-            # As a run resumed from this checkpoint will: no prediction (its update's learning rate and clip
-            # factor are not in the checkpoint), the next step's weights up at once; so both take the same steps
-            self._engine.discard_pending()
-            self._exact_next = True
+        self._forget_predictions()   # as a run resumed from this checkpoint: both then take the same steps
         self._sync_state()
         sd = super().state_dict()
         sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
@@ -31,6 +27,14 @@ class OffloadCheckpoint:
             if "master" in sd["state"].get(k, ()):
                 sd["state"][k] = dict(sd["state"][k], master=self._local[i].detach().float().clone())
         return _adam8.checkpoint_out(sd, self._all_params)
+
+    def _forget_predictions(self) -> None:
+        """delay_correction, after a synchronize: no prediction (a checkpoint holds none, nor its update's
+        learning rate and clip factor; a state replaced makes those kept from it wrong), and the next step's
+        weights up at once."""
+        if self._delay_correction:
+            self._engine.discard_pending()
+            self._exact_next = True
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a checkpoint of OffloadAdam, FusedAdam or torch.optim.Adam/AdamW, exactly.

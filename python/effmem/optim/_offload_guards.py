@@ -203,9 +203,7 @@ class OffloadGuards:
                                "(opt.state[p]['exp_avg'].zero_()), load a state with opt.load_state_dict(...), or "
                                "build a new OffloadAdam to start afresh.")
         self._engine.synchronize()   # an update in flight writes the entries' memory: let it land first
-        if self._delay_correction:   # predictions made from the state replaced here: as after a load
-            self._engine.discard_pending()
-            self._exact_next = True
+        self._forget_predictions()   # made from the state replaced here
         entries = {}
         for p in changed:
             entry = dict(self.state.get(p) or {})

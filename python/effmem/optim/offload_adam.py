@@ -228,7 +228,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
                                       "num_threads", 1)
         if num_threads > 1024:   # the engine starts them: 100000 failed as "Resource temporarily unavailable"
-            raise ValueError(f"num_threads: expected an int in [1, 1024] (threads the engine starts), got {num_threads}")
+            raise ValueError(f"num_threads: expected an int in [1, 1024] (threads the engine starts), got "
+                             f"{num_threads}")
         self._engine = None
         self.state_bits = _validate.state_bits(state_bits)
         self._config = dict(backend=backend, num_threads=num_threads, pin_state=pin_state, bucket_size=bucket_size,
@@ -407,9 +408,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         scale, self._clip_scale = self._clip_scale, 1.0
         # device_state's parameters first: their kernel runs on the device while the host updates the rest
         self._step_resident(scale)
-        # delay_correction: a flush since backward put the last update's weights back in place of the
-        # prediction, so this step's go up at once; no prediction for a warm-up step's backward (its
-        # synchronize supersedes it)
+        # delay_correction: a flush since backward replaced the prediction, so this step's weights go up at
+        # once; no prediction for a warm-up step's backward (its synchronize supersedes it)
         replaced = self._delay_correction and self._engine.prediction_replaced()
         self._engine.step(scale, predict=self._step_count + 2 > self._delay_warmup)
         try:
@@ -427,9 +427,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops the pending gradients held by the engine (and any left in p.grad). A backward's gradients
-        left p.grad as they were handed over: torch's model.zero_grad() finds none (an attached model's drops
-        them through this)."""
+        """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks)."""
         super().zero_grad(set_to_none=set_to_none)
         self._check_open()
         self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
