@@ -261,7 +261,9 @@ class OffloadGuards:
         """opt.state[p]['step'] is a view of the engine's float32 step count, which the update's bias
         corrections read: one written in place must be a whole number >= 0, as FusedAdam requires of its own
         (a negative or non-finite one made the weights NaN, silently; a fraction stepped as step 1.5)."""
-        s = self._steps
+        # One copy, read once: under overlap the worker pool advances these counts while backward's buckets
+        # update, and a count read twice (s, then s.floor()) could be 14 once and 15 the next time.
+        s = self._steps.clone()
         bad = ~(torch.isfinite(s) & (s >= 0) & (s == s.floor()))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
