@@ -125,10 +125,15 @@ class _NoSecondDerivative(torch.autograd.Function):
     penalty) would silently lack this loss's part. Its inputs are the gradients and then the tensors they
     depend on (`links`): a derivative asked for an input of the loss only (torch.autograd.grad(penalty, x))
     runs the nodes on a path to x alone, and this one must be on that path."""
+    generate_vmap_rule = True   # torch.func.vmap over grad (per-sample gradients) runs it
 
     @staticmethod
-    def forward(ctx, count, *tensors):
+    def forward(count, *tensors):
         return tuple(g.detach() for g in tensors[:count])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        """Nothing to keep; declared apart from forward so torch.func's transforms accept the function."""
 
     @staticmethod
     def backward(ctx, *_):
@@ -175,6 +180,24 @@ def _backward(ctx, grad_loss, grad_lse):
 
 
 torch.library.register_autograd("effmem::linear_ce_forward", _backward, setup_context=_setup_context)
+
+
+class _Recompute(torch.autograd.Function):
+    """The op with the same autograd formula, as a function torch.func's transforms (grad, vmap, jacrev) can
+    run: they do not take the op's registered autograd (torch.library makes an old-style function of it)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return _lib.linear_ce_forward(*args)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+    @staticmethod
+    def jvp(ctx, *_):
+        raise RuntimeError("linear_cross_entropy: has no forward-mode derivative (torch.func.jvp, jacfwd, hessian); "
+                           "use reverse mode (torch.func.grad, vjp, jacrev), or compute this loss unfused")
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
@@ -263,8 +286,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
             int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)),
             _graph_handle(h))
-    loss, _ = _lib.linear_ce_forward(h, weight, bias, t, int(ignore_index), float(label_smoothing),
-                                     float(logit_softcap or 0.0), int(vocab_chunk))
+    loss, _ = (_Recompute.apply if _under_torch_func() else _lib.linear_ce_forward)(
+        h, weight, bias, t, int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":
         return loss.reshape(target.shape)
     total = loss.sum()
@@ -284,6 +307,12 @@ def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, wei
     """Whether to make the gradients in the forward pass (see linear_cross_entropy's grad_in_forward)."""
     wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     if choice is False or not wanted:
+        return False
+    if _under_torch_func():
+        # the gradients made in forward are held on the autograd node, out of the transforms' sight
+        if choice:
+            raise ValueError("grad_in_forward=True: not under a torch.func transform (grad, vmap, jacrev...); "
+                             "use grad_in_forward=None or False there (the gradients are then made in backward)")
         return False
     if reduction == "none":
         if choice:
@@ -306,6 +335,12 @@ def _grad_in_forward(choice: Optional[bool], reduction: str, hidden: Tensor, wei
     if torch.compiler.is_compiling():
         return False  # compiled graphs keep the recompute path: their autograd saves tensors the usual way
     return not trained_low and not flushes and (weight.dtype == torch.float32 or device == "cuda")
+
+
+def _under_torch_func() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev) runs this call eagerly (compiled code keeps the op:
+    Dynamo sees a transform's interpreter while tracing, and cannot trace _Recompute's jvp)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
 # What effmem plan's trace stands for while it runs a model on meta tensors (plan/trace.py): the device, and
