@@ -209,7 +209,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     Args:
         hidden: ``[..., H]`` float32, bfloat16 or float16 (the last hidden states).
         weight: ``[V, H]``, the output projection (e.g. ``lm_head.weight``), same dtype.
-        target: ``[...]`` int64 class indices in ``[0, V)``, or ``ignore_index``.
+        target: ``[...]`` int64 (or, as torch, uint8) class indices in ``[0, V)``, or ``ignore_index``.
         bias: optional ``[V]``.
         ignore_index: targets with this value contribute neither loss nor gradient.
         reduction: "mean" (over the targets not ignored, as torch), "sum" or "none".
@@ -266,6 +266,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
                          f"{tuple(weight.shape)}")
     if hidden.dim() < 1:
         raise ValueError("hidden: expected [..., H], at least one dimension, got a 0-dimensional tensor")
+    if target.dtype not in (torch.int64, torch.uint8):
+        raise TypeError(f"target: expected int64 (or uint8) class indices, got {target.dtype}"
+                        + (" (class probabilities, which torch's cross_entropy also takes, are not supported)"
+                           if target.is_floating_point() else ""))
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden's without its last "
                          f"dimension), got {tuple(target.shape)}")
@@ -277,7 +281,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     h = hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1)
+    # torch takes uint8 class indices too (a vocabulary of at most 256); the kernels read int64
+    t = target.reshape(-1).long() if target.dtype == torch.uint8 else target.reshape(-1)
     if _grad_in_forward(grad_in_forward, reduction, hidden, weight, bias):
         valid = t != ignore_index
         # no host sync: mean divides by the count of targets kept (NaN when there is none, as torch)
