@@ -222,7 +222,7 @@ def test_entries_assigned_to_opt_state_convert_as_a_loaded_checkpoint_does(src, 
     wrong = {k: (v[:1] if k in ("exp_avg", "exp_avg_sq") else v) for k, v in sd["state"][0].items()}
     by_assignment.state[next(assigned.parameters())] = wrong
     if "exp_avg" in wrong:   # float32 moments, or codes under torch's names
-        with pytest.raises(ValueError, match=r"opt.state\[p\]\['exp_avg'\]: expected shape \(8, 64\)"):
+        with pytest.raises(ValueError, match=r"opt.state\[p\] of parameter 0\['exp_avg'\]: expected shape \(8, 64\)"):
             train(assigned, by_assignment, 1, 20)
 
 

@@ -264,9 +264,8 @@ class OffloadGuards:
         # One copy, read once: under overlap the worker pool advances these counts while backward's buckets
         # update, and a count read twice (s, then s.floor()) could be 14 once and 15 the next time.
         s = self._steps.clone()
-        bad = ~(torch.isfinite(s) & (s >= 0) & (s == s.floor()))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
+        i = _validate.first_bad_count(s)
+        if i is not None:
             raise ValueError(f"OffloadAdam: opt.state[p]['step'] of parameter {i + self._first} holds "
                              f"{float(s[i])!r}; expected a whole number >= 0 (a step count)")
 

@@ -204,6 +204,14 @@ def step_value(step: Any, where: str) -> float:
     return value
 
 
+def first_bad_count(steps: Tensor) -> Optional[int]:
+    """The index of the first entry of a float32 tensor of step counts (written in place into opt.state)
+    that is not a whole number in [0, 2**63), or None. `steps` is read once (the caller's copy, or its own
+    stack): OffloadAdam's workers may advance the counts meanwhile."""
+    bad = ~(torch.isfinite(steps) & (steps >= 0) & (steps < 2.0 ** 63) & (steps == steps.floor()))
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
 def _state_tensor(saved: Dict[str, Any], key: str, where: str, shape, required: bool, codes: bool = False,
                   sharded: bool = False, shown: str = "") -> None:
     """saved[key] checked, and made this rank's shard (saved: the caller's copy). shown: the key as the

@@ -89,6 +89,7 @@ class FusedAdam(AdamBase):
         self._interrupted_load: Optional[str] = None   # why steps are refused (_load_checked)
         self._refusals = RefusalMonitor("FusedAdam")
         self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
+        self._kept: Dict[int, Tuple[int, ...]] = {}   # per parameter, its entry's tensors when last checked (ids)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -109,6 +110,7 @@ class FusedAdam(AdamBase):
         # which must not drop a refusal a step in flight may still report
         self.__dict__.setdefault("_refusals", RefusalMonitor("FusedAdam"))
         self.__dict__.setdefault("_lr_checked", {})
+        self.__dict__.setdefault("_kept", {})
 
     def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
         state = self.state[p]
@@ -118,12 +120,16 @@ class FusedAdam(AdamBase):
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
         m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
-        if state and (m_key not in state or (_adam8.is_8bit(state) if self.state_bits == 32
-                                             else getattr(state.get("exp_avg_scale"), "ndim", 0) != 1)):
-            # an entry assigned as it is (ZeroRedundancyOptimizer's load) in the other format, with codes
-            # under torch's names, or with a checkpoint's scales by rows: checked and converted as
-            # load_state_dict checks and converts a checkpoint's
-            saved, step, _ = _validate.entry(state, p, "opt.state[p]")
+        # an entry's tensors are checked again only when one of them was replaced (their ids: a dict read each)
+        keys = _ENTRY_KEYS[self.state_bits]
+        if state and self._kept.get(id(p)) != tuple(map(id, map(state.get, keys))) and not _as_kept(
+                state, p, self.state_bits):
+            # an entry assigned as it is (ZeroRedundancyOptimizer's load; torch's loader casts moments to a
+            # bf16 parameter's dtype) in the other format, with codes under torch's names, a checkpoint's scales
+            # by rows, other dtypes or a Python step: checked and converted as load_state_dict checks and
+            # converts a checkpoint's, or refused naming the parameter
+            where = f"opt.state[p] of parameter {self._salts()[id(p)]}"
+            saved, step, _ = _validate.entry(state, p, where)
             restored = _restore_state(saved, p, step, self.state_bits, self._salts()[id(p)])
             state.clear()
             state.update(restored)
@@ -139,6 +145,7 @@ class FusedAdam(AdamBase):
                 state["exp_avg_sq_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
         if p.dtype != torch.float32 and "master" not in state:   # new, or loaded from a checkpoint without one
             state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        self._kept[id(p)] = tuple(map(id, map(state.get, keys)))
         return state
 
     @torch.no_grad()
@@ -197,6 +204,19 @@ class FusedAdam(AdamBase):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         inv_scale, found_inf = _one_value(inv_scale, "inv_scale"), _one_value(found_inf, "found_inf")
+        if self._pending_grad_scale and self._pending_outside_capture and _capturing():
+            raise RuntimeError("FusedAdam.step is being captured in a CUDA graph while a clip from "
+                               "clip_grad_norm_() called outside the graph is pending; the graph would keep "
+                               "reading that one clip factor. Call opt.clip_grad_norm_() inside the captured "
+                               "region, before step().")
+        if self._interrupted_load is not None:
+            raise RuntimeError(self._interrupted_load)
+        self._refusals.check()
+        self._check_groups()
+        # Every group's entries are checked (and an assigned one converted) before any is stepped: a refused
+        # step changes nothing, and keeps its pending clip for the step that follows the fix.
+        buckets = [self._buckets(group) for group in self.param_groups]
+        self._check_cpu_steps(buckets)
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
         clip, self._pending_clip = self._pending_clip, None
         if pending and clip is not None and inv_scale is not None:
@@ -204,22 +224,12 @@ class FusedAdam(AdamBase):
             total, max_norm = clip
             pending = {d: clip_coefficient(_to_device(total, d) * _per_device(inv_scale, d), max_norm)
                        for d in pending}
-        if pending and self._pending_outside_capture and _capturing():
-            raise RuntimeError("FusedAdam.step is being captured in a CUDA graph while a clip from "
-                               "clip_grad_norm_() called outside the graph is pending; the graph would keep "
-                               "reading that one clip factor. Call opt.clip_grad_norm_() inside the captured "
-                               "region, before step().")
-
-        if self._interrupted_load is not None:
-            raise RuntimeError(self._interrupted_load)
-        self._refusals.check()
-        self._check_groups()
         per_device: Dict[torch.device, Tuple] = {}  # (scale, found_inf) of each device, once per step
-        for gi, group in enumerate(self.param_groups):
+        for group, group_buckets in zip(self.param_groups, buckets):
             lr = group["lr"]
             per_group: Dict[torch.device, Tuple] = {}  # (lr, lr_tensor, advance) of each device
             beta1, beta2 = group["betas"]
-            for (device, _, _), b in self._buckets(group).items():
+            for (device, _, _), b in group_buckets.items():
                 if device not in per_device:
                     scale = _per_device(inv_scale, device)
                     if device in pending:
@@ -267,6 +277,21 @@ class FusedAdam(AdamBase):
             elif self._lr_checked.get(gi) is not lr and not _capturing():
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
                 self._lr_checked[gi] = lr
+
+    def _check_cpu_steps(self, buckets) -> None:
+        """Step counts written in place into opt.state, on the CPU, before any bucket is stepped (the kernel
+        refuses them too, but only after the buckets before its own were updated). A CUDA count is the
+        kernel's to check: reading it here would cost a host sync per step; so are all under torch.compile
+        (a value read would break the graph)."""
+        if torch.compiler.is_compiling():
+            return
+        steps = [s for group in buckets for b in group.values() for s in b["steps"] if not s.is_cuda]
+        i = _validate.first_bad_count(torch.stack(steps)) if steps else None
+        if i is not None:
+            n = next(n for n, p in enumerate(p for g in self.param_groups for p in g["params"])
+                     if self.state.get(p, {}).get("step") is steps[i])
+            raise ValueError(f"FusedAdam: opt.state[p]['step'] of parameter {n} holds {float(steps[i])!r}; "
+                             "expected a whole number >= 0 (a step count)")
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
@@ -324,7 +349,7 @@ class FusedAdam(AdamBase):
         plan = _validate.checkpoint(self, state_dict, "FusedAdam", warn=warn)
         salts = self._salts()
         self._load_groups(state_dict["param_groups"])   # drops the old state: one state in memory at a time
-        self._lr_checked = {}
+        self._lr_checked, self._kept = {}, {}
         try:
             for p, saved, step in plan:
                 if saved is not None:
@@ -337,6 +362,31 @@ class FusedAdam(AdamBase):
                 "load_state_dict completes")
             raise
         self._interrupted_load = None
+
+
+# the entry's keys whose tensors _as_kept checks, by state_bits
+_ENTRY_KEYS = {32: ("step", *_adam8.MOMENT_KEYS[32], "master"),
+               8: ("step", *_adam8.MOMENT_KEYS[8], "master", "exp_avg_scale", "exp_avg_sq_scale")}
+
+
+def _as_kept(state: Dict[str, Any], p: Tensor, bits: int) -> bool:
+    """Whether p's entry holds what the kernel takes, as _init_state makes it (checked at every step, so
+    attribute reads only: its values are the kernel's to check)."""
+    m_key, v_key = _adam8.MOMENT_KEYS[bits]
+    step, m, v, master = state.get("step"), state.get(m_key), state.get(v_key), state.get("master")
+    moment = torch.float32 if bits == 32 else torch.uint8
+    shape = _local(p).shape
+    if not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.dim() == 0
+            and step.device == p.device):
+        return False
+    if p.dtype == torch.float32 and master is not None:   # a float32 parameter is its own master
+        return False
+    for t, dtype in ((m, moment), (v, moment)) + (((master, torch.float32),) if p.dtype != torch.float32 else ()):
+        if not (isinstance(t, Tensor) and t.dtype == dtype and t.device == p.device and _local(t).shape == shape):
+            return False
+    if bits == 32:
+        return "exp_avg_scale" not in state
+    return all(getattr(state.get(k), "ndim", 0) == 1 for k in ("exp_avg_scale", "exp_avg_sq_scale"))
 
 
 @torch.no_grad()

@@ -1,0 +1,89 @@
+"""Entries of FusedAdam's opt.state changed by hand between steps (ZeroRedundancyOptimizer's load assigns
+them; torch's loader casts a bf16 parameter's moments to bf16): taken as OffloadAdam takes them (converted),
+or refused before any parameter is stepped, naming the parameter, with a pending clip kept for the retry."""
+import pytest
+import torch
+
+import effmem
+
+
+def three_params():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(4))                          # group 0
+    b = torch.nn.Parameter(torch.randn(3))                          # group 1: parameter 1
+    c = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))    # group 1: parameter 2, another bucket
+    return a, b, c
+
+
+def stepped(optimizer=effmem.FusedAdam, **kw):
+    a, b, c = three_params()
+    opt = optimizer([{"params": [a]}, {"params": [b, c]}], lr=1e-2, **kw)
+    for p in (a, b, c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in (a, b, c):
+        p.grad = torch.full_like(p, 0.5)
+    return opt, (a, b, c)
+
+
+EDITS = {
+    "wrong shape": (lambda s: s.__setitem__("exp_avg_sq", torch.zeros(3)), ValueError,
+                    r"opt.state\[p\] of parameter 2\['exp_avg_sq'\]: expected shape \(5,\)"),
+    "missing moment": (lambda s: s.pop("exp_avg"), ValueError, "opt.state\\[p\\] of parameter 2: missing 'exp_avg'"),
+    "not a tensor": (lambda s: s.__setitem__("exp_avg", [0.0]), TypeError,
+                     r"parameter 2\['exp_avg'\]: expected a floating-point tensor, got list"),
+    "fractional step": (lambda s: s["step"].fill_(1.5), ValueError,
+                        r"FusedAdam: opt.state\[p\]\['step'\] of parameter 2 holds 1.5; expected a whole number"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_refused_entry_changes_nothing_and_names_its_parameter(edit):
+    change, error, message = EDITS[edit]
+    opt, params = stepped()
+    change(opt.state[params[2]])
+    before = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    with pytest.raises(error, match=message):
+        opt.step()
+    for p, b, s in zip(params, before, steps):   # the other group and bucket were stepped before the fix
+        assert torch.equal(p, b) and torch.equal(opt.state[p]["step"], s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_moments_assigned_in_another_dtype_are_converted_as_offload_adam_converts_them(dtype):
+    finals = []
+    for optimizer in (effmem.FusedAdam, effmem.OffloadAdam):
+        opt, params = stepped(optimizer)
+        for p in params:
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].to(dtype)
+            opt.state[p]["step"] = int(opt.state[p]["step"])   # torch's checkpoints of old held a number
+        opt.step()
+        finals.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg"].clone() for p in params])
+        if optimizer is effmem.OffloadAdam:
+            opt.close()
+    for f, o in zip(*finals):
+        assert f.dtype == o.dtype and torch.equal(f, o)
+    assert finals[0][3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("optimizer", [effmem.FusedAdam, effmem.OffloadAdam])
+def test_a_refused_step_keeps_the_pending_clip_for_the_step_that_follows(optimizer):
+    results = []
+    for refuse_first in (False, True):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(8))
+        opt = optimizer([w], lr=1e-2)
+        w.grad = torch.full((8,), 100.0)
+        opt.clip_grad_norm_(1.0)
+        if refuse_first:
+            opt.param_groups[0]["lr"] = -1.0
+            with pytest.raises(ValueError, match="expected a finite number >= 0, got -1.0"):
+                opt.step()
+            opt.param_groups[0]["lr"] = 1e-2
+        opt.step()
+        results.append((w.detach().clone(), opt.state[w]["exp_avg"].clone()))
+        if optimizer is effmem.OffloadAdam:
+            opt.close()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][1].abs().max() < 0.1   # clipped: 0.1 * 100 unclipped
