@@ -1,0 +1,86 @@
+"""One parameter's FusedAdam state entry: whether it holds what the kernel takes, and how a checkpoint's (or
+an assigned one) is restored in the optimizer's format and laid out as its parameter."""
+import functools
+from typing import Any, Dict
+
+import torch
+from torch import Tensor
+
+from effmem.optim import _adam8, _validate
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter, gradient or state tensor, in place; else t.
+
+    Adam is elementwise, so each rank updates its shard with the same kernel. The state stays a
+    DTensor of the parameter's placements (zeros_like), which torch.distributed.checkpoint expects."""
+    return t.to_local() if _validate.is_dtensor(t) else t
+
+
+# the entry's keys whose tensors _as_kept checks, by state_bits
+_ENTRY_KEYS = {32: ("step", *_adam8.MOMENT_KEYS[32], "master"),
+               8: ("step", *_adam8.MOMENT_KEYS[8], "master", "exp_avg_scale", "exp_avg_sq_scale")}
+
+
+def _as_kept(state: Dict[str, Any], p: Tensor, bits: int) -> bool:
+    """Whether p's entry holds what the kernel takes, as _init_state makes it (checked at every step, so
+    attribute reads only: its values are the kernel's to check)."""
+    m_key, v_key = _adam8.MOMENT_KEYS[bits]
+    step, m, v, master = state.get("step"), state.get(m_key), state.get(v_key), state.get("master")
+    moment = torch.float32 if bits == 32 else torch.uint8
+    shape = _local(p).shape
+    if not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.dim() == 0
+            and step.device == p.device):
+        return False
+    if p.dtype == torch.float32 and master is not None:   # a float32 parameter is its own master
+        return False
+    for t, dtype in ((m, moment), (v, moment)) + (((master, torch.float32),) if p.dtype != torch.float32 else ()):
+        if not (isinstance(t, Tensor) and t.dtype == dtype and t.device == p.device and _local(t).shape == shape):
+            return False
+    if bits == 32:
+        return "exp_avg_scale" not in state
+    return all(getattr(state.get(k), "ndim", 0) == 1 for k in ("exp_avg_scale", "exp_avg_sq_scale"))
+
+
+@torch.no_grad()
+def _exact_float32_weights(plan) -> None:
+    """A bf16/fp16 run's float32 master that _validate.checkpoint kept for a float32 parameter (which holds
+    it rounded): into the parameter, its own master, so that nothing of that run's weights is lost."""
+    for p, saved, _ in plan:
+        if saved is not None and "master" in saved and p.dtype == torch.float32:
+            _local(p).copy_(saved["master"])
+
+
+def _match_layout(state: Dict[str, Tensor], p: Tensor) -> None:
+    """Float32 moments and master laid out as p (the kernels walk them along p's memory): one put in opt.state
+    by hand with other strides (zeros of p's shape for a channels_last p) is copied so once, as torch's
+    optimizers take any layout. Called where exp_avg's strides differ (the step compares that one only: an
+    exp_avg_sq replaced alone meets the kernel's refusal, which says how to make it match)."""
+    for key in ("exp_avg", "exp_avg_sq", "master"):
+        t = state.get(key)
+        if isinstance(t, Tensor) and t.shape == p.shape and _local(t).stride() != _local(p).stride():
+            state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
+
+
+def _restore_state(saved: Dict[str, Any], p: Tensor, step: float, state_bits: int = 32,
+                   salt: int = 0) -> Dict[str, Tensor]:
+    """A checkpoint's state for p, exactly as saved, in the format of state_bits: 8-bit moments are
+    decoded for a float32 optimizer, float32 ones encoded for an 8-bit optimizer (effmem.optim._adam8).
+    saved: this rank's shards (_validate.checkpoint); under FSDP2 the state are DTensors laid out as p."""
+    def like_p(t: Tensor, dtype: torch.dtype) -> Tensor:
+        out = torch.empty_like(p, dtype=dtype)
+        _local(out).copy_(t)
+        return out
+
+    saved = _adam8.convert(saved, _local(p), state_bits, step, salt)
+    state = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    f32 = functools.partial(like_p, dtype=torch.float32)
+    if state_bits == 8:
+        for key, scale in _adam8.SCALE_KEYS.items():
+            state[_adam8.CODE_KEYS[key]] = like_p(saved[key], torch.uint8)
+            state[scale] = saved[scale].to(device=p.device, dtype=torch.float32).clone()
+    else:
+        state["exp_avg"], state["exp_avg_sq"] = f32(saved["exp_avg"]), f32(saved["exp_avg_sq"])
+    if p.dtype != torch.float32 and "master" in saved:   # else _init_state takes the parameter at its next step
+        state["master"] = f32(saved["master"])
+    return state
