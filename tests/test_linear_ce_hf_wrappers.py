@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import effmem
+from effmem import linear_ce_hf
 
 pytest.importorskip("transformers")
 from test_linear_ce_hf import FAMILIES, _quiet, batch  # noqa: E402,F401 (_quiet: the autouse fixture)
@@ -111,7 +112,7 @@ def test_a_plain_output_layer_put_in_after_fusing_is_followed(refuse):
         effmem.fuse_linear_cross_entropy(model, grad_in_forward=False)
         assert "forward" not in old.__dict__ and "forward" in model.lm_head.__dict__
     out = model(input_ids=x, labels=y)
-    assert out.logits is None and "forward" not in old.__dict__ and not old.__dict__.get("_effmem_pass")
+    assert out.logits is None and "forward" not in old.__dict__ and not linear_ce_hf._passing()
     out.loss.backward()
     plain = copy.deepcopy(effmem.unfuse_linear_cross_entropy(model))
     assert not any("_effmem" in k or k == "forward" for k in plain.lm_head.__dict__)

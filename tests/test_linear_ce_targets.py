@@ -1,5 +1,6 @@
 """linear_cross_entropy takes the class-index targets torch's cross_entropy takes (int64 and uint8) and
-refuses the others by name, as torch does (class probabilities are not supported)."""
+refuses the others by name, as torch does (class probabilities are not supported); and what it takes of torch:
+its default dtype, autocast's casts, the check of a weight changed in place before backward."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,3 +31,45 @@ def test_other_target_dtypes_are_refused_by_name():
             linear_cross_entropy(hidden, weight, torch.zeros(8, dtype=dtype))
     with pytest.raises(TypeError, match=r"class probabilities, .* are not supported"):
         linear_cross_entropy(hidden, weight, torch.softmax(torch.randn(8, 32), -1))
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_the_mean_is_taken_whatever_torchs_default_dtype(default):
+    """Its per-token scale was made in the default dtype, which the kernel refused ('grad_scale must be
+    float32', an argument the caller never gave)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, 8, generator=g, requires_grad=True)
+    weight = torch.randn(20, 8, generator=g, requires_grad=True)
+    target = torch.randint(0, 20, (6,), generator=g)
+    want = F.cross_entropy(hidden @ weight.T, target)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = [linear_cross_entropy(hidden, weight, target, grad_in_forward=way) for way in (True, False)]
+    finally:
+        torch.set_default_dtype(before)
+    for loss in got:
+        assert loss.dtype == torch.float32 and torch.allclose(loss, want, rtol=1e-6)
+
+
+def test_autocast_leaves_float64_as_f_linear_does():
+    hidden, weight = torch.randn(10, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    target = torch.randint(0, 50, (10,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.linear(hidden, weight).dtype == torch.float64
+        with pytest.raises(TypeError, match="hidden must be float32, bfloat16 or float16, got Double"):
+            linear_cross_entropy(hidden, weight, target)   # was cast to bf16: a loss other than F.linear's
+        fused = linear_cross_entropy(hidden.float(), weight.half(), target)   # others are cast, as F.linear's
+        unfused = F.cross_entropy(F.linear(hidden.float(), weight.half()), target)
+    assert torch.allclose(fused, unfused.float(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_a_weight_changed_in_place_before_backward_raises_as_torch_does(grad_in_forward):
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(40, 8))
+    loss = linear_cross_entropy(hidden, weight, torch.randint(0, 40, (12,)), grad_in_forward=grad_in_forward)
+    with torch.no_grad():
+        weight.mul_(2)   # a step taken between forward and backward: the gradients would be the old weight's
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

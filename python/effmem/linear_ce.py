@@ -104,6 +104,11 @@ class _GradInForward(torch.autograd.Function):
         loss, gh, gw, gb = _lib.linear_ce_forward_backward(h, weight, bias, target, scale, *options, mask)
         ctx._effmem_held = [g if m else None for g, m in zip((gh, gw, gb), mask)]
         ctx.links = (handle, weight, bias)   # parameters and h's _graph_handle: no activation kept alive
+        # what autograd would check of them if saved: the gradients are those of these values (the parameters,
+        # alive anyway; not hidden, which holding would keep the activation alive until backward). Not in a
+        # compiled graph, where a version is a symbol that backward could not compare.
+        ctx.versions = [] if torch.compiler.is_compiling() else [
+            (name, t, t._version) for name, t in (("weight", weight), ("bias", bias)) if t is not None]
         total = loss.sum()
         return total if n_valid is None else total / n_valid
 
@@ -115,6 +120,12 @@ class _GradInForward(torch.autograd.Function):
                                "handed to the first backward through it; to backward twice (retain_graph=True) "
                                "call it with grad_in_forward=False")
         links, ctx.links = ctx.links, None
+        for name, t, version in ctx.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: linear_cross_entropy's {name} (version {t._version}; its gradients were made in "
+                    f"the forward pass, at version {version}), as torch raises for a tensor saved for backward")
         return (*_first_order([None if g is None else g.mul_(grad_out) for g in grads], links + (grad_out,)),
                 None, None, None, None, None)
 
@@ -277,9 +288,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     # Autocast exists for real devices only; on meta tensors effmem plan's trace says whether it models one.
     dtype = _TRACE_TARGET[1] if device_type == "meta" else (
         torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None)
-    if dtype is not None:
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    if dtype is not None:   # as autocast casts F.linear's inputs: floating ones but float64
+        hidden, weight, bias = (t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64
+                                else t for t in (hidden, weight, bias))
     h = hidden.reshape(-1, hidden.shape[-1])
     # torch takes uint8 class indices too (a vocabulary of at most 256); the kernels read int64
     t = target.reshape(-1).long() if target.dtype == torch.uint8 else target.reshape(-1)
@@ -287,7 +298,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         valid = t != ignore_index
         # no host sync: mean divides by the count of targets kept (NaN when there is none, as torch)
         n_valid = valid.sum() if reduction == "mean" else None
-        scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid, 0.0)
+        # float32 whatever torch's default dtype (the kernel reads float32)
+        scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid.float(), 0.0)
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
             int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)),
             _graph_handle(h))

@@ -13,6 +13,7 @@ torch.no_grad: Trainer.evaluate, whose compute_metrics reads the logits) nothing
 import functools
 import inspect
 import re
+import threading
 import warnings
 from typing import Optional
 
@@ -52,11 +53,24 @@ def knows(model: nn.Module) -> bool:
     return type(model).__name__ in SUPPORTED and _feeds_head_to_loss(inspect.getsource(type(model).forward))
 
 
+# Per thread, the heads passing their input through now (a training forward with labels), each with what it
+# passed: another thread's forward of the same model (inference beside training) must get logits.
+_PASSING = threading.local()
+
+
+def _passing() -> dict:
+    heads = getattr(_PASSING, "heads", None)
+    if heads is None:
+        heads = _PASSING.heads = {}
+    return heads
+
+
 def _head_forward(head: nn.Module, original, x: Tensor) -> Tensor:
-    """The lm_head's forward while fused: its input passed through while ``_effmem_pass`` is set, else its
-    own forward (a wrapper another library put there included)."""
-    if head.__dict__.get("_effmem_pass", False):
-        head._effmem_passed = x   # for _fused_forward to find in a tuple output (its place varies)
+    """The lm_head's forward while fused: its input passed through in a fused forward with labels (in this
+    thread), else its own forward (a wrapper another library put there included)."""
+    heads = _passing()
+    if head in heads:
+        heads[head] = x   # for _fused_forward to find in a tuple output (its place varies)
         return x
     return original(x)
 
@@ -70,7 +84,7 @@ class _FusedLoss:
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch=None,
                  ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs) -> Tensor:
-        if not getattr(self.head, "_effmem_pass", False):  # called with real logits
+        if self.head not in _passing():  # called with real logits
             return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         hidden = logits
@@ -80,6 +94,11 @@ class _FusedLoss:
                                "reshards it after its forward, before the fused loss runs. Leave lm_head to the "
                                "model's own fully_shard(model), or fully_shard(model.lm_head, "
                                "reshard_after_forward=False)")
+        if self.head.weight.is_meta and not hidden.is_meta:   # (effmem plan traces on meta tensors)
+            raise RuntimeError("fuse_linear_cross_entropy: lm_head's weight is on the meta device when the loss reads "
+                               "it: offloaded (accelerate's cpu_offload, or a device_map that offloads lm_head), "
+                               "loaded only inside lm_head's own forward, which the fused loss does not run. Keep "
+                               "lm_head on the device (device_map), or unfuse_linear_cross_entropy(model)")
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.head.weight,
@@ -145,6 +164,8 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use {own} in your "
                         "own loss")
     _check_head(head, name)
+    _check_loss(model, name)
+    _check_hooks(head)
     # Instance attributes holding module-level functions, not closures or classes made here: a deep copy
     # of the model then runs itself (not the original), and the model pickles.
     # what fusing replaces, as instance attributes (None: the class's), for unfuse to put back
@@ -175,6 +196,41 @@ def _check_head(head, name: str) -> None:
                         "loss")
 
 
+def own_loss(model: nn.Module) -> bool:
+    """Whether the model's loss_function is transformers' causal-LM cross-entropy, which the fused loss computes
+    (effmem plan asks too): one set by hand (a z-loss, weights) would be replaced silently."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:   # a transformers without the mapping: its models name no loss of their own
+        return True
+    return model.loss_function is LOSS_MAPPING.get("ForCausalLM")
+
+
+def _check_loss(model: nn.Module, name: str) -> None:
+    if not own_loss(model):
+        loss = model.loss_function
+        raise TypeError(f"model: {name}.loss_function is {getattr(loss, '__name__', type(loss).__name__)}, not "
+                        "transformers' causal-LM cross-entropy (ForCausalLMLoss), which is what the fused loss "
+                        "computes: fusing would replace yours. Compute your loss from the hidden states with "
+                        "effmem.linear_cross_entropy(hidden, lm_head.weight, labels) (output_hidden_states=True), "
+                        "or fuse with the model's own loss_function")
+
+
+def _check_hooks(head: nn.Module) -> None:
+    """Forward hooks on lm_head would get the hidden states it passes through where they expect logits. Checked
+    when fusing (not at each forward: hooks put on every module later, such as effmem plan's trace, observe
+    shapes only)."""
+    if head.weight.is_meta and getattr(head, "_hf_hook", None) is not None:
+        raise RuntimeError("fuse_linear_cross_entropy: lm_head is offloaded by accelerate (cpu_offload, or a "
+                           "device_map that offloads it): its weight is on the meta device except inside lm_head's "
+                           "own forward, which the fused loss does not run. Keep lm_head on the device")
+    if head._forward_hooks:
+        raise RuntimeError("fuse_linear_cross_entropy: lm_head has forward hooks, which would see the hidden states "
+                           "it passes to the fused loss instead of logits (and a hook that frees its weight after "
+                           "the forward, as DeepSpeed ZeRO-3's, would free it before the loss reads it). Remove them "
+                           "(the handle's .remove()), or unfuse_linear_cross_entropy(model)")
+
+
 def _patch_head(head: nn.Module) -> None:
     head._effmem_forward_before = head.__dict__.get("forward")   # None: the class's
     head.forward = functools.partial(_head_forward, head, head.forward)
@@ -182,8 +238,7 @@ def _patch_head(head: nn.Module) -> None:
 
 def _unpatch_head(head: nn.Module) -> None:
     """The head's own forward again, unless a wrapper was put on it since (it calls ours, which then passes
-    nothing through: _effmem_pass is never set on a head no longer fused)."""
-    head.__dict__.pop("_effmem_pass", None)
+    nothing through: _fused_forward never lists a head no longer fused)."""
     kept = head.__dict__.pop("_effmem_forward_before", None)
     now = head.__dict__.get("forward")
     if isinstance(now, functools.partial) and now.func is _head_forward:
@@ -256,6 +311,11 @@ class _FusedForward:
             args, kwargs = args[:self.labels_at], {**kwargs, **named}
         if kwargs.get("labels") is not None:
             self.follow()
+            if self.model.__dict__.get("_loss_function") is not self.loss:
+                raise RuntimeError("fuse_linear_cross_entropy: model.loss_function was replaced after fusing, and "
+                                   "would get hidden states where it expects logits. Set it before fusing (which "
+                                   "refuses a loss other than transformers' own), or unfuse_linear_cross_entropy("
+                                   "model) first")
         if kwargs.get("labels") is None and self.model.training and torch.is_grad_enabled() and not self.warned:
             self.warned = True
             warnings.warn("fuse_linear_cross_entropy: a training forward without labels= makes the full logits "
@@ -272,12 +332,12 @@ def _fused_forward(original, head: nn.Module, *args, **kwargs):
     # compute_metrics got predictions=None and dropped its metrics, silently): the model's own forward.
     if kwargs.get("labels") is None or not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    head._effmem_pass = True
+    heads = _passing()
+    heads[head] = None
     try:
         out = original(*args, **kwargs)
     finally:
-        head._effmem_pass = False
-        passed = head.__dict__.pop("_effmem_passed", None)
+        passed = heads.pop(head, None)
     # The logits slot held the hidden states passed through. A ModelOutput is a dict whose item outlives
     # setting the attribute to None (the output kept them alive): clear the item, which clears the
     # attribute too. With return_dict=False the output is the ModelOutput's tuple, which leaves out its

@@ -202,9 +202,10 @@ def _vocab_hidden(spec: ModelSpec):
 
 
 def _fusable(spec: ModelSpec) -> bool:
-    """Whether effmem.fuse_linear_cross_entropy knows the model's class."""
-    from effmem.linear_ce_hf import knows
-    return knows(spec.module if spec.module is not None else spec.build_layers(1))
+    """Whether effmem.fuse_linear_cross_entropy knows the model's class and computes its loss."""
+    from effmem.linear_ce_hf import knows, own_loss
+    model = spec.module if spec.module is not None else spec.build_layers(1)
+    return knows(model) and own_loss(model)
 
 
 def _attention_dropout(cfg: dict) -> float:
