@@ -194,3 +194,39 @@ def test_apply_refuses_a_model_other_than_the_planned_one():
         q.requires_grad_(False)   # frozen by the user: still the planned model
     model, opt = p.apply(same)
     assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_numpy_integers_are_taken_as_ints():
+    import numpy as np
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+    p = effmem.plan(cfg, batch=np.int64(4), seq=np.int32(32), accum=np.int64(2), device="cpu")
+    q = effmem.plan(cfg, batch=4, seq=32, accum=2, device="cpu")
+    mine, theirs = p.as_dict(), q.as_dict()
+    mine.pop("plan_seconds"), theirs.pop("plan_seconds")
+    assert p.best == q.best and json.dumps(mine) == json.dumps(theirs)   # np.int64 in it: "not JSON serializable"
+
+
+def test_a_multimodal_config_is_told_to_plan_its_text_config():
+    llava = dict(model_type="llava", text_config=dict(model_type="llama", hidden_size=64, num_hidden_layers=2),
+                 vision_config=dict(model_type="clip_vision_model"))
+    with pytest.raises(ValueError, match="a multimodal config, its language model under text_config"):
+        effmem.plan(llava, batch=1, seq=16, device="cpu")
+
+
+def test_apply_refuses_a_meta_model_and_a_gpu_plan_without_a_gpu_before_changing_anything():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    with torch.device("meta"):
+        planned = LlamaForCausalLM(config)
+    p = effmem.plan(planned, batch=4, seq=32, device="cpu", trainable=r"layers\.1\.")
+    with pytest.raises(ValueError, match=r"model: model\.\S+ is on the meta device \(no values"):
+        p.apply(planned)   # was torch's "Cannot copy out of meta tensor"
+    assert all(t.requires_grad for t in planned.parameters())
+    if not torch.cuda.is_available():
+        real = LlamaForCausalLM(config)
+        on_gpu = effmem.plan(real, batch=4, seq=32, gpu_memory="24GB", trainable=r"layers\.1\.")
+        with pytest.raises(RuntimeError, match="plan: made for a CUDA GPU .* this process sees none"):
+            on_gpu.apply(real)   # was "Found no NVIDIA driver", after freezing parameters
+        assert all(t.requires_grad for t in real.parameters())

@@ -25,10 +25,11 @@ def local_tensor(t: Tensor) -> Tensor:
 
 
 def whole(value: Any, name: str, minimum: int, unit: str = "") -> int:
-    """An int (not a bool) >= minimum, or a ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """An int (not a bool; a NumPy integer taken as one) >= minimum, as an int, or a ValueError naming the
+    argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}{f' ({unit})' if unit else ''}, got {value!r}")
-    return value
+    return int(value)
 
 
 # The kernels compute in float32: a hyper-parameter past its range became inf there (every weight NaN), and an

@@ -224,7 +224,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     ):
         _validate.offload_modes(overlap=overlap, delay=delay, async_step=async_step, pin_state=pin_state,
                                 delay_correction=delay_correction, stream_grads=stream_grads)
-        _validate.whole(bucket_size, "bucket_size", 1, "elements")
+        bucket_size = _validate.whole(bucket_size, "bucket_size", 1, "elements")
         num_threads = _validate.whole(torch.get_num_threads() if num_threads is None else num_threads,
                                       "num_threads", 1)
         if num_threads > 1024:   # the engine starts them: 100000 failed as "Resource temporarily unavailable"

@@ -35,6 +35,17 @@ class _SaveOnCpu:
             ctx.__exit__(None, None, None)
 
 
+def _check_runnable(plan, model: nn.Module) -> None:
+    """Before anything changes: a model with values, on a machine with the device the plan was made for."""
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"model: {meta} is on the meta device (no values: a model built to be planned); build "
+                         "it with its weights (from_pretrained, or to_empty() and load them) to apply the plan")
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("plan: made for a CUDA GPU (gpu_memory given, or found then), but this process sees "
+                           "none; plan with device='cpu' to train on the CPU")
+
+
 def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3e-4,
           **optimizer_kwargs) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """Prepare `model` as the pick (or the named candidate) of `plan` says; returns (model, optimizer).
@@ -56,6 +67,7 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     _check_same_model(plan, model)
     if cfg.sharding != "none":
         _check_distributed(plan, c.name)
+    _check_runnable(plan, model)
     spec = plan.spec
     which = Trainable.parse(spec.trainable_text) if spec is not None and spec.trainable_text else None
     if which is not None:
@@ -110,8 +122,7 @@ def micro_batch(opt, index: int, accumulation: int):
     on the GPU; nothing otherwise."""
     # an index past the last (or an accumulation of 0) put every micro-batch outside accumulating(): OffloadAdam
     # sent the gradients each time, or never left accumulating, without a word
-    whole(accumulation, "accumulation", 1)
-    whole(index, "index", 0)
+    accumulation, index = whole(accumulation, "accumulation", 1), whole(index, "index", 0)
     if index >= accumulation:
         raise ValueError(f"index: expected a micro-batch in 0..{accumulation - 1} (accumulation = {accumulation}), "
                          f"got {index}")

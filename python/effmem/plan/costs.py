@@ -165,6 +165,10 @@ def memory(cfg: Config, m: Model, world: int, device_is_cuda: bool) -> Cost:
     shard_grads = world if cfg.sharding in ("zero2", "zero3") else 1
     shard_weights = world if cfg.sharding == "zero3" else 1
     weights = n * w_b // shard_weights
+    if cfg.sharding == "zero2":
+        # FSDP2 without resharding after forward (apply()'s zero2) keeps each rank's shard beside the gathered
+        # weights: the shards' 1/world more (measured with two gloo ranks: 1.5x the weights)
+        weights += n * w_b // world
     grads = t * g_b // shard_grads
     master = t * master_b // shard_state
     moments = optimizer_state_bytes(t, cfg.state_bits, m.state_blocks)

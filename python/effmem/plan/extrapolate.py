@@ -53,7 +53,11 @@ def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target
                 p.requires_grad_(flag)
         return Extrapolated(t, [], t.num_blocks)
     first = spec.build_kept([0])
-    if layers_from is not None and layers_from.pairs and first is not None:
+    # Another loss's increments hold only where the one-layer copy trains something: frozen whole (--trainable
+    # naming later layers only), its loss saves nothing, and the increments of that other loss then held the
+    # switch to its saves (the unfused logits, 13x the fused loss's, counted for it)
+    if layers_from is not None and layers_from.pairs and first is not None and any(
+            q.requires_grad for q in first.parameters()):
         return Extrapolated(run(first, True), [], spec.num_layers, step=layers_from)
     pairs = []
     for count, keep in spec.layer_groups():

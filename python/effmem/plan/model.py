@@ -94,6 +94,9 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
         except ValueError as e:
             if "Unrecognized configuration class" not in str(e):
                 raise _refused(model_type, e) from None
+            if isinstance(cfg.get("text_config"), dict):
+                raise ValueError("model: a multimodal config, its language model under text_config: plan that "
+                                 "part (its dict, with its model_type) as the model") from None
             raise ValueError(f"model: effmem plan models causal language models (AutoModelForCausalLM); "
                              f"model_type {model_type!r} has none (an encoder-decoder or encoder-only model?)"
                              ) from None

@@ -321,11 +321,11 @@ def _cpu_share(gpu_mem: Optional[int], host_mem: int, world: int) -> Tuple[int, 
 def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, device, clipping, headroom, inputs,
           rates) -> Plan:
     t0 = time.perf_counter()
-    whole(batch, "batch", 1)
+    batch = whole(batch, "batch", 1)
     if seq is not None:
-        whole(seq, "seq", 1)
+        seq = whole(seq, "seq", 1)
     if accum is not None:
-        whole(accum, "accum", 1)
+        accum = whole(accum, "accum", 1)
     _check_options(headroom, clipping, inputs, rates)
     here = machine()
     gpu_mem = parse_bytes(gpu_memory, "gpu_memory")
@@ -338,7 +338,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     if device == "cpu":
         # One process, or `gpus` CPU ranks under torch.distributed (gloo): what the tests run.
         world = gpus if gpus is not None else 1
-        whole(world, "gpus", 1)
+        world = whole(world, "gpus", 1)
         # the ranks share the machine's memory: each rank's peak within its share (no candidate keeps state
         # on the host on a CPU, so that is the whole of the fit)
         gpu_mem, capped = _cpu_share(gpu_mem, host_mem, world)
@@ -346,7 +346,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         world = gpus if gpus is not None else max(1, here["gpus"])
         if gpu_mem is None:  # this machine's GPU, or an 80 GB one where there is none
             gpu_mem = here["gpu_memory"] or 80 * GB
-        whole(world, "gpus", 1)
+        world = whole(world, "gpus", 1)
     if batch % world:
         raise ValueError(f"batch: {batch} sequences do not split evenly over {world} GPUs")
     rates = rates or rates_for("cpu" if device == "cpu" else (here["gpu_name"] or "NVIDIA H100 80GB HBM3"))

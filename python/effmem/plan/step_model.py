@@ -168,9 +168,11 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     w_b, g_b, master_b, _ = PRECISIONS[cfg.precision]
     shard = world if cfg.sharding in ("zero1", "zero2", "zero3") else 1
     t = m.trainable // shard
+    # The host's rate is the whole machine's, and its `world` ranks update at once (one machine, as the host
+    # memory counts): each rank's update takes the time of all of theirs.
     if cfg.optimizer == "gpu" and r.device == "cpu":
         # training on a CPU: FusedAdam's CPU kernel, at its measured rate (8-bit moments compute-bound there)
-        out["optimizer"] = host_adam_s(cfg, r, t)
+        out["optimizer"] = host_adam_s(cfg, r, t * world)
     elif cfg.optimizer == "gpu":
         out["optimizer"] = gpu_adam_s(cfg, r, t)
     else:
@@ -181,7 +183,7 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
             kept_t = resident(cfg, m)[0]
             on_gpu = gpu_adam_s(cfg, r, kept_t)
             t = t - kept_t
-            cpu = host_adam_s(cfg, r, t)
+            cpu = host_adam_s(cfg, r, t * world)
             upload = t * w_b / r.link_bw
             # Gradients stream off during every micro-batch's backward; what backward cannot hide shows.
             # Those kept on the GPU (device_accumulation) go in the last backward only, summed.

@@ -85,8 +85,7 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
     the allocator's cache; on the H200 of 2026-11-27 a first configuration timed with its first step counted
     measured 1.16x slower than one doing more work), the memory in the last, untimed, and the peak over all.
     One dict per candidate."""
-    whole(steps, "steps", 1)
-    whole(warmup, "warmup", 0)
+    steps, warmup = whole(steps, "steps", 1), whole(warmup, "warmup", 0)
     names = candidates or ([plan.best] if plan.best else [])
     rows = []
     for name in names:
