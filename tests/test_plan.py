@@ -101,10 +101,10 @@ def test_json_contract_and_pick_is_fastest_that_fits():
     lossy = ("fast", "fast_offload", "checkpoint8", "compress8", "compress4")
     near = [c for c in fits if c["step_time_s"] <= 1.03 * fastest]
     assert d["best"] == min(near, key=lambda c: ((c["activations"] in lossy) + (c["state_bits"] == 8),
-                                                 c["host_bytes"] > 0, c["step_time_s"], c["host_bytes"],
+                                                 c["host_bytes"] > 0, float(f"{c['step_time_s']:.9g}"), c["host_bytes"],
                                                  c["peak_bytes"]))["name"]
     assert d["candidates"][0]["name"] == d["best"] and d["best"] == "bf16+fused-ce+mb4x1", d["best"]
-    faster = [c for c in fits if c["step_time_s"] < d["candidates"][0]["step_time_s"]]
+    faster = [c for c in fits if float(f"{c['step_time_s']:.9g}") < float(f"{d['candidates'][0]['step_time_s']:.9g}")]
     assert faster and all("faster than the pick (within 3%) but" in c["why"] for c in faster)
     assert all(c["peak_bytes"] <= 0.95 * d["gpu_memory"] for c in fits)
     assert any(not c["fits"] and "slower" not in c["why"] for c in d["candidates"]) or all(

@@ -55,7 +55,9 @@ def _pick(fitting: List[Candidate]) -> Optional[Candidate]:
         return None
     fastest = min(c.step_time_s for c in fitting)
     near = [c for c in fitting if c.step_time_s <= fastest * (1 + PICK_TOLERANCE)]
-    return min(near, key=lambda c: (c.config.approximations, c.cost.host_bytes > 0, c.step_time_s,
+    # step times to 9 digits: host-bound candidates take the host's time, equal but for float rounding, and the
+    # smaller of them is the pick
+    return min(near, key=lambda c: (c.config.approximations, c.cost.host_bytes > 0, float(f"{c.step_time_s:.9g}"),
                                     c.cost.host_bytes, c.cost.peak_bytes))
 
 

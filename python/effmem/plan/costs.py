@@ -14,7 +14,7 @@ Time: plan/step_model.py, from the same Config and Model.
 """
 import itertools
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 
 # bytes per element: (weights, gradients, fp32 master, Adam state)
@@ -141,6 +141,8 @@ class Model:
     elementwise_bytes: float = 0.0           # memory traffic of the forward's ops but products and attention
     block_matmul_flops: float = 0.0          # of matmul_flops, the decoder layers' (0: unknown, all of them)
     head_recompute_flops: float = 0.0        # the fused loss's logits product, made again in backward
+    backward_flops: Optional[float] = None   # backward's products, traced (None: the closed form's estimate)
+    attention_backward_flops: float = 0.0    # attention's backward, traced
     forward_ops: float = 0.0                 # aten ops of a forward (0: not traced; no host time counted)
     block_ops: float = 0.0                   # of those, the decoder layers'
     state_blocks: int = 0                    # 8-bit Adam's blocks over the trained tensors (ModelSpec.state_blocks)

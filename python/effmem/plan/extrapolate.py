@@ -113,7 +113,8 @@ class Extrapolated:
 
     # The traces' scalar counts, each extrapolated over the layers as _lin does: FLOPs, traffic, op counts.
     _LINEAR = ("selective_recompute_bytes", "elementwise_bytes", "matmul_flops", "block_matmul_flops",
-               "attention_flops", "head_recompute_flops", "forward_ops", "block_ops")
+               "attention_flops", "head_recompute_flops", "forward_ops", "block_ops", "backward_flops",
+               "attention_backward_flops")
 
     def __getattr__(self, name: str):
         if name in Extrapolated._LINEAR:

@@ -83,6 +83,8 @@ class _Activity:
             selective_recompute_bytes=lin(lambda t: t.selective_recompute_bytes),
             elementwise_bytes=lin(lambda t: t.elementwise_bytes),
             head_recompute_flops=lin(lambda t: t.head_recompute_flops), tokens=micro * self.seq,
+            backward_flops=lin(lambda t: t.backward_flops),
+            attention_backward_flops=lin(lambda t: t.attention_backward_flops),
             forward_ops=lin(lambda t: t.forward_ops), block_ops=lin(lambda t: t.block_ops),
             fused_ce_transient=self._fused_ce_transient(spec, micro * self.seq))
 

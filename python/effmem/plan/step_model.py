@@ -110,9 +110,13 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     ("elementwise"), what the activation strategy adds, the optimizer, communication."""
     fwd = forward_s(m, r, cfg.precision)   # its elementwise third included: what the offload modes hide behind
     elementwise = elementwise_s(m, r, m.elementwise_bytes)
-    bwd_products = products_s(m, r, cfg.precision,
-                              m.matmul_flops * (1 + m.trainable_matmul_share) + m.head_recompute_flops,
-                              2 * m.attention_flops)
+    if m.backward_flops is None:   # the closed form: input gradients everywhere, weight gradients as trained
+        bwd_products = products_s(m, r, cfg.precision,
+                                  m.matmul_flops * (1 + m.trainable_matmul_share) + m.head_recompute_flops,
+                                  2 * m.attention_flops)
+    else:   # traced: no gradient for a frozen weight, nor below the first trained parameter
+        bwd_products = products_s(m, r, cfg.precision, m.backward_flops + m.head_recompute_flops,
+                                  m.attention_backward_flops)
     bwd = bwd_products + elementwise * 2 / 3
     recompute = 0.0
     if cfg.activations in ("checkpoint", "checkpoint8"):

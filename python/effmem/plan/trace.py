@@ -129,6 +129,8 @@ class Trace:
     selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
     elementwise_bytes: float = 0.0  # read + written by every forward op but products and attention
     head_recompute_flops: float = 0.0  # the fused loss's logits product, made again in backward (recompute path)
+    backward_flops: float = 0.0   # backward's products: each forward product once per operand taking a gradient
+    attention_backward_flops: float = 0.0   # attention's backward, where its inputs take gradients
     forward_ops: int = 0   # aten ops of the forward (each issued by the host in eager mode)
     block_ops: int = 0     # of those, the decoder layers'
 
@@ -374,5 +376,6 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     tr.selective_recompute_bytes = flops.recompute_bytes
     tr.elementwise_bytes = flops.elementwise_bytes
     tr.head_recompute_flops = counter.head_recompute_flops
+    tr.backward_flops, tr.attention_backward_flops = counter.backward_flops, flops.attention_backward
     tr.forward_ops, tr.block_ops = counter.ops, counter.block_ops
     return tr

@@ -62,6 +62,9 @@ class _FlashSdpa(torch.autograd.Function):
 class _Flops:
     """What the trace's dispatch mode and kernel stand-ins count besides the saves."""
     attention: float = 0.0
+    # attention's backward: twice its forward, where a gradient flows into query, key or value (not in a frozen
+    # layer below every trained parameter)
+    attention_backward: float = 0.0
     # selective checkpointing: keep(t) records a decoder layer's matmul/attention output; recompute_bytes
     # sums what the layers' other ops read and write (backward runs them again)
     keep: Optional[Callable[[Tensor], None]] = None
@@ -138,7 +141,10 @@ def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocas
         b_h = math.prod(query.shape[:-2])
         s_q, s_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
         # QK^T and PV, 2 FLOPs per multiply-add; a causal mask halves the work a flash kernel does.
-        flops.attention += 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
+        work = 4.0 * b_h * s_q * s_k * d * (0.5 if is_causal and attn_mask is None else 1.0)
+        flops.attention += work
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            flops.attention_backward += 2 * work
         out = _FlashSdpa.apply(query, key, value, attn_mask)
         if flops.keep is not None and flops.in_block():
             for t in (out, out.grad_fn.saved_tensors[4] if out.grad_fn is not None else None):
@@ -244,6 +250,9 @@ class _Counter(TorchDispatchMode):
         self.flops = 0.0
         self.block_flops = 0.0  # of those, the decoder layers' (what checkpointing runs again)
         self.head_recompute_flops = 0.0  # products the fused loss's backward runs again (see below)
+        # backward's products: each forward product once per operand that takes a gradient (a frozen weight
+        # takes none; nor does an activation below every trained parameter, which autograd never reaches)
+        self.backward_flops = 0.0
         self.ops = 0        # aten ops the forward ran: each one the host issues in eager mode
         self.block_ops = 0  # of those, the decoder layers' (what checkpointing issues again)
         self.target = target
@@ -285,6 +294,7 @@ class _Counter(TorchDispatchMode):
         return out
 
     def _count(self, packet, args, kwargs, out) -> None:
+        before = self.flops
         if packet in flop_registry:
             self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
         elif packet is torch.ops.aten._grouped_mm:
@@ -299,6 +309,9 @@ class _Counter(TorchDispatchMode):
             self.flops += product
             if packet is torch.ops.effmem.linear_ce_forward:
                 self.head_recompute_flops += product
+        if self.flops != before and torch.is_grad_enabled():
+            operands = [t for t in args if isinstance(t, Tensor) and t.dim() >= 2][:2]
+            self.backward_flops += (self.flops - before) * sum(t.requires_grad for t in operands)
 
 
 _FUSED_CE = (torch.ops.effmem.linear_ce_forward, torch.ops.effmem.linear_ce_forward_backward)
