@@ -128,3 +128,10 @@ def test_a_group_asking_for_a_differentiable_step_is_refused(opt_class):
     p = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match="differentiable: differentiable=True is not implemented"):
         opt_class([{"params": [p], "differentiable": True}])
+
+
+def test_tensor_betas_are_refused_saying_so():
+    p = torch.nn.Parameter(torch.randn(4))
+    for optimizer in (FusedAdam, OffloadAdam):
+        with pytest.raises(ValueError, match=r"tensor betas, which torch's Adam takes, are not supported"):
+            optimizer([p], betas=(torch.tensor(0.9), torch.tensor(0.999)))

@@ -77,3 +77,10 @@ def test_an_inference_forward_in_another_thread_gets_logits_while_a_training_for
     assert seen["logits"].shape == (*x.shape, 512)
     want = effmem.unfuse_linear_cross_entropy(model)(input_ids=x, labels=y).loss
     assert torch.allclose(seen["loss"], want, rtol=1e-5)
+
+
+def test_a_compiled_model_is_told_to_fuse_before_compiling():
+    compiled = torch.compile(FAMILIES["llama"]())
+    with pytest.raises(TypeError, match="OptimizedModule is torch.compile's wrapper of a LlamaForCausalLM: fuse "
+                                        "before compiling"):
+        effmem.fuse_linear_cross_entropy(compiled)

@@ -137,6 +137,9 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
         known = [c.__name__ for c in type(model).__mro__[1:] if c.__name__ in SUPPORTED]
         if base is not None:
             hint = f"; {name} wraps a {type(base).__name__} (get_base_model()), not one of those either"
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):   # torch.compile's OptimizedModule
+            hint = (f"; {name} is torch.compile's wrapper of a {type(model._orig_mod).__name__}: fuse before "
+                    "compiling (compile the fused model)")
         elif isinstance(getattr(model, "module", None), nn.Module):   # DDP and other wrappers
             hint = f"; {name} wraps a model: fuse that one (fuse_linear_cross_entropy(model.module)), or fuse first"
         elif known and _fully_sharded(model):   # FSDP2's fully_shard makes the class a subclass (FSDPLlama...)
@@ -159,7 +162,9 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
             hidden = f"hidden {'*' if scale[0] == 'logit_scale' else '/'} {scale[1]}"
             why = (f" ({name} scales its logits by its config's {scale[0]}: the hidden states scaled so, the loss "
                    "is the model's)")
-        own = f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{extra}){why}"
+        own = (f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{extra}){why}, with the labels "
+               "shifted by one against the last hidden states (hidden[:, :-1], labels[:, 1:]) as the model's loss "
+               "shifts them")
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use {own} in your "
                         "own loss")

@@ -78,7 +78,9 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
         raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
     for name, beta in zip(("betas[0]", "betas[1]"), betas):
         if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name}: expected a number in [0, 1), got {beta!r}")
+            raise ValueError(f"{name}: expected a number in [0, 1), got {beta!r}"
+                             + (" (tensor betas, which torch's Adam takes, are not supported: pass float(beta))"
+                                if isinstance(beta, torch.Tensor) else ""))
     wd = group["weight_decay"]
     if isinstance(wd, bool) or not isinstance(wd, numbers.Real) or not (wd >= 0.0 and in_f32(wd)):
         raise ValueError(f"weight_decay: expected a finite number >= 0 within float32's range, got {wd!r}")
