@@ -107,23 +107,25 @@ class FusedAdam(AdamBase):
 
     def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
         state = self.state[p]
+        # An entry's tensors are checked again only when one of them was replaced: the step's fast path compares
+        # their ids with those last checked (a dict read and an id each).
+        keys = _ENTRY_KEYS[self.state_bits]
+        if state and self._kept.get(id(p)) == tuple(map(id, map(state.get, keys))):
+            return state
         if (not state or (p.dtype != torch.float32 and "master" not in state)) and _capturing():
             raise RuntimeError("FusedAdam.step: a parameter's state (moments, or the fp32 master of a checkpoint "
                                "without one) would be made inside a CUDA graph capture, and every replay would "
                                "make it again (zero moments, a master rounded to the parameter); run one step "
                                "before capturing (torch's warm-up iterations do)")
         m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
-        # an entry's tensors are checked again only when one of them was replaced (their ids: a dict read each)
-        keys = _ENTRY_KEYS[self.state_bits]
-        if state and self._kept.get(id(p)) != tuple(map(id, map(state.get, keys))) and not _as_kept(
-                state, p, self.state_bits):
+        if state and not _as_kept(state, p, self.state_bits):
             # an entry assigned as it is (ZeroRedundancyOptimizer's load; torch's loader casts moments to a
             # bf16 parameter's dtype) in the other format, with codes under torch's names, a checkpoint's scales
             # by rows, other dtypes or a Python step: checked and converted as load_state_dict checks and
             # converts a checkpoint's, or refused naming the parameter
-            where = f"opt.state[p] of parameter {self._salts()[id(p)]}"
-            saved, step, _ = _validate.entry(state, p, where)
-            restored = _restore_state(saved, p, step, self.state_bits, self._salts()[id(p)])
+            index = self._salts()[id(p)]
+            saved, step, _ = _validate.entry(state, p, f"opt.state[p] of parameter {index}")
+            restored = _restore_state(saved, p, step, self.state_bits, index)
             state.clear()
             state.update(restored)
         if not state:
