@@ -87,3 +87,27 @@ def test_a_refused_step_keeps_the_pending_clip_for_the_step_that_follows(optimiz
             opt.close()
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert results[0][1].abs().max() < 0.1   # clipped: 0.1 * 100 unclipped
+
+
+def test_a_compiled_step_does_not_compile_again_at_each_load_state_dict():
+    """The check of an entry's tensors kept their ids for the next step; under torch.compile the graph guarded
+    on them: a recompile at step 2 and two per load_state_dict, until fullgraph=True failed at the limit."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    params = [torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16)) for _ in range(4)]
+    opt = effmem.FusedAdam(params, lr=torch.tensor(1e-3))
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+
+    def go():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        step()
+    for _ in range(3):
+        go()
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        opt.load_state_dict(opt.state_dict())
+        go()
+        go()
+    assert counters["stats"]["unique_graphs"] == graphs <= 2

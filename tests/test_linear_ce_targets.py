@@ -73,3 +73,34 @@ def test_a_weight_changed_in_place_before_backward_raises_as_torch_does(grad_in_
         weight.mul_(2)   # a step taken between forward and backward: the gradients would be the old weight's
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_under_autocast_the_weights_copy_is_not_kept_past_backward_and_the_weight_is_checked():
+    import gc
+    import weakref
+    hidden = torch.randn(16, 32, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(512, 32))
+    target = torch.randint(0, 512, (16,))
+    copies = []
+    real_to = torch.Tensor.to
+
+    def spy(t, *args, **kwargs):   # the bf16 copies autocast's cast makes of the weight
+        out = real_to(t, *args, **kwargs)
+        if t is weight and out.dtype == torch.bfloat16:
+            copies.append(weakref.ref(out))
+        return out
+    torch.Tensor.to = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(hidden, weight, target, grad_in_forward=True)
+    finally:
+        torch.Tensor.to = real_to
+    loss.backward()
+    gc.collect()
+    assert copies and all(c() is None for c in copies)   # the loss (and its graph) still alive
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, target, grad_in_forward=True)
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy's weight"):
+        loss.backward()

@@ -1,5 +1,6 @@
-"""effmem plan under --trainable: what backward runs through frozen layers. Autograd computes no gradient for a
-frozen weight, and none at all below the first trained parameter; the step model charged both."""
+"""effmem plan's backward products: what backward runs through frozen layers (autograd computes no gradient for a
+frozen weight, and none at all below the first trained parameter; the step model charged both), and the fused
+loss's."""
 import effmem
 from test_plan import TINY
 
@@ -18,3 +19,23 @@ def test_no_backward_is_charged_below_the_first_trained_parameter():
     # the forward is a third of a fully trained step's products; the head's weight gradient adds little
     assert head < 0.45 * full, (head, full)
     assert head < last < 0.6 * full, (head, last, full)
+
+
+def test_the_fused_loss_backward_products_are_counted_as_the_unfused_heads():
+    """The fused loss's kernels run where grad mode is off (an autograd.Function's forward), and backward's
+    products were counted by grad mode: its two gradient products were left out, a fused candidate predicted
+    at 0.38x of the unfused step's products on a CPU-sized Llama."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from effmem.plan.trace import trace_module
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    head = 2.0 * 2 * 128 * 64 * 8192   # one product of the output layer at batch 2 x 128
+    plain = trace_module(model, 2, 128, torch.bfloat16, "cuda")
+    for grad_in_forward in (None, True):
+        effmem.fuse_linear_cross_entropy(model, grad_in_forward=grad_in_forward)
+        fused = trace_module(model, 2, 128, torch.bfloat16, "cuda")
+        assert fused.backward_flops == plain.backward_flops > 2 * head
+        assert fused.head_recompute_flops == (head if grad_in_forward is None else 0.0)
+        effmem.unfuse_linear_cross_entropy(model)

@@ -99,16 +99,12 @@ class _GradInForward(torch.autograd.Function):
     backward through the same loss (retain_graph) raises."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, scale, n_valid, options, handle):
+    def forward(ctx, h, weight, bias, target, scale, n_valid, options, handle, versions):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
         loss, gh, gw, gb = _lib.linear_ce_forward_backward(h, weight, bias, target, scale, *options, mask)
         ctx._effmem_held = [g if m else None for g, m in zip((gh, gw, gb), mask)]
         ctx.links = (handle, weight, bias)   # parameters and h's _graph_handle: no activation kept alive
-        # what autograd would check of them if saved: the gradients are those of these values (the parameters,
-        # alive anyway; not hidden, which holding would keep the activation alive until backward). Not in a
-        # compiled graph, where a version is a symbol that backward could not compare.
-        ctx.versions = [] if torch.compiler.is_compiling() else [
-            (name, t, t._version) for name, t in (("weight", weight), ("bias", bias)) if t is not None]
+        ctx.versions = versions   # the caller's weight and bias, with their versions (_versions)
         total = loss.sum()
         return total if n_valid is None else total / n_valid
 
@@ -120,14 +116,25 @@ class _GradInForward(torch.autograd.Function):
                                "handed to the first backward through it; to backward twice (retain_graph=True) "
                                "call it with grad_in_forward=False")
         links, ctx.links = ctx.links, None
-        for name, t, version in ctx.versions:
+        versions, ctx.versions = ctx.versions, ()
+        for name, t, version in versions:
             if t._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: linear_cross_entropy's {name} (version {t._version}; its gradients were made in "
                     f"the forward pass, at version {version}), as torch raises for a tensor saved for backward")
         return (*_first_order([None if g is None else g.mul_(grad_out) for g in grads], links + (grad_out,)),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
+
+
+def _versions(weight: Tensor, bias: Optional[Tensor]) -> list:
+    """What autograd would check of the caller's weight and bias if saved: the gradients made in forward are
+    those of their values then. The caller's tensors (the parameters, alive anyway), not autocast's copies,
+    which nothing changes in place and which would stay alive until backward; not hidden, which holding would
+    keep the activation alive. Not in a compiled graph, where a version is a symbol backward cannot compare."""
+    if torch.compiler.is_compiling():
+        return []
+    return [(name, t, t._version) for name, t in (("weight", weight), ("bias", bias)) if t is not None]
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -288,6 +295,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     # Autocast exists for real devices only; on meta tensors effmem plan's trace says whether it models one.
     dtype = _TRACE_TARGET[1] if device_type == "meta" else (
         torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None)
+    given = (weight, bias)
     if dtype is not None:   # as autocast casts F.linear's inputs: floating ones but float64
         hidden, weight, bias = (t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64
                                 else t for t in (hidden, weight, bias))
@@ -302,7 +310,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid.float(), 0.0)
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
             int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)),
-            _graph_handle(h))
+            _graph_handle(h), _versions(*given))
     loss, _ = (_Recompute.apply if _under_torch_func() else _lib.linear_ce_forward)(
         h, weight, bias, t, int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":

@@ -263,6 +263,16 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
     """Undo apply_activation_policy: every layer's own forward again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    names = {id(m): n for n, m in model.named_modules()}
+    for layer in (layer for _, layers in layer_stacks(model) for layer in layers):   # before any change
+        for m in [layer] * (getattr(layer, "_effmem_policy", None) is not None) + layer.__dict__.get(
+                "_effmem_patched", []):
+            if "forward" in m.__dict__ and not paths.ours(m):
+                raise RuntimeError(
+                    f"remove_activation_policy: {names.get(id(m), type(m).__name__)}'s forward was wrapped after the "
+                    "policy was applied (by another library, such as accelerate's hooks), and the wrapper calls the "
+                    "policy's forward: remove that wrapper first (accelerate: remove_hook_from_module), then the "
+                    "policy")
     for layer in (layer for _, layers in layer_stacks(model) for layer in layers):
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)

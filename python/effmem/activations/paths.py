@@ -8,7 +8,9 @@ Mistral, Mixtral, Qwen2/Qwen3 and GPT-2 in transformers, and the demo GPT):
 * nn.LayerNorm (GPT-2, the demo GPT): fused.layer_norm.
 * a gated MLP, down(act(gate(x)) * up(x)) with SiLU (Llama, Mistral, Qwen2,
   Qwen3): fused.swiglu for the product (its projections nn.Linear, or PEFT's
-  LoRA wrappers of them).
+  LoRA wrappers of them). Only where its class's forward is that and nothing
+  else (read from its source: FalconH1's multipliers or a clamp would be
+  dropped), and its act_fn has no hooks (the fused product does not call it).
 * GELU modules (torch's nn.GELU, transformers' GELU activations): fused.gelu.
 * nn.ReLU (OPT, T5): activations.relu, its on/off mask kept exactly in 1 bit (by giving the module the
   class relu.MaskedReLU, which a compiled layer keeps: activations.compiled).
@@ -18,7 +20,10 @@ class; removed by unpatch), so parameters, state_dict keys and hooks are untouch
 else in the layer (attention, mixture-of-experts routing) runs as it is; the
 policy's hooks still store what it saves in 8 bits.
 """
+import ast
 import functools
+import inspect
+import textwrap
 from typing import Callable, List, Optional
 
 from torch import nn
@@ -74,9 +79,36 @@ def _linear_like(p) -> bool:
 
 def _gated_mlp(m: nn.Module) -> Optional[Callable]:
     parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(_linear_like(p) for p in parts) or type(getattr(m, "act_fn", None)).__name__ not in SILU:
+    act = getattr(m, "act_fn", None)
+    if not all(_linear_like(p) for p in parts) or type(act).__name__ not in SILU:
+        return None
+    if act._forward_hooks or act._forward_pre_hooks or not _plain_swiglu(type(m)):
         return None
     return functools.partial(_gated_mlp_forward, m)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_swiglu(cls: type) -> bool:
+    """Whether cls.forward(self, x) is down_proj(act_fn(gate_proj(x)) * up_proj(x)) and nothing else (returned
+    at once, or through one name), as in Llama, Mistral, Qwen2/3, Gemma, OLMo: what the fused forward computes."""
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):   # no source to read: not patched
+        return False
+    if not isinstance(fn, ast.FunctionDef) or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg:
+        return False
+    x = fn.args.args[1].arg
+    forms = {ast.dump(ast.parse(f"self.down_proj({a} * {b})", mode="eval").body)
+             for a, b in ((f"self.act_fn(self.gate_proj({x}))", f"self.up_proj({x})"),
+                          (f"self.up_proj({x})", f"self.act_fn(self.gate_proj({x}))"))}
+    body = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
+        return ast.dump(body[0].value) in forms
+    if (len(body) == 2 and isinstance(body[0], ast.Assign) and len(body[0].targets) == 1
+            and isinstance(body[0].targets[0], ast.Name) and isinstance(body[1], ast.Return)
+            and isinstance(body[1].value, ast.Name) and body[1].value.id == body[0].targets[0].id):
+        return ast.dump(body[0].value) in forms
+    return False
 
 
 def _gelu(m: nn.Module) -> Optional[Callable]:
@@ -105,9 +137,16 @@ def patch(layer: nn.Module) -> List[nn.Module]:
     return patched
 
 
+def ours(m: nn.Module) -> bool:
+    """Whether m's own forward is one effmem's activation code gave it (not a wrapper put on it since)."""
+    f = m.__dict__.get("forward")
+    return isinstance(f, functools.partial) and getattr(f.func, "__module__", "").startswith("effmem.activations")
+
+
 def unpatch(modules: List[nn.Module]) -> None:
     for m in modules:
-        m.__dict__.pop("forward", None)
+        if ours(m):
+            m.__dict__.pop("forward")
         relu.unpatch(m)
 
 

@@ -301,15 +301,17 @@ class _Counter(TorchDispatchMode):
             # [tokens, k] x [experts, k, n]: each token row meets one expert's matrix.
             self.flops += 2.0 * out.numel() * args[0].shape[-1]
         elif packet in _FUSED_CE:
-            # effmem.linear_cross_entropy: the logits' product, as the unfused head's (the step model counts
-            # backward's two from it). Made in forward with the gradients, that is all; recomputed, backward
-            # makes the logits again: one product more.
+            # effmem.linear_cross_entropy: the logits' product, as the unfused head's, and its gradients' (one
+            # per operand taking one: the kernels run them in backward, or in forward with the gradients). They
+            # run where autograd's grad mode is off (an autograd.Function's forward, the op's own autograd),
+            # so they are counted here, not below. Recomputed, backward makes the logits again: one more.
             tokens, hidden = args[0].shape
             product = 2.0 * tokens * hidden * args[1].shape[0]
             self.flops += product
+            self.backward_flops += product * (args[0].requires_grad + args[1].requires_grad)
             if packet is torch.ops.effmem.linear_ce_forward:
                 self.head_recompute_flops += product
-        if self.flops != before and torch.is_grad_enabled():
+        if packet not in _FUSED_CE and self.flops != before and torch.is_grad_enabled():
             operands = [t for t in args if isinstance(t, Tensor) and t.dim() >= 2][:2]
             self.backward_flops += (self.flops - before) * sum(t.requires_grad for t in operands)
 

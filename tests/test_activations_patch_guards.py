@@ -1,0 +1,90 @@
+"""What the "fast" and "min" policies' fused paths take and leave: a gated MLP whose forward does more than
+down(act(gate(x)) * up(x)) keeps its own (a clamp or FalconH1's multipliers were dropped), an act_fn with
+hooks keeps being called, and removing a policy under another library's wrapper is refused before any change."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import effmem
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+class ScaledGatedMLP(nn.Module):
+    """gate/up/down and a SiLU, as Llama's, with a clamp and a scale of its own."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, 4 * d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x).clamp(max=0.1)) * self.up_proj(x)) * 0.5
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = ScaledGatedMLP()
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+@pytest.mark.parametrize("policy", ["fast", "min"])
+def test_a_gated_mlp_that_does_more_keeps_its_forward(policy):
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 16, 32)
+    want = net(x)
+    effmem.apply_activation_policy(net, policy)
+    assert all(not b._effmem_patched for b in net.blocks)
+    assert torch.equal(net(x), want)   # 0.70 off before
+    model = effmem.apply_activation_policy(llama(), policy)
+    assert "LlamaMLP" in {type(m).__name__ for m in model.model.layers[0]._effmem_patched}
+
+
+def test_hooks_on_act_fn_keep_running():
+    model, x = llama(), torch.randint(0, 128, (2, 16))
+    calls = []
+    for layer in model.model.layers:
+        layer.mlp.act_fn.register_forward_hook(lambda m, i, out: calls.append(1))
+    effmem.apply_activation_policy(model, "fast")
+    model(input_ids=x, labels=x).loss.backward()
+    assert len(calls) == 2   # 0: the fused product never called act_fn
+
+
+def _wrapper(inner, *args, **kwargs):   # another library's wrapper of a forward (accelerate's hooks)
+    return inner(*args, **kwargs)
+
+
+def test_removing_a_policy_under_another_wrapper_is_refused_before_any_change():
+    model, x = effmem.apply_activation_policy(llama(), "fast"), torch.randint(0, 128, (2, 16))
+    layer = model.model.layers[0]
+    wrapped = layer.forward = functools.partial(_wrapper, layer.forward)
+    with pytest.raises(RuntimeError, match=r"model.layers.0's forward was wrapped after the policy was applied"):
+        effmem.remove_activation_policy(model)
+    assert layer.forward is wrapped and all(m._effmem_patched for m in model.model.layers)
+    del layer.forward
+    layer.forward = wrapped.args[0]   # the wrapper taken off: the policy's forward again
+    effmem.remove_activation_policy(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
