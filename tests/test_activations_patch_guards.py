@@ -88,3 +88,10 @@ def test_removing_a_policy_under_another_wrapper_is_refused_before_any_change():
     layer.forward = wrapped.args[0]   # the wrapper taken off: the policy's forward again
     effmem.remove_activation_policy(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_budget_given_in_the_wrong_place_or_form_says_how_to_give_it():
+    with pytest.raises(ValueError, match=r"a memory budget goes by name: memory_budget=\.\.\."):
+        effmem.apply_activation_policy(llama(), 0.3)
+    with pytest.raises(ValueError, match=r"bytes go as an int: memory_budget=2000000000\)"):
+        effmem.apply_activation_policy(llama(), memory_budget=2e9)

@@ -86,7 +86,9 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     elif policy is None:
         policy = "fast"
     elif policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {', '.join(repr(p) for p in POLICIES)}, got {policy!r}")
+        raise ValueError(f"policy: expected one of {', '.join(repr(p) for p in POLICIES)}, got {policy!r}"
+                         + (" (a memory budget goes by name: memory_budget=...)" if isinstance(policy, (int, float))
+                            and not isinstance(policy, bool) else ""))
     _codec.check_config(bits, group_size)   # every policy: a bad value is a mistake, used or not
     stacks = layer_stacks(model)
     if not stacks:

@@ -59,7 +59,9 @@ def check_budget(budget) -> Union[float, int]:
         raise TypeError(f"memory_budget: expected a fraction in (0, 1] (float) or a number of bytes (int), "
                         f"got {type(budget).__name__}")
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(f"memory_budget: a fraction of the plain saved bytes must be in (0, 1], got {budget}")
+        raise ValueError(f"memory_budget: a fraction of the plain saved bytes must be in (0, 1], got {budget}"
+                         + (f" (bytes go as an int: memory_budget={int(budget)})"
+                            if budget > 1.0 and budget.is_integer() else ""))
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"memory_budget: bytes must be >= 0, got {budget}")
     return budget
