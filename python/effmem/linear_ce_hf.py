@@ -162,12 +162,11 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
             hidden = f"hidden {'*' if scale[0] == 'logit_scale' else '/'} {scale[1]}"
             why = (f" ({name} scales its logits by its config's {scale[0]}: the hidden states scaled so, the loss "
                    "is the model's)")
-        own = (f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{extra}){why}, with the labels "
-               "shifted by one against the last hidden states (hidden[:, :-1], labels[:, 1:]) as the model's loss "
-               "shifts them")
+        own = f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{extra}){why}"
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use {own} in your "
-                        "own loss")
+                        "own loss, the labels shifted by one against the last hidden states (hidden[:, :-1], "
+                        "labels[:, 1:]) as the model's loss shifts them")
     _check_head(head, name)
     _check_loss(model, name)
     _check_hooks(head)
