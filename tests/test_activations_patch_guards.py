@@ -95,3 +95,22 @@ def test_a_budget_given_in_the_wrong_place_or_form_says_how_to_give_it():
         effmem.apply_activation_policy(llama(), 0.3)
     with pytest.raises(ValueError, match=r"bytes go as an int: memory_budget=2000000000\)"):
         effmem.apply_activation_policy(llama(), memory_budget=2e9)
+
+
+class DecoratedMLP(ScaledGatedMLP):
+    @torch.no_grad()
+    def forward(self, x):   # the plain product, but without gradients: fusing it would drop the decorator
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_decorated_forward_or_one_replaced_since_is_read_as_it_is_now():
+    from effmem.activations.paths import _gated_mlp
+    assert _gated_mlp(DecoratedMLP()) is None
+    mlp = llama().model.layers[0].mlp
+    assert _gated_mlp(mlp) is not None
+    cls, plain = type(mlp), type(mlp).forward
+    try:
+        cls.forward = ScaledGatedMLP.forward   # a library patching the class after a first policy
+        assert _gated_mlp(mlp) is None
+    finally:
+        cls.forward = plain

@@ -32,6 +32,9 @@ EDITS = {
     "missing moment": (lambda s: s.pop("exp_avg"), ValueError, "opt.state\\[p\\] of parameter 2: missing 'exp_avg'"),
     "not a tensor": (lambda s: s.__setitem__("exp_avg", [0.0]), TypeError,
                      r"parameter 2\['exp_avg'\]: expected a floating-point tensor, got list"),
+    # its tensor freed: the check's weak reference gives None, as the entry does now
+    "set to None": (lambda s: s.__setitem__("exp_avg", None), TypeError,
+                    r"parameter 2\['exp_avg'\]: expected a floating-point tensor, got NoneType"),
     "fractional step": (lambda s: s["step"].fill_(1.5), ValueError,
                         r"FusedAdam: opt.state\[p\]\['step'\] of parameter 2 holds 1.5; expected a whole number"),
 }

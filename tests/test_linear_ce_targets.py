@@ -104,3 +104,19 @@ def test_under_autocast_the_weights_copy_is_not_kept_past_backward_and_the_weigh
         weight.mul_(2)
     with pytest.raises(RuntimeError, match="linear_cross_entropy's weight"):
         loss.backward()
+
+
+def test_a_float32_weight_made_by_an_op_is_not_kept_past_its_cast_under_autocast():
+    import gc
+    import weakref
+    hidden = torch.randn(16, 32, requires_grad=True)
+    param = torch.nn.Parameter(torch.randn(512, 32))
+    made = param * 1.0   # a scaled head: not a leaf; autocast's bf16 copy of it is what the kernel takes
+    alive = weakref.ref(made)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, made, torch.randint(0, 512, (16,)), grad_in_forward=True)
+    del made
+    gc.collect()
+    assert alive() is None   # held until backward by the in-place check (512 x 32 float32)
+    loss.backward()
+    assert param.grad is not None

@@ -128,10 +128,11 @@ class _GradInForward(torch.autograd.Function):
 
 
 def _versions(weight: Tensor, bias: Optional[Tensor]) -> list:
-    """What autograd would check of the caller's weight and bias if saved: the gradients made in forward are
-    those of their values then. The caller's tensors (the parameters, alive anyway), not autocast's copies,
-    which nothing changes in place and which would stay alive until backward; not hidden, which holding would
-    keep the activation alive. Not in a compiled graph, where a version is a symbol backward cannot compare."""
+    """What autograd would check of the weight and bias if saved: the gradients made in forward are those of
+    their values then. The caller's parameters (leaves, alive anyway), not autocast's copies of them, which
+    nothing changes in place and which would stay alive until backward; a weight made by an op (W * s), the
+    tensor the kernel took, as torch's saved tensor would be. Not hidden, which holding would keep the
+    activation alive; not in a compiled graph, where a version is a symbol backward cannot compare."""
     if torch.compiler.is_compiling():
         return []
     return [(name, t, t._version) for name, t in (("weight", weight), ("bias", bias)) if t is not None]
@@ -308,9 +309,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         n_valid = valid.sum() if reduction == "mean" else None
         # float32 whatever torch's default dtype (the kernel reads float32)
         scale = valid.float() if n_valid is None else torch.where(valid, 1.0 / n_valid.float(), 0.0)
+        checked = [g if g is not None and g.is_leaf else c for g, c in zip(given, (weight, bias))]
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
             int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)),
-            _graph_handle(h), _versions(*given))
+            _graph_handle(h), _versions(*checked))
     loss, _ = (_Recompute.apply if _under_torch_func() else _lib.linear_ce_forward)(
         h, weight, bias, t, int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":

@@ -82,20 +82,22 @@ def _gated_mlp(m: nn.Module) -> Optional[Callable]:
     act = getattr(m, "act_fn", None)
     if not all(_linear_like(p) for p in parts) or type(act).__name__ not in SILU:
         return None
-    if act._forward_hooks or act._forward_pre_hooks or not _plain_swiglu(type(m)):
+    if act._forward_hooks or act._forward_pre_hooks or not _plain_swiglu(type(m).forward):
         return None
     return functools.partial(_gated_mlp_forward, m)
 
 
 @functools.lru_cache(maxsize=None)
-def _plain_swiglu(cls: type) -> bool:
-    """Whether cls.forward(self, x) is down_proj(act_fn(gate_proj(x)) * up_proj(x)) and nothing else (returned
-    at once, or through one name), as in Llama, Mistral, Qwen2/3, Gemma, OLMo: what the fused forward computes."""
+def _plain_swiglu(forward) -> bool:
+    """Whether forward(self, x) is down_proj(act_fn(gate_proj(x)) * up_proj(x)) and nothing else (returned at
+    once, or through one name; no decorator, no other argument), as in Llama, Mistral, Qwen2/3, OLMo: what the
+    fused forward computes. Cached by the function: a class's forward replaced since is read again."""
     try:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+        fn = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):   # no source to read: not patched
         return False
-    if not isinstance(fn, ast.FunctionDef) or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg:
+    if (not isinstance(fn, ast.FunctionDef) or fn.decorator_list or len(fn.args.args) != 2 or fn.args.vararg
+            or fn.args.kwarg or fn.args.kwonlyargs or fn.args.posonlyargs):
         return False
     x = fn.args.args[1].arg
     forms = {ast.dump(ast.parse(f"self.down_proj({a} * {b})", mode="eval").body)
