@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from effmem.compress._codec import packed_bytes, saved_groups
 from effmem.compress.policy import CompressConfig, value_reason
+from effmem.activations import relu
 from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
 from effmem.plan.trace_kernels import _Counter, _device_kernels, _Flops, _MetaAutocast, _tensors
@@ -324,7 +325,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                        shared=t is not hidden and _storage(t)[0] not in made_by_layers and not _a_slice(t))
 
     def post(mod, a, kw, out):
-        if type(mod) is nn.ReLU and st["block"] is not None and not tr.routed and isinstance(out, Tensor):
+        if type(mod) in relu.MASKED and st["block"] is not None and not tr.routed and isinstance(out, Tensor):
             # "min" keeps the mask of each nn.ReLU (those the policies patch) for its recompute from rounded
             # inputs (effmem.activations.relu.relu_masks); a layer that routes tokens keeps its input exactly
             path = names.get(id(mod), "")
