@@ -266,7 +266,8 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     names = {id(m): n for n, m in model.named_modules()}
-    for layer in (layer for _, layers in layer_stacks(model) for layer in layers):   # before any change
+    every = [layer for _, layers in layer_stacks(model) for layer in layers]
+    for layer in every:   # before any change
         for m in [layer] * (getattr(layer, "_effmem_policy", None) is not None) + layer.__dict__.get(
                 "_effmem_patched", []):
             if "forward" in m.__dict__ and not paths.ours(m):
@@ -275,7 +276,7 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
                     "policy was applied (by another library, such as accelerate's hooks), and the wrapper calls the "
                     "policy's forward: remove that wrapper first (accelerate: remove_hook_from_module), then the "
                     "policy")
-    for layer in (layer for _, layers in layer_stacks(model) for layer in layers):
+    for layer in every:
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         restore_layer(layer)
     for m in model.modules():   # the model given, or the one inside a wrapper that it was applied to

@@ -162,8 +162,7 @@ class MaskedHardtanh(nn.Hardtanh):
 
 
 class MaskedReLU6(nn.ReLU6):
-    def forward(self, x: Tensor) -> Tensor:
-        return relu(x, functools.partial(nn.ReLU6.forward, self), self.inplace, functools.partial(_inside, self))
+    forward = MaskedHardtanh.forward   # nn.ReLU6 is a Hardtanh(0, 6), its forward Hardtanh's
 
 
 MASKED = {nn.ReLU: MaskedReLU, nn.LeakyReLU: MaskedLeakyReLU, nn.Hardtanh: MaskedHardtanh, nn.ReLU6: MaskedReLU6}

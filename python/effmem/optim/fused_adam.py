@@ -17,22 +17,17 @@ from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
 
 
-_MISSING = object()
-
-
-def _absent():
-    return _MISSING
-
-
-_ABSENT = _absent   # stands in `kept` for a key the entry lacked (master, for a float32 parameter)
-
-
 def _same(kept: Tuple, state: Dict[str, Any], keys: Tuple[str, ...]) -> bool:
-    """Whether the entry holds the tensors `kept` refers to, and lacks the keys it lacked (a reference whose
-    tensor was freed gives None: that key changed, whatever it holds now). A loop: the cheapest way, 0.4 us."""
+    """Whether the entry holds the tensors `kept` refers to, and lacks the keys it lacked (None in `kept`; a
+    reference whose tensor was freed gives None: that key changed, whatever it holds now). A loop: the
+    cheapest way, 0.4 us."""
     for ref, key in zip(kept, keys):
+        if ref is None:
+            if key in state:
+                return False
+            continue
         t = ref()
-        if t is None or t is not state.get(key, _MISSING):
+        if t is None or t is not state.get(key):
             return False
     return True
 
@@ -165,7 +160,7 @@ class FusedAdam(AdamBase):
         if p.dtype != torch.float32 and "master" not in state:   # new, or loaded from a checkpoint without one
             state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
         if not compiling:
-            self._kept[id(p)] = tuple(weakref.ref(state[k]) if k in state else _ABSENT for k in keys)
+            self._kept[id(p)] = tuple(weakref.ref(state[k]) if k in state else None for k in keys)
         return state
 
     @torch.no_grad()
