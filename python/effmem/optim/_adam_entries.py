@@ -34,8 +34,10 @@ def _as_kept(state: Dict[str, Any], p: Tensor, bits: int) -> bool:
         return False
     if p.dtype == torch.float32 and master is not None:   # a float32 parameter is its own master
         return False
+    sharded = _validate.is_dtensor(p)   # the step takes local shards of all or of none
     for t, dtype in ((m, moment), (v, moment)) + (((master, torch.float32),) if p.dtype != torch.float32 else ()):
-        if not (isinstance(t, Tensor) and t.dtype == dtype and t.device == p.device and _local(t).shape == shape):
+        if not (isinstance(t, Tensor) and t.dtype == dtype and t.device == p.device
+                and _validate.is_dtensor(t) == sharded and _local(t).shape == shape):
             return False
     if bits == 32:
         return "exp_avg_scale" not in state

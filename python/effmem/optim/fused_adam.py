@@ -121,13 +121,13 @@ class FusedAdam(AdamBase):
         self.__dict__.setdefault("_lr_checked", {})
         self.__dict__.setdefault("_kept", {})
 
-    def _init_state(self, p: Tensor) -> Dict[str, Tensor]:
+    def _init_state(self, p: Tensor, compiling: bool) -> Dict[str, Tensor]:
         state = self.state[p]
         # An entry's tensors are checked again only when one of them was replaced: the step's fast path finds
         # them the ones last checked (weak references: a freed tensor's id may come back on a new one). Not
-        # under torch.compile, which would guard on the references (a recompile per load_state_dict).
+        # under torch.compile (`compiling`), which would guard on the references (a recompile per
+        # load_state_dict).
         keys = _ENTRY_KEYS[self.state_bits]
-        compiling = torch.compiler.is_compiling()
         kept = None if compiling else self._kept.get(id(p))
         if state and kept is not None and _same(kept, state, keys):
             return state
@@ -313,21 +313,26 @@ class FusedAdam(AdamBase):
         buckets: Dict[Tuple, Dict[str, List[Tensor]]] = defaultdict(lambda: defaultdict(list))
         salts = self._salts() if self.state_bits == 8 else None
         m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
+        compiling = torch.compiler.is_compiling()
         for p in group["params"]:
             if p.grad is None:
                 continue
             grad = _validate.grad(p)
-            state = self._init_state(p)
+            state = self._init_state(p, compiling)
             if self.state_bits == 32 and state["exp_avg"].stride() != p.stride():   # one compare per step
                 _match_layout(state, p)
             b = buckets[(p.device, p.dtype, grad.dtype)]
-            b["params"].append(_local(p))
-            b["grads"].append(_local(grad))
-            b["exp_avgs"].append(_local(state[m_key]))
-            b["exp_avg_sqs"].append(_local(state[v_key]))
+            w, m, v, master = p, state[m_key], state[v_key], state.get("master")
+            if _validate.is_dtensor(p):   # FSDP2: this rank's shards (_as_kept: its state is DTensors too)
+                w, grad, m, v = _local(p), _local(grad), _local(m), _local(v)
+                master = None if master is None else _local(master)
+            b["params"].append(w)
+            b["grads"].append(grad)
+            b["exp_avgs"].append(m)
+            b["exp_avg_sqs"].append(v)
             b["steps"].append(state["step"])
-            if "master" in state:
-                b["masters"].append(_local(state["master"]))
+            if master is not None:
+                b["masters"].append(master)
             if salts is not None:
                 b["exp_avg_scales"].append(state["exp_avg_scale"])
                 b["exp_avg_sq_scales"].append(state["exp_avg_sq_scale"])
