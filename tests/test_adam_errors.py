@@ -107,6 +107,28 @@ def test_a_refused_step_changes_nothing(bad):
     assert [opt.state[p]["step"].item() for p in ps] == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("make", [effmem.FusedAdam, effmem.OffloadAdam], ids=["fused", "offload"])
+def test_a_setting_deleted_from_a_group_is_named(make):
+    """A group edited by hand without a setting: a ValueError naming the group and the key (a bare
+    KeyError('lr') before), the step refused before any change."""
+    p = param(4)
+    opt = make([p], lr=0.1)
+    p.grad = torch.ones(4)
+    del opt.param_groups[0]["lr"]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr: missing from the group"):
+        opt.step()
+    opt.param_groups[0]["lr"] = 0.1
+    opt.step()
+    assert opt.state[p]["step"].item() == 1.0
+    if make is effmem.OffloadAdam:
+        opt.close()
+
+
+def test_a_bool_lr_is_refused_without_a_range_hint():
+    with pytest.raises(ValueError, match=r"lr: expected a finite number >= 0, got True$"):
+        effmem.FusedAdam([param(3)], lr=True)
+
+
 def test_params_on_two_devices_in_one_group():
     with pytest.raises(ValueError, match="params: a param group must hold parameters of one device"):
         effmem.FusedAdam([param(3), param(3, device="meta")])

@@ -47,6 +47,23 @@ def test_torch_clip_clips_what_offload_adam_holds_as_its_own_clip_does():
     assert not all(torch.equal(a, b) for a, b in zip(own_w, unclipped_w))
 
 
+def test_torch_clip_called_twice_clips_the_clipped_gradients_as_torch_does():
+    """Two of torch's clips in one step (the loop's, then accelerate's): torch's first scales p.grad, so the
+    second reports the clipped norm and clips on top of it. The routed clip kept only the last call's factor
+    (a 0.001 clip then a 1.0 clip stepped as clipped to 1.0) and reported the unclipped norm twice."""
+    def twice(m, opt):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP / 10)
+        return torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+    off_w, off_n = _run(twice)
+    fused_w, fused_n = _run(twice, opt_cls=FusedAdam)   # p.grad scaled in place by torch's own function
+    assert max(off_n) < CLIP / 10 * 1.001
+    torch.testing.assert_close(off_n, fused_n, rtol=1e-5, atol=0)
+    for a, b in zip(off_w, fused_w):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    once_w, _ = _run(lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
+    assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(off_w, once_w))
+
+
 def test_torch_clip_without_the_route_saw_no_gradients():
     """What the route fixes: torch's own function (kept as __wrapped__) returns 0 over OffloadAdam's parameters
     after backward, and the route changes nothing for tensors no OffloadAdam steps."""

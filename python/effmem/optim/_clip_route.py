@@ -67,6 +67,12 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
                            "for the OffloadAdam's, torch.nn.utils.clip_grad_norm_ for the rest")
     before = opt._clip_scale
     total = opt.clip_grad_norm_(max_norm)
+    if before != 1.0:
+        # torch's clip scales p.grad, so a second call in the same step (the user's, then accelerate's) sees
+        # the clipped gradients: their norm, and a factor on top of the first
+        from effmem.optim.clip import clip_coefficient   # clip.py imports this module
+        total = total * before
+        opt._clip_scale = before * float(clip_coefficient(total, float(max_norm)))
     if error_if_nonfinite and not math.isfinite(float(total)):
         opt._clip_scale = before   # nothing clipped, as torch leaves the gradients when it raises
         raise RuntimeError(f"The total norm of the gradients is {float(total)}; "

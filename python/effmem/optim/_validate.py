@@ -60,13 +60,19 @@ def lr_value(lr: Any, where: str = "lr") -> None:
             raise ValueError(f"{where}: expected a finite number >= 0, got a tensor holding {value!r}")
     elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (lr >= 0.0 and in_f32(lr)):
         past = (" (past float32's range: the update runs in float32)"
-                if isinstance(lr, numbers.Real) and math.isfinite(lr) and lr > 0 else "")
+                if isinstance(lr, numbers.Real) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0 else "")
         raise ValueError(f"{where}: expected a finite number >= 0, got {lr!r}{past}")
+
+
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "bias_correction")
 
 
 def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
     """A param group's Adam settings, or a ValueError naming the one that is wrong. check_lr=False leaves
     the lr to the caller (a CUDA tensor's value costs a host sync to read)."""
+    missing = [k for k in GROUP_KEYS if k not in group]
+    if missing:   # a group edited by hand (add_param_group fills them from the defaults)
+        raise ValueError(f"{missing[0]}: missing from the group (each param group holds {', '.join(GROUP_KEYS)})")
     if check_lr:
         lr_value(group["lr"])
     eps = group["eps"]
