@@ -51,6 +51,44 @@ Layout classify(const at::Tensor& t) {
   return dense ? Layout::kDense : Layout::kStrided;
 }
 
+// The length of a dense tensor's rows in memory, what its quantisation groups stay within: the last dim of a
+// contiguous one (even of size 1: a norm's [tokens, 1] statistics are rows of one), else the dim it walks with
+// stride 1 (a transposed key [b, h, d, s] is rows of d, one per token, not of s).
+int64_t memory_row(const at::Tensor& t) {
+  if (t.dim() == 0 || t.numel() == 0) return std::max<int64_t>(t.numel(), 1);
+  if (t.is_contiguous()) return std::max<int64_t>(t.size(-1), 1);
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.size(d) > 1 && t.stride(d) == 1) return t.size(d);
+  }
+  return t.numel();
+}
+
+// The group size for a view `t` with gaps compressed through its dense `base` (rows of d in memory): one that
+// no group of the base's memory straddles a run of t's elements and a run of elements t does not see, so that
+// the values around the view (another head's, an inf) never set its groups' scale. A view of whole rows takes
+// the rows' rule (0 here); else the largest supported size up to `limit` dividing t's offset in the base, its
+// runs' length and its strides (-1: none, or t has no run of stride 1: it is kept).
+int64_t view_group(const at::Tensor& t, const at::Tensor& base, int64_t d, int64_t limit) {
+  int64_t inner = -1;
+  for (int64_t k = t.dim() - 1; k >= 0 && inner < 0; --k) {
+    if (t.size(k) > 1 && t.stride(k) == 1) inner = k;
+  }
+  if (inner < 0) return -1;
+  const int64_t rel = t.storage_offset() - base.storage_offset();
+  int64_t common = std::gcd(std::gcd(d, rel), t.size(inner));
+  bool whole_rows = t.size(inner) == d && rel % d == 0;
+  for (int64_t k = 0; k < t.dim(); ++k) {
+    if (k == inner || t.size(k) == 1) continue;
+    common = std::gcd(common, t.stride(k));
+    whole_rows = whole_rows && t.stride(k) % d == 0;
+  }
+  if (whole_rows) return 0;
+  for (int64_t g = limit; g >= 32; g /= 2) {
+    if (common % g == 0) return g;
+  }
+  return -1;
+}
+
 // A view of a tensor wider than this many times its size is kept rather than compressed through it.
 constexpr int64_t kMaxBaseGrowth = 4;
 // The table is purged of dead entries when it reaches this many (or twice the live ones after a purge).
@@ -127,6 +165,8 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
   const Layout layout = classify(t);
   if (layout == Layout::kOverlapping) return keep(kOverlapping);
   at::Tensor src = t;  // the tensor whose memory is compressed: t, or the dense tensor t views
+  int64_t aligned = 0;  // a view's group size (view_group), 0: the rows' rule
+  const bool is_bool = t.scalar_type() == at::kBool;
   if (layout != Layout::kDense) {
     if (!t.is_view()) return keep(kStridedView);
     const at::Tensor base(t._base());
@@ -135,18 +175,21 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
       return keep(kStridedView);
     }
     src = base;
+    if (!is_bool) aligned = view_group(t, src, memory_row(src), group_size_);   // bools: packed exactly
+    if (aligned < 0) return keep(kStridedView);
   }
-  const bool is_bool = t.scalar_type() == at::kBool;
   const int64_t n = src.numel(), nbytes = n * static_cast<int64_t>(src.element_size());
-  // Groups within the rows of the memory's last dimension d: flat groups of g where d is a multiple of g, one
+  // Groups within the rows of the memory (memory_row: d): flat groups of g where d is a multiple of g, one
   // group per row where d is a smaller group size (32, 64, 128 dividing g), else rows of d ending in a part
   // group, as ops.quantize makes them. Flat groups of g over the memory spanned two rows (tokens): a
   // left-padded row of exact zeros came back as its neighbour's rounding, and the huge gradient a norm gives
   // such a row reached the weights (Gemma3 at width 64: o_proj's gradient 16x off). compress/_codec.py's
-  // saved_groups is the same rule.
-  const int64_t d = src.dim() > 0 && src.size(-1) > 0 ? src.size(-1) : std::max<int64_t>(n, 1);
+  // saved_groups is the same rule. A view with gaps: flat groups of view_group's size, within its runs.
+  const int64_t d = memory_row(src);
   int64_t rows = n / d, cols = d, g = group_size_;
-  if (d % g == 0) {
+  if (aligned > 0) {
+    rows = n / aligned, cols = aligned, g = aligned;
+  } else if (d % g == 0) {
     rows = n / g, cols = g;
   } else if (d >= 32 && g % d == 0) {
     g = d;   // 32, 64 or 128 below g: whole groups, one per row
@@ -162,6 +205,9 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
   auto found = table_.find(key);
   if (found != table_.end()) {
     EntryPtr e = found->second.lock();
+    // a view with gaps takes an entry whose flat groups lie within its runs or outside them; one whose groups
+    // straddle them (made for another split of the memory, or by rows with a part group) is kept
+    if (e && aligned > 0 && (e->cols != e->group_size || aligned % e->group_size != 0)) return keep(kStridedView);
     if (e && e->storage && !e->storage->expired()) {
       ++e->saves;
       h.entry = std::move(e);

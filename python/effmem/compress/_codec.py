@@ -22,9 +22,19 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 check_config = _ops.check_quant_config
 
 
+def memory_row(t: Tensor) -> int:
+    """The length of a dense tensor's rows in memory (csrc/saved/store.cpp's memory_row): its last dim where it
+    is contiguous, else the dim it walks with stride 1 (a transposed key's head_dim)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return max(t.numel(), 1)
+    if t.is_contiguous():
+        return max(t.shape[-1], 1)
+    return next((t.shape[d] for d in reversed(range(t.dim())) if t.shape[d] > 1 and t.stride(d) == 1), t.numel())
+
+
 def saved_groups(n: int, last_dim: int, group_size: int) -> Tuple[int, int, int]:
     """(rows, cols, group size) the saved-tensor store (csrc/saved/store.cpp, which says why) quantises n elements
-    of memory whose last dimension is last_dim as: groups within rows."""
+    of memory whose rows (memory_row) are last_dim long as: groups within rows."""
     d = last_dim if last_dim > 0 else max(n, 1)
     if d % group_size == 0:
         return n // group_size, group_size, group_size

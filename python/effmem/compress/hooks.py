@@ -17,7 +17,8 @@ channels-last, a slice along the first dim) is quantised in memory order and
 restored stride for stride; a view with gaps (q, k and v sliced out of one
 qkv) through the dense tensor it views, when that is at most 4x larger
 (compiled backward graphs check saved strides, so a denser copy would not
-do); an overlapping one (expand, as_strided windows) is kept as it is.
+do), in groups within its runs of elements; an overlapping one (expand,
+as_strided windows) is kept as it is.
 """
 import itertools
 import threading

@@ -57,7 +57,8 @@ class CompressionStats:
     small (under min_numel), exact (attention log-sum-exp, normalisation
     statistics), row_statistic (last dim of 1 or 2: per-row statistics such as
     a decomposed norm's rstd), overlapping (expanded views), strided_view (a
-    view with gaps into a tensor more than 4x its size), no_gain; and under
+    view with gaps into a tensor more than 4x its size, or whose runs of
+    elements no group of 32 or more fits), no_gain; and under
     the "fast" activation policy: layer_input (a decoder layer's other
     inputs, rotary tables and masks), statistic (fewer than hidden/8 values
     per token). Saves of an output that policy rebuilds in backward store

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from effmem.compress._codec import packed_bytes, saved_groups
+from effmem.compress._codec import memory_row, packed_bytes, saved_groups
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.activations import relu
 from effmem.activations.checkpoint import routes_tokens
@@ -298,7 +298,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
             path = names.get(id(stack[-1]), "") if stack else ""
             r = tr.records[key] = Record(nbytes, kind or kind_of(path, st["block"] is not None, st["after_head"] and
                                                                  not stack[1:]), t.element_size(),
-                                         t.shape[-1] if t.dim() else 1, t.dtype)
+                                         memory_row(t), t.dtype)
         for k, v in flags.items():
             if k == "first_block":
                 if r.first_block is None:

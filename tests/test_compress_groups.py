@@ -1,0 +1,101 @@
+"""Which elements share a quantisation group (csrc/saved/store.cpp): a saved tensor's groups stay within the rows
+of its memory, and a view with gaps (q, k or v sliced out of one qkv) shares no group with the elements it does
+not see.
+
+Before: a transposed save (the key of eager attention's QK^T) was grouped along its logical last dim, two
+tokens to a group, so a padded token's zero row came back as its neighbour's rounding; a view compressed
+through its base shared groups with the base's other values, so another head's large values set its scale
+(relative error 42) and an inf there made it NaN.
+"""
+import pytest
+import torch
+
+from effmem.compress import compress_activations
+
+SEEN = {}
+
+
+class Save(torch.autograd.Function):
+    """Saves t for backward and hands what backward restored to SEEN."""
+
+    @staticmethod
+    def forward(ctx, dummy, *ts):
+        ctx.save_for_backward(*ts)
+        return dummy.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        SEEN["saved"] = [t.detach() for t in ctx.saved_tensors]   # as restored: their strides, their memory
+        return (g,) + (None,) * len(ctx.saved_tensors)
+
+
+def restored(*ts):
+    """The tensors as backward reads them after a save under compress_activations, and the decisions."""
+    dummy = torch.zeros(1, requires_grad=True)
+    with compress_activations(min_numel=1, stochastic=False, record=True) as ctx:
+        y = Save.apply(dummy, *ts)
+    y.sum().backward()
+    return SEEN.pop("saved"), [r["decision"] for r in ctx.records if r["decision"] != "parameter"]
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("other", ["large", "inf"])
+def test_a_view_shares_no_group_with_what_it_does_not_see(other):
+    torch.manual_seed(0)
+    small = torch.randn(64, 128)
+    inf = torch.tensor([float("inf"), -float("inf")])
+    around = 1e4 * torch.randn(64, 32) if other == "large" else inf.repeat(64, 16)
+    x = torch.cat([around, small], dim=1)   # [64, 160]: the view x[:, 32:] is `small`
+    (got,), decisions = restored(x[:, 32:])
+    (alone,), _ = restored(small.clone())
+    assert decisions == ["compressed"]
+    assert got.stride() == (160, 1)
+    assert rel(got, small) < 2 * rel(alone, small) < 0.02   # as precise as the same values saved alone
+
+
+def test_slices_of_one_qkv_not_aligned_to_the_group_size_are_compressed_once_within_their_heads():
+    """q, k and v of width 64 out of one 192-wide row: groups of 64, one quantisation for all three."""
+    torch.manual_seed(0)
+    qkv = torch.randn(32, 192)
+    qkv[:, 64:128] *= 1000.0   # k's values are far larger: they must not set q's or v's scale
+    parts = qkv.split(64, dim=1)
+    got, decisions = restored(*parts)
+    assert decisions == ["compressed", "deduplicated", "deduplicated"]
+    assert got[0].data_ptr() + 64 * 4 == got[1].data_ptr()   # one restored memory, as the originals shared one
+    for g, p in zip(got, parts):
+        assert rel(g, p) < 0.01
+
+
+def test_a_transposed_save_is_grouped_by_the_rows_of_its_memory():
+    """The key [tokens, 64] saved transposed ([64, tokens], stride (1, 64)): a padded token's zero row comes back
+    exactly zero, as it does saved untransposed."""
+    torch.manual_seed(0)
+    k = 4 * torch.randn(128, 64)
+    k[0] = 0.0
+    (got,), decisions = restored(k.t())
+    assert decisions == ["compressed"]
+    assert got.stride() == (1, 64)
+    assert torch.count_nonzero(got.t()[0]) == 0
+    assert rel(got, k.t()) < 0.01
+
+
+def test_a_view_without_runs_of_whole_groups_is_kept_exactly():
+    """Every other element of each row: any group would mix it with the ones it skips, so it is kept."""
+    x = torch.randn(64, 256)
+    (got,), decisions = restored(x[:, ::2])
+    assert decisions == ["strided_view"]
+    assert torch.equal(got, x[:, ::2])
+
+
+def test_a_second_view_that_the_first_ones_groups_straddle_is_kept_exactly():
+    """The first view (offset 64 in a 256-wide row) makes groups of 64; the second, at offset 32, would share
+    them with values it does not see, so it is kept as it is."""
+    x = torch.randn(64, 256)
+    x[:, :32] = 1e6
+    got, decisions = restored(x[:, 64:192], x[:, 32:96])
+    assert decisions == ["compressed", "strided_view"]
+    assert rel(got[0], x[:, 64:192]) < 0.01
+    assert torch.equal(got[1], x[:, 32:96])
