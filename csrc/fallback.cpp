@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <array>
@@ -125,6 +126,18 @@ TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("swiglu", &swiglu_fallback);
   m.impl("swiglu_backward", &swiglu_backward_fallback);
   m.impl("rms_norm_apply", &rms_norm_apply_fallback);
+}
+
+// Autograd: the ops below have no derivative. effmem's own callers detach their inputs or run them inside
+// autograd Functions that own the math; a user calling one on a tensor that requires grad got, from torch's
+// deprecated fallback, a warning and outputs whose backward silently gave no gradient. torch's not-implemented
+// kernel makes a backward through them raise, naming the op. (linear_ce_forward's autograd is linear_ce.py's;
+// the in-place Adam steps run under no_grad.)
+TORCH_LIBRARY_IMPL(effmem, Autograd, m) {
+  for (const char* op : {"adam8_encode", "adam8_decode", "l2norm", "quantize", "dequantize", "linear_ce_backward",
+                         "linear_ce_forward_backward", "swiglu", "swiglu_backward", "rms_norm_apply"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }
 
 }  // namespace effmem

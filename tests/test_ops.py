@@ -44,3 +44,28 @@ def test_ops_trace_under_torch_compile():
     assert torch.equal(expected, got)
     for a, b in zip(eager_args[0], compiled_args[0]):
         assert torch.equal(a, b)
+
+
+def _backward_through(name):
+    """A backward through effmem::name called on inputs that require grad."""
+    x = torch.randn(4, 128, requires_grad=True)
+    if name == "quantize":
+        out = torch.ops.effmem.quantize(x, 8, 128, 0, False)[1]
+    elif name == "dequantize":
+        codes, stats = torch.ops.effmem.quantize(x.detach(), 8, 128, 0, False)
+        out = torch.ops.effmem.dequantize(codes, stats.requires_grad_(), 8, 128, 128, torch.float32)
+    elif name == "swiglu":
+        out = torch.ops.effmem.swiglu(x, torch.randn(4, 128))
+    elif name == "rms_norm_apply":
+        out = torch.ops.effmem.rms_norm_apply(x, torch.ones(4, 1), torch.ones(128))
+    else:
+        out = torch.ops.effmem.l2norm([x])
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("name", ["quantize", "dequantize", "swiglu", "rms_norm_apply", "l2norm"])
+def test_ops_without_a_derivative_raise_in_backward(name):
+    """Called directly on a tensor that requires grad, these ops' outputs had torch's deprecated fallback: a
+    warning, and a backward that silently left x.grad None. Backward through them now raises, naming the op."""
+    with pytest.raises(RuntimeError, match=f"derivative for effmem::{name} is not implemented"):
+        _backward_through(name)
