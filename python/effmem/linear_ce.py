@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from effmem._second_order import first_order, graph_handle
 from effmem.optim._validate import F32_MAX, F32_TINY
 
 _lib = torch.ops.effmem
@@ -103,7 +104,7 @@ class _GradInForward(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
         loss, gh, gw, gb = _lib.linear_ce_forward_backward(h, weight, bias, target, scale, *options, mask)
         ctx._effmem_held = [g if m else None for g, m in zip((gh, gw, gb), mask)]
-        ctx.links = (handle, weight, bias)   # parameters and h's _graph_handle: no activation kept alive
+        ctx.links = (handle, weight, bias)   # parameters and h's graph_handle: no activation kept alive
         ctx.versions = versions   # the caller's weight and bias, with their versions (_versions)
         total = loss.sum()
         return total if n_valid is None else total / n_valid
@@ -138,46 +139,13 @@ def _versions(weight: Tensor, bias: Optional[Tensor]) -> list:
     return [(name, t, t._version) for name, t in (("weight", weight), ("bias", bias)) if t is not None]
 
 
-class _NoSecondDerivative(torch.autograd.Function):
-    """The gradients, as they are, for a backward with create_graph=True; differentiating them raises.
-    Without it they would come out as constants, and a second derivative through them (a gradient
-    penalty) would silently lack this loss's part. Its inputs are the gradients and then the tensors they
-    depend on (`links`): a derivative asked for an input of the loss only (torch.autograd.grad(penalty, x))
-    runs the nodes on a path to x alone, and this one must be on that path."""
-    generate_vmap_rule = True   # torch.func.vmap over grad (per-sample gradients) runs it
-
-    @staticmethod
-    def forward(count, *tensors):
-        return tuple(g.detach() for g in tensors[:count])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        """Nothing to keep; declared apart from forward so torch.func's transforms accept the function."""
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError("linear_cross_entropy: its gradients were made with create_graph=True and cannot be "
-                           "differentiated again (a second derivative needs the logits it never keeps); compute "
-                           "this loss unfused for higher-order gradients")
+_NO_SECOND = ("linear_cross_entropy: its gradients were made with create_graph=True and cannot be differentiated "
+              "again (a second derivative needs the logits it never keeps); compute this loss unfused for "
+              "higher-order gradients")
 
 
 def _first_order(grads, links):
-    """grads unchanged, or under create_graph=True (grad mode on in backward) made by _NoSecondDerivative
-    from the tensors in `links` that require gradients (those grads depend on); none: they are constants."""
-    links = [t for t in links if t is not None and t.requires_grad]
-    if not torch.is_grad_enabled() or not links:
-        return grads
-    given = [g for g in grads if g is not None]
-    marked = iter(_NoSecondDerivative.apply(len(given), *given, *links))
-    return [None if g is None else next(marked) for g in grads]
-
-
-def _graph_handle(h: Tensor) -> Optional[Tensor]:
-    """One element of h copied: a tensor whose graph reaches h's without keeping h's memory alive (select
-    and clone save no tensor), for _GradInForward's _first_order links."""
-    if not (torch.is_grad_enabled() and h.requires_grad and h.numel()):
-        return None
-    return h[(0,) * h.dim()].clone()
+    return first_order(grads, links, _NO_SECOND)
 
 
 def _setup_context(ctx, inputs, output):
@@ -312,7 +280,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         checked = [g if g is not None and g.is_leaf else c for g, c in zip(given, (weight, bias))]
         return _GradInForward.apply(h, weight, bias, t, scale, n_valid, (
             int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(token_chunk)),
-            _graph_handle(h), _versions(*checked))
+            graph_handle(h), _versions(*checked))
     loss, _ = (_Recompute.apply if _under_torch_func() else _lib.linear_ce_forward)(
         h, weight, bias, t, int(ignore_index), float(label_smoothing), float(logit_softcap or 0.0), int(vocab_chunk))
     if reduction == "none":

@@ -92,7 +92,9 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     compress_activations()`` block inside a compiled function works but
     splits the graph around it (entering hooks cannot be traced).
     torch.utils.checkpoint (either mode) works: a checkpointed region saves
-    nothing in forward; it is recomputed in backward, and what that saves is
+    only its inputs in forward, and those are compressed like any save (the
+    region is recomputed from their restored copy, as the "min" policy
+    recomputes a layer from its 8-bit input); what the recompute saves is
     compressed only if backward runs inside the ``with`` block.
     """
     config = CompressConfig(bits=bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,

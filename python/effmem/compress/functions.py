@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effmem._second_order import first_order, graph_handle
 from effmem.compress import _codec
 
 _SEEDS = itertools.count()
@@ -42,9 +43,16 @@ def _check_input(x: Tensor, name: str) -> None:
                         f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
 
 
+def _no_second(name: str) -> str:
+    return (f"{name}: its backward reads the input as kept, quantised, so its gradients made with "
+            f"create_graph=True cannot be differentiated again (the second derivative through the input would be "
+            f"missing); use torch.nn.functional.{name.split('_')[1]} for higher-order gradients")
+
+
 class _CompressedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, bits, group_size, seed, stochastic):
+    def forward(ctx, x, weight, bias, bits, group_size, seed, stochastic, handle):
+        ctx.handle = handle   # x's graph_handle: the link of grad_weight's first_order, x itself not kept
         out = F.linear(x, weight, bias)
         if not ctx.needs_input_grad[1]:
             # Only grad_weight reads x: without it (evaluation, frozen weight) save just the weight.
@@ -69,15 +77,16 @@ class _CompressedLinear(torch.autograd.Function):
             _, rows_shape, x_dtype, bits, group_size = ctx.meta
             x_hat = _codec.dequantize(codes, stats, bits=bits, group_size=group_size, shape=rows_shape,
                                       dtype=x_dtype)
-            grad_w = g.t() @ x_hat.to(g.dtype)
+            grad_w, = first_order([g.t() @ x_hat.to(g.dtype)], (ctx.handle, grad_out), _no_second("compressed_linear"))
         if ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class _CompressedGELU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, approximate, bits, group_size, seed, stochastic):
+    def forward(ctx, x, approximate, bits, group_size, seed, stochastic, handle):
+        ctx.handle = handle
         out = F.gelu(x, approximate=approximate)
         if not ctx.needs_input_grad[0]:  # evaluation: backward never runs, nothing to keep
             return out
@@ -95,7 +104,8 @@ class _CompressedGELU(torch.autograd.Function):
         x_hat = _codec.dequantize(codes, stats, bits=bits, group_size=group_size, shape=rows_shape,
                                   dtype=x_dtype).reshape(x_shape)
         grad_x = torch.ops.aten.gelu_backward(grad_out, x_hat.to(grad_out.dtype), approximate=approximate)
-        return grad_x, None, None, None, None, None
+        grad_x, = first_order([grad_x], (ctx.handle, grad_out), _no_second("compressed_gelu"))
+        return grad_x, None, None, None, None, None, None
 
 
 def compressed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, bits: int = 8,
@@ -107,7 +117,7 @@ def compressed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
     """
     _codec.check_config(bits, group_size)
     _check_input(x, "x")
-    return _CompressedLinear.apply(x, weight, bias, bits, group_size, _seed(seed), stochastic)
+    return _CompressedLinear.apply(x, weight, bias, bits, group_size, _seed(seed), stochastic, graph_handle(x))
 
 
 def compressed_gelu(x: Tensor, approximate: str = "none", *, bits: int = 8, group_size: int = 128,
@@ -117,7 +127,7 @@ def compressed_gelu(x: Tensor, approximate: str = "none", *, bits: int = 8, grou
     _check_input(x, "x")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _CompressedGELU.apply(x, approximate, bits, group_size, _seed(seed), stochastic)
+    return _CompressedGELU.apply(x, approximate, bits, group_size, _seed(seed), stochastic, graph_handle(x))
 
 
 class CompressedLinear(nn.Linear):
