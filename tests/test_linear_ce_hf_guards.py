@@ -43,6 +43,20 @@ def test_forward_hooks_on_lm_head_are_refused_when_fusing():
     effmem.fuse_linear_cross_entropy(model)
 
 
+def test_compress_activations_tracking_hooks_on_lm_head_do_not_stop_fusing():
+    """compress_activations hooks every module to name its saves; those hooks read no output, so fusing after
+    it works (it was refused as if they were the user's), and a hook of the user's beside them still is."""
+    model = effmem.compress_activations(FAMILIES["llama"](), bits=8)
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: None)
+    with pytest.raises(RuntimeError, match="lm_head has forward hooks"):
+        effmem.fuse_linear_cross_entropy(model)
+    handle.remove()
+    effmem.fuse_linear_cross_entropy(model)
+    x, y = batch()
+    model(input_ids=x, labels=y).loss.backward()
+    assert model.compress_stats.num_compressed > 0
+
+
 def test_an_lm_head_offloaded_by_accelerate_is_refused_when_fusing():
     accelerate = pytest.importorskip("accelerate")
     model = FAMILIES["llama"]()

@@ -116,6 +116,23 @@ def test_apply_refuses_what_it_cannot_do():
         p.candidate("nope")
 
 
+@pytest.mark.parametrize("loss", ["fused", "fused_gif"])
+def test_compressed_activations_with_the_fused_loss_apply_and_train(loss):
+    """apply() compressed the activations first, whose module-tracking hooks on lm_head fusing then refused:
+    every compress + fused-ce candidate raised, and its printed code too. The loss is fused first now, and
+    fusing lets effmem's own tracking hooks be."""
+    from effmem.plan.report import code_for
+    p = effmem.plan(TINY, batch=2, seq=32, device="cpu", host_memory="8GB")
+    c = pick_of(p, precision="bf16", activations="compress8", micro_batch=2, loss=loss)
+    code = code_for(c.config, "cpu", c.cost.activation_budget)
+    assert code.index("fuse_linear_cross_entropy") < code.index("compress_activations")
+    model, opt = p.apply(real_tiny(), c.name)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert model.compress_stats.num_compressed > 0
+
+
 def test_fast_offload_applied_where_no_layer_can_be_offloaded_still_fits():
     """Its memory_budget is at least what every layer under "min" holds: where the runtime finds that the
     link hides fewer layers than the plan predicted (here, the CPU: none), the solver puts the rest under

@@ -223,12 +223,12 @@ def _check_loss(model: nn.Module, name: str) -> None:
 def _check_hooks(head: nn.Module) -> None:
     """Forward hooks on lm_head would get the hidden states it passes through where they expect logits. Checked
     when fusing (not at each forward: hooks put on every module later, such as effmem plan's trace, observe
-    shapes only)."""
+    shapes only); compress_activations' module tracking reads no output (_effmem_observes)."""
     if head.weight.is_meta and getattr(head, "_hf_hook", None) is not None:
         raise RuntimeError("fuse_linear_cross_entropy: lm_head is offloaded by accelerate (cpu_offload, or a "
                            "device_map that offloads it): its weight is on the meta device except inside lm_head's "
                            "own forward, which the fused loss does not run. Keep lm_head on the device")
-    if head._forward_hooks:
+    if any(not getattr(getattr(h, "__func__", h), "_effmem_observes", False) for h in head._forward_hooks.values()):
         raise RuntimeError("fuse_linear_cross_entropy: lm_head has forward hooks, which would see the hidden states "
                            "it passes to the fused loss instead of logits (and a hook that frees its weight after "
                            "the forward, as DeepSpeed ZeRO-3's, would free it before the loss reads it). Remove them "

@@ -215,6 +215,8 @@ class ActivationCompressor:
         if s.stack:
             s.stack.pop()
 
+    _pop_module._effmem_observes = True   # reads no output: fuse_linear_cross_entropy lets it stay on lm_head
+
     def track_modules(self, root: nn.Module, include_root: bool = True) -> None:
         """Name saved tensors after root's submodules (and honour exclude_modules) from now on."""
         self._root = root

@@ -79,6 +79,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     device = torch.device("cuda" if plan.device == "cuda" else "cpu")
     model = model.to(device=device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     no_training_cache(model)   # a training forward needs no key/value cache (the config is left as it was)
+    if cfg.loss != "standard":   # first: the activation strategies wrap or hook the model it patches
+        fuse_linear_cross_entropy(model, grad_in_forward=True if cfg.loss == "fused_gif" else None)
     if cfg.activations in ("checkpoint", "selective"):
         apply_activation_policy(model, cfg.activations)   # torch's checkpoint per decoder layer, any model
     elif cfg.activations == "checkpoint8":
@@ -91,8 +93,6 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         model = compress_activations(model, bits=int(cfg.activations[len("compress"):]))
     elif cfg.activations == "save_on_cpu":
         model._effmem_save_on_cpu = _SaveOnCpu(model, pin=device.type == "cuda")
-    if cfg.loss != "standard":
-        fuse_linear_cross_entropy(model, grad_in_forward=True if cfg.loss == "fused_gif" else None)
     if cfg.sharding in ("zero2", "zero3"):
         _fully_shard(model, reshard=cfg.sharding == "zero3", device=device)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -69,6 +69,11 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
     else:
         out.append(f"model = model.to('{device}')" + ("  # fp32 weights; run forward under torch.autocast('cuda', "
                                                        "torch.bfloat16)" if device == "cuda" else ""))
+    if cfg.loss == "fused":
+        out.append("model = effmem.fuse_linear_cross_entropy(model)   # the labels= loss without logits")
+    elif cfg.loss == "fused_gif":
+        out.append("model = effmem.fuse_linear_cross_entropy(model, grad_in_forward=True)   # no logits; "
+                   "gradients made in forward")
     if cfg.activations == "checkpoint":
         out.append("model = effmem.apply_activation_policy(model, 'checkpoint')   # torch's checkpoint per layer")
     elif cfg.activations == "checkpoint8":
@@ -86,11 +91,6 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
         out.append(f"model = effmem.compress_activations(model, bits={cfg.activations[len('compress'):]})")
     elif cfg.activations == "save_on_cpu":
         out.append("# run forward inside: with torch.autograd.graph.save_on_cpu(pin_memory=True):")
-    if cfg.loss == "fused":
-        out.append("model = effmem.fuse_linear_cross_entropy(model)   # the labels= loss without logits")
-    elif cfg.loss == "fused_gif":
-        out.append("model = effmem.fuse_linear_cross_entropy(model, grad_in_forward=True)   # no logits; "
-                   "gradients made in forward")
     if cfg.sharding in ("ddp", "zero1"):   # ZeRO-1: DDP's gradients, the optimizer state sharded
         out.append("model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)")
     elif cfg.sharding in ("zero2", "zero3"):
