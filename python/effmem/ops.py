@@ -138,6 +138,8 @@ def _l2norm_fake(tensors: List[Tensor]) -> Tensor:
 
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
+# the dtypes of the quantize and elementwise kernels (swiglu, rms_norm_apply)
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_quant_config(bits: int, group_size: int) -> None:
@@ -187,7 +189,10 @@ def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shap
 
 @torch.library.register_fake("effmem::quantize")
 def _quantize_fake(x, bits, group_size, seed, stochastic):
+    # the kernels' checks (csrc/common/checks.cpp), so that a compiled call is refused when traced
     check_quant_config(bits, group_size)
+    torch._check(x.dtype in ELEMENTWISE_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    torch._check(x.is_contiguous(), lambda: "x must be contiguous; pass x.contiguous()")
     last_dim = x.shape[-1] if x.dim() > 0 else 1
     rows = x.numel() // last_dim if last_dim > 0 else 0  # as quant_layout: no rows when D = 0
     codes = x.new_empty((rows, (last_dim * bits + 7) // 8), dtype=torch.uint8)
@@ -197,13 +202,16 @@ def _quantize_fake(x, bits, group_size, seed, stochastic):
 
 @torch.library.register_fake("effmem::dequantize")
 def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
+    check_quant_config(bits, group_size)
     _one_device("dequantize", [("codes", codes), ("stats", stats)])
+    torch._check(dtype in ELEMENTWISE_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    torch._check(codes.dtype == torch.uint8, lambda: f"codes must be uint8, got {codes.dtype}")
+    torch._check(stats.dtype == torch.float32, lambda: f"stats must be float32, got {stats.dtype}")
     torch._check(last_dim >= 0, lambda: f"last_dim must be >= 0, got {last_dim}")
+    torch._check(codes.dim() == 2, lambda: f"codes must be 2-D [rows, bytes per row], got shape {tuple(codes.shape)}")
+    torch._check(stats.dim() == 3 and stats.shape[-1] == 2 and stats.shape[0] == codes.shape[0],
+                 lambda: f"stats must be 3-D [rows, groups, 2] with codes' rows, got shape {tuple(stats.shape)}")
     return codes.new_empty((codes.shape[0], last_dim), dtype=dtype)
-
-
-# the dtypes of the elementwise kernels (swiglu, rms_norm_apply)
-ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
