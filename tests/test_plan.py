@@ -106,6 +106,9 @@ def test_json_contract_and_pick_is_fastest_that_fits():
     assert d["candidates"][0]["name"] == d["best"] and d["best"] == "bf16+fused-ce+mb4x1", d["best"]
     faster = [c for c in fits if float(f"{c['step_time_s']:.9g}") < float(f"{d['candidates'][0]['step_time_s']:.9g}")]
     assert faster and all("faster than the pick (within 3%) but" in c["why"] for c in faster)
+    # the pick's own reason says so (it said "fastest that fits")
+    assert d["candidates"][0]["why"].startswith("the pick: ") and "slower than the fastest that fits (within 3%" \
+        in d["candidates"][0]["why"], d["candidates"][0]["why"]
     assert all(c["peak_bytes"] <= 0.95 * d["gpu_memory"] for c in fits)
     assert any(not c["fits"] and "slower" not in c["why"] for c in d["candidates"]) or all(
         c["fits"] for c in d["candidates"])
@@ -256,7 +259,8 @@ def test_small_steps_wait_for_the_host_issuing_ops():
     """On a GPU, a micro-batch whose device work is shorter than the host's issuing of its ops takes the
     host's time (plan/step_model.py host_s): TinyLlama at 1 x 128 tokens, not at 8 x 2048; selective
     checkpointing's policy costs host time per op, full checkpointing only the recomputed layers' ops.
-    A CPU's rates count no host time."""
+    The CPU defaults count no host time (their matmul rate is an effective one); calibrated CPU rates (peak
+    products) add each op's host time to the work, as a CPU runs an op as its host issues it."""
     small = effmem.plan("tinyllama-1.1b", batch=1, seq=128, device="cuda", gpu_memory="80GB", host_memory="128GB")
     big = effmem.plan("tinyllama-1.1b", batch=8, seq=2048, device="cuda", gpu_memory="80GB", host_memory="128GB")
     host = {a: small.candidate("bf16+" + ("" if a == "none" else a + "+") + "mb1x1").time_parts["host"]
@@ -265,6 +269,13 @@ def test_small_steps_wait_for_the_host_issuing_ops():
     assert big.candidate("bf16+mb8x1").time_parts["host"] == 0
     cpu = effmem.plan("gpt2", batch=1, seq=32, device="cpu")
     assert all(c.time_parts.get("host", 0) == 0 for c in cpu.candidates)
+    from effmem.plan.rates import CPU_DEFAULT
+    calibrated = effmem.plan("gpt2", batch=1, seq=32, device="cpu", rates=dataclasses.replace(CPU_DEFAULT,
+                                                                                             host_op_s=10e-6))
+    for c in calibrated.candidates:   # added whole: no device to overlap with, however long its work
+        ops = calibrated.candidate(c.name)
+        assert ops.time_parts["host"] > 0
+        assert ops.step_time_s == pytest.approx(cpu.candidate(c.name).step_time_s + ops.time_parts["host"])
 
 
 def test_host_time_per_op_is_measured_with_or_without_transformers(monkeypatch):

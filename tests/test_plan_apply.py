@@ -108,6 +108,23 @@ def test_verify_times_the_steps_after_its_warmup(monkeypatch):
             verify(p, candidates=[c.name], steps=1, warmup=bad, make_model=counted)
 
 
+def test_verify_of_a_plan_made_from_a_module_trains_copies_and_leaves_it_as_it_was():
+    """verify() applied every candidate to the plan's own module: the second found the first one's policy (an
+    error), and the user's model was left cast, hooked and trained."""
+    from effmem.demo_model import ByteGPT, GPTConfig
+    torch.manual_seed(0)
+    model = ByteGPT(GPTConfig(seq_len=32, n_layer=2, d_model=64, n_head=2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = effmem.plan(model, batch=4, seq=32, device="cpu", host_memory="8GB")
+    names = [pick_of(p, precision="bf16", activations=a, micro_batch=4).name for a in ("fast", "compress8")]
+    rows = verify(p, candidates=names, steps=1, warmup=0)
+    assert [r["name"] for r in rows] == names
+    assert all(r["measured_activation_bytes"] > 0 for r in rows)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert not model._forward_hooks and not model._forward_pre_hooks and compressor_of(model) is None
+
+
 def test_apply_refuses_what_it_cannot_do():
     p = effmem.plan(TINY, batch=4, seq=64, gpus=2, gpu_memory="80GB")
     with pytest.raises(ValueError, match="after torch.distributed.init_process_group"):

@@ -17,6 +17,11 @@ def test_a_model_it_cannot_plan_gets_an_error_that_says_why(tmp_path):
         effmem.plan(str(tmp_path / "empty"), batch=1, seq=16)
     with pytest.raises(ValueError, match="did you mean 'llama-7b'"):
         effmem.plan("Llama-7B", batch=1, seq=16)
+    with pytest.raises(ValueError, match="model: an empty name"):   # was read as the current folder
+        effmem.plan("", batch=1, seq=16)
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")   # was a bare UnicodeDecodeError
+    with pytest.raises(ValueError, match="binary.json is not valid JSON"):
+        effmem.plan(str(tmp_path / "binary.json"), batch=1, seq=16)
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-model"}')
     with pytest.raises(ValueError, match="model_type 'no-such-model' is not one transformers"):

@@ -106,6 +106,22 @@ def test_a_damaged_or_foreign_rates_cache_falls_back_to_the_defaults(monkeypatch
     cache.write_text(json.dumps({"cpu": {"device": "cpu", "foo": 1}}))
     with pytest.warns(UserWarning, match="plan_rates.json's rates for 'cpu' do not fit this version"):
         assert rates.rates_for("cpu") == rates.CPU_DEFAULT
+    # values a hand edit left: a zero rate was a ZeroDivisionError in every plan, a string an unreadable error
+    for field, bad in (("matmul_flops", 0), ("memory_bw", "fast"), ("host_op_s", -1.0), ("link_bw", float("nan"))):
+        cache.write_text(json.dumps({"cpu": dict(rates.CPU_DEFAULT.as_dict(), **{field: bad})}))
+        with pytest.warns(UserWarning, match=f"do not fit this version \\({field} = "):
+            assert rates.rates_for("cpu") == rates.CPU_DEFAULT
+        effmem.plan("gpt2", batch=2, seq=64, device="cpu")
+
+
+def test_calibrate_says_where_it_cannot_write(monkeypatch, tmp_path):
+    """A cache folder that cannot be made (XDG_CACHE_HOME a file) ended --calibrate in a traceback."""
+    from effmem.plan import rates
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(rates, "_CACHE", tmp_path / "file" / "effmem" / "plan_rates.json")
+    monkeypatch.setattr(rates, "_host_op_s", lambda device: 1e-5)
+    with pytest.raises(OSError, match="calibrate: the rates were measured but cannot be written to .*XDG_CACHE_HOME"):
+        rates.calibrate(torch.device("cpu"))
 
 
 def test_a_gpu_count_plans_gpus_on_a_machine_without_one():
@@ -148,7 +164,7 @@ def test_gpu_memory_capped_by_the_host_on_a_cpu_says_so(capsys):
 @pytest.mark.parametrize("bad, error, match", [
     (dict(headroom="0.1"), ValueError, r"headroom: expected a fraction in \[0, 1\), got '0.1'"),
     (dict(headroom=True), ValueError, r"headroom: expected a fraction in \[0, 1\), got True"),
-    (dict(rates="fast"), TypeError, "rates: expected an effmem.plan.Rates .*got str"),
+    (dict(rates="fast"), TypeError, "rates: expected a Rates .*got str"),
     (dict(clipping="no"), TypeError, "clipping: expected True or False, got 'no'"),
     (dict(clipping=0), TypeError, "clipping: expected True or False, got 0"),
     # inputs=5 made every trace fail, and the plan fell back to the closed form without refusing it

@@ -41,6 +41,11 @@ def _check_runnable(plan, model: nn.Module) -> None:
     if meta is not None:
         raise ValueError(f"model: {meta} is on the meta device (no values: a model built to be planned); build "
                          "it with its weights (from_pretrained, or to_empty() and load them) to apply the plan")
+    check_device(plan)
+
+
+def check_device(plan) -> None:
+    """The device the plan was made for is here."""
     if plan.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("plan: made for a CUDA GPU (gpu_memory given, or found then), but this process sees "
                            "none; plan with device='cpu' to train on the CPU")

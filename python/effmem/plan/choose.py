@@ -89,7 +89,8 @@ def judge(cands: List[Candidate], budget: float, gpu_mem: int, host_mem: int, he
         if host_over > 0:
             short.append(f"needs {c.cost.host_bytes / GB:.1f} GB of host memory, {host_over / GB:.1f} GB over 90% "
                          f"of {host_mem / GB:.1f} GB")
-        ruled_out = ("overlap mode rules out clipping by global norm (plan with clipping=False to allow it)"
+        ruled_out = ("overlap mode rules out clipping by global norm (plan with clipping=False, or --no-clipping, "
+                     "to allow it)"
                      if clipping and c.config.optimizer == "offload_overlap" else
                      "not possible here (no host link)" if c.step_time_s == float("inf") else "")
         c.ruled_out = bool(ruled_out)
@@ -104,7 +105,10 @@ def judge(cands: List[Candidate], budget: float, gpu_mem: int, host_mem: int, he
         if c.fits and c is not best:
             c.why = _why_not(c, best)
     if best is not None:
-        best.why = "the pick: fastest that fits"
+        fastest = min(c.step_time_s for c in cands if c.fits)
+        best.why = ("the pick: fastest that fits" if best.step_time_s <= fastest * 1.0005 else
+                    f"the pick: {best.step_time_s / fastest - 1:.1%} slower than the fastest that fits (within "
+                    f"{PICK_TOLERANCE:.0%}, exact math first, then less host memory)")
     # those that do not fit by the bytes they are short, those ruled out besides (the closest named is one that
     # more memory would make the pick) last
     cands.sort(key=lambda c: (not c.fits, c is not best,

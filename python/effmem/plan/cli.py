@@ -48,7 +48,10 @@ def cmd_plan(args) -> int:
     from effmem.plan.chart import check_output, check_path as check_chart_path, write_chart
     from effmem.plan.verify import format_verify, verify
     if args.calibrate:
-        rates = calibrate()
+        try:
+            rates = calibrate()
+        except OSError as e:
+            args.subparser.error(f"--{e}")
         print(f"calibrated {rates.device}: {json.dumps(rates.as_dict())}", file=sys.stderr)
         if args.model is None:
             return 0
@@ -91,7 +94,7 @@ def cmd_plan(args) -> int:
     else:
         print(plan)
         if args.verify:
-            print("\n" + format_verify(data["verify"]))
+            print("\n" + (format_verify(data["verify"]) if data["verify"] else "verify: nothing fits, so nothing ran"))
     try:   # checked before planning, but a full disk or a path that vanished fails only now
         if args.json and args.json != "-":
             with open(args.json, "w") as f:

@@ -31,6 +31,8 @@ def preset_names() -> List[str]:
 
 def load_config(spec: str) -> Tuple[str, dict]:
     """A preset name or a path to a config.json (or a folder holding one) -> (name, config dict)."""
+    if not spec.strip():   # Path("") is the current folder
+        raise ValueError("model: an empty name; give a preset or a config.json path")
     preset = PRESET_DIR / f"{spec}.json"
     # a file or folder of that name wins ('./llama-7b' holding a config.json is not the preset)
     if preset.is_file() and not Path(spec).exists():
@@ -43,11 +45,12 @@ def load_config(spec: str) -> Tuple[str, dict]:
     if path.is_file():
         try:
             cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"model: {path} is not valid JSON ({e})") from None
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             raise ValueError(f"model: {path} is not a Hugging Face config.json (no \"model_type\" key)")
-        return path.parent.name or str(path), cfg
+        # named after its folder, as Hugging Face lays a model out; a config under another name after itself
+        return (path.parent.name if path.name == "config.json" else path.stem) or str(path), cfg
     if Path(spec).is_dir():
         raise ValueError(f"model: the folder {spec!r} has no config.json (a Hugging Face model's folder holds one)")
     close = difflib.get_close_matches(spec.lower(), preset_names(), n=1, cutoff=0.75)

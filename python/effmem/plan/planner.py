@@ -271,7 +271,7 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
     gpu_memory was given). trainable: regular expressions of the parameters that train (model.py's
     Trainable). clipping: the recipe clips by global norm (rules out OffloadAdam's overlap mode).
     headroom: the share of gpu_memory a pick leaves free. inputs: callable(batch, seq, device) -> (args, kwargs)
-    for the model's training forward (default: token ids and labels). rates: an effmem.plan.Rates.
+    for the model's training forward (default: token ids and labels). rates: a Rates (from effmem.plan.rates import Rates).
     """
     with _collector_paused():
         return _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, device, clipping,
@@ -305,8 +305,8 @@ def _check_options(headroom, clipping, inputs, rates) -> None:
         raise TypeError(f"inputs: expected a callable(batch, seq, device) -> (args, kwargs), got "
                         f"{type(inputs).__name__}")
     if rates is not None and not isinstance(rates, Rates):
-        raise TypeError(f"rates: expected an effmem.plan.Rates (effmem.plan.calibrate() makes one), got "
-                        f"{type(rates).__name__}")
+        raise TypeError("rates: expected a Rates (from effmem.plan.rates import Rates, calibrate; calibrate() "
+                        f"makes one), got {type(rates).__name__}")
 
 
 def _cpu_share(gpu_mem: Optional[int], host_mem: int, world: int) -> Tuple[int, Optional[str]]:

@@ -5,10 +5,11 @@ measured on this machine (``calibrate()``) is written to
 ``~/.cache/effmem/plan_rates.json`` under the device's name and wins.
 """
 import json
+import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -35,8 +36,9 @@ class Rates:
     # this many passes of the forward's traffic at memory_bw; 0 where matmul_flops is an effective rate
     # that includes them (the CPU defaults).
     elementwise_passes: float = 0.0
-    # Seconds of the host's time per aten op of an eager training step (Python, dispatch, launch): the floor
-    # of a step whose device work is shorter (plan/step_model.py host_s); 0: not counted (a CPU).
+    # Seconds of the host's time per aten op of an eager training step (Python, dispatch, launch): on a GPU the
+    # floor of a step whose device work is shorter, on a CPU added to its work (plan/step_model.py host_s);
+    # 0: not counted (the CPU defaults, whose matmul rate is an effective one, host work included).
     host_op_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -81,6 +83,22 @@ def _cached() -> dict:
     return data if isinstance(data, dict) else {}
 
 
+# the rates the step-time model divides by: a cached 0 was a ZeroDivisionError
+_POSITIVE = ("matmul_flops", "matmul_flops_fp32", "memory_bw", "host_adam", "compress_bw")
+
+
+def _checked(r: Rates) -> Rates:
+    """r, or a ValueError naming the field that is not a finite number (> 0 where the model divides by it)."""
+    for f in fields(r):
+        v = getattr(r, f.name)
+        if f.name in ("device", "source"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                or (f.name in _POSITIVE and v == 0):
+            raise ValueError(f"{f.name} = {v!r}, expected a finite number {'> 0' if f.name in _POSITIVE else '>= 0'}")
+    return r
+
+
 def rates_for(device: str) -> Rates:
     """Rates for "cpu" or a GPU name: this machine's calibration if there is one, else the defaults. An entry
     this version cannot read (another version's fields, a damaged file) is passed over with a warning;
@@ -88,8 +106,8 @@ def rates_for(device: str) -> Rates:
     cached = _cached().get(device)
     if cached:
         try:
-            return Rates(**cached)
-        except TypeError as e:
+            return _checked(Rates(**cached))
+        except (TypeError, ValueError) as e:
             warnings.warn(f"effmem plan: {_CACHE}'s rates for {device!r} do not fit this version ({e}); using "
                           "the defaults (effmem plan --calibrate measures them again)", stacklevel=2)
     if device == "cpu":
@@ -192,10 +210,16 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
                   attention_flops=(base.attention_flops / base.matmul_flops * flops[torch.bfloat16]
                                    if cuda and base.attention_flops else 0.0),
                   elementwise_passes=base.elementwise_passes if cuda else 0.0,
-                  host_op_s=_host_op_s(device) if cuda else 0.0)
+                  # on a CPU the ops run as the host issues them: their Python and dispatch add to the
+                  # products' time (step_model.step_time), which the peak rates above do not hold
+                  host_op_s=_host_op_s(device))
     if write:
         data = _cached()
         data[name] = rates.as_dict()
-        _CACHE.parent.mkdir(parents=True, exist_ok=True)
-        _CACHE.write_text(json.dumps(data, indent=1))
+        try:
+            _CACHE.parent.mkdir(parents=True, exist_ok=True)
+            _CACHE.write_text(json.dumps(data, indent=1))
+        except OSError as e:
+            raise OSError(f"calibrate: the rates were measured but cannot be written to {_CACHE} ({e}); point "
+                          "XDG_CACHE_HOME at a writable folder") from e
     return rates

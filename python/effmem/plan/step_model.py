@@ -94,8 +94,8 @@ def host_s(cfg: Config, m: Model, r: Rates) -> float:
     """Seconds the host takes to issue one micro-batch's ops in eager mode: the forward's ops, backward's
     (BACKWARD_OPS per forward op) and, where layers are recomputed, their forward's again; selective
     checkpointing's policy on each of the layers' ops, in forward and recompute (SAC_OP_COST). 0 where the
-    rates count no host time (a CPU: its rates are effective ones, host work included) or the trace counted
-    no ops (the closed form). Not counted: the saved-tensor hooks of compress_activations, per saved
+    rates count no host time (the CPU defaults: their rates are effective ones, host work included) or the
+    trace counted no ops (the closed form). Not counted: the saved-tensor hooks of compress_activations, per saved
     tensor."""
     if not r.host_op_s or not m.forward_ops:
         return 0.0
@@ -165,8 +165,10 @@ def step_time(cfg: Config, m: Model, r: Rates, world: int) -> Dict[str, float]:
     # proportion (so the windows join the device-bound ones where the host's time meets the device's; the
     # fused kernels' saving shortens the device's work only).
     device, host = fwd + bwd + recompute + extra - saving, host_s(cfg, m, r)
-    out["host"] = cfg.accumulation * max(0.0, host - device)
-    if host > device > 0:
+    # A CPU runs each op as its host issues it: the issuing adds to the work (calibrated rates only, which
+    # measure the products' peak rate; the defaults' effective rate holds it already).
+    out["host"] = cfg.accumulation * (host if r.device == "cpu" else max(0.0, host - device))
+    if host > device > 0 and r.device != "cpu":
         stretch = host / max(device, fwd + bwd)
         fwd, bwd = fwd * stretch, bwd * stretch
     w_b, g_b, master_b, _ = PRECISIONS[cfg.precision]

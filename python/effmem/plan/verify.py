@@ -8,6 +8,7 @@ are the bytes a training forward leaves alive, measured as the allocator's
 bytes in use after forward minus before (glibc's mallinfo2 on the CPU,
 torch.cuda.memory_allocated on a GPU).
 """
+import copy
 import ctypes
 import gc
 import time
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from effmem.optim._validate import whole
-from effmem.plan.apply import micro_batch
+from effmem.plan.apply import check_device, micro_batch
 from effmem.plan.costs import under_autocast
 from effmem.plan.trace import default_inputs
 
@@ -84,14 +85,22 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
     time as the median of the `steps` after the warm-up (the first steps make the optimizer's state and grow
     the allocator's cache; on the H200 of 2026-11-27 a first configuration timed with its first step counted
     measured 1.16x slower than one doing more work), the memory in the last, untimed, and the peak over all.
-    One dict per candidate."""
+    One dict per candidate. Each trains a model of its own: make_model's, a copy of `model` (or of the module
+    the plan was made from), or one built from the plan's config; the model given is left as it was (applied
+    to it, the second candidate found the first one's policy in place, and its weights trained)."""
     steps, warmup = whole(steps, "steps", 1), whole(warmup, "warmup", 0)
     names = candidates or ([plan.best] if plan.best else [])
+    check_device(plan)   # before a model is built on a missing GPU (torch's "no NVIDIA driver")
+    given = model if model is not None else plan.spec.module
     rows = []
     for name in names:
         c = plan.candidate(name)
-        m = make_model() if make_model else (model if model is not None else model_for(
-            plan, torch.bfloat16 if c.config.precision == "bf16" else torch.float32))
+        if make_model:
+            m = make_model()
+        elif given is not None:
+            m = copy.deepcopy(given)
+        else:
+            m = model_for(plan, torch.bfloat16 if c.config.precision == "bf16" else torch.float32)
         m, opt = plan.apply(m, name)
         try:
             rows.append(_measure(c, m, opt, steps, plan.seq, inputs, warmup))
