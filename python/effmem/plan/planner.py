@@ -271,7 +271,8 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
     gpu_memory was given). trainable: regular expressions of the parameters that train (model.py's
     Trainable). clipping: the recipe clips by global norm (rules out OffloadAdam's overlap mode).
     headroom: the share of gpu_memory a pick leaves free. inputs: callable(batch, seq, device) -> (args, kwargs)
-    for the model's training forward (default: token ids and labels). rates: a Rates (from effmem.plan.rates import Rates).
+    for the model's training forward (default: token ids and labels). rates: a Rates (from effmem.plan.rates
+    import Rates).
     """
     with _collector_paused():
         return _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, device, clipping,
