@@ -2,7 +2,8 @@
 "min", whichever mix holds the decoder layers' saved activations within a budget at the least time.
 
 The bytes of each choice are measured, not modelled: at the first forward with gradients for a given input
-shape, the first layer's forward runs twice more on the real inputs (random state forked, outputs dropped)
+shape, the first layer's forward runs twice more on copies of its inputs (random state forked, buffers kept,
+outputs dropped, the user's forward hooks inside it set aside)
 with its saves counted, once as it is and once under the "fast" hooks (that one twice on a GPU or under
 torch.compile, timed on its second run); "min" keeps the layer input's 8-bit
 codes, known exactly; "offload" is "fast" with the 8-bit codes moved to page-locked host memory on a side
@@ -126,6 +127,49 @@ def _unrecorded():
             del collector[key][n:]
 
 
+def _copies(hidden: Tensor, others: List[Tensor], args, kwargs):
+    """The layer's inputs for the probes, each tensor a copy (with its graph, so that what needs a gradient
+    still does): a layer that changes its input in place (x.mul_, an in-place ReLU) changed the real one once
+    per probe, three times in all, and the forward's values with it. Parameters are passed as they are."""
+    from torch.utils._pytree import tree_map
+    made: Dict[int, Tensor] = {}
+
+    def copy(x):
+        if not isinstance(x, Tensor) or isinstance(x, torch.nn.Parameter):
+            return x
+        if id(x) not in made:
+            made[id(x)] = x.clone()
+        return made[id(x)]
+    args, kwargs = tree_map(copy, (args, kwargs))
+    return copy(hidden), [copy(t) for t in others], args, kwargs
+
+
+_LIBRARIES = ("torch.", "transformers.", "accelerate.", "effmem.", "peft.")
+
+
+@contextlib.contextmanager
+def _user_hooks_off(layer):
+    """The probes run the first layer's forward twice more: forward hooks of the user's inside it are set aside
+    meanwhile (one that accumulates, an activation regulariser, counted those runs: loss 1.28 where plain's is
+    1.19). The libraries' stay, as the forward needs them (FSDP2's gathers, torch's weight_norm; transformers'
+    output capture is cut off again by _unrecorded)."""
+    kept = []
+    for m in layer.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            mine = {k: h for k, h in hooks.items()
+                    if (getattr(getattr(h, "__func__", h), "__module__", None) or "").startswith(_LIBRARIES)}
+            if len(mine) < len(hooks):
+                kept.append((hooks, dict(hooks)))
+                hooks.clear()
+                hooks.update(mine)
+    try:
+        yield
+    finally:
+        for hooks, every in kept:   # as they were, in their order
+            hooks.clear()
+            hooks.update(every)
+
+
 def _count_plain(run, inputs: Sequence[Tensor]) -> int:
     """Bytes of the distinct storages a forward saves, leaving out parameters and the given inputs."""
     skip = {storage_key(t) for t in inputs}
@@ -164,6 +208,7 @@ class BudgetPolicy:
 
     def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
                    warm: bool) -> dict:
+        hidden, others, args, kwargs = _copies(hidden, others, args, kwargs)
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         sync = (lambda: torch.cuda.synchronize(hidden.device)) if devices else (lambda: None)
         with torch.random.fork_rng(devices=devices):
@@ -232,7 +277,7 @@ class BudgetPolicy:
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp)
         choice = self.choices.get(key)
         if choice is None:
-            with _unrecorded(), buffers_kept(layer.buffers()):
+            with _unrecorded(), buffers_kept(layer.buffers()), _user_hooks_off(layer):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda")
         self.used = key

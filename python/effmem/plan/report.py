@@ -8,13 +8,19 @@ PARTS = ("weights", "grads", "master", "optimizer", "activations", "logits", "te
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.3g}"
+    return f"{n / GB:.3g}" if n < 1000 * GB else f"{n / GB:.0f}"   # 1 TB as 1000, not 1e+03
+
+
+def _count(n: int) -> str:
+    """A parameter count in the unit of its size: a tiny model's read 0.000B."""
+    return next((f"{n / scale:.3f}{unit}" for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)) if n >= scale),
+                str(n))
 
 
 def format_plan(plan, max_rows: int = 14) -> str:
     lines: List[str] = []
-    lines.append(f"effmem plan: {plan.model}, {plan.params / 1e9:.3f}B parameters "
-                 f"({plan.trainable_params / 1e9:.3f}B trained), batch {plan.batch} x {plan.seq} tokens, "
+    lines.append(f"effmem plan: {plan.model}, {_count(plan.params)} parameters "
+                 f"({_count(plan.trainable_params)} trained), batch {plan.batch} x {plan.seq} tokens, "
                  f"{plan.gpus} x {plan.device} with {_gb(plan.gpu_memory)} GB, host {_gb(plan.host_memory)} GB")
     lines.append(f"activations: {plan.method}; rates: {plan.rates.device} ({plan.rates.source}); "
                  f"planned in {plan.seconds:.2f} s. GB = 1e9 bytes.")
