@@ -313,4 +313,5 @@ def test_the_budget_probes_leave_the_forward_as_plain_runs_it(case):
     budgeted = run(apply_activation_policy(copy.deepcopy(base), memory_budget=0.5))
     assert budgeted[2] == plain[2] == 3
     assert torch.equal(budgeted[0], plain[0])
-    torch.testing.assert_close(budgeted[1], plain[1], rtol=0.02, atol=1e-6)   # 8-bit saves under "fast"
+    # 8-bit saves under "fast": the gradient within 2% in norm (4.3x off with the input changed three times)
+    assert float((budgeted[1] - plain[1]).norm() / plain[1].norm()) < 0.02
