@@ -114,3 +114,36 @@ def test_a_decorated_forward_or_one_replaced_since_is_read_as_it_is_now():
         assert _gated_mlp(mlp) is None
     finally:
         cls.forward = plain
+
+
+class _KeywordBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.fc(x))
+
+
+class _KeywordNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_KeywordBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x=x)   # the hidden state under a keyword of the block's own
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("how", [dict(policy="fast"), dict(memory_budget=0.5), dict(policy="min")],
+                         ids=["fast", "budget", "min"])
+def test_a_hidden_state_passed_under_another_keyword_is_refused_as_min_refuses_it(how):
+    """"fast" and memory_budget ran such a layer plain, with nothing compressed and no word said; "min"
+    refused it. All three refuse it now, naming what the layer got."""
+    from effmem.activations import apply_activation_policy
+    model = apply_activation_policy(_KeywordNet(), **how)
+    with pytest.raises(TypeError, match="needs the hidden state as the first argument or as hidden_states="):
+        model(torch.randn(2, 8, 32))
+    with torch.no_grad():   # nothing saved: run as it is
+        model(torch.randn(2, 8, 32))

@@ -162,6 +162,17 @@ def _hidden(args, kwargs):
     return args[0] if args else kwargs.get("hidden_states")
 
 
+def _hidden_tensor(layer, args, kwargs, who: str) -> Tensor:
+    """_hidden, a tensor, or a TypeError as "min" gives (compressed checkpointing): a layer called with its
+    hidden state under another keyword (block(x=x)) ran plain, silently, with nothing compressed."""
+    hidden = _hidden(args, kwargs)
+    if not isinstance(hidden, Tensor):
+        raise TypeError(f"{type(layer).__name__}: {who} needs the hidden state as the first argument or as "
+                        f"hidden_states=, got {'no arguments' if not args else type(args[0]).__name__ + ' first'}"
+                        f"{' and keywords ' + ', '.join(kwargs) if kwargs else ''}")
+    return hidden
+
+
 def _layer_inputs(args, kwargs):
     """A layer's hidden state and its other tensor inputs."""
     hidden = _hidden(args, kwargs)
@@ -173,13 +184,12 @@ def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first:
     if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
         return original(*args, **kwargs)
     refuse_hf_checkpointing(layer)
+    _hidden_tensor(layer, args, kwargs, 'the "fast" policy')
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
         # with the hooks around it (see _compiled_layer).
         return _compiled_layer(original, comp, name, first, shapes, *args, **kwargs)
     hidden, others = _layer_inputs(args, kwargs)
-    if not isinstance(hidden, Tensor):
-        return original(*args, **kwargs)
     with comp.layer(name, hidden, others, shapes, first):
         return original(*args, **kwargs)
 
@@ -197,8 +207,9 @@ def _compiled_layer(original, comp, name, first, shapes, *args, **kwargs):
 
 def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, name: str, shapes, *args, **kwargs):
     """A layer under memory_budget: plain, "fast", "offload" or "min", as chosen for the current input shape."""
-    if not torch.is_grad_enabled() or not isinstance(_hidden(args, kwargs), Tensor):
+    if not torch.is_grad_enabled():
         return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
+    _hidden_tensor(layer, args, kwargs, "memory_budget")
     refuse_hf_checkpointing(layer)
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)
