@@ -50,7 +50,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from effmem.activations import paths
+from effmem.activations import paths, relu
 from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
                                       restore_training_cache)
 from effmem.activations.checkpoint import SEEDS, checkpoint_layer, compressed_checkpoint, restore_layer
@@ -289,6 +289,7 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
                     "policy")
     for layer in every:
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
+        relu.unpatch(layer)   # a function it holds (paths.patch)
         restore_layer(layer)
     for m in model.modules():   # the model given, or the one inside a wrapper that it was applied to
         m.__dict__.pop(_FAST, None)

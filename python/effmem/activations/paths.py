@@ -125,6 +125,9 @@ def patch(layer: nn.Module) -> List[nn.Module]:
     """Give the recognised modules inside `layer` their fused forward; returns the patched modules."""
     patched = []
     for m in layer.modules():
+        # the layer itself too (nn.TransformerEncoderLayer), which remove_activation_policy puts back itself
+        if relu.patch_functional(m) and m is not layer:
+            patched.append(m)
         if m is layer or "forward" in m.__dict__:
             continue
         if relu.patch(m):   # in place too (a conv net's usual ReLU), as the module does
