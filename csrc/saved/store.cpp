@@ -65,20 +65,37 @@ int64_t memory_row(const at::Tensor& t) {
 
 // The group size for a view `t` with gaps compressed through its dense `base` (rows of d in memory): one that
 // no group of the base's memory straddles a run of t's elements and a run of elements t does not see, so that
-// the values around the view (another head's, an inf) never set its groups' scale. A view of whole rows takes
-// the rows' rule (0 here); else the largest supported size up to `limit` dividing t's offset in the base, its
-// runs' length and its strides (-1: none, or t has no run of stride 1: it is kept).
+// the values around the view (another head's, an inf) never set its groups' scale. A run: t's dim of stride 1
+// and the dims that continue it in memory (q of a fused qkv viewed as [tokens, heads, head_dim]: heads x
+// head_dim). A view of whole rows takes the rows' rule (0 here); else the largest supported size up to
+// `limit` dividing t's offset in the base, its runs' length and its other strides (-1: none, or t has no
+// run of stride 1: it is kept).
 int64_t view_group(const at::Tensor& t, const at::Tensor& base, int64_t d, int64_t limit) {
-  int64_t inner = -1;
-  for (int64_t k = t.dim() - 1; k >= 0 && inner < 0; --k) {
-    if (t.size(k) > 1 && t.stride(k) == 1) inner = k;
+  const int64_t dims = t.dim();
+  std::vector<bool> in_run(dims, false);
+  int64_t run = 0;
+  for (int64_t k = dims - 1; k >= 0 && run == 0; --k) {
+    if (t.size(k) > 1 && t.stride(k) == 1) {
+      in_run[k] = true;
+      run = t.size(k);
+    }
   }
-  if (inner < 0) return -1;
+  if (run == 0) return -1;
+  for (bool grew = true; grew;) {  // the dims whose stride is the run so far extend it
+    grew = false;
+    for (int64_t k = 0; k < dims; ++k) {
+      if (!in_run[k] && t.size(k) > 1 && t.stride(k) == run) {
+        in_run[k] = true;
+        run *= t.size(k);
+        grew = true;
+      }
+    }
+  }
   const int64_t rel = t.storage_offset() - base.storage_offset();
-  int64_t common = std::gcd(std::gcd(d, rel), t.size(inner));
-  bool whole_rows = t.size(inner) == d && rel % d == 0;
-  for (int64_t k = 0; k < t.dim(); ++k) {
-    if (k == inner || t.size(k) == 1) continue;
+  int64_t common = std::gcd(std::gcd(d, rel), run);
+  bool whole_rows = run % d == 0 && rel % d == 0;
+  for (int64_t k = 0; k < dims; ++k) {
+    if (in_run[k] || t.size(k) == 1) continue;
     common = std::gcd(common, t.stride(k));
     whole_rows = whole_rows && t.stride(k) % d == 0;
   }
@@ -87,6 +104,19 @@ int64_t view_group(const at::Tensor& t, const at::Tensor& base, int64_t d, int64
     if (common % g == 0) return g;
   }
   return -1;
+}
+
+// Whether an entry's groups lie within what a save of its memory sees: a view's runs (aligned > 0: flat groups
+// dividing its group size), or rows of d, each group within one row or over whole rows (a token's heads:
+// groups of a [tokens, heads * 64] alias over rows of a head's 64). One made through an alias laid out
+// otherwise ([32, 192]'s groups of 128 over [64, 96]'s rows) mixed rows this save sees apart (a small row
+// took its large neighbour's scale).
+bool groups_fit(const SavedEntry& e, int64_t d, int64_t aligned) {
+  const int64_t g = e.group_size;
+  if (e.cols == g) return aligned > 0 ? aligned % g == 0 : d % g == 0 || g % d == 0;
+  // rows of e.cols, each group within one: within a row of d where those rows divide d (a head's rows within a
+  // token's), over whole rows of d where rows and groups are multiples of d
+  return aligned == 0 && (d % e.cols == 0 || (e.cols % d == 0 && g % d == 0));
 }
 
 // A view of a tensor wider than this many times its size is kept rather than compressed through it.
@@ -205,10 +235,9 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
   auto found = table_.find(key);
   if (found != table_.end()) {
     EntryPtr e = found->second.lock();
-    // a view with gaps takes an entry whose flat groups lie within its runs or outside them; one whose groups
-    // straddle them (made for another split of the memory, or by rows with a part group) is kept
-    if (e && aligned > 0 && (e->cols != e->group_size || aligned % e->group_size != 0)) return keep(kStridedView);
-    if (e && e->storage && !e->storage->expired()) {
+    // an entry whose groups straddle what this save sees (made through another alias) is not shared: this save
+    // takes an entry of its own, which the table remembers from now on
+    if (e && e->storage && !e->storage->expired() && (e->dtype == at::kBool || groups_fit(*e, d, aligned))) {
       ++e->saves;
       h.entry = std::move(e);
       return h;
