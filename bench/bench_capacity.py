@@ -309,6 +309,7 @@ def main(argv=None) -> int:
                        "fitting": sum(c.fits for c in plan.candidates), "candidates": len(plan.candidates)}
         print(f"\n{size}: {plan.params / 1e9:.2f}B params; {plans[size]['fitting']} of "
               f"{len(plan.candidates)} candidates predicted to fit; measuring {len(chosen)}", flush=True)
+        save()   # the plans at least, for a part whose first run its time limit cuts off
         if not chosen:
             rows.append({"size": size, "candidate": None, "roles": [], "status": "nothing predicted to fit",
                          "exact": False, "state_bits": None})

@@ -83,7 +83,8 @@ def main(argv=None):
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=args.seq))
+    with torch.device(device):   # built where it runs: TinyLlama's random init takes tens of seconds on the host
+        base = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=args.seq))
     base = base.to(device, torch.bfloat16 if cuda else torch.float32)
     rows = {}
     for name in args.rows.split(","):
