@@ -9,13 +9,13 @@
 #         activations kernels
 #
 # No PART runs build tests bench demo offload capacity capacity_13b capacity_small linear_ce plan
-# activations in that order (about an hour; not cuda_tests or kernels): always name the parts. The device tool gives a session 15 minutes, a cold
-# start included (about a minute), and a command 10, and lets the machine go 30 s after a command ends (the
-# next call then starts cold and builds again: a minute on 16 cores), so make the calls back to back: a
-# session fits about two. The limits below are each part's ceiling; what a part takes is shorter (measured
-# on 2026-11-26: build 70-80 s, cuda_tests 140 s, offload 200 s, activations 270 + 60 s; bench_compress 8-bit
-# 30 s, 4-bit without compile 20 s, linear_ce 55 s). In the order the open issues need them, one call each
-# (limits in seconds):
+# activations in that order (about an hour; not cuda_tests or kernels): always name the parts.
+# The device tool gives a session 15 minutes, a cold start included (about a minute), and a command 10, and
+# lets the machine go 30 s after a command ends (the next call then starts cold and builds again: a minute on
+# 16 cores), so make the calls back to back: a session fits about two. The limits below are each part's
+# ceiling; what a part takes is shorter (measured on 2026-11-26: build 70-80 s, cuda_tests 140 s, offload
+# 200 s, activations 270 + 60 s; bench_compress 8-bit 30 s, 4-bit without compile 20 s, linear_ce 55 s).
+# In the order the open issues need them, one call each (limits in seconds):
 #   done 2026-11-26 (bench/results/2026-11-26-h100-1cfb2b0): build cuda_tests offload; build activations
 #   done 2026-11-26 (bench/results/2026-11-26-h200-*): build cuda_tests offload + the compress kernels +
 #                                    linear_ce; linear_ce again after its fix

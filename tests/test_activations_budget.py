@@ -292,26 +292,36 @@ class _Net(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("case", ["in_place_input", "regulariser_hook"])
-def test_the_budget_probes_leave_the_forward_as_plain_runs_it(case):
-    """The probes ran the first layer twice more on the real inputs with every hook: an in-place change of the
-    input happened three times (inp's gradient 4x off), and a regularising forward hook counted three times
-    (loss 1.28 where plain's is 1.19). They run on copies now, with the user's hooks set aside."""
+def test_the_budget_probes_leave_an_input_changed_in_place_as_plain_leaves_it():
+    """The probes ran the first layer twice more on the real inputs: an in-place change of the input happened
+    three times (inp's gradient 4.3x off). They run on copies now."""
     torch.manual_seed(0)
-    base = _Net(in_place=case == "in_place_input")
+    base = _Net(in_place=True)
     x = torch.randn(4, 32, 16)
 
     def run(model):
-        penalties = []
-        for layer in model.layers:
-            layer.fc1.register_forward_hook(lambda m, i, o: penalties.append(o.abs().mean()))
-        loss = model(x) + (0.1 * sum(penalties) if case == "regulariser_hook" else 0)
+        loss = model(x)
         loss.backward()
-        return loss.detach(), model.inp.weight.grad, len(penalties)
+        return loss.detach(), model.inp.weight.grad
 
     plain = run(copy.deepcopy(base))
     budgeted = run(apply_activation_policy(copy.deepcopy(base), memory_budget=0.5))
-    assert budgeted[2] == plain[2] == 3
     assert torch.equal(budgeted[0], plain[0])
-    # 8-bit saves under "fast": the gradient within 2% in norm (4.3x off with the input changed three times)
+    # 8-bit saves under "fast": the gradient within 2% in norm
     assert float((budgeted[1] - plain[1]).norm() / plain[1].norm()) < 0.02
+
+
+def test_the_users_hooks_in_the_first_layer_are_warned_of():
+    """The probes run the first layer's forward hooks too, which may be what its forward needs (an input cast,
+    FSDP's or DeepSpeed's gathers: setting them aside crashed the forward); one of the user's that
+    accumulates (a regulariser) counts those runs too, so it is warned of."""
+    import warnings
+    x = torch.randn(4, 32, 16)
+    quiet = apply_activation_policy(_Net(), memory_budget=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet(x).backward()
+    hooked = apply_activation_policy(_Net(), memory_budget=0.5)
+    hooked.layers[0].fc1.register_forward_hook(lambda m, i, o: None)
+    with pytest.warns(UserWarning, match=r"forward hooks inside the first layer \(fc1\) run again"):
+        hooked(x).backward()

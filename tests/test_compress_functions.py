@@ -164,6 +164,20 @@ def test_a_second_derivative_through_the_quantised_input_raises(which):
         torch.autograd.grad(g.pow(2).sum(), x)
 
 
+def test_a_second_derivative_with_an_input_that_needs_no_gradient_is_taken():
+    """An input that is data (x needs no gradient) loses no term: a Hessian-vector product for the weight
+    through compressed_linear is taken, as close to F.linear's as 8-bit rounding allows (it was refused)."""
+    torch.manual_seed(0)
+    x, v = torch.randn(64, 256), torch.randn(32, 256)
+    w = torch.randn(32, 256, requires_grad=True)
+
+    def hvp(lin):
+        g, = torch.autograd.grad(lin(x, w).tanh().pow(2).sum(), w, create_graph=True)
+        return torch.autograd.grad((g * v).sum(), w)[0]
+    got, ref = hvp(lambda a, b: compressed_linear(a, b, stochastic=False)), hvp(F.linear)
+    assert rel_err(got, ref) < 0.02
+
+
 @pytest.mark.parametrize("kwargs, name", [(dict(bits=3), "bits"), (dict(group_size=100), "group_size")])
 def test_bad_arguments_name_themselves(kwargs, name):
     x, w, _, _ = linear_case()

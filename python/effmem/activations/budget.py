@@ -3,7 +3,7 @@
 
 The bytes of each choice are measured, not modelled: at the first forward with gradients for a given input
 shape, the first layer's forward runs twice more on copies of its inputs (random state forked, buffers kept,
-outputs dropped, the user's forward hooks inside it set aside)
+outputs dropped; forward hooks inside it run too, and one of the user's is warned of)
 with its saves counted, once as it is and once under the "fast" hooks (that one twice on a GPU or under
 torch.compile, timed on its second run); "min" keeps the layer input's 8-bit
 codes, known exactly; "offload" is "fast" with the 8-bit codes moved to page-locked host memory on a side
@@ -28,9 +28,11 @@ The budget is a fraction of the layers' plain saved bytes (a float in (0, 1], as
 activation_memory_budget) or a number of bytes (an int) for the decoder layers at the current shape.
 """
 import contextlib
+import functools
 import numbers
 import sys
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -144,30 +146,23 @@ def _copies(hidden: Tensor, others: List[Tensor], args, kwargs):
     return copy(hidden), [copy(t) for t in others], args, kwargs
 
 
-_LIBRARIES = ("torch.", "transformers.", "accelerate.", "effmem.", "peft.")
+_LIBRARIES = ("torch.", "transformers.", "accelerate.", "effmem.", "peft.", "deepspeed.")
 
 
-@contextlib.contextmanager
-def _user_hooks_off(layer):
-    """The probes run the first layer's forward twice more: forward hooks of the user's inside it are set aside
-    meanwhile (one that accumulates, an activation regulariser, counted those runs: loss 1.28 where plain's is
-    1.19). The libraries' stay, as the forward needs them (FSDP2's gathers, torch's weight_norm; transformers'
-    output capture is cut off again by _unrecorded)."""
-    kept = []
-    for m in layer.modules():
-        for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            mine = {k: h for k, h in hooks.items()
-                    if (getattr(getattr(h, "__func__", h), "__module__", None) or "").startswith(_LIBRARIES)}
-            if len(mine) < len(hooks):
-                kept.append((hooks, dict(hooks)))
-                hooks.clear()
-                hooks.update(mine)
-    try:
-        yield
-    finally:
-        for hooks, every in kept:   # as they were, in their order
-            hooks.clear()
-            hooks.update(every)
+def _warn_hooks(layer) -> None:
+    """The probes run the first layer's forward twice more, hooks and all (they may be what the forward needs:
+    an input cast, FSDP's or DeepSpeed's gathers): one of the user's that accumulates (an activation
+    regulariser) counts those runs too (loss 1.28 where plain's is 1.19). Said once per calibration."""
+    for name, m in layer.named_modules():
+        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            fn = hook.func if isinstance(hook, functools.partial) else hook
+            if not (getattr(getattr(fn, "__func__", fn), "__module__", None) or "").startswith(_LIBRARIES):
+                warnings.warn(f"memory_budget: forward hooks inside the first layer ({name or 'the layer'}) run "
+                              "again while the budget measures that layer: its forward runs twice more on a copy "
+                              "of its inputs at each new input shape. A hook that accumulates (a regulariser, a "
+                              "capture) counts those runs too; keep such hooks off the first layer, or choose a "
+                              "policy", stacklevel=2)
+                return
 
 
 def _count_plain(run, inputs: Sequence[Tensor]) -> int:
@@ -277,7 +272,8 @@ class BudgetPolicy:
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp)
         choice = self.choices.get(key)
         if choice is None:
-            with _unrecorded(), buffers_kept(layer.buffers()), _user_hooks_off(layer):
+            _warn_hooks(layer)
+            with _unrecorded(), buffers_kept(layer.buffers()):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda")
         self.used = key

@@ -157,6 +157,9 @@ def unpatch(modules: List[nn.Module]) -> None:
 
 def for_compiler(modules: List[nn.Module]) -> List[nn.Module]:
     """Unpatch the modules whose work a compiled layer's graph does itself (activations.compiled); returns
-    those that stay patched: the ReLUs, whose exact mask no compiled rule keeps otherwise."""
-    unpatch([m for m in modules if type(m) is not relu.MaskedReLU])
-    return [m for m in modules if type(m) is relu.MaskedReLU]
+    those that stay patched: the ReLUs (modules, or a function a module holds), whose exact mask no compiled
+    rule keeps otherwise."""
+    def relu_kept(m):
+        return type(m) is relu.MaskedReLU or "_effmem_relu_attrs" in m.__dict__
+    unpatch([m for m in modules if not relu_kept(m)])
+    return [m for m in modules if relu_kept(m)]

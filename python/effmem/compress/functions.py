@@ -77,7 +77,9 @@ class _CompressedLinear(torch.autograd.Function):
             _, rows_shape, x_dtype, bits, group_size = ctx.meta
             x_hat = _codec.dequantize(codes, stats, bits=bits, group_size=group_size, shape=rows_shape,
                                       dtype=x_dtype)
-            grad_w, = first_order([g.t() @ x_hat.to(g.dtype)], (ctx.handle, grad_out), _no_second("compressed_linear"))
+            grad_w = g.t() @ x_hat.to(g.dtype)
+            if ctx.handle is not None:   # x needs a gradient: the second derivative through it is missing
+                grad_w, = first_order([grad_w], (ctx.handle, grad_out), _no_second("compressed_linear"))
         if ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None, None
@@ -104,7 +106,8 @@ class _CompressedGELU(torch.autograd.Function):
         x_hat = _codec.dequantize(codes, stats, bits=bits, group_size=group_size, shape=rows_shape,
                                   dtype=x_dtype).reshape(x_shape)
         grad_x = torch.ops.aten.gelu_backward(grad_out, x_hat.to(grad_out.dtype), approximate=approximate)
-        grad_x, = first_order([grad_x], (ctx.handle, grad_out), _no_second("compressed_gelu"))
+        if ctx.handle is not None:
+            grad_x, = first_order([grad_x], (ctx.handle, grad_out), _no_second("compressed_gelu"))
         return grad_x, None, None, None, None, None, None
 
 

@@ -87,14 +87,19 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
     measured 1.16x slower than one doing more work), the memory in the last, untimed, and the peak over all.
     One dict per candidate. Each trains a model of its own: make_model's, a copy of `model` (or of the module
     the plan was made from), or one built from the plan's config; the model given is left as it was (applied
-    to it, the second candidate found the first one's policy in place, and its weights trained)."""
+    to it, the second candidate found the first one's policy in place, and its weights trained). A copy needs
+    room beside the model given; on a GPU what was allocated before it is left out of the measured peak."""
     steps, warmup = whole(steps, "steps", 1), whole(warmup, "warmup", 0)
     names = candidates or ([plan.best] if plan.best else [])
     check_device(plan)   # before a model is built on a missing GPU (torch's "no NVIDIA driver")
     given = model if model is not None else plan.spec.module
     rows = []
+    cuda = plan.device == "cuda"
     for name in names:
         c = plan.candidate(name)
+        # what the device holds before the candidate's model exists (the model given, kept as it was) is not
+        # the candidate's: left out of its measured peak
+        held = torch.cuda.memory_allocated() if cuda else 0
         if make_model:
             m = make_model()
         elif given is not None:
@@ -103,15 +108,16 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
             m = model_for(plan, torch.bfloat16 if c.config.precision == "bf16" else torch.float32)
         m, opt = plan.apply(m, name)
         try:
-            rows.append(_measure(c, m, opt, steps, plan.seq, inputs, warmup))
+            rows.append(_measure(c, m, opt, steps, plan.seq, inputs, warmup, held))
         finally:   # an OffloadAdam left open would refuse the next candidate over the same model
             if hasattr(opt, "close"):
                 opt.close()
     return rows
 
 
-def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs, warmup: int = 0) -> dict:
-    """`steps` training steps of candidate c, applied as m and opt: what they measured beside what c predicted."""
+def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs, warmup: int = 0, held: int = 0) -> dict:
+    """`steps` training steps of candidate c, applied as m and opt: what they measured beside what c predicted.
+    held: bytes the GPU held before the candidate's model was made, left out of its peak."""
     device = next(m.parameters()).device
     cfg = c.config
     args, kwargs = (inputs or (lambda b, s, d: default_inputs(m, b, s, d)))(cfg.micro_batch, seq, device)
@@ -153,7 +159,7 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs, warmup: int = 0
            "predicted_step_s": c.step_time_s, "measured_step_s": sorted(t_steps)[len(t_steps) // 2]}
     if device.type == "cuda":
         row["predicted_allocated_bytes"] = c.cost.allocated_bytes
-        row["measured_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        row["measured_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device) - held
     return row
 
 
