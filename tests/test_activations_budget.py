@@ -323,5 +323,5 @@ def test_the_users_hooks_in_the_first_layer_are_warned_of():
         quiet(x).backward()
     hooked = apply_activation_policy(_Net(), memory_budget=0.5)
     hooked.layers[0].fc1.register_forward_hook(lambda m, i, o: None)
-    with pytest.warns(UserWarning, match=r"forward hooks inside the first layer \(fc1\) run again"):
+    with pytest.warns(UserWarning, match=r"forward hooks inside the first layer \(on fc1\) run again"):
         hooked(x).backward()

@@ -110,6 +110,19 @@ def test_a_memory_saved_through_an_alias_with_longer_rows_is_not_shared():
     assert rel(got[1][0::2], x[0::2]) < 0.01
 
 
+@pytest.mark.parametrize("second", ["rows", "every_other_row"])
+def test_an_entry_whose_groups_cover_several_rows_is_not_shared(second):
+    """[32, 128] first (groups of 128), then [128, 32] rows or a view of every other one: each group of the
+    first covers four of the second's rows, so a small row took its large neighbours' scale (relative error
+    56, 48 for the view, which does not even see them). The second takes groups of its own rows."""
+    x = torch.randn(128, 32)
+    x[1::2] *= 1e4
+    later = x if second == "rows" else x[0::2]
+    got, decisions = restored(x.view(32, 128), later)
+    assert decisions == ["compressed", "compressed"]
+    assert rel(got[1][0::2] if second == "rows" else got[1], x[0::2]) < 0.01
+
+
 def test_heads_of_a_fused_qkv_are_runs_of_heads_times_head_dim():
     """q of a qkv of head_dim 80 viewed as [tokens, heads, 80] (and transposed as SDPA takes it): its runs are
     heads x 80 long, so groups of 128 fit; taken as runs of 80 (gcd 16) it was kept uncompressed."""

@@ -107,16 +107,14 @@ int64_t view_group(const at::Tensor& t, const at::Tensor& base, int64_t d, int64
 }
 
 // Whether an entry's groups lie within what a save of its memory sees: a view's runs (aligned > 0: flat groups
-// dividing its group size), or rows of d, each group within one row or over whole rows (a token's heads:
-// groups of a [tokens, heads * 64] alias over rows of a head's 64). One made through an alias laid out
-// otherwise ([32, 192]'s groups of 128 over [64, 96]'s rows) mixed rows this save sees apart (a small row
-// took its large neighbour's scale).
+// dividing its group size), or rows of d, each group within one row (rows of e.cols that divide d: a head's
+// rows within a token's). A group over several of the save's rows, as an alias with longer rows makes them
+// ([32, 192]'s groups of 128 over [64, 96]'s rows), gave a small row its large neighbour's scale (relative
+// error 49), a zero row non-zero codes, and a view of every other row the scale of rows it does not see.
 bool groups_fit(const SavedEntry& e, int64_t d, int64_t aligned) {
   const int64_t g = e.group_size;
-  if (e.cols == g) return aligned > 0 ? aligned % g == 0 : d % g == 0 || g % d == 0;
-  // rows of e.cols, each group within one: within a row of d where those rows divide d (a head's rows within a
-  // token's), over whole rows of d where rows and groups are multiples of d
-  return aligned == 0 && (d % e.cols == 0 || (e.cols % d == 0 && g % d == 0));
+  if (e.cols == g) return aligned > 0 ? aligned % g == 0 : d % g == 0;
+  return aligned == 0 && d % e.cols == 0;
 }
 
 // A view of a tensor wider than this many times its size is kept rather than compressed through it.

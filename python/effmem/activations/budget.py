@@ -146,7 +146,8 @@ def _copies(hidden: Tensor, others: List[Tensor], args, kwargs):
     return copy(hidden), [copy(t) for t in others], args, kwargs
 
 
-_LIBRARIES = ("torch.", "transformers.", "accelerate.", "effmem.", "peft.", "deepspeed.")
+_LIBRARIES = ("torch.", "transformers.", "accelerate.", "effmem.", "peft.", "deepspeed.", "torchao.",
+              "bitsandbytes.", "liger_kernel.")
 
 
 def _warn_hooks(layer) -> None:
@@ -154,10 +155,12 @@ def _warn_hooks(layer) -> None:
     an input cast, FSDP's or DeepSpeed's gathers): one of the user's that accumulates (an activation
     regulariser) counts those runs too (loss 1.28 where plain's is 1.19). Said once per calibration."""
     for name, m in layer.named_modules():
+        if m is layer:   # the probes call the layer's forward, not the layer: its own hooks do not run again
+            continue
         for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
             fn = hook.func if isinstance(hook, functools.partial) else hook
             if not (getattr(getattr(fn, "__func__", fn), "__module__", None) or "").startswith(_LIBRARIES):
-                warnings.warn(f"memory_budget: forward hooks inside the first layer ({name or 'the layer'}) run "
+                warnings.warn(f"memory_budget: forward hooks inside the first layer (on {name}) run "
                               "again while the budget measures that layer: its forward runs twice more on a copy "
                               "of its inputs at each new input shape. A hook that accumulates (a regulariser, a "
                               "capture) counts those runs too; keep such hooks off the first layer, or choose a "

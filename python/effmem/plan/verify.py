@@ -112,6 +112,9 @@ def verify(plan, model: Optional[nn.Module] = None, candidates: Optional[List[st
         finally:   # an OffloadAdam left open would refuse the next candidate over the same model
             if hasattr(opt, "close"):
                 opt.close()
+            # gone before the next candidate's `held` is read (else its peak left out this one's model and state)
+            del m, opt
+            gc.collect()
     return rows
 
 
