@@ -173,3 +173,33 @@ def test_fused_adam_with_grad_scaler_equals_the_unscaled_run(dtype, unscale):
     for p, q in zip(opt.state, ref.state):
         assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
         assert float(opt.state[p]["step"]) == STEPS - 1.0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_offload_adam_clipped_before_unscale_is_refused_with_the_order_to_use(mode):
+    """stream_grads=False, opt.clip_grad_norm_ before scaler.unscale_: the clip takes the gradients from p.grad,
+    so GradScaler found none to unscale or check, and failed with its own "No inf checks were recorded". Refused
+    at step() with the order to use, nothing changed, and the next plain step is a fresh optimizer's."""
+    m = model()
+    opt = offload(mode, stream_grads=False)(m)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x, y = batch(0)
+    scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+    opt.clip_grad_norm_(0.05)
+    with pytest.raises(RuntimeError, match="before torch.amp.GradScaler had unscaled them"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    start = weights(m, opt)
+    assert all(torch.equal(a, b) for a, b in zip(start, model().parameters()))
+    fresh = model()
+    ref = offload(mode, stream_grads=False)(fresh)
+    for mm, o in ((m, opt), (fresh, ref)):
+        x, y = batch(1)
+        torch.nn.functional.mse_loss(mm(x), y).backward()
+        o.clip_grad_norm_(0.05)
+        o.step()
+        o.zero_grad()
+    for a, b in zip(weights(m, opt), weights(fresh, ref)):
+        assert torch.equal(a, b)
+    opt.close()
+    ref.close()

@@ -390,7 +390,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # GradScaler's attributes: found_inf too, which is all it sets after unscale_ (accelerate wraps step(),
         # and with fp16 the HF Trainer unscales to clip), where a check of grad_scale alone let inf steps through
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            self._refuse_grad_scaler()
+            if self._grad_scaler_skips():
+                return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
