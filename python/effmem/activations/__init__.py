@@ -35,8 +35,8 @@ The decoder layers are the longest nn.ModuleList of same-typed modules (a
 Hugging Face model's ``model.layers``, GPT-2's ``transformer.h``, the demo
 GPT's ``blocks``), in a generative model's get_decoder() where it names one
 (a vision-language model's language model); an encoder-decoder model (T5,
-Bart) has two such stacks, its encoder's and its decoder's, and a policy
-covers both.
+Bart, torch's nn.Transformer) has two such stacks, its encoder's and its
+decoder's, and a policy covers both.
 
 While the policy is applied, a training forward (with gradients) runs
 without a key/value cache, as under transformers' own gradient
@@ -234,7 +234,8 @@ def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, ind
 def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
     """The stacks of layers a policy applies to, with their names: the decoder layers (find_blocks, which
     effmem plan uses too), or for an encoder-decoder model (T5, Bart: config.is_encoder_decoder) its
-    encoder's and its decoder's, each a list of its own that the longest list alone would leave out."""
+    encoder's and its decoder's (torch's nn.Transformer's too), each a list of its own that the longest list
+    alone would leave out."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         names = {id(m): n for n, m in model.named_modules()}
         stacks = []
@@ -245,8 +246,23 @@ def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
                 stacks.append((".".join(n for n in (names[id(part)], name) if n), layers))
         if len(stacks) == 2:
             return stacks
+    stacks = _torch_encoder_decoder(model)
+    if stacks:
+        return stacks
     name, layers = find_blocks(model)
     return [(name, layers)] if layers else []
+
+
+def _torch_encoder_decoder(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
+    """torch's nn.Transformer, or any module holding an nn.TransformerEncoder and an nn.TransformerDecoder as
+    encoder and decoder: both stacks, where the longest list alone took the encoder's."""
+    for name, m in model.named_modules():
+        enc, dec = getattr(m, "encoder", None), getattr(m, "decoder", None)
+        if isinstance(enc, nn.TransformerEncoder) and isinstance(dec, nn.TransformerDecoder) \
+                and len(enc.layers) and len(dec.layers):
+            prefix = f"{name}." if name else ""
+            return [(f"{prefix}encoder.layers", list(enc.layers)), (f"{prefix}decoder.layers", list(dec.layers))]
+    return []
 
 
 def _record(model: nn.Module, key: str):
