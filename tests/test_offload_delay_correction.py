@@ -255,3 +255,25 @@ def test_zero_grad_without_a_step_puts_the_exact_weights_back_and_the_next_backw
     assert off.counters()["bytes_up"] == up + 2 * sum(p.numel() * 2 for p in model.parameters())
     assert any(not torch.equal(p, w.to(p.dtype)) for p, w in zip(params, master))
     off.close()
+
+
+def test_the_prediction_buffer_is_counted_and_freed_at_close():
+    """delay_correction's pinned buffer (each bucket's prediction, then r: 2 values per element in the
+    parameters' dtype) was left out of counters() and kept after close() for as long as the engine lived."""
+    probe = OffloadAdam([torch.nn.Parameter(torch.zeros(4))])   # reads the process's counters after a close
+
+    def process():
+        c = probe.counters()
+        return c["process_pinned_bytes"] + c["process_pageable_bytes"]
+
+    def held(**kw):
+        model = tiny_gpt(torch.bfloat16)
+        opt = OffloadAdam(model.parameters(), delay=True, bucket_size=5000, **kw, **HP)
+        c, before = opt.counters(), process()
+        opt.close()
+        return c["engine_pinned_bytes"] + c["engine_pageable_bytes"], before - process()
+    n = sum(p.numel() for p in tiny_gpt(torch.bfloat16).parameters())
+    (plain, plain_freed), (ours, ours_freed) = held(), held(delay_correction=True)
+    assert ours - plain == 2 * n * 2
+    assert ours_freed - plain_freed == 2 * n * 2
+    probe.close()

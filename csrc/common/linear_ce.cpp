@@ -298,6 +298,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
                     grad_loss.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 1 && lse.size(0) == n && lse.scalar_type() == at::kFloat,
                     "lse must be the float32 [", n, "] from linear_ce_forward, got ", describe(lse));
+  // the kernels read both through raw pointers: a CPU tensor beside CUDA ones must not reach them
+  TORCH_CHECK_VALUE(lse.device() == hidden.device() && grad_loss.device() == hidden.device(), "lse is on ",
+                    lse.device(), " and grad_loss on ", grad_loss.device(), " but hidden on ", hidden.device());
   const bool want_h = output_mask[0], want_w = output_mask[1], want_b = output_mask[2] && bias.has_value();
   at::Tensor grad_h32 = want_h ? at::zeros({n, hidden.size(1)}, hidden.options().dtype(at::kFloat)) : at::Tensor();
   at::Tensor grad_w = want_w ? at::empty_like(weight, at::MemoryFormat::Contiguous) : at::Tensor();

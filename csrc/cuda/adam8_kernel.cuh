@@ -89,9 +89,9 @@ __global__ void __launch_bounds__(kAdam8Threads)
         adam_update(wk, mk, vk, to_float(grad[e]), c);
         w[e] = wk;
         if constexpr (kLowPrecision) from_float(param + e, wk);
-        m[k] = mk;
         r[k] = sqrtf(vk);
-        const float a = mk < 0.0f ? -mk : mk;
+        m[k] = adam8_kept_m(mk, r[k]);
+        const float a = m[k] < 0.0f ? -m[k] : m[k];
         am = a > am ? a : am;
         ar = r[k] > ar ? r[k] : ar;
       }

@@ -6,6 +6,8 @@
 // logit into d loss / d logit in one pass. Nothing is read back to the host: a target
 // outside [0, V) that is not ignore_index leaves the token's target logit
 // NaN, so its loss is NaN rather than a device assert.
+#include <limits>
+
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -132,11 +134,18 @@ __global__ void __launch_bounds__(kCeThreads)
   });
 }
 
+// One block per row: gridDim.x stops at 2^31 - 1, and a larger count narrowed silently.
+void check_grid_rows(int64_t rows) {
+  TORCH_CHECK_VALUE(rows <= std::numeric_limits<int32_t>::max(), "linear_cross_entropy: ", rows,
+                    " tokens in one chunk; at most 2^31 - 1 on CUDA");
+}
+
 void forward_chunk(const at::Tensor& z, int64_t v0, const at::Tensor& target, double cap, bool need_sum,
                    CeState& st) {
   TORCH_INTERNAL_ASSERT(z.is_contiguous() && z.scalar_type() == at::kFloat);
   const int64_t rows = z.size(0), len = z.size(1);
   if (rows == 0) return;
+  check_grid_rows(rows);
   const c10::cuda::CUDAGuard guard(z.device());
   ce_forward_kernel<<<rows, kCeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       z.data_ptr<float>(), len, v0, target.data_ptr<int64_t>(), static_cast<float>(cap), need_sum,
@@ -150,6 +159,7 @@ void launch_grad(const at::Tensor& z, int64_t v0, const at::Tensor& target, cons
   TORCH_INTERNAL_ASSERT(z.is_contiguous() && z.scalar_type() == at::kFloat && dz.is_contiguous());
   const int64_t rows = z.size(0), len = z.size(1);
   if (rows == 0) return;
+  check_grid_rows(rows);
   const c10::cuda::CUDAGuard guard(z.device());
   dispatch_float_dtype(dz.scalar_type(), "hidden", [&](auto tag) {
     using T = typename decltype(tag)::type;

@@ -163,12 +163,13 @@ void OffloadEngine::close() {
   for (Bucket& b : buckets_) {
     b.master = b.exp_avg = b.exp_avg_sq = b.staging[0] = b.staging[1] = nullptr;
     b.exp_avg_scale = b.exp_avg_sq_scale = nullptr;
+    b.ahead = nullptr;   // delay_correction's pinned prediction: freed now, not with the engine object
     b.last_upload = nullptr;
   }
   chunks_.clear();
   for (Param& p : params_) {
     p.tensor = at::Tensor();
-    p.staged = p.uploaded[0] = p.uploaded[1] = nullptr;
+    p.staged = p.uploaded[0] = p.uploaded[1] = p.ahead_uploaded = nullptr;
     p.updated = {};
   }
   closed_ = true;
@@ -292,7 +293,7 @@ std::map<std::string, int64_t> OffloadEngine::counters() const {
   };
   for (const Bucket& b : buckets_) {
     for (const auto& block : {b.master, b.exp_avg, b.exp_avg_sq, b.exp_avg_scale, b.exp_avg_sq_scale,
-                              b.staging[0], b.staging[1]}) {
+                              b.staging[0], b.staging[1], b.ahead}) {
       count(block);
     }
   }

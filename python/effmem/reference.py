@@ -248,8 +248,9 @@ def adam8_step(master: Tensor, grad: Tensor, m_codes: Tensor, v_codes: Tensor, m
     m = _adam8.decode(m_codes, m_scales, False)
     v = _adam8.decode(v_codes, v_scales, True)
     p, m, v = adam_update_f32(master.float(), m, v, grad.float(), c)
-    mc, ms = _adam8.encode(m, _adam8.seed(step, salt, False), False)
-    vc, vs = _adam8.encode(sqrt32(v), _adam8.seed(step, salt, True), True)
+    r = sqrt32(v)
+    mc, ms = _adam8.encode(_adam8.kept_m(m, r), _adam8.seed(step, salt, False), False)
+    vc, vs = _adam8.encode(r, _adam8.seed(step, salt, True), True)
     return p, mc, vc, ms, vs
 
 

@@ -206,6 +206,11 @@ def decode(codes: Tensor, scales: Tensor, second: bool, per_element: bool = Fals
     return r * r
 
 
+def kept_m(m: Tensor, r: Tensor) -> Tensor:
+    """The first moment the encoder keeps: 0 where r = sqrt(v) overflowed (adam8_math.h's adam8_kept_m)."""
+    return torch.where(r > torch.finfo(torch.float32).max, torch.zeros_like(m), m)
+
+
 def encode(x: Tensor, rounding_seed: int, second: bool) -> Tuple[Tensor, Tensor]:
     """Flat float32 moments (m, or r = sqrt(v) when `second`) -> (uint8 codes, block scales)."""
     from effmem.reference import hash_byte
@@ -292,8 +297,9 @@ def to_8bit(state: Dict[str, Tensor], like: Tensor, step: float, salt: int) -> D
                                                                              float(step), salt)
         encoded = {"exp_avg": (m_codes, m_scales), "exp_avg_sq": (v_codes, v_scales)}
     else:
-        encoded = {"exp_avg": encode(m, seed(step, salt, False), False),
-                   "exp_avg_sq": encode(v.double().sqrt().float(), seed(step, salt, True), True)}
+        r = v.double().sqrt().float()
+        encoded = {"exp_avg": encode(kept_m(m, r), seed(step, salt, False), False),
+                   "exp_avg_sq": encode(r, seed(step, salt, True), True)}
     for key, (codes, scales) in encoded.items():
         out[key] = from_memory_order(codes, like)
         out[SCALE_KEYS[key]] = scales
