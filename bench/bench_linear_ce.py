@@ -133,7 +133,11 @@ def main(argv=None):
             cmd = [sys.executable, os.path.abspath(__file__), "--device", "cpu", "--tokens", str(args.tokens),
                    "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--dtype", args.dtype,
                    "--peak-only", row]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            # glibc keeps freed blocks below its mmap threshold (which grows to 32 MiB) for reuse, unseen by
+            # the resident memory: a 16 MiB chunk of logits showed as 0. Blocks from 64 KiB are mapped, and
+            # returned when freed, so the resident memory follows what is live.
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             entry["peak_bytes"] = int(out.stdout.split()[-1])
         rows.append(entry)
     base = rows[0]
