@@ -105,6 +105,22 @@ def test_bad_scales_by_rows_name_themselves(bad, why):
         _validate.entry(entry, torch.empty(5, 512), "state[0]")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("form", ["by_rows", "flat"])
+def test_corrupt_scale_values_are_refused(value, form):
+    """A NaN or inf block scale loaded silently and made the next step's weights NaN or inf; a negative
+    exp_avg_scale turned the momentum around."""
+    whole, _, _ = saved_by(splits(5, 2), torch.randn(5, 512), torch.rand(5, 512))
+    entry = dict(whole, step=torch.tensor(3.0))
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        scales = entry[key].clone() if form == "by_rows" else _adam8.rows_in(entry[key], 512).clone()
+        (scales[2, 1] if form == "by_rows" else scales[4]).fill_(value)
+        bad = dict(entry, **{key: scales})
+        with pytest.raises(ValueError, match=rf"state\[0\]\['{key}'\]: block scales are each block's largest "
+                                             r"moment, finite and >= 0"):
+            _validate.entry(bad, torch.empty(5, 512), "state[0]")
+
+
 def moments(n, seed=0):
     """Float moments of every kind a block meets: spread over magnitudes, zeros, a block below FLT_MIN, and
     non-finite ones."""

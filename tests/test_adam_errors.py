@@ -87,6 +87,18 @@ def test_torch_adam_options_in_a_group_are_refused(make, flag):
     make([{"params": [param(3)], flag: False}])   # what torch's own groups hold
 
 
+@pytest.mark.parametrize("make", [effmem.FusedAdam, effmem.OffloadAdam], ids=["fused", "offload"])
+def test_a_groups_own_state_bits_is_refused(make):
+    """state_bits=32 in a group of an 8-bit optimizer (embeddings kept in float32) was kept in the group and
+    never read: that group's moments were 8-bit, silently."""
+    with pytest.raises(ValueError, match="state_bits: a param group's own is not supported"):
+        make([{"params": [param(3)], "state_bits": 32}, {"params": [param(3)]}], state_bits=8)
+    opt = make([param(3)], state_bits=8)
+    with pytest.raises(ValueError, match="state_bits"):
+        opt.add_param_group({"params": [param(3)], "state_bits": 32})
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(eps=0.0), dict(betas=(1.5, 0.9)), dict(weight_decay=-1.0),
                                  dict(lr=torch.tensor(float("nan")))], ids=lambda d: next(iter(d)))
 def test_a_refused_step_changes_nothing(bad):

@@ -98,3 +98,16 @@ def test_a_compiled_model_is_told_to_fuse_before_compiling():
     with pytest.raises(TypeError, match="OptimizedModule is torch.compile's wrapper of a LlamaForCausalLM: fuse "
                                         "before compiling"):
         effmem.fuse_linear_cross_entropy(compiled)
+
+
+def test_nn_data_parallel_replication_is_refused_and_allowed_again_once_unfused():
+    """nn.DataParallel's replicas (transformers' Trainer makes them on several GPUs without torchrun) copied
+    the model's __dict__, fused forward and loss included, and ran the original model: a replica with zeroed
+    weights gave the original's loss (a reviewer's CPU simulation of replicate). torch's replicate calls
+    _replicate_for_data_parallel on every module, as here."""
+    model = effmem.fuse_linear_cross_entropy(FAMILIES["llama"]())
+    with pytest.raises(RuntimeError, match="cannot be replicated by torch.nn.DataParallel"):
+        model._replicate_for_data_parallel()
+    effmem.unfuse_linear_cross_entropy(model)
+    replica = model._replicate_for_data_parallel()
+    assert replica._is_replica and "forward" not in replica.__dict__

@@ -178,7 +178,17 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     _patch_head(head)
     model.loss_function = loss = _FusedLoss(head, model.loss_function, grad_in_forward)
     model.forward = model._effmem_fused_forward = _FusedForward(model, model.forward, head, loss)
+    model._replicate_for_data_parallel = _no_replicas
     return model
+
+
+def _no_replicas():
+    """nn.DataParallel's replicas copy the model's __dict__, and with it the fused forward and loss, which would
+    run the original model on every replica's inputs (another GPU's: a device mismatch)."""
+    raise RuntimeError("fuse_linear_cross_entropy: a fused model cannot be replicated by torch.nn.DataParallel "
+                       "(transformers' Trainer uses it on several GPUs when not started by torchrun or accelerate "
+                       "launch): run one process per GPU (torchrun, DistributedDataParallel), or "
+                       "unfuse_linear_cross_entropy(model) first")
 
 
 def _peft_base(model: nn.Module) -> Optional[nn.Module]:
@@ -365,6 +375,7 @@ def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     if "_effmem_fused_forward" not in model.__dict__:   # not getattr: a wrapper may pass attributes through
         return model
     fused = model.__dict__.pop("_effmem_fused_forward")
+    model.__dict__.pop("_replicate_for_data_parallel", None)
     _unpatch_head(fused.head)
     ours = {"forward": lambda f: f is fused, "_loss_function": lambda f: isinstance(f, _FusedLoss)}
     for module, attr, before in ((model, "forward", "_effmem_forward_before"),

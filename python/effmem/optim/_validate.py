@@ -99,6 +99,10 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
         if group.get(flag, False):
             raise ValueError(f"{flag}: {flag}=True is not implemented by effmem's Adam; stepping this group "
                              "would silently change the math")
+    if "state_bits" in group:   # the optimizer's alone: a group's was kept in the group and never read
+        raise ValueError("state_bits: a param group's own is not supported; the optimizer's state_bits applies to "
+                         "all of its parameters. For float32 moments on some (embeddings, norms), give those "
+                         "parameters an optimizer of their own")
     if group.get("differentiable", False):   # torch's flag for a step autograd records (meta-learning)
         raise ValueError("differentiable: differentiable=True is not implemented by effmem's Adam (its step is "
                          "not recorded by autograd); stepping this group would silently cut the graph")
@@ -264,6 +268,7 @@ def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tenso
             raise ValueError(f"{where}[{key!r}]: expected block scales by rows, float, of shape {want} (each "
                              "row's offset in its first block, an integer below 256, then the scales of the blocks "
                              f"it overlaps), got a {t.dtype} tensor of shape {tuple(t.shape)}")
+        _scale_values(t[:, 1:], where, key)
         own = _adam8.rows_in(t, row)
         if own is None or not codes.is_contiguous():
             return t
@@ -276,7 +281,17 @@ def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tenso
                if isinstance(t, Tensor) else type(t).__name__)
         raise ValueError(f"{where}[{key!r}]: expected {blocks} float block scales (one per 256 elements of the "
                          f"parameter), got {got}")
+    _scale_values(t, where, key)
     return None
+
+
+def _scale_values(t: Tensor, where: str, key: str) -> None:
+    """Block scales are maxima of finite |m| and sqrt(v): a NaN or inf one made the next step's weights NaN or
+    inf, and a negative exp_avg_scale turned the momentum around, silently (read once, at a load)."""
+    bad = ~((t >= 0) & (t <= F32_MAX))   # NaN fails both
+    if bool(bad.any()):
+        raise ValueError(f"{where}[{key!r}]: block scales are each block's largest moment, finite and >= 0; got "
+                         f"{float(t[bad][0])!r} (a corrupted checkpoint?)")
 
 
 def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, bool]:
