@@ -42,20 +42,26 @@ def cuda_include() -> Path:
     pytest.skip("no CUDA toolkit headers (cuda_fp16.h) to compile the kernel against")
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory) -> Path:
+def build(tmp_path_factory, source: str) -> Path:
+    """cuda_emulation/<source>.cpp built as an executable, with AddressSanitizer and UBSan where the
+    compiler has their runtimes."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    exe = tmp_path_factory.mktemp("emu") / "kernels"
+    exe = tmp_path_factory.mktemp("emu") / source
     cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{ROOT / 'csrc'}", f"-I{cuda_include()}",
-           str(HERE / "cuda_emulation" / "kernels.cpp"), "-o", str(exe)]
+           str(HERE / "cuda_emulation" / f"{source}.cpp"), "-o", str(exe)]
     sanitized = subprocess.run(cmd[:1] + ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"] + cmd[1:],
                                capture_output=True, text=True)
     if sanitized.returncode != 0:  # a compiler without the sanitizer runtimes: the bit-for-bit check still runs
         plain = subprocess.run(cmd, capture_output=True, text=True)
         assert plain.returncode == 0, plain.stderr[-4000:]
     return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory) -> Path:
+    return build(tmp_path_factory, "kernels")
 
 
 def sample(shape, dtype, group_size):

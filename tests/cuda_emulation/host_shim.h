@@ -1,5 +1,5 @@
-// Just enough of CUDA's device API for the quantize kernels to compile and run as ordinary host C++.
-// emu_launch() runs a grid warp by warp, each of a warp's 32 lanes on a thread of its own, so that warp
+// Just enough of CUDA's device API for the quantize and Adam kernels to compile and run as ordinary host C++.
+// emu_launch() runs a grid's warps with each of a warp's 32 lanes on a thread of its own, so that warp
 // shuffles work as on a GPU: a lane's shuffle waits for the lanes of its mask to reach the same shuffle, and
 // one that ends without reaching it (undefined on a GPU) aborts the run. What the GPU does in hardware
 // (__byte_perm, __umulhi, bit casts) is written out here from the PTX ISA's definitions; inline PTX
@@ -47,12 +47,25 @@ inline uint32_t __float_as_uint(float f) {
 }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return static_cast<uint32_t>((uint64_t{a} * b) >> 32); }
 
-// One warp's shuffles: each lane's values in the order it sent them, and which lanes have ended.
+// One warp's shuffles: each lane's values in the order it sent them, and which lanes have ended; its
+// __syncthreads barrier: lanes arrived, and the barrier's generation.
 struct EmuWarp {
   std::mutex m;
   std::condition_variable cv;
   std::vector<uint32_t> sent[32];
   bool done[32] = {};
+  unsigned arrived = 0, generation = 0;
+
+  // Every lane still running has reached the barrier (lanes that ended count as arrived): release it.
+  void release_if_all_arrived() {
+    unsigned ended = 0;
+    for (bool d : done) ended += d ? 1u : 0u;
+    if (arrived > 0 && arrived + ended == 32) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    }
+  }
 };
 inline thread_local EmuWarp* emu_warp = nullptr;
 inline thread_local unsigned emu_lane = 0;
@@ -91,30 +104,65 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
   return out;
 }
 
-// kernel() for every thread of blocks x threads (threads a multiple of 32), one warp at a time.
+// kernel() for every thread of blocks x threads (threads a multiple of 32). Lane l of every warp runs on
+// thread l of 32, made once per launch (ASan makes a thread costly): each goes through the warps in order, the
+// lanes of a warp meeting at its shuffles and barriers, and all 32 meet at the end of each block, so that a
+// block's shared memory is not the next block's before every warp of it is done with it.
 template <class Kernel>
 void emu_launch(unsigned blocks, unsigned threads, Kernel kernel) {
-  for (unsigned b = 0; b < blocks; ++b) {
-    for (unsigned first = 0; first < threads; first += 32) {
-      EmuWarp warp;
-      std::vector<std::thread> lanes;
-      for (unsigned lane = 0; lane < 32; ++lane) {
-        lanes.emplace_back([&, lane] {
+  const unsigned warps = threads / 32;
+  std::vector<EmuWarp> warp(static_cast<size_t>(warps));
+  std::mutex m;
+  std::condition_variable cv;
+  unsigned at_end = 0, block_done = 0;
+  std::vector<std::thread> lanes;
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    lanes.emplace_back([&, lane] {
+      for (unsigned b = 0; b < blocks; ++b) {
+        for (unsigned k = 0; k < warps; ++k) {
           blockIdx.x = b;
-          threadIdx.x = first + lane;
-          emu_warp = &warp;
+          threadIdx.x = 32 * k + lane;
+          emu_warp = &warp[k];
           emu_lane = lane;
           kernel();
-          std::lock_guard<std::mutex> lock(warp.m);
-          warp.done[lane] = true;
-          warp.cv.notify_all();
-        });
+          std::lock_guard<std::mutex> lock(warp[k].m);
+          warp[k].done[lane] = true;
+          warp[k].release_if_all_arrived();
+          warp[k].cv.notify_all();
+        }
+        std::unique_lock<std::mutex> lock(m);
+        if (++at_end == 32) {   // the last lane of the block: fresh warps for the next one
+          for (EmuWarp& w : warp) {
+            for (auto& sent : w.sent) sent.clear();
+            std::fill(std::begin(w.done), std::end(w.done), false);
+            w.arrived = 0;
+          }
+          at_end = 0;
+          ++block_done;
+          cv.notify_all();
+        } else {
+          cv.wait(lock, [&] { return block_done > b; });
+        }
       }
-      for (std::thread& t : lanes) t.join();
-    }
+    });
   }
+  for (std::thread& t : lanes) t.join();
 }
-inline void __syncthreads() {}
+// A barrier holds the lanes of one warp: each lane runs a block's warps in order, so what thread 0 writes to
+// shared memory before the barrier (the Adam kernels' coefficients) is seen by every lane of warp 0 after it,
+// and by every later warp (each of its lanes has passed warp 0's barrier first). Enough for kernels whose
+// shared memory only thread 0 writes.
+inline void __syncthreads() {
+  EmuWarp& w = *emu_warp;
+  std::unique_lock<std::mutex> lock(w.m);
+  const unsigned generation = w.generation;
+  ++w.arrived;
+  w.release_if_all_arrived();
+  w.cv.wait(lock, [&] { return w.generation != generation; });
+}
+// Shared memory: one variable for the whole launch (its blocks run one after another).
+#undef __shared__
+#define __shared__ static
 inline int atomicOr(int* p, int v) {
   const int old = *p;
   *p |= v;
