@@ -26,7 +26,7 @@ using std::min;
 struct EmuDim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local EmuDim3 blockIdx, threadIdx;
+inline thread_local EmuDim3 blockIdx, threadIdx, gridDim;
 
 // Byte s[i] (0-7) of the 8 bytes {y, x} (x the low word) goes to byte i of the result.
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
@@ -121,6 +121,7 @@ void emu_launch(unsigned blocks, unsigned threads, Kernel kernel) {
       for (unsigned b = 0; b < blocks; ++b) {
         for (unsigned k = 0; k < warps; ++k) {
           blockIdx.x = b;
+          gridDim.x = blocks;
           threadIdx.x = 32 * k + lane;
           emu_warp = &warp[k];
           emu_lane = lane;
