@@ -70,6 +70,32 @@ def test_moments_assigned_in_another_dtype_are_converted_as_offload_adam_convert
     assert finals[0][3].dtype == torch.float32
 
 
+@pytest.mark.parametrize("edit", ["float64", "strided"])
+def test_8bit_scales_assigned_in_another_dtype_or_layout_are_converted_as_offload_adam_converts_them(edit):
+    """FusedAdam handed them to the kernel, which refused them, where OffloadAdam converted them."""
+    finals = []
+    for optimizer in (effmem.FusedAdam, effmem.OffloadAdam):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(700, dtype=torch.bfloat16))]
+        opt = optimizer(params, lr=1e-2, state_bits=8)   # three blocks each: a strided scale is not contiguous
+        for grad in (1.0, 0.5):
+            for p in params:
+                p.grad = torch.full_like(p, grad)
+            if grad == 1.0:
+                opt.step()
+        for p in params:
+            for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+                scales = opt.state[p][key]
+                opt.state[p][key] = (scales.double() if edit == "float64" else
+                                     torch.stack([scales, scales], 1)[:, 0])   # the same values, stride 2
+        opt.step()
+        finals.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg_scale"].clone() for p in params])
+        if optimizer is effmem.OffloadAdam:
+            opt.close()
+    for f, o in zip(*finals):
+        assert f.dtype == o.dtype and torch.equal(f, o)
+
+
 @pytest.mark.parametrize("optimizer", [effmem.FusedAdam, effmem.OffloadAdam])
 def test_a_refused_step_keeps_the_pending_clip_for_the_step_that_follows(optimizer):
     results = []

@@ -41,7 +41,9 @@ def _as_kept(state: Dict[str, Any], p: Tensor, bits: int) -> bool:
             return False
     if bits == 32:
         return "exp_avg_scale" not in state
-    return all(getattr(state.get(k), "ndim", 0) == 1 for k in ("exp_avg_scale", "exp_avg_sq_scale"))
+    # other dtypes, devices or strides are converted as a checkpoint's are (OffloadAdam's load does so too)
+    return all(isinstance(s, Tensor) and s.ndim == 1 and s.dtype == torch.float32 and s.device == p.device
+               and s.is_contiguous() for s in (state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")))
 
 
 @torch.no_grad()
