@@ -176,19 +176,24 @@ def test_fused_adam_with_grad_scaler_equals_the_unscaled_run(dtype, unscale):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_offload_adam_clipped_before_unscale_is_refused_with_the_order_to_use(mode):
-    """stream_grads=False, opt.clip_grad_norm_ before scaler.unscale_: the clip takes the gradients from p.grad,
-    so GradScaler found none to unscale or check, and failed with its own "No inf checks were recorded". Refused
-    at step() with the order to use, nothing changed, and the next plain step is a fresh optimizer's."""
+@pytest.mark.parametrize("unscale_after", [False, True], ids=["no_unscale", "unscale_after_clip"])
+def test_offload_adam_clipped_before_unscale_is_refused_with_the_order_to_use(mode, unscale_after):
+    """stream_grads=False, opt.clip_grad_norm_ before the scaler unscales: the clip sent the scaled gradients to
+    the host. With scaler.step alone GradScaler found no gradients and failed with its own "No inf checks were
+    recorded"; with scaler.unscale_(opt) after the clip the step applied the scaled gradients (an inf among them
+    made the weights NaN). The clip now leaves them in p.grad, where the scaler unscales and checks them, and
+    step() refuses the changed gradients with the order to use; nothing changed, and the next step is a fresh
+    optimizer's."""
     m = model()
     opt = offload(mode, stream_grads=False)(m)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     x, y = batch(0)
     scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
     opt.clip_grad_norm_(0.05)
-    with pytest.raises(RuntimeError, match="before torch.amp.GradScaler had unscaled them"):
+    if unscale_after:
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="changed in p.grad after opt.clip_grad_norm_"):
         scaler.step(opt)
-    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
     start = weights(m, opt)
     assert all(torch.equal(a, b) for a, b in zip(start, model().parameters()))
     fresh = model()
@@ -203,3 +208,25 @@ def test_offload_adam_clipped_before_unscale_is_refused_with_the_order_to_use(mo
         assert torch.equal(a, b)
     opt.close()
     ref.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_adam_clipped_before_an_explicit_unscale_equals_the_unscaled_run(dtype):
+    """clip_grad_norm_, then scaler.unscale_(opt), then scaler.step: the clip's norm was the scaled gradients'
+    and its factor was applied to the unscaled ones (the update 0.22x the right one in a reviewer's run). The
+    factor now comes from the gradients the step applies."""
+    m = model(dtype)
+    opt = effmem.FusedAdam(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(m(x.to(dtype)).float(), y)
+        scaler.scale(loss * float("inf") if step == INF_AT else loss).backward()
+        opt.clip_grad_norm_(0.05)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    want, _ = unscaled_reference(lambda m: effmem.FusedAdam(m.parameters(), lr=1e-2), dtype, clip=0.05)
+    for a, b in zip(m.parameters(), want):
+        assert torch.equal(a, b)

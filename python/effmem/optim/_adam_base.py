@@ -30,7 +30,7 @@ class AdamBase(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _validate.hyperparameters(group)
+            _validate.hyperparameters(group, state_bits=self.state_bits)
             _validate.params(group["params"], [p for g in self.param_groups[:-1] for p in g["params"]])
             check_unowned(group["params"], type(self).__name__, me=self)
         except (TypeError, ValueError):

@@ -126,7 +126,7 @@ class OffloadBuild:
         self._masters_pending.clear()
 
     def _sync_groups(self) -> None:
-        _validate.groups(self.param_groups)  # all of them before the engine takes any
+        _validate.groups(self.param_groups, state_bits=self.state_bits)  # all of them before the engine takes any
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             lr = group["lr"]
@@ -135,13 +135,57 @@ class OffloadBuild:
                                    decoupled=bool(group["decoupled_weight_decay"]),
                                    bias_correction=bool(group["bias_correction"]))
 
-    def _take_leftover_grads(self) -> None:
-        """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand)."""
+    def _take_leftover_grads(self, keep: bool = False) -> None:
+        """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand). keep
+        (clip_grad_norm_ of gradients that wait for step()): they stay in p.grad too, as torch's clip leaves
+        them, where torch.amp.GradScaler unscales and checks them; step() drops them there (_drop_clip_held)."""
+        if not keep:
+            self._drop_clip_held()
+        taken = []
         for i, p in enumerate(self._params):
-            if p.grad is None:
+            if p.grad is None or i in self._clip_held:
                 continue
             if i in self._streamed:  # DDP's copy of what its comm hook already handed over
                 p.grad = None
                 continue
+            g = p.grad
             self._begin_backward()
             self._hand_off(p)
+            if keep:
+                p.grad = g
+                taken.append(i)
+        if taken:
+            grads = [_local_grad(self._params[i].grad) for i in taken]
+            self._clip_held.update(zip(taken, zip(grads, torch._foreach_norm(grads))))
+
+    def _drop_clip_held(self) -> None:
+        """The gradients clip_grad_norm_ sent and left in p.grad, dropped there, once checked unchanged: the
+        engine holds what it was sent. GradScaler's unscale_ after the clip changed them in place (so would
+        another backward): stepped, the engine's copies were still scaled, an inf among them reaching the
+        weights. Their norms, taken again by the same kernel, tell."""
+        held, self._clip_held = self._clip_held, {}
+        if not held:
+            return
+        now = {i: _local_grad(self._params[i].grad) for i in held}
+        changed = [i for i in held if now[i] is not held[i][0]]
+        same = [i for i in held if now[i] is held[i][0]]
+        if same:   # one host sync for all of them
+            was = torch.stack([held[i][1] for i in same])
+            norms = torch.stack(torch._foreach_norm([now[i] for i in same]))
+            kept = (norms == was) | (norms.isnan() & was.isnan())
+            if not bool(kept.all()):
+                changed += [i for i, k in zip(same, kept.tolist()) if not k]
+        if changed:
+            self.zero_grad()
+            raise RuntimeError(
+                f"OffloadAdam: the gradient of parameter {changed[0]} changed in p.grad after opt.clip_grad_norm_() "
+                "had sent it to the host (torch.amp.GradScaler's unscale_ does this when it comes after the clip, "
+                "and so does scaler.step(opt) without an unscale_ before the clip; so does another backward). Call "
+                "scaler.unscale_(opt) before opt.clip_grad_norm_(), as torch's AMP recipe has it, and clip after "
+                "the last micro-batch. This step's gradients were dropped.")
+        for i in held:
+            self._params[i].grad = None
+
+
+def _local_grad(g):
+    return g.to_local() if _validate.is_dtensor(g) else g

@@ -273,28 +273,13 @@ class OffloadGuards:
     def _step_supports_amp_scaling(self) -> bool:
         """torch.amp.GradScaler's question. Where the gradients wait in p.grad for step() (stream_grads=False,
         no overlap, no attach_ddp), no: its own path is exact, as for torch's AdamW (it unscales them in place,
-        checks them and skips step() on an inf). Where they left during backward, or opt.clip_grad_norm_ took
-        them from p.grad, that path found none and failed with "No inf checks were recorded"; yes makes it call
-        step() with its grad_scale and found_inf attributes set, for _grad_scaler_skips."""
-        return self._grads_leave_in_backward() or self._in_backward
+        checks them and skips step() on an inf). Where they left during backward that path found none and
+        failed with "No inf checks were recorded"; yes makes it call step() with its grad_scale and found_inf
+        attributes set, refused there with a reason (_refuse_grad_scaler)."""
+        return self._grads_leave_in_backward()
 
     def _grads_leave_in_backward(self) -> bool:
         return self._stream_grads or self._overlap or bool(self._ddp_handles)
-
-    def _grad_scaler_skips(self) -> bool:
-        """GradScaler's step(opt) where _step_supports_amp_scaling: whether it skips this step (an inf found by
-        its unscale_ before the clip took the gradients), or refused with the reason."""
-        if self._grads_leave_in_backward():
-            self._refuse_grad_scaler()
-        if getattr(self, "grad_scale", None) is not None:
-            for name in ("grad_scale", "found_inf"):   # left set, every later step() would come here
-                self.__dict__.pop(name, None)
-            self.zero_grad()
-            raise RuntimeError("OffloadAdam: opt.clip_grad_norm_() took the gradients from p.grad to the host "
-                               "before torch.amp.GradScaler had unscaled them, so the scaler can neither unscale "
-                               "nor check them. Call scaler.unscale_(opt) before opt.clip_grad_norm_(), as torch's "
-                               "AMP recipe has it. This step's gradients were dropped.")
-        return bool(float(self.found_inf))
 
     def _refuse_grad_scaler(self) -> None:
         # GradScaler deletes its attributes after a step() that returns: left set, every later step() is refused

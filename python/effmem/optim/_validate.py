@@ -67,9 +67,10 @@ def lr_value(lr: Any, where: str = "lr") -> None:
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "bias_correction")
 
 
-def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
+def hyperparameters(group: Dict[str, Any], check_lr: bool = True, state_bits: Optional[int] = None) -> None:
     """A param group's Adam settings, or a ValueError naming the one that is wrong. check_lr=False leaves
-    the lr to the caller (a CUDA tensor's value costs a host sync to read)."""
+    the lr to the caller (a CUDA tensor's value costs a host sync to read); state_bits: the optimizer's, which
+    a group's own must equal (ZeroRedundancyOptimizer puts its keyword arguments into every group)."""
     missing = [k for k in GROUP_KEYS if k not in group]
     if missing:   # a group edited by hand (add_param_group fills them from the defaults)
         raise ValueError(f"{missing[0]}: missing from the group (each param group holds {', '.join(GROUP_KEYS)})")
@@ -99,20 +100,20 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True) -> None:
         if group.get(flag, False):
             raise ValueError(f"{flag}: {flag}=True is not implemented by effmem's Adam; stepping this group "
                              "would silently change the math")
-    if "state_bits" in group:   # the optimizer's alone: a group's was kept in the group and never read
-        raise ValueError("state_bits: a param group's own is not supported; the optimizer's state_bits applies to "
-                         "all of its parameters. For float32 moments on some (embeddings, norms), give those "
-                         "parameters an optimizer of their own")
+    if state_bits is not None and group.get("state_bits", state_bits) != state_bits:   # was kept, never read
+        raise ValueError(f"state_bits: a param group's own ({group['state_bits']!r}) is not supported; the "
+                         f"optimizer's state_bits={state_bits} applies to all of its parameters. For float32 "
+                         "moments on some (embeddings, norms), give those parameters an optimizer of their own")
     if group.get("differentiable", False):   # torch's flag for a step autograd records (meta-learning)
         raise ValueError("differentiable: differentiable=True is not implemented by effmem's Adam (its step is "
                          "not recorded by autograd); stepping this group would silently cut the graph")
 
 
-def groups(param_groups: List[Dict[str, Any]], check_lr: bool = True) -> None:
+def groups(param_groups: List[Dict[str, Any]], check_lr: bool = True, state_bits: Optional[int] = None) -> None:
     """Every group's settings (hyperparameters), the error naming the group: checked before any is used."""
     for gi, group in enumerate(param_groups):
         try:
-            hyperparameters(group, check_lr)
+            hyperparameters(group, check_lr, state_bits)
         except ValueError as err:
             raise ValueError(f"param_groups[{gi}]: {err}") from None
 

@@ -254,11 +254,11 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # delay_correction: the next step installs its weights at once (the first, and the first after a load:
         # their forwards have no update to predict from)
         self._exact_next = True
-        self._hooks = []
-        self._ddp_handles = []
+        self._hooks, self._ddp_handles = [], []
         self._lock = threading.Lock()
         self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
+        self._clip_held = {}  # stream_grads=False: index -> (p.grad the clip sent and left, its norm then)
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
         self._clip_scale = 1.0
@@ -318,8 +318,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             g = g.to(local_p.dtype)  # the staging holds the parameter's dtype (float32: exact)
         if self._overlap or self._delay:
             # first: a backward after one that raised (the loop never reached zero_grad) is judged before its
-            # gradients land, where the engine refused a parameter the failed one had queued, with a message
-            # about micro-batches and no way out named
+            # gradients land, where the engine refused a parameter the failed one had queued (a message naming
+            # micro-batches and no way out)
             self._track_backward()
         self._engine.grad_ready(i, g)
         self._queued.add(i)
@@ -361,16 +361,17 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         """Global L2 norm of the pending gradients, from the host copies; the clip factor
         ``min(1, max_norm / (norm + 1e-6))`` is applied inside the next ``step()``.
 
-        Returns the norm as a float32 CPU tensor. Under FSDP2 the sums of squares of
-        sharded parameters are all-reduced over the mesh dimensions they are sharded on
-        (not over replicas, as in HSDP), so every rank clips by the global norm.
+        With stream_grads=False they stay in p.grad until step(), which refuses them changed since (GradScaler's
+        unscale_ after the clip). Returns the norm as a float32 CPU tensor. Under FSDP2 the
+        sums of squares of sharded parameters are all-reduced over the mesh dimensions they are sharded on (not
+        over replicas, as in HSDP), so every rank clips by the global norm.
         """
         _validate.max_norm(max_norm)
         self._check_open()
         if self._overlap:
             raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
                                "gradient exists, so it cannot clip by the global norm; use overlap=False")
-        self._take_leftover_grads()
+        self._take_leftover_grads(keep=not self._grads_leave_in_backward())
         sq = _dist.global_sq_sum(self._params, self._engine.grad_sq_sums()) + self._resident_sq_sum()
         total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
         # FusedAdam's float32 arithmetic (a tensor max_norm read here: the host waits for the gradients anyway)
@@ -390,8 +391,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # GradScaler's attributes: found_inf too, which is all it sets after unscale_ (accelerate wraps step(),
         # and with fp16 the HF Trainer unscales to clip), where a check of grad_scale alone let inf steps through
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            if self._grad_scaler_skips():
-                return None
+            self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -441,6 +441,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._clip_scale = 1.0
         self._in_backward = False
         self._streamed.clear()
+        self._clip_held.clear()
         self._queued.clear()
         self._plain_backwards = 0
 
