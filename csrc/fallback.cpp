@@ -8,10 +8,12 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <array>
 #include <tuple>
+#include <vector>
 
 #include "common/checks.h"
 
@@ -137,6 +139,37 @@ TORCH_LIBRARY_IMPL(effmem, Autograd, m) {
   for (const char* op : {"adam8_encode", "adam8_decode", "l2norm", "quantize", "dequantize", "linear_ce_backward",
                          "linear_ce_forward_backward", "swiglu", "swiglu_backward", "rms_norm_apply"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
+}
+
+// The Adam steps write their parameters (and state) in place, and as after torch's in-place ops each written
+// tensor's version counter moves: a graph that saved a parameter before the step refuses a backward after it
+// ("modified by an inplace operation") where it gave a gradient of the old value, silently. Their Autograd
+// kernel (they have no derivative), below which torch's fallbacks skip the ADInplaceOrView key, and bump
+// single tensors only where these write lists.
+static void bump_written(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].alias_info() == nullptr || !args[i].alias_info()->isWrite()) continue;
+    const c10::IValue& v = (*stack)[first + i];
+    if (v.isTensor()) {
+      written.push_back(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) written.push_back(t);
+    }
+  }
+  {
+    const at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+}
+
+TORCH_LIBRARY_IMPL(effmem, Autograd, m) {
+  for (const char* op : {"adam_step_", "adam8_step_"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written>());
   }
 }
 

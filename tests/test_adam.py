@@ -13,11 +13,13 @@ Tolerances (why each value):
 - different ISAs, thread counts, and lr given as float or tensor: exact (the
   same IEEE operations in the same order; no FMA contraction).
 """
+import functools
+
 import pytest
 import torch
 
 import effmem
-from effmem import reference
+from effmem import ops, reference
 from conftest import DEVICES
 
 SHAPES = [(1,), (7,), (4097,), (64, 33), (3, 5, 7)]
@@ -239,3 +241,29 @@ def test_compiled_step_with_a_cpu_lr_tensor_is_one_graph_and_matches_eager(devic
                 step()
             assert all(torch.equal(a, p) for a, p in zip(before, params))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, effmem.FusedAdam, effmem.OffloadAdam,
+                                  functools.partial(effmem.FusedAdam, state_bits=8)],
+                         ids=["torch", "fused", "offload", "fused8"])
+def test_a_step_invalidates_a_graph_that_saved_the_parameters_as_torchs_does(make):
+    """The kernels and the offload engine write the parameters' memory: their version counters did not move,
+    and a backward through a graph saved before the step gave the gradient at the new weights (1.0 where
+    2.0 was right) with no error."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = make([w], lr=0.5)
+    y = (w * w).sum()
+    w.grad = torch.ones(3)
+    opt.step()
+    w.grad = None
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    if hasattr(opt, "close"):
+        opt.close()
+
+
+def test_the_raw_adam_ops_move_the_version_of_every_tensor_they_write():
+    w, g, m, v, step = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4), torch.tensor(1.0)
+    ops.adam_step_([w], [g], [m], [v], [], [step], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                   decoupled=True)
+    assert (w._version, m._version, v._version, g._version, step._version) == (1, 1, 1, 0, 0)

@@ -7,7 +7,7 @@ from effmem import FusedAdam, OffloadAdam
 from offload_helpers import HP, batches, tiny_gpt
 
 
-@pytest.mark.parametrize("change", ["data", "half", "resize"])
+@pytest.mark.parametrize("change", ["data", "half", "resize", "transpose"])
 def test_a_parameter_replaced_after_construction_is_refused(change):
     model = tiny_gpt(torch.float32)
     opt = OffloadAdam(model.parameters(), **HP)
@@ -22,9 +22,13 @@ def test_a_parameter_replaced_after_construction_is_refused(change):
     elif change == "half":
         model.half()
         match = r"was replaced after the optimizer was built \(dtype torch.float32 -> torch.float16"
-    else:
+    elif change == "resize":
         weight.data = torch.zeros(10, 32)
         match = r"shape \(256, 32\) -> \(10, 32\)"
+    else:   # the same memory, dtype and shape: the engine updated the transposed elements (column 0 for row 0)
+        square = next(p for p in model.parameters() if p.dim() == 2 and p.shape[0] == p.shape[1])
+        square.data = square.data.t()
+        match = r"strides \(32, 1\) -> \(1, 32\)"
     with pytest.raises(RuntimeError, match=match):
         opt.step()
     if change != "resize":   # the first hook of a backward checks too

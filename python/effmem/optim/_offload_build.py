@@ -155,8 +155,8 @@ class OffloadBuild:
                 p.grad = g
                 taken.append(i)
         if taken:
-            grads = [_local_grad(self._params[i].grad) for i in taken]
-            self._clip_held.update(zip(taken, zip(grads, torch._foreach_norm(grads))))
+            grads = [self._params[i].grad for i in taken]
+            self._clip_held.update(zip(taken, zip(grads, torch._foreach_norm([_local(g) for g in grads]))))
 
     def _drop_clip_held(self) -> None:
         """The gradients clip_grad_norm_ sent and left in p.grad, dropped there, once checked unchanged: the
@@ -166,12 +166,12 @@ class OffloadBuild:
         held, self._clip_held = self._clip_held, {}
         if not held:
             return
-        now = {i: _local_grad(self._params[i].grad) for i in held}
+        now = {i: self._params[i].grad for i in held}
         changed = [i for i in held if now[i] is not held[i][0]]
         same = [i for i in held if now[i] is held[i][0]]
         if same:   # one host sync for all of them
             was = torch.stack([held[i][1] for i in same])
-            norms = torch.stack(torch._foreach_norm([now[i] for i in same]))
+            norms = torch.stack(torch._foreach_norm([_local(now[i]) for i in same]))
             kept = (norms == was) | (norms.isnan() & was.isnan())
             if not bool(kept.all()):
                 changed += [i for i, k in zip(same, kept.tolist()) if not k]
@@ -186,6 +186,3 @@ class OffloadBuild:
         for i in held:
             self._params[i].grad = None
 
-
-def _local_grad(g):
-    return g.to_local() if _validate.is_dtensor(g) else g

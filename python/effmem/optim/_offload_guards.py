@@ -244,11 +244,13 @@ class OffloadGuards:
         self._check_steps()
         for i, (p, held) in enumerate(zip(self._params, self._local)):
             t = p._local_tensor if _validate.is_dtensor(p) else p
-            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape:
+            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape \
+                    and t.stride() == held.stride():   # p.data = p.data.t() of a square one: other elements
                 continue
             changes = [f"{what} {a} -> {b}" for what, a, b in (
                 ("dtype", held.dtype, t.dtype), ("device", held.device, t.device),
-                ("shape", tuple(held.shape), tuple(t.shape))) if a != b] or ["its memory"]
+                ("shape", tuple(held.shape), tuple(t.shape)), ("strides", held.stride(), t.stride())) if a != b] \
+                or ["its memory"]
             gi = next(k for k, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
             raise RuntimeError(
                 f"OffloadAdam: parameter {i} (param group {gi}, shape {tuple(held.shape)}) was replaced after the "

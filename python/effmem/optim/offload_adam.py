@@ -413,6 +413,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # once; no prediction for a warm-up step's backward (its synchronize supersedes it)
         replaced = self._delay_correction and self._engine.prediction_replaced()
         self._engine.step(scale, predict=self._step_count + 2 > self._delay_warmup)
+        # the engine writes their memory: a graph that saved one before now refuses a backward, as after torch's
+        torch.autograd.graph.increment_version([self._local[i] for i in self._queued])
         try:
             self._sync_state(self._queued)
         finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
