@@ -44,9 +44,11 @@ def test_info_json(capsys):
         assert info["gpu_name"] is None and info["gpu_compute_capability"] is None
 
 
-def test_python_dash_m_runs_info():
-    # The `python -m effmem.cli` path (the __main__ guard), in a fresh interpreter.
-    proc = subprocess.run([sys.executable, "-m", "effmem.cli", "info"], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("module", ["effmem.cli", "effmem"])
+def test_python_dash_m_runs_info(module):
+    # `python -m effmem.cli` (the __main__ guard) and `python -m effmem` (__main__.py: "No module named
+    # effmem.__main__" before), in a fresh interpreter.
+    proc = subprocess.run([sys.executable, "-m", module, "info"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert torch.__version__ in proc.stdout
 

@@ -37,12 +37,15 @@ def call_adam(device, **overrides):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arg, value, expected", [
-    ("lr", -1.0, r"lr must be a finite number >= 0, got -1$"),
+    ("lr", -1.0, r"lr must be a finite number >= 0 within float32's range, got -1$"),
+    ("lr", 1e39, r"lr must be a finite number >= 0 within float32's range, got 1e\+39$"),
     ("beta1", 1.5, r"beta1 must be in \[0, 1\), got 1\.5$"),
     ("beta2", -0.25, r"beta2 must be in \[0, 1\), got -0\.25$"),
-    ("eps", 0.0, r"eps must be > 0, got 0$"),
-    ("weight_decay", -3e-05, r"weight_decay must be a finite number >= 0, got -3e-05$"),
-    ("weight_decay", float("inf"), r"weight_decay must be a finite number >= 0, got inf$"),
+    ("eps", 0.0, r"eps must be > 0 in float32's normal range, got 0$"),
+    ("eps", 1e-50, r"eps must be > 0 in float32's normal range, got 1e-50$"),
+    ("weight_decay", -3e-05, r"weight_decay must be a finite number >= 0 within float32's range, got -3e-05$"),
+    ("weight_decay", float("inf"), r"weight_decay must be a finite number >= 0 within float32's range, got inf$"),
+    ("weight_decay", 1e39, r"weight_decay must be a finite number >= 0 within float32's range, got 1e\+39$"),
 ])
 def test_adam_messages_hold_the_value(device, arg, value, expected):
     with pytest.raises(ValueError) as err:

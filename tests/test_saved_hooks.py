@@ -122,3 +122,18 @@ def test_nested_tensors_are_kept_as_they_are(how):
     assert stats.skipped["unsupported"].count >= 1 and stats.num_compressed == 0, stats
     for a, b in zip(leaf.grad.unbind(), want.unbind()):
         assert torch.equal(a, b)
+
+
+def test_a_handle_reaching_past_its_storage_is_refused():
+    """effmem._C's classes are reachable from Python: a recipe handle claiming a million elements of a 4-element
+    tensor made a view past its storage, and reading it crashed the process (a reviewer's SIGSEGV)."""
+    import effmem
+
+    class Owner:
+        def _unpack_other(self, p):
+            return p
+    st = effmem._C.SavedTensors(8, 128, 0, False, Owner())
+    recipe = st.add_recipe(torch.randn(4), lambda: torch.randn(4), [])
+    with pytest.raises(ValueError, match=r"reach past its storage of 16 bytes"):
+        st.unpack(effmem._C.RecipeHandle(recipe, [10 ** 6], [1], 10 ** 9))
+    assert st.unpack(effmem._C.RecipeHandle(recipe, [2], [2], 1)).shape == (2,)   # inside it: a view as before

@@ -153,13 +153,16 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK_VALUE(masters.empty() || masters.size() == n,
                     "masters must be empty (fp32 params) or have one tensor per param, got ", masters.size(),
                     " for ", n, " params");
-  TORCH_CHECK_VALUE(lr >= 0.0 && std::isfinite(lr), "lr must be a finite number >= 0, got ", lr);
+  // The kernels take these in float32 (lr 1e39 made every weight NaN, eps 1e-50 flushed to 0 divided a zero
+  // moment by 0, weight_decay 1e39 sent the weights to -1e38): float32's range, as FusedAdam checks them.
+  constexpr double kF32Max = 3.4028234663852886e38, kF32Tiny = 1.1754943508222875e-38;
+  TORCH_CHECK_VALUE(lr >= 0.0 && lr <= kF32Max, "lr must be a finite number >= 0 within float32's range, got ", lr);
   TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK_VALUE(eps > 0.0, "eps must be > 0, got ", eps);
+  TORCH_CHECK_VALUE(eps >= kF32Tiny && eps <= kF32Max, "eps must be > 0 in float32's normal range, got ", eps);
   // an infinite decay times a weight of 0 is NaN, any other weight -inf/+inf: no step the caller could want
-  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
-                    "weight_decay must be a finite number >= 0, got ", weight_decay);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0 && weight_decay <= kF32Max,
+                    "weight_decay must be a finite number >= 0 within float32's range, got ", weight_decay);
   if (n == 0) return;
   const at::Device device = params[0].device();
   check_scalar_tensor(lr_tensor, "lr_tensor", device);

@@ -126,6 +126,21 @@ const void* storage_of(const at::Tensor& t) { return t.storage().unsafeGetStorag
 
 at::Tensor over(c10::Storage storage, c10::DispatchKeySet keys, at::ScalarType dtype, at::IntArrayRef shape,
                 at::IntArrayRef stride, int64_t offset) {
+  // Inside the storage, or refused: a view past it (a handle's shape made up from Python) read and wrote
+  // outside the memory and crashed the process.
+  TORCH_CHECK_VALUE(shape.size() == stride.size(), "saved tensor view: ", shape.size(), " sizes but ",
+                    stride.size(), " strides");
+  bool empty = false;
+  int64_t last = offset;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    TORCH_CHECK_VALUE(shape[d] >= 0 && stride[d] >= 0, "saved tensor view: negative size or stride");
+    empty = empty || shape[d] == 0;
+    last += (shape[d] - 1) * stride[d];
+  }
+  const auto item = static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK_VALUE(offset >= 0 && (empty || (last + 1) * item <= static_cast<int64_t>(storage.nbytes())),
+                    "saved tensor view: sizes ", shape, ", strides ", stride, " and offset ", offset,
+                    " reach past its storage of ", storage.nbytes(), " bytes");
   at::Tensor t =
       at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, c10::scalarTypeToTypeMeta(dtype));
   t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, stride, offset);
