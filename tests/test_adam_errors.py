@@ -120,6 +120,23 @@ def test_a_refused_step_changes_nothing(bad):
     assert [opt.state[p]["step"].item() for p in ps] == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("change", ["expanded", "aliased"])
+def test_a_parameter_given_bad_memory_after_construction_is_refused_before_any_change(change):
+    """p.data = an expanded tensor: the kernel refused it after the earlier group was stepped and every step
+    count advanced. p.data = another group's parameter's data: that memory was stepped twice, silently."""
+    ps = [param(4), param(4)]
+    opt = effmem.FusedAdam([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.1)
+    for p in ps:
+        p.grad = torch.ones(4)
+    opt.step()
+    ps[1].data = torch.zeros(1).expand(4) if change == "expanded" else ps[0].data
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match="not a dense tensor" if change == "expanded" else "share memory"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert [opt.state[p]["step"].item() for p in ps] == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("make", [effmem.FusedAdam, effmem.OffloadAdam], ids=["fused", "offload"])
 def test_a_setting_deleted_from_a_group_is_named(make):
     """A group edited by hand without a setting: a ValueError naming the group and the key (a bare

@@ -98,7 +98,8 @@ class FusedAdam(AdamBase):
         self._interrupted_load: Optional[str] = None   # why steps are refused (_load_checked)
         self._refusals = RefusalMonitor("FusedAdam")
         self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
-        self._kept: Dict[int, Tuple] = {}   # per parameter, weak references to its entry's tensors when last checked
+        self._kept: Dict[int, Tuple] = {}   # per parameter, weak references to its entry's tensors, last checked
+        self._memory_checked: Optional[Tuple] = None   # the stepped parameters' (data_ptr, strides), last checked
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -120,6 +121,7 @@ class FusedAdam(AdamBase):
         self.__dict__.setdefault("_refusals", RefusalMonitor("FusedAdam"))
         self.__dict__.setdefault("_lr_checked", {})
         self.__dict__.setdefault("_kept", {})
+        self.__dict__.setdefault("_memory_checked", None)
 
     def _init_state(self, p: Tensor, compiling: bool) -> Dict[str, Tensor]:
         state = self.state[p]
@@ -236,6 +238,7 @@ class FusedAdam(AdamBase):
         # step changes nothing, and keeps its pending clip for the step that follows the fix.
         buckets = [self._buckets(group) for group in self.param_groups]
         self._check_cpu_steps(buckets)
+        self._check_memory(buckets)
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
         clip, self._pending_clip = self._pending_clip, None
         if pending and clip is not None and inv_scale is not None:
@@ -316,6 +319,26 @@ class FusedAdam(AdamBase):
                      if self.state.get(p, {}).get("step") is steps[i])
             raise ValueError(f"FusedAdam: opt.state[p]['step'] of parameter {n} holds {float(steps[i])!r}; "
                              "expected a whole number >= 0 (a step count)")
+
+    def _check_memory(self, buckets) -> None:
+        """Parameters given other memory since the last step (p.data = ...) checked as at construction, before
+        any is stepped: an expanded one was refused by the kernel after the buckets before its own were stepped
+        (step counts advanced), and one sharing another group's memory was stepped twice."""
+        if torch.compiler.is_compiling():   # (fake tensors have no data_ptr)
+            return
+        params = [w for group in buckets for b in group.values() for w in b["params"]]
+        memory = tuple((w.data_ptr(), w.stride()) for w in params)
+        if memory == self._memory_checked:
+            return
+        for w in params:
+            if w.is_sparse or not _validate.is_dense(w):
+                raise ValueError(f"FusedAdam: a parameter of shape {tuple(w.shape)} (strides {w.stride()}) is not "
+                                 "a dense tensor whose elements do not overlap (p.data = an expanded tensor?)")
+        try:
+            _validate.params([], params)
+        except ValueError as err:
+            raise ValueError(f"FusedAdam: {err} (p.data = another parameter's data?)") from None
+        self._memory_checked = memory
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
