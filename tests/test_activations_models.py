@@ -108,6 +108,16 @@ def test_torchs_transformer_gets_the_policy_on_both_stacks(policy):
         apply_activation_policy(model, memory_budget=0.5)
 
 
+def test_a_small_nn_transformer_inside_a_model_leaves_its_main_stack_alone():
+    """Found first, an nn.Transformer adapter took the policy from the model's own (longer) stack of layers."""
+    class WithAdapter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)])
+            self.adapter = nn.Transformer(8, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16)
+    assert [(n, len(ls)) for n, ls in layer_stacks(WithAdapter())] == [("layers", 6)]
+
+
 def test_a_budget_refuses_two_stacks_of_layers():
     model = t5()
     with pytest.raises(ValueError, match="memory_budget: .*2 stacks of layers"):

@@ -98,6 +98,17 @@ def test_a_groups_own_state_bits_is_refused(make):
         opt.add_param_group({"params": [param(3)], "state_bits": 32})
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [param(3)], "state_bits": 8})   # the optimizer's own: ZeRO's groups hold it
+    for p in (q for g in opt.param_groups for q in g["params"]):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved, groups = opt.state_dict(), [{"params": g["params"]} for g in opt.param_groups]
+    if hasattr(opt, "close"):
+        opt.close()
+    other = make(groups, state_bits=32)
+    other.load_state_dict(saved)   # a ZeRO-style group's 8 from the checkpoint: the loader's own now
+    other.step()   # refused at every step before ("a param group's own (8)")
+    if hasattr(other, "close"):
+        other.close()
 
 
 @pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(eps=0.0), dict(betas=(1.5, 0.9)), dict(weight_decay=-1.0),

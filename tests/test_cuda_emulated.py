@@ -49,7 +49,9 @@ def build(tmp_path_factory, source: str) -> Path:
     if cxx is None:
         pytest.skip("no host C++ compiler")
     exe = tmp_path_factory.mktemp("emu") / source
-    cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{ROOT / 'csrc'}", f"-I{cuda_include()}",
+    # no contraction into FMAs, as the CUDA build (--fmad=false) and the CPU kernels
+    cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-ffp-contract=off", f"-I{ROOT / 'csrc'}",
+           f"-I{cuda_include()}",
            str(HERE / "cuda_emulation" / f"{source}.cpp"), "-o", str(exe)]
     sanitized = subprocess.run(cmd[:1] + ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"] + cmd[1:],
                                capture_output=True, text=True)

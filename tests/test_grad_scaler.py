@@ -230,3 +230,28 @@ def test_fused_adam_clipped_before_an_explicit_unscale_equals_the_unscaled_run(d
     want, _ = unscaled_reference(lambda m: effmem.FusedAdam(m.parameters(), lr=1e-2), dtype, clip=0.05)
     for a, b in zip(m.parameters(), want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_offload_adam_after_a_skipped_step_and_model_zero_grad_trains_as_torch_adamw_does(mode):
+    """torch's recipe with model.zero_grad() at the top of the loop (as transformers' Trainer does): the inf
+    step skipped by the scaler left its gradients in the engine, model.zero_grad() cleared p.grad only, and the
+    next step refused its new gradients as "changed since the clip". The abandoned gradients are dropped now,
+    and the run equals the one without that step bit for bit."""
+    m = model()
+    opt = offload(mode, stream_grads=False)(m)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(STEPS):
+        m.zero_grad()
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        scaler.scale(loss * float("inf") if step == INF_AT else loss).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(0.05)
+        scaler.step(opt)
+        scaler.update()
+    want, ref = unscaled_reference(offload(mode, stream_grads=False), clip=0.05)
+    for a, b in zip(weights(m, opt), weights(ref.m, ref)):
+        assert torch.equal(a, b)
+    opt.close()
+    ref.close()

@@ -37,6 +37,16 @@ def test_a_parameter_replaced_after_construction_is_refused(change):
     opt.close()
 
 
+def test_strides_of_size_one_dims_are_no_change():
+    """The stride check compares the dims that move: a (1, N) parameter viewed with another stride for its
+    size-1 dim holds its elements where it did."""
+    p = torch.nn.Parameter(torch.randn(1, 8))
+    with OffloadAdam([p], **HP) as opt:
+        p.data = p.data.as_strided((1, 8), (1, 1))
+        p.grad = torch.ones(1, 8)
+        opt.step()
+
+
 def test_unchanged_parameters_train_as_before():
     model = tiny_gpt(torch.float32)
     with OffloadAdam(model.parameters(), **HP) as opt:

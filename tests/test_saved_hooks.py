@@ -136,4 +136,6 @@ def test_a_handle_reaching_past_its_storage_is_refused():
     recipe = st.add_recipe(torch.randn(4), lambda: torch.randn(4), [])
     with pytest.raises(ValueError, match=r"reach past its storage of 16 bytes"):
         st.unpack(effmem._C.RecipeHandle(recipe, [10 ** 6], [1], 10 ** 9))
+    with pytest.raises(ValueError, match=r"reach past its storage"):   # 2^62 x 4 elements wrapped negative
+        st.unpack(effmem._C.RecipeHandle(recipe, [2 ** 62], [4], 0))
     assert st.unpack(effmem._C.RecipeHandle(recipe, [2], [2], 1)).shape == (2,)   # inside it: a view as before

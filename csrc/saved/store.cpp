@@ -130,15 +130,18 @@ at::Tensor over(c10::Storage storage, c10::DispatchKeySet keys, at::ScalarType d
   // outside the memory and crashed the process.
   TORCH_CHECK_VALUE(shape.size() == stride.size(), "saved tensor view: ", shape.size(), " sizes but ",
                     stride.size(), " strides");
-  bool empty = false;
-  int64_t last = offset;
+  bool empty = false, overflow = false;
+  int64_t last = offset, step = 0;
   for (size_t d = 0; d < shape.size(); ++d) {
     TORCH_CHECK_VALUE(shape[d] >= 0 && stride[d] >= 0, "saved tensor view: negative size or stride");
     empty = empty || shape[d] == 0;
-    last += (shape[d] - 1) * stride[d];
+    overflow = overflow || __builtin_mul_overflow(std::max<int64_t>(shape[d] - 1, 0), stride[d], &step) ||
+               __builtin_add_overflow(last, step, &last);
   }
   const auto item = static_cast<int64_t>(c10::elementSize(dtype));
-  TORCH_CHECK_VALUE(offset >= 0 && (empty || (last + 1) * item <= static_cast<int64_t>(storage.nbytes())),
+  int64_t end = 0;   // bytes up to the last element's end
+  overflow = overflow || __builtin_add_overflow(last, int64_t{1}, &end) || __builtin_mul_overflow(end, item, &end);
+  TORCH_CHECK_VALUE(offset >= 0 && (empty || (!overflow && end <= static_cast<int64_t>(storage.nbytes()))),
                     "saved tensor view: sizes ", shape, ", strides ", stride, " and offset ", offset,
                     " reach past its storage of ", storage.nbytes(), " bytes");
   at::Tensor t =

@@ -246,10 +246,10 @@ def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
                 stacks.append((".".join(n for n in (names[id(part)], name) if n), layers))
         if len(stacks) == 2:
             return stacks
-    stacks = _torch_encoder_decoder(model)
-    if stacks:
-        return stacks
     name, layers = find_blocks(model)
+    stacks = _torch_encoder_decoder(model)
+    if stacks and layers and any(layers[0] is found[0] for _, found in stacks):
+        return stacks   # the model's main stack is one of an nn.Transformer's: both (not a small one inside)
     return [(name, layers)] if layers else []
 
 

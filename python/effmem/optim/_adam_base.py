@@ -62,4 +62,6 @@ class AdamBase(torch.optim.Optimizer):
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
         for group in self.param_groups:   # an OffloadAdam checkpoint from before __setstate__ dropped it
             group.pop("differentiable", None)
+            if "state_bits" in group:   # ZeroRedundancyOptimizer's copy of the keyword: the loading one's
+                group["state_bits"] = self.state_bits
         _validate.complete_groups(self)

@@ -139,6 +139,12 @@ class OffloadBuild:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand). keep
         (clip_grad_norm_ of gradients that wait for step()): they stay in p.grad too, as torch's clip leaves
         them, where torch.amp.GradScaler unscales and checks them; step() drops them there (_drop_clip_held)."""
+        held = self._clip_held
+        if held and all(self._params[i].grad is not g for i, (g, _) in held.items()):
+            # Every gradient a clip sent was replaced: the step it was for never came (GradScaler skipped it on
+            # an inf, or the loop did) and model.zero_grad() dropped them from p.grad, not from the engine,
+            # which would have summed them into this step's (or refused this step as changed since the clip)
+            self._drop_pending()
         if not keep:
             self._drop_clip_held()
         taken = []
@@ -157,6 +163,23 @@ class OffloadBuild:
         if taken:
             grads = [self._params[i].grad for i in taken]
             self._clip_held.update(zip(taken, zip(grads, torch._foreach_norm([_local(g) for g in grads]))))
+
+    def _drop_pending(self) -> None:
+        """The engine's pending gradients and this round's bookkeeping, dropped (zero_grad, without p.grad)."""
+        self._check_open()
+        self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
+        self._engine.zero_grad()
+        if self._resident_opt is not None:   # a clip factor not used goes with the gradients it came from
+            self._resident_opt._pending_grad_scale = {}
+        if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
+            self._sync_state()
+            self._note_unstepped_update()
+        self._clip_scale = 1.0
+        self._in_backward = False
+        self._streamed.clear()
+        self._clip_held.clear()
+        self._queued.clear()
+        self._plain_backwards = 0
 
     def _drop_clip_held(self) -> None:
         """The gradients clip_grad_norm_ sent and left in p.grad, dropped there, once checked unchanged: the

@@ -244,9 +244,9 @@ class OffloadGuards:
         self._check_steps()
         for i, (p, held) in enumerate(zip(self._params, self._local)):
             t = p._local_tensor if _validate.is_dtensor(p) else p
-            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape \
-                    and t.stride() == held.stride():   # p.data = p.data.t() of a square one: other elements
-                continue
+            if t.data_ptr() == held.data_ptr() and t.dtype == held.dtype and t.shape == held.shape and all(
+                    a == b for a, b, n in zip(t.stride(), held.stride(), t.shape) if n > 1):
+                continue   # (the strides of dims of size > 1: p.data = p.data.t() of a square one, other elements)
             changes = [f"{what} {a} -> {b}" for what, a, b in (
                 ("dtype", held.dtype, t.dtype), ("device", held.device, t.device),
                 ("shape", tuple(held.shape), tuple(t.shape)), ("strides", held.stride(), t.stride())) if a != b] \

@@ -432,22 +432,10 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks)."""
         super().zero_grad(set_to_none=set_to_none)
-        self._check_open()
-        self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
-        self._engine.zero_grad()
-        if self._resident_opt is not None:   # a clip factor not used goes with the gradients it came from
-            self._resident_opt._pending_grad_scale = {}
-        if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
-            self._sync_state()
-            self._note_unstepped_update()
-        self._clip_scale = 1.0
-        self._in_backward = False
-        self._streamed.clear()
-        self._clip_held.clear()
-        self._queued.clear()
-        self._plain_backwards = 0
+        self._drop_pending()
 
     # ------------------------------------------------------------------ checkpoints
+    # _drop_pending (zero_grad's engine half): _offload_build.OffloadBuild
     # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
     # attach() (async_step): _offload_forward.OffloadForward
 
