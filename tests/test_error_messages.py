@@ -114,3 +114,22 @@ def test_offload_engine_messages_hold_the_value():
             engine.grad_ready(0, torch.zeros(2, 4))
     finally:
         engine.close()
+
+
+def test_flags_and_empty_rows_of_the_python_entry_points():
+    """A string for a flag (bool("False") is True: stochastic rounding, grad_in_forward) and a 0 for a bool
+    were taken; a last dim of 0 failed inside reshape; unfuse(None) was an AttributeError."""
+    import effmem
+    from effmem import compress, ops
+    with pytest.raises(TypeError, match="stochastic: expected True or False, got 'False'"):
+        ops.quantize(torch.randn(4, 32), stochastic="False")
+    with pytest.raises(TypeError, match="stochastic: expected True or False"):
+        compress.compressed_linear(torch.randn(2, 32), torch.randn(3, 32), stochastic="no")
+    with pytest.raises(ValueError, match="grad_in_forward: expected None, True or False, got 1"):
+        effmem.linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]), grad_in_forward=1)
+    with pytest.raises(TypeError, match="model: expected an nn.Module, got NoneType"):
+        effmem.unfuse_linear_cross_entropy(None)
+    x, w = torch.randn(3, 0, requires_grad=True), torch.randn(5, 0, requires_grad=True)
+    out = compress.compressed_linear(x, w)
+    out.sum().backward()
+    assert out.shape == (3, 5) and torch.equal(out, torch.zeros(3, 5)) and w.grad.shape == (5, 0)

@@ -293,7 +293,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
 
 def check_grad_in_forward(choice) -> None:
     """linear_cross_entropy's (and fuse_linear_cross_entropy's) grad_in_forward: None, True or False."""
-    if choice not in (None, True, False):
+    if choice is not None and not isinstance(choice, bool):   # (1 == True: `in` let 0 and 1 through)
         raise ValueError(f"grad_in_forward: expected None, True or False, got {choice!r}")
 
 

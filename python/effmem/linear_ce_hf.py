@@ -368,6 +368,8 @@ def _fused_forward(original, head: nn.Module, *args, **kwargs):
 
 def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     """Undo fuse_linear_cross_entropy (in place; returns the model)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     base = _peft_base(model)
     if base is not None:
         unfuse_linear_cross_entropy(base)

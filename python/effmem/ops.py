@@ -168,7 +168,9 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
     # the overload itself, not the packet: resolving the packet costs about 7 us a call, as much as the op's
     # own dispatch (these run once per saved activation)
-    return _lib.quantize.default(x.contiguous(), int(bits), int(group_size), _seed_int64(seed), bool(stochastic))
+    if not isinstance(stochastic, bool):   # bool("False") is True
+        raise TypeError(f"stochastic: expected True or False, got {stochastic!r}")
+    return _lib.quantize.default(x.contiguous(), int(bits), int(group_size), _seed_int64(seed), stochastic)
 
 
 def _seed_int64(seed) -> int:

@@ -15,6 +15,7 @@ force a recompile, so compiled code uses seed 0 at every call (the rounding
 pattern repeats from step to step while the data changes).
 """
 import itertools
+import math
 from typing import Optional
 
 import torch
@@ -33,8 +34,15 @@ def _seed(seed: Optional[int]) -> int:
     return 0 if torch.compiler.is_compiling() else next(_SEEDS)
 
 
+def _check_config(bits: int, group_size: int, stochastic: bool) -> None:
+    _codec.check_config(bits, group_size)
+    if not isinstance(stochastic, bool):   # bool("False") is True
+        raise TypeError(f"stochastic: expected True or False, got {stochastic!r}")
+
+
 def _as_rows(x: Tensor) -> Tensor:
-    return x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    # rows counted, not -1: reshape cannot infer them for a last dim of 0 (F.linear takes that input)
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
 
 
 def _check_input(x: Tensor, name: str) -> None:
@@ -118,7 +126,7 @@ def compressed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
     Gradients: grad_input = grad @ weight (exact), grad_weight = grad^T @ x_hat
     (unbiased with stochastic rounding), grad_bias = grad summed over rows.
     """
-    _codec.check_config(bits, group_size)
+    _check_config(bits, group_size, stochastic)
     _check_input(x, "x")
     return _CompressedLinear.apply(x, weight, bias, bits, group_size, _seed(seed), stochastic, graph_handle(x))
 
@@ -126,7 +134,7 @@ def compressed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
 def compressed_gelu(x: Tensor, approximate: str = "none", *, bits: int = 8, group_size: int = 128,
                     stochastic: bool = True, seed: Optional[int] = None) -> Tensor:
     """F.gelu(x, approximate) whose backward keeps x quantised and differentiates GELU at x_hat."""
-    _codec.check_config(bits, group_size)
+    _check_config(bits, group_size, stochastic)
     _check_input(x, "x")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -138,7 +146,7 @@ class CompressedLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  bits: int = 8, group_size: int = 128, stochastic: bool = True):
-        _codec.check_config(bits, group_size)
+        _check_config(bits, group_size, stochastic)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
 
@@ -162,7 +170,7 @@ class CompressedGELU(nn.GELU):
 
     def __init__(self, approximate: str = "none", *, bits: int = 8, group_size: int = 128,
                  stochastic: bool = True):
-        _codec.check_config(bits, group_size)
+        _check_config(bits, group_size, stochastic)
         super().__init__(approximate=approximate)
         self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
 
