@@ -71,7 +71,8 @@ int run(bool eight, const std::string& dir) {
     const std::string at = std::to_string(i);
     const auto n = static_cast<size_t>(t.numel);
     const size_t blocks = static_cast<size_t>(effmem::adam8_blocks(t.numel));
-    bool ok = load(dir + "/p" + at, sizeof(P), n, t.offset, t.p) && load(dir + "/g" + at, sizeof(G), n, t.offset, t.g) &&
+    bool ok = load(dir + "/p" + at, sizeof(P), n, t.offset, t.p) &&
+              load(dir + "/g" + at, sizeof(G), n, t.offset, t.g) &&
               load(dir + "/m" + at, moment, n, t.offset, t.m) && load(dir + "/v" + at, moment, n, t.offset, t.v);
     if (master) ok = ok && load(dir + "/w" + at, 4, n, t.offset, t.w);
     if (eight) ok = ok && load(dir + "/ms" + at, 4, blocks, 0, t.ms) && load(dir + "/vs" + at, 4, blocks, 0, t.vs);
