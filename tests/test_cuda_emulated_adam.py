@@ -6,8 +6,6 @@ kernels bit for bit on what a GPU run would meet first: more tensors than one la
 36), tensors of several chunks and of odd sizes, empty ones, tensors one element off the vector path's
 alignment, bf16 and fp16 parameters and gradients, a gradient scale, and moments that overflow. Built with
 AddressSanitizer and UBSan where the compiler has them: every load and store inside its tensor."""
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import torch
 
 from effmem import ops
 from effmem.optim import _adam8
-from test_cuda_emulated import CODES, build
+from test_cuda_emulated import CODES, build, run
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, bias_correction=True)
 # sizes: one element, a part block, whole 256-blocks, a part warp's share, two chunks of 32768 and a part one
@@ -85,9 +83,7 @@ def emulated_step(emulator, tmp_path, ts, pdtype, gdtype, eight, inv_scale, offs
         for k in keys:
             raw(t[k]).tofile(tmp_path / f"{k}{i}")
     (tmp_path / "spec").write_text("\n".join(lines) + "\n")
-    r = subprocess.run([str(emulator), "adam8" if eight else "adam", CODES[pdtype], CODES[gdtype], str(tmp_path)],
-                       capture_output=True, text=True, env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"})
-    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-4000:]}"
+    run(emulator, "adam8" if eight else "adam", CODES[pdtype], CODES[gdtype], tmp_path)
     return [{k: read(tmp_path / f"{k}{i}", t[k]) for k in keys if k != "g"} for i, t in enumerate(ts)]
 
 

@@ -4,15 +4,13 @@ forward and backward and RMSNorm's elementwise end against the CPU kernels bit f
 delay_correction against its formula in float32 torch ops. None of them has run on a GPU yet; here their 16-byte
 and per-element paths, tails, rows and grid-stride loops are checked on every commit. (The GPU's bf16/fp16
 conversion instructions are replaced by the portable rounding here, as in tests/test_cuda_emulated.py.)"""
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from effmem.reference import sqrt32
-from test_cuda_emulated import CODES, build
+from test_cuda_emulated import CODES, build, run
 from test_cuda_emulated_adam import raw, read
 
 # sizes: a part pack, whole packs of every dtype, tails, and more elements than one pass of the grid's threads
@@ -24,12 +22,10 @@ def emulator(tmp_path_factory) -> Path:
     return build(tmp_path_factory, "elementwise_kernels")
 
 
-def run(emulator, tmp_path, op, dtype, n, h, offset, inputs, outputs):
+def run_op(emulator, tmp_path, op, dtype, n, h, offset, inputs, outputs):
     for name, t in inputs.items():
         raw(t).tofile(tmp_path / name)
-    r = subprocess.run([str(emulator), op, CODES[dtype], str(n), str(h), str(offset), str(tmp_path)],
-                       capture_output=True, text=True, env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"})
-    assert r.returncode == 0, f"{op} {n} {offset}: exit {r.returncode}: {r.stderr[-4000:]}"
+    run(emulator, op, CODES[dtype], n, h, offset, tmp_path)
     return [read(tmp_path / name, like) for name, like in outputs.items()]
 
 
@@ -51,9 +47,9 @@ def test_swiglu_kernels_match_the_cpu_bit_for_bit(emulator, tmp_path, dtype):
     for n in SIZES:
         for offset in (0, 1):
             g, u, dy = values(n, dtype, 1), values(n, dtype, 2).flip(0), values(n, dtype, 3)
-            (o,) = run(emulator, tmp_path, "swiglu", dtype, n, 1, offset, dict(g=g, u=u), dict(o=g))
+            (o,) = run_op(emulator, tmp_path, "swiglu", dtype, n, 1, offset, dict(g=g, u=u), dict(o=g))
             assert same(o, torch.ops.effmem.swiglu(g, u)), (n, offset)
-            dg, du = run(emulator, tmp_path, "swiglu_backward", dtype, n, 1, offset, dict(dy=dy, g=g, u=u),
+            dg, du = run_op(emulator, tmp_path, "swiglu_backward", dtype, n, 1, offset, dict(dy=dy, g=g, u=u),
                          dict(dg=g, du=g))
             want = torch.ops.effmem.swiglu_backward(dy, g, u)
             assert same(dg, want[0]) and same(du, want[1]), (n, offset)
@@ -67,7 +63,7 @@ def test_rms_norm_apply_kernel_matches_the_cpu_bit_for_bit(emulator, tmp_path, d
             x = values(rows * h, dtype, 4).view(rows, h)
             rstd = torch.rand(rows, generator=torch.Generator().manual_seed(5)) + 0.5
             w = values(h, dtype, 6)
-            (y,) = run(emulator, tmp_path, "rms_norm_apply", dtype, rows * h, h, offset, dict(x=x, rstd=rstd, w=w),
+            (y,) = run_op(emulator, tmp_path, "rms_norm_apply", dtype, rows * h, h, offset, dict(x=x, rstd=rstd, w=w),
                        dict(y=x))
             assert same(y, torch.ops.effmem.rms_norm_apply(x, rstd, w)), (rows, h, offset)
 
@@ -85,7 +81,7 @@ def test_delay_correction_kernel_matches_its_formula(emulator, tmp_path, dtype):
             r = (values(n, torch.float32, 8).abs() * 1e-2).to(r_dtype)
             g = values(n, dtype, 9)
             (tmp_path / "c").write_text(" ".join(repr(v) for v in c.values()))
-            (got,) = run(emulator, tmp_path, "delay_correction", dtype, n, 1, offset, dict(w=w, r=r, g=g), dict(w=w))
+            (got,) = run_op(emulator, tmp_path, "delay_correction", dtype, n, 1, offset, dict(w=w, r=r, g=g), dict(w=w))
             gs = g.float() * f(c["grad_scale"])
             gs = torch.where(gs.abs() <= torch.finfo(torch.float32).max, gs, torch.zeros_like(gs))
             rf = r.float()
