@@ -1,6 +1,10 @@
 """What ranks on one machine share in effmem plan's predictions: ZeRO-2 (FSDP2 without resharding after
 forward) keeps each rank's shard beside the gathered weights, and OffloadAdam's host update runs on the one
 host's cores for every rank at once (host memory already counted all ranks on one machine)."""
+import json
+import subprocess
+import sys
+
 import effmem
 from test_plan import TINY
 
@@ -39,8 +43,19 @@ def test_the_fused_loss_under_trainable_later_layers_only_is_counted_as_measured
     """--trainable naming a later layer alone: the one-layer copy traced for the fused loss trains nothing, and
     the unfused loss's increments it borrowed held the unfused logits (16.8 MB counted where the fused loss
     saves 72 kB: 18.1 MB predicted against 1.4 MB measured)."""
-    from effmem.plan.verify import verify
-    cfg = dict(TINY, vocab_size=8192, intermediate_size=128, num_hidden_layers=4)
-    p = effmem.plan(cfg, batch=2, seq=256, device="cpu", accum=1, trainable=r"layers\.3\.")
-    for r in verify(p, candidates=["bf16+mb2x1", "bf16+fused-ce+mb2x1"], steps=1, warmup=0):
-        assert abs(r["predicted_activation_bytes"] / r["measured_activation_bytes"] - 1) < 0.1, r
+    # In a process of its own: the CPU's measure is the process's malloc statistics, which a test run earlier in
+    # the same worker moved by 4.4 MB (20% here, twice in CI; never alone)
+    code = f"""
+import json, effmem
+from effmem.plan.verify import verify
+cfg = dict({TINY!r}, vocab_size=8192, intermediate_size=128, num_hidden_layers=4)
+p = effmem.plan(cfg, batch=2, seq=256, device="cpu", accum=1, trainable=r"layers\\.3\\.")
+rows = verify(p, candidates=["bf16+mb2x1", "bf16+fused-ce+mb2x1"], steps=1, warmup=0)
+print(json.dumps([[r["predicted_activation_bytes"], r["measured_activation_bytes"]] for r in rows]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2
+    for predicted, measured in rows:
+        assert abs(predicted / measured - 1) < 0.1, (predicted, measured)
