@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from effmem import ops
-from effmem.optim import _adam8, _validate
+from effmem.optim import _adam8, _adam_checks, _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._adam_entries import (_ENTRY_KEYS, _as_kept, _exact_float32_weights, _local, _match_layout,
                                         _restore_state)
@@ -237,8 +237,8 @@ class FusedAdam(AdamBase):
         # Every group's entries are checked (and an assigned one converted) before any is stepped: a refused
         # step changes nothing, and keeps its pending clip for the step that follows the fix.
         buckets = [self._buckets(group) for group in self.param_groups]
-        self._check_cpu_steps(buckets)
-        self._check_memory(buckets)
+        _adam_checks.cpu_steps(self, buckets)
+        self._memory_checked = _adam_checks.memory(buckets, self._memory_checked)
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
         clip, self._pending_clip = self._pending_clip, None
         if pending and clip is not None and inv_scale is not None:
@@ -304,41 +304,6 @@ class FusedAdam(AdamBase):
             elif self._lr_checked.get(gi) is not lr and not _capturing():
                 _validate.lr_value(lr, f"param_groups[{gi}]['lr']")
                 self._lr_checked[gi] = lr
-
-    def _check_cpu_steps(self, buckets) -> None:
-        """Step counts written in place into opt.state, on the CPU, before any bucket is stepped (the kernel
-        refuses them too, but only after the buckets before its own were updated). A CUDA count is the
-        kernel's to check: reading it here would cost a host sync per step; so are all under torch.compile
-        (a value read would break the graph)."""
-        if torch.compiler.is_compiling():
-            return
-        steps = [s for group in buckets for b in group.values() for s in b["steps"] if not s.is_cuda]
-        i = _validate.first_bad_count(torch.stack(steps)) if steps else None
-        if i is not None:
-            n = next(n for n, p in enumerate(p for g in self.param_groups for p in g["params"])
-                     if self.state.get(p, {}).get("step") is steps[i])
-            raise ValueError(f"FusedAdam: opt.state[p]['step'] of parameter {n} holds {float(steps[i])!r}; "
-                             "expected a whole number >= 0 (a step count)")
-
-    def _check_memory(self, buckets) -> None:
-        """Parameters given other memory since the last step (p.data = ...) checked as at construction, before
-        any is stepped: an expanded one was refused by the kernel after the buckets before its own were stepped
-        (step counts advanced), and one sharing another group's memory was stepped twice."""
-        if torch.compiler.is_compiling():   # (fake tensors have no data_ptr)
-            return
-        params = [w for group in buckets for b in group.values() for w in b["params"]]
-        memory = tuple((w.data_ptr(), w.stride()) for w in params)
-        if memory == self._memory_checked:
-            return
-        for w in params:
-            if w.is_sparse or not _validate.is_dense(w):
-                raise ValueError(f"FusedAdam: a parameter of shape {tuple(w.shape)} (strides {w.stride()}) is not "
-                                 "a dense tensor whose elements do not overlap (p.data = an expanded tensor?)")
-        try:
-            _validate.params([], params)
-        except ValueError as err:
-            raise ValueError(f"FusedAdam: {err} (p.data = another parameter's data?)") from None
-        self._memory_checked = memory
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple, Dict[str, List[Tensor]]]:
         """Params with a gradient, grouped by (device, param dtype, grad dtype): one kernel call each."""
