@@ -53,47 +53,56 @@ def test_a_refused_entry_changes_nothing_and_names_its_parameter(edit):
         assert torch.equal(p, b) and torch.equal(opt.state[p]["step"], s)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_moments_assigned_in_another_dtype_are_converted_as_offload_adam_converts_them(dtype):
+def same_in_both_optimizers(make, edit, key: str):
+    """Each optimizer made by make(optimizer) -> (opt, params), its entries changed by edit(opt, params) and
+    stepped: FusedAdam's parameters and state[key] equal OffloadAdam's, bit for bit. Returns FusedAdam's."""
     finals = []
     for optimizer in (effmem.FusedAdam, effmem.OffloadAdam):
-        opt, params = stepped(optimizer)
-        for p in params:
-            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].to(dtype)
-            opt.state[p]["step"] = int(opt.state[p]["step"])   # torch's checkpoints of old held a number
+        opt, params = make(optimizer)
+        edit(opt, params)
         opt.step()
-        finals.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg"].clone() for p in params])
+        finals.append([p.detach().clone() for p in params] + [opt.state[p][key].clone() for p in params])
         if optimizer is effmem.OffloadAdam:
             opt.close()
     for f, o in zip(*finals):
         assert f.dtype == o.dtype and torch.equal(f, o)
-    assert finals[0][3].dtype == torch.float32
+    return finals[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_moments_assigned_in_another_dtype_are_converted_as_offload_adam_converts_them(dtype):
+    def edit(opt, params):
+        for p in params:
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].to(dtype)
+            opt.state[p]["step"] = int(opt.state[p]["step"])   # torch's checkpoints of old held a number
+
+    fused = same_in_both_optimizers(stepped, edit, "exp_avg")
+    assert fused[3].dtype == torch.float32
+
+
+def stepped_8bit(optimizer):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(700, dtype=torch.bfloat16))]
+    opt = optimizer(params, lr=1e-2, state_bits=8)   # three blocks each: a strided scale is not contiguous
+    for grad in (1.0, 0.5):
+        for p in params:
+            p.grad = torch.full_like(p, grad)
+        if grad == 1.0:
+            opt.step()
+    return opt, params
 
 
 @pytest.mark.parametrize("edit", ["float64", "strided"])
 def test_8bit_scales_assigned_in_another_dtype_or_layout_are_converted_as_offload_adam_converts_them(edit):
     """FusedAdam handed them to the kernel, which refused them, where OffloadAdam converted them."""
-    finals = []
-    for optimizer in (effmem.FusedAdam, effmem.OffloadAdam):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(700, dtype=torch.bfloat16))]
-        opt = optimizer(params, lr=1e-2, state_bits=8)   # three blocks each: a strided scale is not contiguous
-        for grad in (1.0, 0.5):
-            for p in params:
-                p.grad = torch.full_like(p, grad)
-            if grad == 1.0:
-                opt.step()
+    def change(opt, params):
         for p in params:
             for key in ("exp_avg_scale", "exp_avg_sq_scale"):
                 scales = opt.state[p][key]
                 opt.state[p][key] = (scales.double() if edit == "float64" else
                                      torch.stack([scales, scales], 1)[:, 0])   # the same values, stride 2
-        opt.step()
-        finals.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg_scale"].clone() for p in params])
-        if optimizer is effmem.OffloadAdam:
-            opt.close()
-    for f, o in zip(*finals):
-        assert f.dtype == o.dtype and torch.equal(f, o)
+
+    same_in_both_optimizers(stepped_8bit, change, "exp_avg_scale")
 
 
 @pytest.mark.parametrize("optimizer", [effmem.FusedAdam, effmem.OffloadAdam])

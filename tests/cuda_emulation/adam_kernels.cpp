@@ -11,9 +11,9 @@
 // `offset` elements into a buffer of its own (an offset of 1 misaligns it for the vector path); the kernels'
 // results are written back to the same files.
 #include "host_shim.h"
+#include "raw_files.h"
 
 #include <fstream>
-#include <memory>
 #include <string>
 
 #include "cuda/adam8_kernel.cuh"
@@ -21,30 +21,6 @@
 namespace {
 
 using namespace effmem::cuda;
-
-// A tensor's values at an offset into a buffer of exactly offset + numel elements (the sanitizer sees
-// any access past it).
-struct Buffer {
-  std::vector<unsigned char> bytes;
-  size_t offset_bytes = 0, size = 0;
-  void* data() { return bytes.data() + offset_bytes; }
-};
-
-bool load(const std::string& path, size_t elem, size_t numel, size_t offset, Buffer& b) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return false;
-  b.bytes.assign((offset + numel) * elem, 0);
-  b.offset_bytes = offset * elem;
-  b.size = numel * elem;
-  f.read(reinterpret_cast<char*>(b.data()), static_cast<std::streamsize>(b.size));
-  return static_cast<size_t>(f.gcount()) == b.size;
-}
-
-bool store(const std::string& path, Buffer& b) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size));
-  return static_cast<bool>(f);
-}
 
 struct Tensor {
   int64_t numel;

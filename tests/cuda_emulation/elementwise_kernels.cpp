@@ -7,6 +7,7 @@
 // N elements of DTYPE (f32, bf16, f16; r of f16 weights is bf16), each tensor OFFSET elements into a buffer
 // of its own (1: off the 16-byte alignment of the vector path), raw values in and out.
 #include "host_shim.h"
+#include "raw_files.h"
 
 #include <fstream>
 #include <map>
@@ -19,43 +20,15 @@ namespace {
 using namespace effmem;
 using namespace effmem::cuda;
 
-struct Buffer {
-  std::vector<unsigned char> bytes;
-  size_t offset = 0, size = 0;
-  template <class T>
-  T* as() {
-    return reinterpret_cast<T*>(bytes.data() + offset);
-  }
-};
-
-Buffer make(size_t elem, size_t n, size_t offset) {
-  Buffer b;
-  b.bytes.assign((offset + n) * elem, 0);
-  b.offset = offset * elem;
-  b.size = n * elem;
-  return b;
-}
-
-bool load(const std::string& path, Buffer& b) {
-  std::ifstream f(path, std::ios::binary);
-  f.read(reinterpret_cast<char*>(b.bytes.data() + b.offset), static_cast<std::streamsize>(b.size));
-  return static_cast<size_t>(f.gcount()) == b.size;
-}
-
-bool store(const std::string& path, Buffer& b) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(reinterpret_cast<const char*>(b.bytes.data() + b.offset), static_cast<std::streamsize>(b.size));
-  return static_cast<bool>(f);
-}
-
 template <class T>
 int run(const std::string& op, int64_t n, int64_t h, size_t offset, const std::string& dir) {
   std::map<std::string, Buffer> t;
   auto in = [&](const std::string& name, size_t elem, size_t count) {
-    t[name] = make(elem, count, offset);
-    return load(dir + "/" + name, t[name]);
+    return load(dir + "/" + name, elem, count, offset, t[name]);
   };
-  auto out = [&](const std::string& name, size_t elem, size_t count) { t[name] = make(elem, count, offset); };
+  auto out = [&](const std::string& name, size_t elem, size_t count) {
+    t[name] = make_buffer(elem, count, offset);
+  };
   const auto un = static_cast<size_t>(n);
   if (op == "swiglu") {
     if (!in("g", sizeof(T), un) || !in("u", sizeof(T), un)) return 2;
