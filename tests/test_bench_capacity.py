@@ -67,14 +67,17 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert data["plans"]["tiny"]["measured"] == [r["candidate"] for r in rows]
 
 
+H100 = ("80GB", "128GiB")   # the limits the targets are stated for: --gpu-memory, --host-memory
+
+
 def test_targets_read_the_rows():
     rows = [dict(size="7b", status="ok", exact=True, state_bits=32, mfu=0.36, tokens_per_s=100.0, roles=["pick"]),
             dict(size="7b", status="ok", exact=False, state_bits=8, mfu=0.40, tokens_per_s=120.0, roles=["adam8"]),
             dict(size="13b", status="out of memory", exact=False, state_bits=8, roles=["pick"])]
-    t = {x["target"].split(" ")[0]: x for x in bench.targets(rows, smoke=False)}
+    t = {x["target"].split(" ")[0]: x for x in bench.targets(rows, False, *H100)}
     assert t["7B"]["met"] is True and t["7B"]["value"] == 0.36     # the 8-bit row does not count
     assert t["13B"]["met"] is False
-    pick7 = next(x for x in bench.targets(rows, smoke=False) if x["target"].startswith("7b:"))
+    pick7 = next(x for x in bench.targets(rows, False, *H100) if x["target"].startswith("7b:"))
     assert pick7["met"] is False and abs(pick7["value"] - 100 / 120) < 1e-12
 
 
@@ -84,12 +87,31 @@ def test_a_target_whose_run_failed_is_not_met():
     rows = [dict(size="7b", status="out of memory", exact=True, state_bits=32, roles=["pick"]),
             dict(size="7b", status="ok", exact=False, state_bits=8, mfu=0.40, tokens_per_s=120.0, roles=["adam8"]),
             dict(size="3b", status="ok", exact=True, state_bits=32, mfu=0.4, tokens_per_s=50.0, roles=["anchor"])]
-    t = bench.targets(rows, smoke=False)
+    t = bench.targets(rows, False, *H100)
     mfu = next(x for x in t if x["target"].startswith("7B"))
     assert mfu["met"] is False and mfu["value"] is None
     pick = {x["target"].split(":")[0]: x["met"] for x in t if "pick" in x["target"]}
     assert pick == {"7b": False, "3b": None}
-    assert next(x for x in bench.targets(rows[2:], smoke=False) if x["target"].startswith("7B"))["met"] is None
+    assert next(x for x in bench.targets(rows[2:], False, *H100) if x["target"].startswith("7B"))["met"] is None
+
+
+def test_targets_are_judged_only_within_the_memory_they_name():
+    """7B at MFU 0.5 on an H200's 150 GB, or 13B with 200 GB of host memory, say nothing of one H100 with 128 GiB
+    of host memory (n/a, with the reason; a 2026-11-27 H200 run read MET); a 13B run past 128 GiB of host
+    memory, or 13B asked for with no 8-bit run chosen, is NOT MET."""
+    rows = [dict(size="7b", status="ok", exact=True, state_bits=32, mfu=0.5, tokens_per_s=100.0, roles=["pick"]),
+            dict(size="13b", status="ok", exact=False, state_bits=8, tokens_per_s=50.0, roles=["pick"],
+                 host_peak_rss_bytes=120 << 30)]
+    t = {x["target"].split(" ")[0]: x for x in bench.targets(rows, False, "150GB", "200GB")}
+    assert t["7B"]["met"] is None and "80 GB" in t["7B"]["why"]
+    assert t["13B"]["met"] is None and "128 GiB" in t["13B"]["why"]
+    t = {x["target"].split(" ")[0]: x for x in bench.targets(rows, False, *H100)}
+    assert t["7B"]["met"] is True and t["13B"]["met"] is True and t["13B"]["value"] == 50.0
+    rows[1]["host_peak_rss_bytes"] = 130 << 30   # swapped or overcommitted past the host the target names
+    assert next(x for x in bench.targets(rows, False, *H100) if x["target"].startswith("13B"))["met"] is False
+    nothing = [dict(size="13b", candidate=None, roles=[], status="nothing predicted to fit", exact=False,
+                    state_bits=None)]
+    assert next(x for x in bench.targets(nothing, False, *H100) if x["target"].startswith("13B"))["met"] is False
 
 
 def test_a_smaller_gpu_memory_caps_the_allocator_there(monkeypatch):
