@@ -100,7 +100,13 @@ def main(argv=None) -> int:
         ap.error(f"--hidden: a multiple of 64 (heads of 64), got {args.hidden}")
     if args.tokens % 256:
         ap.error(f"--tokens: a multiple of 256 (sequences of 256), got {args.tokens}")
-    rows = {r: count(r, args) for r in args.rows.split(",")}
+    names = args.rows.split(",")
+    # the eager rows of bench_activations, each also with the "fast" policy's CUDA branches (_cuda_paths)
+    known = bench_activations.EAGER_ROWS + [r + "_cuda_paths" for r in bench_activations.EAGER_ROWS]
+    unknown = [r for r in names if r not in known]
+    if unknown:
+        ap.error(f"--rows: unknown {', '.join(unknown)} (expected some of {', '.join(known)})")
+    rows = {r: count(r, args) for r in names}
     base = rows.get("plain")
     for r, b in rows.items():
         print(f"{r:26s} {b / 1e6:9.1f} MB" + (f"  {b / base:.2f}x plain" if base else ""))

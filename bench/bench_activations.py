@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import environment, format_table, summarize, sync, time_calls, write_json  # noqa: E402
 # the instruments: peak sampling, saved-tensor counting, torch_sac's wrapping, the hooks' CPU time
 from activation_measure import (SacCaches, count_saves, hook_overhead, in_use, sampled_peak,  # noqa: E402
@@ -243,12 +244,12 @@ def targets(by, loss_tol):
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, one thread, 12 steps, eager rows")
     for flag in ("--batch", "--seq", "--layers"):  # defaults: TinyLlama's 8, 2048, 22 on CUDA; 4, 128, 3 (2 smoke)
-        ap.add_argument(flag, type=int)
-    ap.add_argument("--steps", type=int, help="training steps per row (default 200 on CUDA, 60 CPU, 12 smoke)")
-    ap.add_argument("--lr", type=float)
+        ap.add_argument(flag, type=common.count)
+    ap.add_argument("--steps", type=common.count, help="training steps per row (default 200 on CUDA, 60 CPU, 12 smoke)")
+    ap.add_argument("--lr", type=common.positive_float)
     ap.add_argument("--rows", help="comma-separated subset of " + ",".join(ROWS))
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="run the compiled rows (default: yes, but not with --smoke)")
@@ -259,6 +260,7 @@ def parse(argv):
                          "far from 0 after 200 steps, for the accuracy comparison)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    common.check_device(ap, args.device)
     if args.smoke:
         args.device = "cpu"
     gpu = torch.device(args.device).type == "cuda"
@@ -324,7 +326,8 @@ def run(args) -> int:
     rows = []
     for name in ROWS:
         if name not in wanted or (name in COMPILED_ROWS and not args.compile):
-            rows.append({"name": name, "skipped": "not in --rows" if name not in wanted else "--no-compile"})
+            rows.append({"name": name, "skipped": "not in --rows" if name not in wanted else
+                         "--smoke runs no compiled row" if args.smoke and not args.compile else "--no-compile"})
             continue
         try:
             row = run_row(name, base, batches, held_out, args, device)

@@ -35,7 +35,6 @@ import effmem
 from effmem import ops
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-BYTES_PER_PARAM = 28
 BYTES_MOVED = {"effmem bf16": 28, "baseline": 40, "torch fp32": 28, "effmem fp32": 28,
                "effmem bf16 adam8": 16 + 16 / 256}   # + a float32 scale per moment per 256 read and written
 DEFAULT_NUMEL = {"cpu": 32 << 20, "cuda": 256 << 20}
@@ -153,7 +152,7 @@ def run(device, numel, repeat, warmup):
         seconds = stats["median_ms"] / 1e3
         rows.append(dict(name=name, **stats, times_ms=[t * 1e3 for t in ts],
                          params_per_s=numel / seconds,
-                         gb_per_s=numel * BYTES_PER_PARAM / seconds / 1e9,
+                         gb_per_s=numel * BYTES_MOVED[name] / seconds / 1e9,   # its own bytes
                          bytes_moved_per_param=BYTES_MOVED[name]))
     by_name = {r["name"]: r for r in rows}
     for r in rows:
@@ -177,15 +176,15 @@ def _table(rows):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device(parser)
     parser.add_argument("--numel", type=common.count, help="parameters in all (default 32M on CPU, 256M on CUDA)")
     parser.add_argument("--repeat", type=common.count, default=15, help="timed steps per row (median reported)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row first")
+    parser.add_argument("--warmup", type=common.non_negative, default=3, help="untimed steps per row first")
     parser.add_argument("--isa", choices=["scalar", "avx2", "avx512"], help="effmem CPU vector unit")
     parser.add_argument("--threads", type=common.count, help="torch.set_num_threads (effmem follows it)")
     parser.add_argument("--json", help="write metadata and rows to this file")
     args = parser.parse_args(argv)
+    common.check_device(parser, args.device)
 
     device = torch.device(args.device)
     numel = args.numel or DEFAULT_NUMEL[device.type]
@@ -205,7 +204,7 @@ def main(argv=None):
           f"{env['effmem_cpu_isa']}, threads torch={env['torch_threads']} "
           f"effmem={env['effmem_cpu_threads']}, commit {env['git_commit'][:12]}")
     print(f"{numel / 1e6:.1f}M params in {len(shapes)} tensors; median of {args.repeat} steps "
-          f"after {args.warmup} warm-up; GB/s at {BYTES_PER_PARAM} B/param")
+          f"after {args.warmup} warm-up; GB/s from each row's own bytes per parameter")
     print(f"copy bandwidth (fp32 dst.copy_(src), read+write, timed in the same rounds): "
           f"{copy['gb_per_s']:.1f} GB/s\n")
     print(_table(rows))
@@ -217,7 +216,7 @@ def main(argv=None):
         common.write_json(args.json, {
             "benchmark": "adam_step", "env": env,
             "config": dict(numel=numel, repeat=args.repeat, warmup=args.warmup, lr=LR, betas=BETAS,
-                           eps=EPS, weight_decay=WEIGHT_DECAY, bytes_per_param=BYTES_PER_PARAM,
+                           eps=EPS, weight_decay=WEIGHT_DECAY, bytes_moved_per_param=BYTES_MOVED,
                            shapes=shapes),
             "copy_bandwidth": copy, "rows": rows, "targets": targets,
         })

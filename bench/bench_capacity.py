@@ -276,7 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=common.count, default=None, help="sequences per optimizer step (default 32)")
     ap.add_argument("--seq", type=common.count, default=None, help="tokens per sequence (default 2048)")
     ap.add_argument("--steps", type=common.count, default=3, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first allocates state)")
+    ap.add_argument("--warmup", type=common.non_negative, default=2,
+                    help="untimed steps first (the first allocates state)")
     ap.add_argument("--per-size", type=common.count, default=4, help="runs per size at most")
     ap.add_argument("--timeout", type=common.count, default=240, help="seconds allowed to each run")
     ap.add_argument("--gpu-memory", default=None, help="as effmem plan's (default: this GPU's); less than this "
@@ -319,9 +320,10 @@ def main(argv=None) -> int:
                                           "rows": rows, "targets": targets(rows, args.smoke, args.gpu_memory, args.host_memory),
                                           "partial": partial})
 
+    unknown = [size for size in args.sizes.split(",") if size not in sizes]
+    if unknown:   # before any run: a GPU run of minutes was lost to a typo in the last size
+        raise SystemExit(f"--sizes: unknown size {unknown[0]!r} (expected some of {', '.join(sizes)})")
     for size in args.sizes.split(","):
-        if size not in sizes:
-            raise SystemExit(f"--sizes: unknown size {size!r} (expected some of {', '.join(sizes)})")
         plan = plan_for(sizes[size], args)
         chosen = choose(plan, args.per_size)
         plans[size] = {"params": plan.params, "best": plan.best, "measured": [c[0] for c in chosen],

@@ -170,11 +170,11 @@ def gpt_step_bench(device, n_layer, d_model, seq_len, max_batch, repeat, warmup,
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device(parser)
     parser.add_argument("--numel", type=common.count, help="elements (default 16M on CPU, 256M on CUDA)")
     parser.add_argument("--bits", type=int, choices=[4, 8], default=8)
     parser.add_argument("--repeat", type=common.count, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=common.non_negative, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--json", help="write metadata and rows to this file")
     parser.add_argument("--gpt", action="store_true", help="also time GPT training steps with/without compression")
@@ -183,6 +183,7 @@ def main(argv=None):
     parser.add_argument("--gpt-seq-len", type=common.count, default=1024)
     parser.add_argument("--gpt-max-batch", type=common.count, default=256)
     args = parser.parse_args(argv)
+    common.check_device(parser, args.device)
     if args.numel is not None and args.numel < LAST_DIM:
         parser.error(f"--numel: expected at least {LAST_DIM} (whole rows of {LAST_DIM}), got {args.numel}")
     device = torch.device(args.device)

@@ -115,8 +115,8 @@ OPTIMIZERS = {"AdamW without momentum (beta1=0)": lambda ps: torch.optim.AdamW(p
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=common.count, default=400)
-    parser.add_argument("--warmups", type=int, nargs="*", default=[0, 50, 100, 200])
-    parser.add_argument("--correction-warmups", type=int, nargs="*", default=[0],
+    parser.add_argument("--warmups", type=common.non_negative, nargs="*", default=[0, 50, 100, 200])
+    parser.add_argument("--correction-warmups", type=common.non_negative, nargs="*", default=[0],
                         help="delay_correction=True runs, one per warm-up")
     parser.add_argument("--seeds", type=common.count, default=1,
                         help="repeat everything for this many initialisations and batch orders; print each "
@@ -129,13 +129,17 @@ def main(argv=None):
     parser.add_argument("--schedule", action="store_true", help="effmem demo's warm-up and cosine decay")
     parser.add_argument("--optimizers", action="store_true",
                         help="also torch's AdamW without momentum and SGD, each exact against one-step stale")
+    parser.add_argument("--json", help="write metadata, each run's final loss and the gaps to this file")
     args = parser.parse_args(argv)
+    if not 0 <= args.clip < float("inf"):   # checked here, not after the exact run has trained for minutes
+        parser.error(f"--clip: expected a finite number >= 0 (0: no clipping), got {args.clip}")
     warnings.simplefilter("ignore")
     corpus = torch.tensor(list(demo_model.stdlib_corpus(max_bytes=1 << 20)), dtype=torch.long)
-    gaps = {}
+    gaps, exacts, optimizers = {}, [], {}
     for seed in range(args.seeds):
         s = Setting(corpus, args.steps, args.schedule, seed, args.clip)
         exact = run_offload(s, False, 0)
+        exacts.append(exact)
         print(f"{args.steps} steps, {'warm-up + cosine' if args.schedule else 'constant'} learning rate, seed "
               f"{seed}; final loss (mean of the last 10): exact OffloadAdam {exact:.4f}", flush=True)
 
@@ -160,6 +164,12 @@ def main(argv=None):
             ref = run_torch(s, stale=False, make_opt=make)
             loss = run_torch(s, make_opt=make)
             print(f"  {name}: exact {ref:.4f}, one-step-stale {loss:.4f}  ({(loss - ref) / ref:+.1%})")
+            optimizers[name] = {"exact": ref, "one_step_stale": loss}
+    if args.json:
+        common.write_json(args.json, {"benchmark": "delay_warmup", "env": common.environment(torch.device("cpu")),
+                                      "config": vars(args), "exact_final_loss": exacts,
+                                      "relative_gap_to_exact": gaps, "optimizers": optimizers})
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

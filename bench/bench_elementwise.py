@@ -49,13 +49,14 @@ def cases(device, tokens: int, hidden: int, inter: int, dtype=torch.bfloat16):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device(ap)
     ap.add_argument("--tokens", type=common.count)
     ap.add_argument("--hidden", type=common.count, default=2048)
     ap.add_argument("--intermediate", type=common.count, default=5632)
     ap.add_argument("--repeat", type=common.count, default=20)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    common.check_device(ap, args.device)
     tokens = args.tokens or (16384 if args.device == "cuda" else 2048)
     copy_fn, copy_bytes = common.make_copy(args.device, 64 << 20)
     rows = []

@@ -278,13 +278,13 @@ def _torchao_offload(accum):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device(ap)
     ap.add_argument("--size", choices=sorted(llama.SIZES), default=None)
     ap.add_argument("--batch", type=common.count, default=None)
     ap.add_argument("--seq", type=common.count, default=None)
     ap.add_argument("--accum", type=common.count, default=None, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=common.count, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=common.non_negative, default=2)
     ap.add_argument("--clip", type=float, default=None,
                     help="clip by the global norm before every step, as LLM recipes do (the overlap mode cannot)")
     ap.add_argument("--device-state", type=float, default=DEVICE_STATE_SHARE,
@@ -292,6 +292,7 @@ def main(argv=None):
                          "(fp32 master, moments, gradient) that device_state may keep on the GPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    common.check_device(ap, args.device)
     cuda = args.device == "cuda"
     defaults = dict(size="1.3b", batch=8, seq=2048, accum=4) if cuda else dict(size="tiny", batch=4, seq=64, accum=2)
     for k, v in defaults.items():

@@ -10,7 +10,7 @@ policy), with per-layer checkpointing, with checkpointing of 8-bit layer inputs 
 trains `warmup` + `steps` steps of that configuration (plan.apply, effmem.plan.verify) and records the
 predicted allocated peak against torch.cuda.max_memory_allocated, and the predicted step time
 against the measured median. Targets (issue 11): median peak error <= 5%, worst <= 10%; per
-model and batch shape, the plan's pick among the four never runs out of memory and its measured
+model and batch shape, the plan's pick among the six never runs out of memory and its measured
 step is within 10% of the fastest measured one that fits. MET / NOT MET lines at the end. The JSON is
 written after every configuration, so a run cut off by the device's time limit keeps what it measured.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TINY_LLAMA, count, environment, write_json  # noqa: E402
+from common import TINY_LLAMA, count, environment, non_negative, write_json  # noqa: E402
 
 import effmem  # noqa: E402
 from effmem.plan.verify import verify  # noqa: E402
@@ -47,8 +47,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--steps", type=count, default=3, help="timed steps per configuration (their median)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: runs the loop, no targets")
+    ap.add_argument("--warmup", type=non_negative, default=2, help="untimed steps before them")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: runs the loop (its MET / NOT MET "
+                    "lines judge a tiny model's few configurations, not the issue's targets)")
     args = ap.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         print("bench_plan: needs a CUDA GPU (it compares predictions with torch.cuda.max_memory_allocated)")

@@ -5,6 +5,7 @@ Times are per call, in seconds. On CUDA each call is bracketed by CUDA events
 not counted); on CPU by time.perf_counter. Benchmarks report medians, which a
 noisy shared machine disturbs far less than means.
 """
+import argparse
 import datetime
 import json
 import os
@@ -175,6 +176,39 @@ TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num
 # argparse type of a count that must be at least 1 (steps, sizes): the CLI's own (0 fell back to a default in
 # some scripts and timed nothing in others)
 count = _positive_int
+
+
+def non_negative(text: str) -> int:
+    """argparse type of a count that may be 0 (warm-up steps): a negative one read as none, or divided by 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a rate (a learning rate): finite and > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def add_device(ap: argparse.ArgumentParser) -> None:
+    """--device cpu|cuda, by default cuda where a GPU is visible."""
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(ap: argparse.ArgumentParser, device: str) -> None:
+    """--device cuda without a GPU: argparse's message, not torch's traceback from the first CUDA call."""
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
 
 
 def write_json(path: str, payload: Dict[str, object]) -> None:

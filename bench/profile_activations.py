@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_activations import CPU_MODEL, GPU_MODEL, ROWS, SacCaches, progressions, setup  # noqa: E402
+import common  # noqa: E402
 from common import count, environment, write_json  # noqa: E402
 
 import effmem  # noqa: E402
@@ -62,7 +63,7 @@ def kernel_times(name, base, args, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device(ap)
     ap.add_argument("--rows", default="plain,effmem_fast,effmem_min")
     ap.add_argument("--layers", type=count)
     ap.add_argument("--batch", type=count)
@@ -70,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--top", type=count, default=15)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    common.check_device(ap, args.device)
     unknown = sorted(set(args.rows.split(",")) - set(ROWS))
     if unknown:   # setup() leaves a model it does not know as it is: a typo would be profiled as plain
         ap.error(f"--rows: unknown {unknown}; expected some of {ROWS}")
