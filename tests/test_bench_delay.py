@@ -4,6 +4,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))  # the benchmarks import their neighbour common.py
 
@@ -32,3 +34,20 @@ def test_host_update_prints_a_ratio_per_moment_format(capsys):
     out = capsys.readouterr().out
     assert len(re.findall(r"delay_correction=True .* (\d+\.\d+)x the same without it", out)) == 2
     assert len(re.findall(r"delay_correction=False .* ms", out)) == 2
+
+
+def test_both_write_json_with_the_environment(tmp_path):
+    """The README quotes both scripts' figures: their runs are kept as JSON with device, torch and commit, the
+    host update's rows with their bandwidth against a copy timed in the same rounds."""
+    import json
+    load("bench_host_update").main(["--numel", "4096", "--repeat", "2", "--json", str(tmp_path / "h.json")])
+    load("bench_delay_warmup").main(["--steps", "3", "--warmups", "0", "--correction-warmups",
+                                     "--json", str(tmp_path / "d.json")])
+    host, delay = (json.loads((tmp_path / f).read_text()) for f in ("h.json", "d.json"))
+    for data in (host, delay):
+        assert data["env"]["torch_version"] and data["env"]["git_commit"] and data["env"]["device_name"]
+    assert len(host["rows"]) == 4 and host["copy_gb_per_s"] > 0
+    for row in host["rows"]:
+        assert abs(row["bw_fraction"] - row["gb_per_s"] / host["copy_gb_per_s"]) < 1e-12
+        assert row["gb_per_s"] * row["median_ms"] / 1e3 * 1e9 == pytest.approx(row["bytes_per_element"] * 4096)
+    assert len(delay["exact_final_loss"]) == 1 and list(delay["relative_gap_to_exact"]) == ["delay, delay_warmup=0"]
