@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -31,6 +32,24 @@ def pytest_collection_modifyitems(config, items):
 # Device-generic tests run on both; the CUDA one is marked, so it is skipped
 # (and counted as skipped) without a GPU.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@contextlib.contextmanager
+def cpu_isa(name: str):
+    """effmem's CPU kernels of one vector unit within (scalar, avx2, avx512), the machine's choice after."""
+    import effmem
+    previous = effmem._C.cpu_isa()
+    effmem._C.set_cpu_isa(name)
+    try:
+        yield
+    finally:
+        effmem._C.set_cpu_isa(previous)
+
+
+def cpu_isas():
+    """The vector units this machine runs: each has kernels of its own (csrc/cpu/isa_*.cpp)."""
+    import effmem
+    return effmem._C.supported_cpu_isas().split(",")
 
 
 def same(a, b) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 import effmem
 from effmem import ops, reference
-from conftest import DEVICES
+from conftest import DEVICES, cpu_isa, cpu_isas
 
 SHAPES = [(1,), (7,), (4097,), (64, 33), (3, 5, 7)]
 LOW = [torch.bfloat16, torch.float16]
@@ -138,21 +138,17 @@ def snapshot(opt, params):
 
 
 @pytest.mark.parametrize("state_bits", [32, 8])
-@pytest.mark.parametrize("isa", effmem._C.supported_cpu_isas().split(","))
+@pytest.mark.parametrize("isa", [i for i in cpu_isas() if i != "scalar"])   # each against the scalar kernels
 def test_every_cpu_isa_gives_identical_bits(isa, state_bits):
     results = {}
-    previous = effmem._C.cpu_isa()
-    try:
-        for name in ("scalar", isa):
-            effmem._C.set_cpu_isa(name)
+    for name in ("scalar", isa):
+        with cpu_isa(name):
             torch.manual_seed(1)
             params = make_params(torch.bfloat16, "cpu", [(4097,), (70000,), (3, 5, 7)])
             params += make_params(torch.float16, "cpu", [(1000,)]) + make_params(torch.float32, "cpu", [(999,)])
             grads = [random_grads(params) for _ in range(3)]
             opt = run_fused(params, grads, lr=1e-2, weight_decay=0.1, state_bits=state_bits)
             results[name] = snapshot(opt, params)
-    finally:
-        effmem._C.set_cpu_isa(previous)
     for a, b in zip(results["scalar"], results[isa]):
         assert torch.equal(a, b)
 

@@ -179,7 +179,9 @@ def test_checkpoints_convert_between_float32_and_8bit_moments():
             ref = sd32["state"][i][key]
             scale = ref.abs().max()
             assert (back[key] - ref).abs().max() <= 0.03 * scale, key
-    # and back: an 8-bit checkpoint into a float32 optimizer holds the decoded moments exactly
+    # and back: an 8-bit checkpoint into a float32 optimizer holds the decoded moments exactly: as the load's
+    # own decode (_adam8.to_float) and, to 1e-6, as the square-law codes decode by hand in float64 (the load's
+    # decode is what to_float is, so comparing with it alone would pass a wrong decode)
     o32b = effmem.FusedAdam(m32.parameters(), lr=1e-2)
     o32b.load_state_dict(o8.state_dict())
     for p in m32.parameters():
@@ -187,6 +189,15 @@ def test_checkpoints_convert_between_float32_and_8bit_moments():
         assert torch.equal(o32b.state[p]["exp_avg"], dec["exp_avg"])
         assert torch.equal(o32b.state[p]["exp_avg_sq"], dec["exp_avg_sq"])
         assert o32b.state[p]["exp_avg"].dtype == torch.float32
+        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
+            codes = o8.state[p][key + "_codes"].reshape(-1).long()   # a contiguous parameter: blocks in order
+            scale = o8.state[p][key + "_scale"].double().repeat_interleave(256)[:codes.numel()]
+            if second:   # v = (scale * (k / 255)^2)^2
+                want = (scale * (codes.double() / 255) ** 2) ** 2
+            else:        # m = +-scale * ((k & 127) / 127)^2, the sign in bit 7
+                want = scale * ((codes & 127).double() / 127) ** 2 * torch.where(codes >= 128, -1.0, 1.0).double()
+            got = o32b.state[p][key].reshape(-1).double()
+            assert (want != 0).any() and torch.allclose(got, want, rtol=1e-6, atol=0), key
 
 
 @pytest.mark.parametrize("src,dst", [(32, 8), (8, 32), ("8 under torch's names", 32), (8, 8)])

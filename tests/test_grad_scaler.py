@@ -1,4 +1,5 @@
-"""torch.amp.GradScaler with effmem's optimizers, against torch's AdamW under the same scaler.
+"""torch.amp.GradScaler with effmem's optimizers: each against its own unscaled run bit for bit, and against
+torch's AdamW under the same scaler (test_the_scaled_runs_match_torch_adamw_under_the_same_scaler).
 
 FusedAdam takes the scale into its kernel (GradScaler's fused protocol). OffloadAdam with stream_grads=False
 keeps the gradients in p.grad until step(), so GradScaler's own path (unscale in place, skip step() on an
@@ -255,3 +256,31 @@ def test_offload_adam_after_a_skipped_step_and_model_zero_grad_trains_as_torch_a
         assert torch.equal(a, b)
     opt.close()
     ref.close()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["noclip", "clip"])
+def test_the_scaled_runs_match_torch_adamw_under_the_same_scaler(clip):
+    """The references above are effmem's own unscaled runs, so a fault both paths share would pass them:
+    torch.optim.AdamW under the same GradScaler (the inf step skipped, the clip after unscale_ by
+    torch.nn.utils.clip_grad_norm_) is the outside reference, to float32 rounding (other operation orders)."""
+    def torch_adamw(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)   # effmem's default
+        opt.clip_grad_norm_ = lambda max_norm: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+        return opt
+
+    runs = {}
+    for name, make in (("torch", torch_adamw), ("fused", lambda m: effmem.FusedAdam(m.parameters(), lr=1e-2)),
+                       ("offload", offload("default", stream_grads=False))):
+        m = model()
+        opt = make(m)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        train(m, opt, scaler, clip=clip)
+        assert scaler.get_scale() == 2.0 ** 9, name   # the inf step skipped
+        runs[name] = weights(m, opt) if name == "offload" else [p.detach().clone() for p in m.parameters()]
+        if name == "offload":
+            opt.close()
+    start = [p.detach().clone() for p in model().parameters()]
+    for name in ("fused", "offload"):
+        for a, b, s in zip(runs[name], runs["torch"], start):
+            assert not torch.equal(b, s) and torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+

@@ -8,7 +8,7 @@ import torch
 
 import effmem
 from effmem import ops, reference
-from conftest import DEVICES
+from conftest import DEVICES, cpu_isa, cpu_isas
 
 
 
@@ -19,6 +19,17 @@ def test_matches_float64_over_dtypes_and_sizes(device):
         ((200_003,), torch.bfloat16), ((0,), torch.float32), ((3, 5, 7), torch.float16)]]
     got = ops.l2norm(tensors)
     assert got.dtype == torch.float32 and got.shape == () and got.device.type == device
+    expected = reference.l2norm(tensors)
+    assert abs(got.item() - expected.item()) <= 1e-6 * expected.item()
+
+
+@pytest.mark.parametrize("isa", cpu_isas())
+def test_every_cpu_isa_matches_float64(isa):
+    """Each vector unit's own sum-of-squares kernel (the test above runs the machine's widest only)."""
+    tensors = [torch.randn(s).to(d) for s, d in [((7,), torch.bfloat16), ((4097,), torch.float16),
+                                                   ((300, 301), torch.float32), ((200_003,), torch.bfloat16)]]
+    with cpu_isa(isa):
+        got = ops.l2norm(tensors)
     expected = reference.l2norm(tensors)
     assert abs(got.item() - expected.item()) <= 1e-6 * expected.item()
 

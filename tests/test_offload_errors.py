@@ -39,21 +39,37 @@ def test_a_parameter_replaced_after_construction_is_refused(change):
 
 def test_strides_of_size_one_dims_are_no_change():
     """The stride check compares the dims that move: a (1, N) parameter viewed with another stride for its
-    size-1 dim holds its elements where it did."""
+    size-1 dim holds its elements where it did, and steps as a contiguous twin does under FusedAdam."""
     p = torch.nn.Parameter(torch.randn(1, 8))
+    twin = torch.nn.Parameter(p.detach().clone())
+    fused = FusedAdam([twin], **HP)
     with OffloadAdam([p], **HP) as opt:
         p.data = p.data.as_strided((1, 8), (1, 1))
-        p.grad = torch.ones(1, 8)
-        opt.step()
+        for step in range(2):
+            grad = torch.linspace(-1, 1, 8).reshape(1, 8) * (step + 1)
+            p.grad, twin.grad = grad.clone(), grad.clone()
+            opt.step()
+            fused.step()
+    assert not torch.equal(p, torch.zeros_like(p)) and torch.equal(p.detach(), twin.detach())
 
 
 def test_unchanged_parameters_train_as_before():
+    """The checks of replaced parameters refuse nothing that was not replaced: the model trains as a twin does
+    under FusedAdam, bit for bit."""
+    import copy
     model = tiny_gpt(torch.float32)
+    twin = copy.deepcopy(model)
+    fused = FusedAdam(twin.parameters(), **HP)
+    before = [p.detach().clone() for p in model.parameters()]
     with OffloadAdam(model.parameters(), **HP) as opt:
         for x, y in batches(3):
-            model(x, y)[1].backward()
-            opt.step()
-            opt.zero_grad()
+            for m, o in ((model, opt), (twin, fused)):
+                m(x, y)[1].backward()
+                o.step()
+                o.zero_grad()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))   # every one trained
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
 
 
 def _raise_in_backward(model):

@@ -110,8 +110,11 @@ def test_json_contract_and_pick_is_fastest_that_fits():
     assert d["candidates"][0]["why"].startswith("the pick: ") and "slower than the fastest that fits (within 3%" \
         in d["candidates"][0]["why"], d["candidates"][0]["why"]
     assert all(c["peak_bytes"] <= 0.95 * d["gpu_memory"] for c in fits)
-    assert any(not c["fits"] and "slower" not in c["why"] for c in d["candidates"]) or all(
-        c["fits"] for c in d["candidates"])
+    # every rejected candidate says why: the bytes it is short of, or what rules it out
+    rejected = [c for c in d["candidates"] if not c["fits"]]
+    assert rejected and all(c["why"].startswith("does not fit: needs ") and " GB over " in c["why"]
+                            or c["why"].startswith(("overlap mode rules out", "not possible here"))
+                            for c in rejected), [c["why"] for c in rejected]
 
 
 def test_a_smaller_gpu_rejects_what_does_not_fit_and_says_by_how_much():

@@ -12,7 +12,7 @@ import torch
 
 import effmem
 from effmem import ops, reference
-from conftest import DEVICES, same
+from conftest import DEVICES, cpu_isa, cpu_isas, same
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Round-to-nearest error bound in steps: half a step, plus 1/512 for the grid 256x finer than the step
@@ -99,18 +99,27 @@ def test_seeds_differ_and_repeat():
     assert not torch.equal(a, ops.quantize(x, seed=1 << 40)[0]), "the seed's high bits must matter"
 
 
-@pytest.mark.parametrize("isa", effmem._C.supported_cpu_isas().split(","))
-def test_every_cpu_isa_gives_identical_codes(isa):
-    x = sample((33, 1000), torch.bfloat16)
-    previous = effmem._C.cpu_isa()
-    try:
-        effmem._C.set_cpu_isa("scalar")
-        expected = ops.quantize(x, bits=4, group_size=128, seed=9)
-        effmem._C.set_cpu_isa(isa)
-        got = ops.quantize(x, bits=4, group_size=128, seed=9)
-    finally:
-        effmem._C.set_cpu_isa(previous)
-    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+@pytest.mark.parametrize("isa", cpu_isas())
+def test_every_cpu_isa_matches_reference_bit_for_bit(isa):
+    """Each vector unit's own quantize and dequantize kernels (csrc/cpu/isa_*.cpp; the rest of the suite runs
+    the machine's widest only): every dtype, width, group size and rounding against the reference."""
+    with cpu_isa(isa):
+        for dtype in DTYPES:
+            for bits in (4, 8):
+                for group_size in (32, 128, 256):
+                    for stochastic in (True, False):
+                        for shape in ((5, 300), (4097,), (33, 160)):
+                            x = sample(shape, dtype)
+                            codes, stats = ops.quantize(x, bits=bits, group_size=group_size, seed=9,
+                                                        stochastic=stochastic)
+                            ref_codes, ref_stats = reference.quantize(x, bits, group_size, 9, stochastic)
+                            where = (isa, dtype, bits, group_size, stochastic, shape)
+                            assert torch.equal(stats, ref_stats), where
+                            assert torch.equal(unpack(codes, bits, shape[-1]), ref_codes), where
+                            y = ops.dequantize(codes, stats, bits=bits, group_size=group_size, shape=shape,
+                                               dtype=dtype)
+                            ref = reference.dequantize(ref_codes, ref_stats, group_size, shape, dtype, bits)
+                            assert torch.equal(y, ref), where
 
 
 def roundtrip(x, bits=8, group_size=64, stochastic=False):
