@@ -97,14 +97,18 @@ def test_the_cpu_attention_kernel_is_the_one_torch_chooses(name, monkeypatch):
     """The CPU stand-in took flash attention for granted; torch 2.13 runs its math path (which keeps the
     weights) where key and value broadcast one head to the query's (Falcon), and the plan was 15% short there.
     The trace asks torch which kernel it runs: here made to answer math, as that torch did, the prediction
-    equals what the math kernel saves."""
+    equals what the math kernel saves, more than flash's; unpatched, the prediction equals what torch's own
+    choice saves (math for Falcon's layout on torch 2.13, flash on 2.14)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     cfg = OTHER_LAYOUTS["falcon"] if name == "falcon" else dict(_SMALL, model_type="llama")
+    chosen = sum(trace_spec(model_spec(cfg), 2, 32, torch.float32, "cpu").activations("none").values())
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: int(SDPBackend.FLASH_ATTENTION))
     flash = sum(trace_spec(model_spec(cfg), 2, 32, torch.float32, "cpu").activations("none").values())
     monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: int(SDPBackend.MATH))
     predicted = trace_spec(model_spec(cfg), 2, 32, torch.float32, "cpu").activations("none")
     monkeypatch.undo()
     m = real_model(cfg)
+    assert chosen == counted_saved_bytes(m, lambda: hf_call(m, 2, 32))
     with sdpa_kernel(SDPBackend.MATH):
         assert sum(predicted.values()) == counted_saved_bytes(m, lambda: hf_call(m, 2, 32)) > flash
 
