@@ -120,7 +120,9 @@ def git_commit() -> Dict[str, object]:
         # git, because such a copy may sit inside some other checkout (seen: a stale one).
         return {"commit": os.environ["EFFMEM_GIT_COMMIT"], "dirty": None, "commit_from": "EFFMEM_GIT_COMMIT"}
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
+    # the code's changes only: a result file a run before this one wrote into bench/results/ is no change to
+    # what is measured (every result of a session's runs read dirty after the first)
+    status = git("status", "--porcelain", "--", ".", ":(exclude)bench/results")
     return {"commit": commit or "unknown", "dirty": None if status is None else bool(status)}
 
 
