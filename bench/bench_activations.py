@@ -260,9 +260,9 @@ def parse(argv):
                          "far from 0 after 200 steps, for the accuracy comparison)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    common.check_device(ap, args.device)
-    if args.smoke:
+    if args.smoke:   # on the CPU whatever --device says
         args.device = "cpu"
+    common.check_device(ap, args.device)
     gpu = torch.device(args.device).type == "cuda"
     args.batch = args.batch or (8 if gpu else 4)
     args.seq = args.seq or (2048 if gpu else 128)

@@ -11,13 +11,13 @@ Rows (every one is AdamW, weight decay 0.01, over the same tensors):
   torch fp32      torch AdamW(fused=True) on fp32 params/grads (the reference)
   effmem fp32     fp32 params/grads, no masters, one effmem adam_step_ call
   effmem bf16 adam8  as effmem bf16 with 8-bit moments (state_bits=8): it moves 16 B/param
-                  (codes 2 read + 2 written instead of 16), so its GB/s at 28 is the rate of the
-                  step it stands in for, not bus traffic; on a CPU it is compute-bound
+                  (codes 2 read + 2 written instead of 16, plus a scale per 256 of each moment);
+                  on a CPU it is compute-bound
 
-GB/s always counts 28 bytes per parameter, the traffic of a fused bf16 step
-(grad 2, master/m/v read 12 and written 12, param 2) and equally of an fp32
-step (param/grad/m/v read 16, param/m/v written 12). The baseline really moves
-40 B/param (its casts add 12), so its GB/s is the useful rate, not bus traffic.
+GB/s counts each row's own bytes per parameter (BYTES_MOVED): 28 for a fused bf16 step (grad 2,
+master/m/v read 12 and written 12, param 2) and equally for an fp32 step (param/grad/m/v read 16,
+param/m/v written 12); 40 for the baseline (its casts add 12); 16.06 for 8-bit moments. Its fraction
+of the copy's bandwidth is then bus traffic against bus traffic.
 """
 import argparse
 import functools

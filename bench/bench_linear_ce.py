@@ -159,9 +159,13 @@ def main(argv=None):
     # choice, grad_in_forward=True the speed one (three products, a float32 weight-gradient buffer): the
     # issue's targets for each, so the JSON says which one meets which.
     for tag, row in (("fused", rows[2]), ("fused grad_in_forward=True", rows[4])):
+        # a peak process that failed (this row's or the unfused one's) does not meet the target; a peak too small
+        # to see is n/a
+        failed = {r["name"]: r["peak_error"] for r in (row, base) if "peak_error" in r}
+        peak_met = False if failed else None if row["peak_vs_unfused"] is None else row["peak_vs_unfused"] <= 0.03
         targets += [
             {"name": f"{tag} extra peak <= 3% of unfused", "measured": row["peak_vs_unfused"], "threshold": 0.03,
-             "met": None if row["peak_vs_unfused"] is None else row["peak_vs_unfused"] <= 0.03},
+             "met": peak_met, **({"failed": failed} if failed else {})},
             {"name": f"{tag} no slower than unfused eager", "measured": row["vs_unfused"], "threshold": 1.0,
              "met": row["vs_unfused"] <= 1.0},
         ]

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from effmem.cli import _positive_int
+from effmem.cli import _int_at_least, _positive_int
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,15 +180,8 @@ TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num
 count = _positive_int
 
 
-def non_negative(text: str) -> int:
-    """argparse type of a count that may be 0 (warm-up steps): a negative one read as none, or divided by 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+# argparse type of a count that may be 0 (warm-up steps): a negative one read as none, or divided by 0
+non_negative = _int_at_least(0)
 
 
 def positive_float(text: str) -> float:

@@ -98,7 +98,7 @@ def test_a_target_whose_run_failed_is_not_met():
 def test_targets_are_judged_only_within_the_memory_they_name():
     """7B at MFU 0.5 on an H200's 150 GB, or 13B with 200 GB of host memory, say nothing of one H100 with 128 GiB
     of host memory (n/a, with the reason; a 2026-11-27 H200 run read MET); a 13B run past 128 GiB of host
-    memory, or 13B asked for with no 8-bit run chosen, is NOT MET."""
+    memory, 13B asked for with no 8-bit run chosen, or 7B with no exact one, is NOT MET."""
     rows = [dict(size="7b", status="ok", exact=True, state_bits=32, mfu=0.5, tokens_per_s=100.0, roles=["pick"]),
             dict(size="13b", status="ok", exact=False, state_bits=8, tokens_per_s=50.0, roles=["pick"],
                  host_peak_rss_bytes=120 << 30)]
@@ -112,6 +112,10 @@ def test_targets_are_judged_only_within_the_memory_they_name():
     nothing = [dict(size="13b", candidate=None, roles=[], status="nothing predicted to fit", exact=False,
                     state_bits=None)]
     assert next(x for x in bench.targets(nothing, False, *H100) if x["target"].startswith("13B"))["met"] is False
+    # 7B asked for on 80 GB with no exact run chosen (none fits, or only 8-bit moments): NOT MET, not n/a
+    only8 = [dict(size="7b", status="ok", exact=False, state_bits=8, mfu=0.4, tokens_per_s=9.0, roles=["pick"])]
+    for rows7 in (only8, [dict(nothing[0], size="7b")]):
+        assert next(x for x in bench.targets(rows7, False, *H100) if x["target"].startswith("7B"))["met"] is False
 
 
 def test_a_smaller_gpu_memory_caps_the_allocator_there(monkeypatch):

@@ -283,4 +283,3 @@ def test_the_scaled_runs_match_torch_adamw_under_the_same_scaler(clip):
     for name in ("fused", "offload"):
         for a, b, s in zip(runs[name], runs["torch"], start):
             assert not torch.equal(b, s) and torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
-

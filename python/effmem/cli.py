@@ -397,14 +397,21 @@ def cmd_demo(args, parser) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """argparse type of a whole number >= minimum (steps, sizes: 1; warm-up steps: 0)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a number {'> 0' if minimum == 1 else f'>= {minimum}'}, "
+                                             f"got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
