@@ -325,3 +325,21 @@ def test_the_users_hooks_in_the_first_layer_are_warned_of():
     hooked.layers[0].fc1.register_forward_hook(lambda m, i, o: None)
     with pytest.warns(UserWarning, match=r"forward hooks inside the first layer \(on fc1\) run again"):
         hooked(x).backward()
+
+
+def test_a_layer_looped_on_its_own_output_is_refused_by_the_budget():
+    """ALBERT runs one shared layer through the model's depth: the budget counted it once, so its choice held
+    the layer's saves as many times as the loop ran (4 here, 12 in ALBERT-base), past the budget, silently.
+    Refused at the second run, naming the layer; "fast" compresses every run, and trains."""
+    cfg = transformers.AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                                    num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    m = transformers.AlbertForMaskedLM(cfg)
+    x = torch.randint(0, 100, (2, 16))
+    apply_activation_policy(m, memory_budget=0.5)
+    with pytest.raises(ValueError, match=r"albert_layer_groups.0 ran again on its own output .* policy='fast'"):
+        m(input_ids=x, labels=x)
+    remove_activation_policy(m)
+    apply_activation_policy(m, policy="fast")
+    m(input_ids=x, labels=x).loss.backward()
+    assert all(p.grad is not None for p in m.parameters() if p.requires_grad and p.dim() > 1)

@@ -33,6 +33,7 @@ import numbers
 import sys
 import time
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -199,6 +200,7 @@ class BudgetPolicy:
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
         self.offloader = Offloader()
         self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
+        self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output (a loop's next input)
 
     def latest(self) -> Optional[dict]:
         choice = self.choices.get(self.used)
@@ -265,7 +267,25 @@ class BudgetPolicy:
                 args, kwargs, compiled: bool = False):
         """The layer's forward under this shape's choice. compiled (inside a torch.compile'd model): each
         mode runs the layer as a compiled graph of its own (activations.compiled), "fast" and "offload"
-        with the selective checkpointing that makes the partitioner rebuild elementwise outputs."""
+        with the selective checkpointing that makes the partitioner rebuild elementwise outputs.
+
+        A layer run again on its own output (ALBERT's one shared layer, looped through the depth) is refused:
+        the budget counts each layer once, so its choice would hold that layer's saves as many times as the
+        loop runs, over the budget (12 times for ALBERT-base), silently."""
+        last = self._outputs.get(index)
+        if last is not None and last() is hidden:
+            raise ValueError(f"memory_budget: {name} ran again on its own output (one layer looped through the "
+                             "model's depth, as ALBERT's shared layer is): the budget counts each layer once, so "
+                             "its choice would hold more than the budget. Give a policy instead "
+                             "(apply_activation_policy(model, policy='fast' or 'min'), which compress every run)")
+        out = self._forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled)
+        first = out if isinstance(out, Tensor) else next((o for o in out if isinstance(o, Tensor)), None) \
+            if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
+        self._outputs[index] = None if first is None else weakref.ref(first)
+        return out
+
+    def _forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
+                 args, kwargs, compiled: bool):
         plain_fn = fast_fn = original
         if compiled:
             plain_fn, fast_fn = compiled_forward(original, selective=False), compiled_forward(original, selective=True)
