@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from effmem.cli import _int_at_least, _positive_int
+from effmem._args import int_at_least, positive_int
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,11 +177,11 @@ TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num
 
 # argparse type of a count that must be at least 1 (steps, sizes): the CLI's own (0 fell back to a default in
 # some scripts and timed nothing in others)
-count = _positive_int
+count = positive_int
 
 
 # argparse type of a count that may be 0 (warm-up steps): a negative one read as none, or divided by 0
-non_negative = _int_at_least(0)
+non_negative = int_at_least(0)
 
 
 def positive_float(text: str) -> float:

@@ -22,6 +22,7 @@ import torch
 
 import effmem
 from effmem import demo_model
+from effmem._args import positive_int
 from effmem.compress import compress_activations
 from effmem.demo_measure import ProgressBar, mib, rss_now_and_peak
 from effmem.info import collect_info, format_info
@@ -397,23 +398,6 @@ def cmd_demo(args, parser) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int):
-    """argparse type of a whole number >= minimum (steps, sizes: 1; warm-up steps: 0)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a number {'> 0' if minimum == 1 else f'>= {minimum}'}, "
-                                             f"got {value}")
-        return value
-    return parse
-
-
-_positive_int = _int_at_least(1)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="effmem", description="effmem: memory-efficient training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,plan}")
@@ -426,9 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = "default: %s on CPU, %s on GPU"
     for flag, key in [("--steps", "steps"), ("--layers", "layers"), ("--d-model", "d_model"),
                       ("--seq-len", "seq_len"), ("--batch-size", "batch_size")]:
-        demo.add_argument(flag, type=_positive_int, default=None,
+        demo.add_argument(flag, type=positive_int, default=None,
                           help=defaults % (CPU_DEFAULTS[key], GPU_DEFAULTS[key]))
-    demo.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default: d_model / 32)")
+    demo.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: d_model / 32)")
     demo.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when a GPU is visible)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: 0)")
     demo.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
