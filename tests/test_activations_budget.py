@@ -343,3 +343,36 @@ def test_a_layer_looped_on_its_own_output_is_refused_by_the_budget():
     apply_activation_policy(m, policy="fast")
     m(input_ids=x, labels=x).loss.backward()
     assert all(p.grad is not None for p in m.parameters() if p.requires_grad and p.dim() > 1)
+
+
+def test_no_loop_is_seen_across_forwards_or_in_a_layer_that_returns_its_input():
+    """The loop check forgets each forward's outputs at the next (a pre-hook on the model, removed with the
+    policy): a one-layer stack called again on its own output, and a layer returning its input (skipped) fed
+    the same inputs_embeds twice, were refused as loops."""
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True, dropout=0.0), 1,
+                                      enable_nested_tensor=False)
+    hooks = len(enc._forward_pre_hooks)
+    apply_activation_policy(enc, memory_budget=0.5)
+    h = torch.randn(2, 8, 32, requires_grad=True)
+    out = h
+    for _ in range(3):   # a recurrent loop over the model: each call is a forward of its own
+        out = enc(out)
+    out.sum().backward()
+    assert h.grad is not None
+    remove_activation_policy(enc)
+    assert len(enc._forward_pre_hooks) == hooks
+
+    m = llama(3)
+    skipped, real = m.model.layers[0], type(m.model.layers[0]).forward
+    # layer 0 returns its input (as a LayerDrop-style skip does), patched before the policy takes the forward
+    type(skipped).forward = lambda self, hidden_states, *a, **k: (
+        hidden_states if self is skipped else real(self, hidden_states, *a, **k))
+    try:
+        apply_activation_policy(m, memory_budget=0.5)
+        x = torch.randint(0, m.config.vocab_size, (2, 16))
+        e = m.get_input_embeddings()(x).detach()
+        for _ in range(2):
+            m(inputs_embeds=e, labels=x).loss.backward()
+    finally:
+        type(skipped).forward = real

@@ -147,3 +147,32 @@ def test_a_hidden_state_passed_under_another_keyword_is_refused_as_min_refuses_i
         model(torch.randn(2, 8, 32))
     with torch.no_grad():   # nothing saved: run as it is
         model(torch.randn(2, 8, 32))
+
+
+@pytest.mark.parametrize("first", [None, "tuple"])
+def test_a_layer_whose_first_output_is_not_the_hidden_state_is_refused_by_name(first):
+    """'min' takes a layer's first output as the hidden state: (None, y) failed with "'NoneType' object has no
+    attribute 'detach'" deep in the checkpoint; an empty tuple, with an IndexError."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return (None, self.lin(x)) if first is None else ()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                out = layer(x)
+                x = out[1] if out else x
+            return x
+
+    net = effmem.apply_activation_policy(Net(), policy="min")
+    got = "a tuple whose first entry is NoneType" if first is None else "an empty tuple"
+    with pytest.raises(TypeError, match=f"the layer returned {got}; expected a tensor"):
+        net(torch.randn(4, 8, requires_grad=True))

@@ -131,6 +131,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         if policy == "budget":
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
+            budget.forward_hook = model.register_forward_pre_hook(budget.new_forward)
         seeds = itertools.count()   # the rounding seeds of the layers the budget makes "min" (next_seed)
         for i, (name, layer) in enumerate(named):
             # on the layers too: found from a model that wraps this one or that it was unwrapped into (_record)
@@ -309,7 +310,10 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
         restore_layer(layer)
     for m in model.modules():   # the model given, or the one inside a wrapper that it was applied to
         m.__dict__.pop(_FAST, None)
-        m.__dict__.pop(_BUDGET, None)
+        budget = m.__dict__.pop(_BUDGET, None)
+        if budget is not None and budget.forward_hook is not None:
+            budget.forward_hook.remove()
+            budget.forward_hook = None
     restore_training_cache(model)
     return model
 

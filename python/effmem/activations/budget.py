@@ -200,7 +200,16 @@ class BudgetPolicy:
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
         self.offloader = Offloader()
         self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
-        self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output (a loop's next input)
+        self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output in this forward
+        self.forward_hook = None   # the model's forward pre-hook that forgets them (new_forward)
+
+    def new_forward(self, module, args) -> None:
+        """The model's forward pre-hook: the layers' outputs of an earlier forward forgotten, so that a model
+        called again on its own output (a recurrent loop over a one-layer stack) is not taken for a layer looped
+        inside one forward. Compiled, the hook is traced and does nothing: the layers run out of the graph
+        (activations._compiled_budget_layer), where the check still sees a loop inside one forward."""
+        if not torch.compiler.is_compiling():
+            self._outputs.clear()
 
     def latest(self) -> Optional[dict]:
         choice = self.choices.get(self.used)
@@ -281,7 +290,8 @@ class BudgetPolicy:
         out = self._forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled)
         first = out if isinstance(out, Tensor) else next((o for o in out if isinstance(o, Tensor)), None) \
             if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
-        self._outputs[index] = None if first is None else weakref.ref(first)
+        # a layer that returned its input (skipped, or a no-op) is no loop's step
+        self._outputs[index] = None if first is None or first is hidden else weakref.ref(first)
         return out
 
     def _forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],

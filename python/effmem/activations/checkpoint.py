@@ -256,8 +256,10 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         replay, tail["ran"] = "ran" in tail, True   # the forward's own run reads what it reads
         with _as_in_forward(layer, held) if replay else nullcontext():
             out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
-        if not isinstance(out, (Tensor, tuple)):
-            raise TypeError(f"compressed checkpointing: the layer returned {type(out).__name__}; expected a "
+        if not isinstance(out, (Tensor, tuple)) or isinstance(out, tuple) and not (out and isinstance(out[0], Tensor)):
+            got = type(out).__name__ if not isinstance(out, tuple) else (
+                "an empty tuple" if not out else f"a tuple whose first entry is {type(out[0]).__name__}")
+            raise TypeError(f"compressed checkpointing: the layer returned {got}; expected a "
                             "tensor (or a tuple whose first entry is the hidden state)")
         if isinstance(out, Tensor):
             return (out,)
