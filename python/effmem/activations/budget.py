@@ -288,10 +288,10 @@ class BudgetPolicy:
                              "its choice would hold more than the budget. Give a policy instead "
                              "(apply_activation_policy(model, policy='fast' or 'min'), which compress every run)")
         out = self._forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled)
-        first = out if isinstance(out, Tensor) else next((o for o in out if isinstance(o, Tensor)), None) \
-            if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
-        # a layer that returned its input (skipped, or a no-op) is no loop's step
-        self._outputs[index] = None if first is None or first is hidden else weakref.ref(first)
+        # the hidden state out: the output, or its first entry (as "min" takes it); a layer that returned its
+        # input (skipped, or a no-op) is no loop's step
+        first = out[0] if isinstance(out, tuple) and out else out
+        self._outputs[index] = weakref.ref(first) if isinstance(first, Tensor) and first is not hidden else None
         return out
 
     def _forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
