@@ -1,4 +1,5 @@
-"""The fused linear cross-entropy's bf16 products on the CPU (common/linear_ce.cpp, cpu_bf16_products).
+"""The fused linear cross-entropy on the CPU: its bf16 products (common/linear_ce.cpp, cpu_bf16_products), and
+the width of its chunks of tokens.
 
 Where the CPU has bf16 dot products (AVX512-BF16, AMX) and ATen's oneDNN is on, bf16 inputs take part in the
 products as they are (faster than float32 there: `bench/bench_linear_ce.py --device cpu --dtype bf16`);
@@ -40,3 +41,26 @@ def test_bf16_products_on_the_cpu_either_way(way):
         losses[onednn] = loss
     # the bf16 products round each logit to bf16 (as the unfused path does); float32 ones do not
     assert torch.equal(losses[True], losses[False]) != cpu_has_bf16_dot()
+
+
+def products(tokens: int, vocab: int, hidden: int, **kw) -> int:
+    """Matrix products linear_cross_entropy(grad_in_forward=True) runs on the CPU (three per chunk of tokens)."""
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    t = torch.randint(0, vocab, (tokens,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        linear_cross_entropy(h, w, t, grad_in_forward=True, **kw)
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm_", "aten::mm_out"))
+
+
+@pytest.mark.parametrize("tokens,vocab", [(600, 500), (9000, 300), (700, 300_000)])
+def test_cpu_token_chunk_is_what_the_plan_counts(tokens, vocab):
+    """The CPU's chunks are at least 256 tokens wide (its BLAS packs the weight again for every chunk: 128
+    took 1.12x the products' time of 256 at 2048 x 32000 x 512), 1/32 of the tokens past 8192, fewer where
+    128 MB of float32 logits would not hold them; effmem plan's gif_token_chunk counts the same."""
+    from effmem.plan.loss_buffers import gif_token_chunk
+    tb = gif_token_chunk(tokens, vocab, 16, "cpu")
+    assert tb == {600: 256, 9000: 280, 700: 104}[tokens]
+    default = products(tokens, vocab, 16)
+    assert default == 3 * -(-tokens // tb)
+    assert default == products(tokens, vocab, 16, token_chunk=tb)

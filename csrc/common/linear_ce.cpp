@@ -158,19 +158,22 @@ at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& rows, const 
 
 // Tokens per chunk of whole rows (linear_ce_forward_backward): 1/32 of them (the chunk's float32 logits
 // then take about 1% of what the unfused path's logits and their gradients hold, 12 bytes per logit), in
-// multiples of 8, at least 128 (thinner products run poorly: 64 rows took 1.15x the time of 128 on this
-// 2-core CPU at 2048 x 32000 x 512), at most kChunkBytes of float32 logits.
+// multiples of 8, at most kChunkBytes of float32 logits, and at least 128 on CUDA, 256 on the CPU. The CPU's
+// BLAS packs the whole weight again for each chunk's logits product (one pass over V x H per chunk), so
+// thin chunks run poorly there: the three products of a step at 2048 x 32000 x 512 in float32 took
+// 1267 ms in chunks of 128 tokens, 1128 ms of 256 and 1020 ms unchunked on this 2-core CPU (64 tokens:
+// 1.15x the time of 128). 256 tokens of a 128k vocabulary are also what kChunkBytes allows.
 //
 // Where a bf16/fp16 weight's gradient is summed in its float32 [V, H] buffer on CUDA, each chunk's product
 // reads and writes that buffer once (8 bytes per element) for 2 * tb FLOP per element: at the 256 tokens
 // the rule above gives a 128k vocabulary that traffic, not the products, set the time (an H100 does
 // about 200 FLOP per byte). There a chunk is at least min(2048, H / 2) tokens: its float32 logits then
 // take at most half the buffer's memory, which this way already costs.
-int64_t token_chunk_size(int64_t tokens, int64_t vocab, int64_t hidden_size, bool sums_in_buffer,
+int64_t token_chunk_size(int64_t tokens, int64_t vocab, int64_t hidden_size, bool on_cuda, bool sums_in_buffer,
                          int64_t requested) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(tokens, 1));
   const int64_t fit = std::max<int64_t>(8, kChunkBytes / (4 * vocab) / 8 * 8);
-  const int64_t share = std::max<int64_t>(128, tokens / 32 / 8 * 8);
+  const int64_t share = std::max<int64_t>(on_cuda ? 128 : 256, tokens / 32 / 8 * 8);
   int64_t tb = std::min(share, fit);
   if (sums_in_buffer) tb = std::max(tb, std::min<int64_t>(2048, hidden_size / 2 / 8 * 8));
   return std::max<int64_t>(1, std::min(tokens, tb));
@@ -260,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   const at::Tensor w = gemm_input(weight);   // hidden's dtype (check_args), so dz_dtype too
   const bool need_sum = label_smoothing > 0.0;
   const bool sums_in_buffer = want_w && hidden.is_cuda() && weight.scalar_type() != at::kFloat;
-  const int64_t tb = token_chunk_size(n, vocab, hidden.size(1), sums_in_buffer, token_chunk);
+  const int64_t tb = token_chunk_size(n, vocab, hidden.size(1), hidden.is_cuda(), sums_in_buffer, token_chunk);
   for (int64_t a = 0; a < n; a += tb) {
     const int64_t len = std::min(tb, n - a);
     const at::Tensor hb = h.narrow(0, a, len), tgt = target.narrow(0, a, len);
