@@ -215,7 +215,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             128k x 4096 in bf16, 0.92x the unfused path's time (recomputing: 1.25x) for 0.11x of its
             extra memory (recomputing: 0.013x). False: always recompute.
         token_chunk: with gradients made in forward, tokens per chunk of whole rows of logits; 0 chooses
-            1/32 of the tokens (at least 128, at most 128 MB of float32 logits; on CUDA, for a trained
+            1/32 of the tokens (at least 128 on CUDA, 256 on the CPU, where thinner products run poorly; at
+            most 128 MB of float32 logits; on CUDA, for a trained
             bf16/fp16 weight, at least min(2048, H / 2): each chunk reads and writes its float32 buffer).
 
     Logits and their softmax are computed in float32 from products that accumulate in float32
