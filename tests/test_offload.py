@@ -199,6 +199,34 @@ def test_failing_worker_raises_and_never_hangs():
         off.step()
 
 
+@pytest.mark.parametrize("mode", [{}, dict(delay=True)], ids=["plain", "delay"])
+def test_a_failed_worker_names_the_way_on_and_it_works(mode):
+    """Every call after a worker failure reports it, load_state_dict and a new optimizer over the same parameters
+    included: the message says what does work, and it does (close, then a checkpoint into a new optimizer)."""
+    model = tiny_gpt(torch.bfloat16)
+    off = OffloadAdam(model.parameters(), lr=1e-3, **mode)
+    data = batches(3)
+    model(*data[0])[1].backward()
+    off.step()
+    off.zero_grad()
+    saved = copy.deepcopy((model.state_dict(), off.state_dict()))
+    model(*data[1])[1].backward()
+    off._engine.fail_next_update("simulated failure")
+    with pytest.raises(RuntimeError, match=r"cannot go on: call close\(\).*into a new OffloadAdam"):
+        off.step()
+        off.flush()   # delay: the failure lands after step() returns
+    try:
+        off.close()
+    except RuntimeError as e:
+        assert mode and "simulated failure" in str(e)
+    model.load_state_dict(saved[0])
+    again = OffloadAdam(model.parameters(), lr=1e-3, **mode)
+    again.load_state_dict(saved[1])
+    model(*data[1])[1].backward()
+    again.step()
+    again.close()
+
+
 def _rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -193,3 +193,24 @@ def test_state_assigned_by_hand_drops_the_predictions_made_from_the_state_it_rep
     routed_loss(model, (0, *data[3][1:])).backward()   # no prediction from the replaced state
     assert torch.equal(weight, off.state[weight]["master"].bfloat16())
     off.close()
+
+
+def test_the_step_after_add_param_group_installs_its_weights():
+    """add_param_group builds the engine again, without predictions: the next step installs its weights at once,
+    as the first step and the first after a load do, not leaving the next forward one step stale (it did)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    extra = torch.nn.Parameter(torch.randn(4))
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, **HP)
+    x = torch.randn(4, 8)
+    installed = []
+    for k in range(4):
+        if k == 2:
+            off.add_param_group({"params": [extra]})
+        model(x).sum().backward()
+        before = model[0].weight.detach().clone()
+        off.step()
+        off.zero_grad()
+        installed.append(not torch.equal(before, model[0].weight))
+    assert installed == [True, False, True, False]
+    off.close()

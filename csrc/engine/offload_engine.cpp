@@ -23,13 +23,19 @@ constexpr int64_t kAlignElems = 32;
 
 // A worker failure, rethrown in every later call so that no caller goes on
 // with half-updated state.
+// Every later call reports the failure; the only way on is a new optimizer, which the message names (a
+// load_state_dict into this one is refused as well, and a new one over the same parameters until this is closed).
 [[noreturn]] void rethrow_worker_error(const std::exception_ptr& e) {
+  static const char* const kWayOut =
+      " [this optimizer cannot go on: call close() (with delay or async_step it reports this error once more, "
+      "and closes), then load the last checkpoint into the model and into a new OffloadAdam]";
   try {
     std::rethrow_exception(e);
   } catch (const c10::Error& err) {
-    throw std::runtime_error(std::string("OffloadAdam: the update worker failed: ") + err.what_without_backtrace());
+    throw std::runtime_error(std::string("OffloadAdam: the update worker failed: ") + err.what_without_backtrace() +
+                             kWayOut);
   } catch (const std::exception& err) {
-    throw std::runtime_error(std::string("OffloadAdam: the update worker failed: ") + err.what());
+    throw std::runtime_error(std::string("OffloadAdam: the update worker failed: ") + err.what() + kWayOut);
   }
 }
 

@@ -1,8 +1,8 @@
 """OffloadAdam's engine and its layout (a mixin of OffloadAdam): built over every parameter of every group,
 built again over all of them when a group is added (the state carried over exactly), the state views torch's
 optimizer API hands out, the fp32 masters read from the parameters at their first use, and what the engine takes
-from the optimizer at a step besides the hooks' gradients (the groups' hyper-parameters, gradients left in
-p.grad)."""
+from the optimizer: the gradients the hooks hand over, and at a step the groups' hyper-parameters and gradients
+left in p.grad."""
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -79,6 +79,7 @@ class OffloadBuild:
         self._restore(saved, steps)
         self._sync_state()
         self._masters_pending.update(range(len(saved), len(self._params)))
+        self._exact_next = True   # delay_correction: the new engine holds no prediction to run the next forward on
         self._reattach()  # async_step after attach(): the new parameters' modules need installers too
 
     def _restore(self, saved, steps: Tensor) -> None:
@@ -134,6 +135,49 @@ class OffloadBuild:
                                    weight_decay=float(group["weight_decay"]),
                                    decoupled=bool(group["decoupled_weight_decay"]),
                                    bias_correction=bool(group["bias_correction"]))
+
+    @torch.no_grad()
+    def _hand_off(self, p: Tensor) -> None:
+        i = self._index[p]
+        g = p.grad
+        if _validate.is_dtensor(g) and g.placements != p.placements:
+            g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
+        try:
+            self._send(i, _local(g))
+        except Exception:
+            raise   # refused: the gradient stays in p.grad
+        except BaseException:   # Ctrl-C as the engine's call returned (see _send): the engine holds it
+            if i in self._queued:
+                p.grad = None   # else the next clip or step() hands it over again, counted twice
+            raise
+        p.grad = None
+
+    def _send(self, i: int, g: Tensor) -> None:
+        """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
+        local_p = self._local[i]
+        g = _validate.grad_like(local_p, g)
+        if g.dtype != local_p.dtype:   # set by hand (grad_dtype=None), or autograd's under a grad_dtype
+            if local_p.dtype != torch.float32 and getattr(self._params[i], "grad_dtype", None) is not None:
+                raise ValueError(
+                    f"OffloadAdam: parameter {i} (shape {tuple(local_p.shape)}) has grad_dtype {g.dtype}, not its "
+                    f"own {local_p.dtype}: the engine takes gradients in the parameter's dtype and sums "
+                    "micro-batches there, so the gradient would be rounded. Leave grad_dtype unset, or use FusedAdam")
+            g = g.to(local_p.dtype)  # the staging holds the parameter's dtype (float32: exact)
+        if self._overlap or self._delay:
+            # first: a backward after one that raised (the loop never reached zero_grad) is judged before its
+            # gradients land, where the engine refused a parameter the failed one had queued (a message naming
+            # micro-batches and no way out)
+            self._track_backward()
+        # Counted first: in delay mode grad_ready waits, without the GIL, for the previous update, and a Ctrl-C
+        # meanwhile lands as it returns, the gradient taken
+        queued = i in self._queued   # (an earlier micro-batch's)
+        self._queued.add(i)
+        try:
+            self._engine.grad_ready(i, g)
+        except Exception:
+            if not queued:
+                self._queued.discard(i)   # refused: not taken
+            raise
 
     def _take_leftover_grads(self, keep: bool = False) -> None:
         """Gradients that reached p.grad without the hooks (FSDP2, stream_grads=False, set by hand). keep

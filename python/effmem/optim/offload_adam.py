@@ -71,8 +71,10 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             The math is unchanged, but (1) a bucket's update uses the
             hyper-parameters (lr...) as they were when backward began, so
             change them before ``backward()``, not between it and ``step()``;
-            (2) parameters change during backward, after their last use by
-            it, and are whole again only once ``step()`` (or
+            (2) parameters change during backward, once their gradient is
+            complete (a use that takes no gradient, ``w.detach()``, later in
+            the same backward reads the new weights: use the default or
+            ``async_step``), and are whole again only once ``step()`` (or
             ``zero_grad()``) returns: do not read them in between; (3) it
             rules out clipping by global norm (``clip_grad_norm_`` raises:
             the norm needs every gradient before any update) and
@@ -86,8 +88,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             and returns at once; the update runs during the next step's
             forward and backward passes, and each parameter's new weights
             are copied in during the next step's last backward (the one not
-            inside ``accumulating()``), as soon as it is done with the
-            parameter. This hides the CPU update behind a whole step of
+            inside ``accumulating()``), as soon as its gradient is complete
+            (a detached use of it later in that backward reads them). This hides the CPU update behind a whole step of
             forward and backward, but changes the math: the next step still
             runs on the weights before this update, so each gradient is one
             step stale (the update of step k applies the gradient taken at
@@ -297,34 +299,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
                 self._sync_groups()
             self._in_backward = True
 
-    @torch.no_grad()
-    def _hand_off(self, p: Tensor) -> None:
-        i = self._index[p]
-        g = p.grad
-        if _validate.is_dtensor(g) and g.placements != p.placements:
-            g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
-        self._send(i, _local(g))
-        p.grad = None
-
-    def _send(self, i: int, g: Tensor) -> None:
-        """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
-        local_p = self._local[i]
-        g = _validate.grad_like(local_p, g)
-        if g.dtype != local_p.dtype:   # set by hand (grad_dtype=None), or autograd's under a grad_dtype
-            if local_p.dtype != torch.float32 and getattr(self._params[i], "grad_dtype", None) is not None:
-                raise ValueError(
-                    f"OffloadAdam: parameter {i} (shape {tuple(local_p.shape)}) has grad_dtype {g.dtype}, not its "
-                    f"own {local_p.dtype}: the engine takes gradients in the parameter's dtype and sums "
-                    "micro-batches there, so the gradient would be rounded. Leave grad_dtype unset, or use FusedAdam")
-            g = g.to(local_p.dtype)  # the staging holds the parameter's dtype (float32: exact)
-        if self._overlap or self._delay:
-            # first: a backward after one that raised (the loop never reached zero_grad) is judged before its
-            # gradients land, where the engine refused a parameter the failed one had queued (a message naming
-            # micro-batches and no way out)
-            self._track_backward()
-        self._engine.grad_ready(i, g)
-        self._queued.add(i)
-
     def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
         """Under DDP, hand each bucket's gradients to the engine as soon as its all-reduce completes.
 
@@ -413,22 +387,34 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # delay_correction: a flush since backward replaced the prediction, so this step's weights go up at
         # once; no prediction for a warm-up step's backward (its synchronize supersedes it)
         replaced = self._delay_correction and self._engine.prediction_replaced()
-        self._engine.step(scale, predict=self._step_count + 2 > self._delay_warmup)
-        # the engine writes their memory: a graph that saved one before now refuses a backward, as after torch's
-        torch.autograd.graph.increment_version([self._local[i] for i in self._queued])
         try:
+            self._engine.step(scale, predict=self._step_count + 2 > self._delay_warmup)
+        except Exception:
+            raise   # refused, or a worker failed: no step taken
+        except BaseException:
+            # Ctrl-C: the engine runs without the GIL and checks no signals, so a KeyboardInterrupt lands as its
+            # call returns, the step taken; skipping the bookkeeping left the next backward on the old settings
+            self._step_taken(replaced)
+            raise
+        self._step_taken(replaced)
+        return loss
+
+    def _step_taken(self, replaced: bool) -> None:
+        """step()'s bookkeeping once the engine took the step. replaced: a flush replaced the prediction."""
+        try:
+            # the engine writes their memory: a graph that saved one before now refuses a backward, as torch's
+            torch.autograd.graph.increment_version([self._local[i] for i in self._queued])
             self._sync_state(self._queued)
         finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
             self._queued.clear()
             self._step_count += 1
-        exact, self._exact_next = (self._exact_next or replaced) and self._delay_correction, False
+            exact, self._exact_next = (self._exact_next or replaced) and self._delay_correction, False
+            self._in_backward = False
+            self._streamed.clear()
+            self._plain_backwards = 0
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._engine.synchronize()
-        self._in_backward = False
-        self._streamed.clear()
-        self._plain_backwards = 0
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks)."""
