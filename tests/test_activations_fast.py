@@ -261,6 +261,29 @@ def test_autocast_copies_of_rebuilt_outputs_are_rebuilt_too(which):
         assert (b - a).norm() <= 0.06 * a.norm() + 1e-6
 
 
+@pytest.mark.parametrize("autocast", [True, False], ids=["fp32-autocast", "bf16"])
+def test_frozen_weights_and_their_autocast_copies_are_kept_as_they_are(autocast):
+    """LoRA-style: the projections' weights frozen. A frozen weight, and autocast's copy of one (made for each
+    use: autocast caches only copies of weights that take a gradient), has no autograd history; they were
+    stored as 8-bit codes under autocast (21 of them here), where a trained weight's are kept: the rounding of a
+    weight in every input gradient. Now they count as a trained weight's do."""
+    x = ids(batch=2, seq=48)   # 96 tokens: no activation has a weight's shape
+    dtype = torch.float32 if autocast else torch.bfloat16
+    stats = {}
+    for frozen in (False, True):
+        model = llama(dtype)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not (frozen and "proj" in name))
+        apply_activation_policy(model, "fast")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss_of(model, x)
+        stats[frozen] = activation_stats(model)
+    assert stats[True].num_compressed == stats[False].num_compressed
+    assert stats[True].total_bytes_after == stats[False].total_bytes_after
+    if autocast:   # (a bf16 model's linear layers hand their weight over as it is, never through the hooks)
+        assert stats[True].skipped["parameter_copy"].count == 3 * 7   # q k v o gate up down, in 3 layers
+
+
 @pytest.mark.cuda
 def test_layer_norm_under_cuda_autocast_matches_the_module():
     """CUDA's autocast runs layer norm in float32 over copies of its bf16 inputs: the fused function does

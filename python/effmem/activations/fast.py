@@ -259,8 +259,14 @@ _CAST_OR_VIEW = ("ToCopyBackward", "TBackward", "ViewBackward", "UnsafeViewBackw
 
 def _is_parameter_copy(t: Tensor) -> bool:
     """Whether t's history is a parameter cast or viewed (autocast's weight copies): up to three
-    cast/view nodes back to a gradient accumulator."""
+    cast/view nodes back to a gradient accumulator. (Only 2-D saves of a layer's weight shape, or its
+    transpose, are asked.) A frozen weight, a copy of one (autocast caches only copies of weights that take a
+    gradient, so it makes one per use) and a view of either have no history at all: a save without history is
+    taken as one. Anything else such a save could be, an activation of exactly a weight's shape made from
+    inputs that take no gradient, is then kept in full: more memory, never a wrong gradient."""
     fn = t.grad_fn
+    if fn is None and not t.requires_grad:
+        return True
     for _ in range(3):
         if fn is None:
             return False
