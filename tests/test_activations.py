@@ -305,6 +305,21 @@ def test_a_model_under_a_policy_pickles(policy):
     assert torch.equal(back(input_ids=x, labels=x).loss, m(input_ids=x, labels=x).loss)
 
 
+@pytest.mark.parametrize("policy", ["fast", "min", "selective", "budget"])
+def test_nn_data_parallel_replication_is_refused_and_allowed_again_once_removed(policy):
+    """Each layer's policy forward is bound to the original layer, and nn.DataParallel's replicas copy the layer's
+    __dict__: every replica would run the original (another GPU's inputs on the first GPU's weights). torch's
+    replicate calls _replicate_for_data_parallel on every module, as here."""
+    m = llama()
+    m = apply_activation_policy(m, memory_budget=0.5) if policy == "budget" else apply_activation_policy(m, policy)
+    with pytest.raises(RuntimeError, match="cannot be replicated by torch.nn.DataParallel"):
+        for module in m.modules():
+            module._replicate_for_data_parallel()
+    remove_activation_policy(m)
+    replicas = [module._replicate_for_data_parallel() for module in m.modules()]
+    assert all("forward" not in r.__dict__ for r in replicas)
+
+
 def mixtral():
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

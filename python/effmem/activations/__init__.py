@@ -146,6 +146,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                 layer.forward = functools.partial(_budget_layer_forward, layer, layer.forward, budget, i,
                                                   name, param_shapes(layer))
             layer._effmem_policy = policy
+            layer._replicate_for_data_parallel = _no_replicas
         return model
     seeds = itertools.count()   # "min": the rounding seeds of this model's layers (next_seed)
     for layer in layers:
@@ -155,7 +156,17 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             layer._effmem_patched = paths.patch(layer)
         checkpoint_layer(layer, bits=bits if policy == "min" else None, group_size=group_size,
                          selective=policy == "selective", seeds=seeds)
+        layer._replicate_for_data_parallel = _no_replicas
     return model
+
+
+def _no_replicas():
+    """nn.DataParallel's replicas copy each layer's __dict__, and with it the policy's forward, bound to the
+    original layer: every replica would run it, on another GPU's inputs (a device mismatch at best)."""
+    raise RuntimeError("apply_activation_policy: a model under an activation policy cannot be replicated by "
+                       "torch.nn.DataParallel (transformers' Trainer uses it on several GPUs when not started by "
+                       "torchrun or accelerate launch): run one process per GPU (torchrun, "
+                       "DistributedDataParallel), or remove_activation_policy(model) first")
 
 
 def _hidden(args, kwargs):
@@ -305,6 +316,8 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
                     "policy's forward: remove that wrapper first (accelerate: remove_hook_from_module), then the "
                     "policy")
     for layer in every:
+        if layer.__dict__.get("_replicate_for_data_parallel") is _no_replicas:
+            del layer._replicate_for_data_parallel
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         relu.unpatch(layer)   # a function it holds (paths.patch)
         restore_layer(layer)
