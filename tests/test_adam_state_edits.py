@@ -53,6 +53,27 @@ def test_a_refused_entry_changes_nothing_and_names_its_parameter(edit):
         assert torch.equal(p, b) and torch.equal(opt.state[p]["step"], s)
 
 
+def test_a_parameter_whose_data_changed_dtype_or_shape_is_converted_or_refused_before_any_step():
+    """p.data replaced after a step (model.to(torch.bfloat16), a resize): the entry, unchanged itself, was taken as
+    checked, and the kernel refused it only after the other group had stepped and every step count advanced,
+    naming no parameter (a reviewer's repro). A new dtype is converted as an assigned entry is; a new shape
+    refused, naming the parameter, with nothing changed."""
+    opt, params = stepped()
+    params[2].data = torch.randn(7, dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    with pytest.raises(ValueError, match=r"parameter 2\['exp_avg'\]: expected shape \(7,\)"):
+        opt.step()
+    for p, b, s in zip(params, before, steps):
+        assert torch.equal(p, b) and torch.equal(opt.state[p]["step"], s)
+    opt, params = stepped()
+    params[1].data = params[1].data.bfloat16()
+    opt.step()
+    master = opt.state[params[1]]["master"]
+    assert master.dtype == torch.float32 and torch.equal(params[1], master.bfloat16())
+    assert all(float(opt.state[p]["step"]) == 2 for p in params)
+
+
 def same_in_both_optimizers(make, edit, key: str):
     """Each optimizer made by make(optimizer) -> (opt, params), its entries changed by edit(opt, params) and
     stepped: FusedAdam's parameters and state[key] equal OffloadAdam's, bit for bit. Returns FusedAdam's."""

@@ -122,20 +122,24 @@ def test_training_resumes_from_weights_loaded_after_the_optimizers_checkpoint(cl
 
 
 @pytest.mark.parametrize("cls", [FusedAdam, OffloadAdam])
-def test_a_master_carried_through_torchs_adamw_is_not_trusted(cls):
-    """FusedAdam -> AdamW -> FusedAdam: AdamW keeps the 'master' entry, cast to bf16 and never updated. The
-    resumed run takes the master from the parameters (as from a checkpoint without one), instead of going
-    back to the weights of before AdamW's steps."""
+@pytest.mark.parametrize("between", [torch.bfloat16, torch.float32], ids=["bf16", "model.float()"])
+def test_a_master_carried_through_torchs_adamw_is_not_trusted(cls, between):
+    """FusedAdam -> AdamW -> FusedAdam: AdamW keeps the 'master' entry, cast to its parameter's dtype and never
+    updated. The resumed run takes the master from the parameters (as from a checkpoint without one), instead of
+    going back to the weights of before AdamW's steps; also where AdamW trained the model in float32, which kept
+    the stale master in float32 (a reviewer's repro: it was taken as a master then)."""
     m = _linear(torch.bfloat16)
     opt = cls(m.parameters(), lr=1e-2)
     _train(m, opt, 2)
     sd = opt.state_dict()
     _close(opt)
+    m.to(between)
     adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
     adamw.load_state_dict(sd)
     _train(m, adamw, 3, seed=3)
+    m.to(torch.bfloat16)
     carried = adamw.state_dict()
-    assert carried["state"][0]["master"].dtype == torch.bfloat16
+    assert carried["state"][0]["master"].dtype == between
     stripped = copy.deepcopy(carried)
     for s in stripped["state"].values():
         del s["master"]

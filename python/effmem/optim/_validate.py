@@ -295,10 +295,11 @@ def _scale_values(t: Tensor, where: str, key: str) -> None:
                          f"{float(t[bad][0])!r} (a corrupted checkpoint?)")
 
 
-def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, bool]:
+def entry(saved: Any, p: Tensor, where: str, by_torch: bool = False) -> Tuple[Dict[str, Any], float, bool]:
     """One parameter's checkpoint entry (or an opt.state entry assigned by hand) checked against p: a copy
     with its 8-bit codes under torch's names and this rank's shards, its step count, and whether it held a
-    float32 master that p (float32, holding other weights) leaves unused (taken out)."""
+    float32 master that p (float32, holding other weights) leaves unused (taken out). by_torch: the checkpoint
+    was written by torch's Adam/AdamW, whose master entry (FusedAdam's, carried along) is never updated."""
     if not isinstance(saved, dict):
         raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
     from effmem.optim import _adam8
@@ -320,9 +321,9 @@ def entry(saved: Any, p: Tensor, where: str) -> Tuple[Dict[str, Any], float, boo
         # 8-bit optimizer encodes them anew)
         saved = _adam8.decoded(saved, by_rows)
     _state_tensor(saved, "master", where, shape, False, sharded=sharded)
-    if "master" in saved and saved["master"].dtype != torch.float32:
-        # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype, and do not update
-        # it: it is not a master any more, the parameter is
+    if "master" in saved and (by_torch or saved["master"].dtype != torch.float32):
+        # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype (float32 for a model
+        # made float32 meanwhile), and do not update it: it is not a master any more, the parameter is
         saved = {k: v for k, v in saved.items() if k != "master"}
     master_unused = "master" in saved and p.dtype == torch.float32 and not _rounds_to(saved["master"], p)
     if master_unused:
@@ -378,6 +379,8 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, war
                          f"no parameter of state_dict['param_groups'] (ids {sorted(listed, key=str)[:5]!r}"
                          f"{' ...' if len(listed) > 5 else ''}){hint}")
     plan, unused = [], []
+    # torch's Adam and AdamW write their flags into every group (FusedAdam and OffloadAdam have none of them)
+    by_torch = any("amsgrad" in group for group in groups)
     for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
         for saved_id, p in zip(group["params"], mine["params"]):
             saved = saved_state.get(saved_id)
@@ -385,7 +388,7 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, war
             if isinstance(saved, dict) and not saved:
                 saved = None   # an empty entry, left by a read of opt.state[p] (a defaultdict): no state, as torch
             if saved is not None:
-                saved, step, master_unused = entry(saved, p, f"state_dict['state'][{saved_id!r}]")
+                saved, step, master_unused = entry(saved, p, f"state_dict['state'][{saved_id!r}]", by_torch)
                 if master_unused:
                     unused.append(saved_id)
             plan.append((p, saved, step))
