@@ -76,3 +76,26 @@ def test_a_step_interrupted_on_return_keeps_its_bookkeeping():
     opt.flush()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt.close()
+
+
+def test_an_interrupt_before_the_engine_takes_a_later_micro_batch_keeps_it_in_p_grad(monkeypatch):
+    """An interrupt on a line of the hand-over before the engine's call, in the second micro-batch: the parameter
+    was already queued by the first, which made it look taken, and its gradient was dropped from p.grad while
+    the engine never had it (a reviewer's repro)."""
+    from effmem.optim import _validate
+    model, x = model_and_batch()
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    with opt.accumulating():
+        model(x).sum().backward()
+    real, armed = _validate.grad_like, [True]
+
+    def interrupted(p, g):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real(p, g)
+    monkeypatch.setattr(_validate, "grad_like", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(2 * x).sum().backward()
+    assert sum(p.grad is not None for p in model.parameters()) == 1   # the one interrupted, still the user's
+    opt.close()

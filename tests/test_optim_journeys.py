@@ -154,6 +154,29 @@ def test_a_master_carried_through_torchs_adamw_is_not_trusted(cls, between):
     assert all(torch.equal(a, b) for a, b in zip(*ends))
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, OffloadAdam])
+def test_a_run_started_from_torchs_adamw_resumes_from_its_own_checkpoints_exactly(cls):
+    """torch's loader copies a checkpoint's group keys in: started from an AdamW checkpoint, the optimizer's own
+    groups carried amsgrad & co. on, which marks a checkpoint of torch's, and its masters were dropped at every
+    resume (a reviewer's repro). The load drops torch's flags; the resumed run is the uninterrupted one."""
+    m = _linear(torch.bfloat16)
+    adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _train(m, adamw, 1)
+    opt = cls(m.parameters(), lr=1e-2)
+    opt.load_state_dict(adamw.state_dict())
+    _train(m, opt, 3, seed=3)
+    sd = copy.deepcopy(opt.state_dict())
+    assert not set(sd["param_groups"][0]) & {"amsgrad", "maximize", "foreach", "capturable", "fused"}
+    m2 = copy.deepcopy(m)
+    _train(m, opt, 2, seed=4)
+    _close(opt)
+    opt2 = cls(m2.parameters(), lr=1e-2)
+    opt2.load_state_dict(sd)
+    _train(m2, opt2, 2, seed=4)
+    _close(opt2)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, FusedAdam, OffloadAdam])
 def test_load_state_dict_hooks_work_as_for_torchs_optimizers(cls):
     """A pre-hook sees the whole checkpoint and what it returns is loaded (a migration of old key names, say);

@@ -60,8 +60,13 @@ class AdamBase(torch.optim.Optimizer):
             torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": param_groups})
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
-        for group in self.param_groups:   # an OffloadAdam checkpoint from before __setstate__ dropped it
-            group.pop("differentiable", None)
+        for group in self.param_groups:
+            # torch's Adam/AdamW flags, which a torch checkpoint brings (refused where set: _validate.groups), and
+            # which our own checkpoints must not carry on: their presence marks a checkpoint of torch's
+            # (_validate.checkpoint); "differentiable" also an OffloadAdam checkpoint from before __setstate__
+            # dropped it
+            for flag in _validate.TORCH_ONLY_FLAGS:
+                group.pop(flag, None)
             if "state_bits" in group:   # ZeroRedundancyOptimizer's copy of the keyword: the loading one's
                 group["state_bits"] = self.state_bits
         _validate.complete_groups(self)

@@ -142,12 +142,13 @@ class OffloadBuild:
         g = p.grad
         if _validate.is_dtensor(g) and g.placements != p.placements:
             g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
+        self._taking = None
         try:
             self._send(i, _local(g))
         except Exception:
             raise   # refused: the gradient stays in p.grad
         except BaseException:   # Ctrl-C as the engine's call returned (see _send): the engine holds it
-            if i in self._queued:
+            if self._taking == i:
                 p.grad = None   # else the next clip or step() hands it over again, counted twice
             raise
         p.grad = None
@@ -169,12 +170,15 @@ class OffloadBuild:
             # micro-batches and no way out)
             self._track_backward()
         # Counted first: in delay mode grad_ready waits, without the GIL, for the previous update, and a Ctrl-C
-        # meanwhile lands as it returns, the gradient taken
-        queued = i in self._queued   # (an earlier micro-batch's)
+        # meanwhile lands as it returns, the gradient taken (_taking tells _hand_off so; _queued may hold i from
+        # an earlier micro-batch, which says nothing of this one)
+        queued = i in self._queued
         self._queued.add(i)
+        self._taking = i
         try:
             self._engine.grad_ready(i, g)
         except Exception:
+            self._taking = None
             if not queued:
                 self._queued.discard(i)   # refused: not taken
             raise

@@ -109,6 +109,11 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True, state_bits: Op
                          "not recorded by autograd); stepping this group would silently cut the graph")
 
 
+# torch.optim.Adam/AdamW's flags in every group of theirs, none of them ours: amsgrad, maximize and differentiable
+# are refused where True (hyperparameters), the rest are how torch runs its step; a load drops them all
+TORCH_ONLY_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+
+
 def groups(param_groups: List[Dict[str, Any]], check_lr: bool = True, state_bits: Optional[int] = None) -> None:
     """Every group's settings (hyperparameters), the error naming the group: checked before any is used."""
     for gi, group in enumerate(param_groups):
@@ -379,7 +384,7 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, war
                          f"no parameter of state_dict['param_groups'] (ids {sorted(listed, key=str)[:5]!r}"
                          f"{' ...' if len(listed) > 5 else ''}){hint}")
     plan, unused = [], []
-    # torch's Adam and AdamW write their flags into every group (FusedAdam and OffloadAdam have none of them)
+    # torch's Adam and AdamW write their flags into every group (FusedAdam's and OffloadAdam's loads drop them)
     by_torch = any("amsgrad" in group for group in groups)
     for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
         for saved_id, p in zip(group["params"], mine["params"]):
