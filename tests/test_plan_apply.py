@@ -214,6 +214,22 @@ def test_the_pick_as_code_trains_what_trainable_names():
         n for n, q in applied.named_parameters() if q.requires_grad] != []
 
 
+def test_the_pick_as_code_keeps_a_parameter_trained_in_part_trainable():
+    """An item #a:b trains rows of its parameters: the printed freeze line dropped the item, so the code froze
+    those parameters whole and trained something else than the plan counted (a reviewer's repro, Mixtral's
+    experts); they now take gradients, the comment saying to zero the other rows'."""
+    from effmem.plan.report import code_for
+    p = effmem.plan(TINY, batch=2, seq=64, device="cpu", host_memory="8GB")
+    # (the rows of a stacked experts' parameter in a MoE model; the freeze line reads only the names)
+    code = code_for(p.pick.config, p.device, p.pick.cost.activation_budget, r"layers\.1\.mlp\.down_proj\.#0:4,lm_head")
+    freeze = [line for line in code.splitlines() if line.startswith(("import re", "for name, p in"))]
+    assert "zero their other rows' gradients yourself" in code
+    mine = real_tiny()
+    exec("\n".join(freeze), {"model": mine})
+    assert [n for n, q in mine.named_parameters() if q.requires_grad] == [
+        "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+
+
 def test_every_candidates_code_names_only_what_it_imports():
     """The ZeRO-1 pick's code called torch.distributed.optim.ZeroRedundancyOptimizer after `import torch` alone
     (an AttributeError); every candidate's lines now compile and use only what they import or assign, besides

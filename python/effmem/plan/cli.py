@@ -76,9 +76,11 @@ def cmd_plan(args) -> int:
     except (ValueError, TypeError, ImportError) as e:
         args.subparser.error(str(e))
     except (RuntimeError, IndexError) as e:   # the model's own forward refusing the trace's inputs
+        from effmem.plan.trace import TraceFailed
+        why = e if isinstance(e, TraceFailed) else f"{type(e).__name__}: {e}"
         args.subparser.error(f"tracing {args.model} at batch x seq = {args.batch} x {args.seq or 'default'} "
-                             f"failed in the model's forward ({type(e).__name__}: {e}); a --seq within its "
-                             "positions, or a smaller model of the same family, may trace")
+                             f"failed in the model's forward ({why}); a --seq within its positions, or a smaller "
+                             "model of the same family, may trace")
     data = plan.as_dict()
     if plan.pick is not None:
         from effmem.plan.report import _trainable, code_for

@@ -343,6 +343,10 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
         elif hasattr(model, "to_dict") and hasattr(model, "model_type"):
             cfg = model.to_dict()
             cfg["model_type"] = model.model_type
+            # to_dict leaves out the attention implementation asked for (eager keeps the [seq, seq] scores:
+            # several times the activations of the sdpa/flash kernels a model built from the dict would get)
+            if getattr(model, "_attn_implementation", None) is not None and "attn_implementation" not in cfg:
+                cfg["attn_implementation"] = model._attn_implementation
             name = model.model_type
         else:
             raise TypeError(f"model: expected a preset name, a config.json path, a Hugging Face config "

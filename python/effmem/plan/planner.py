@@ -358,6 +358,9 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     share = _trainable_share(spec)
     notes = [capped] if capped else []
     limit = _position_limit(spec)
+    if limit and limit[0] < 1:   # (the default seq would be 0 tokens: a division by zero deep in the step model)
+        raise ValueError(f"model: its config's {limit[1]} is {limit[0]}: a model with learned positions needs at "
+                         "least one to train on")
     if seq is None:
         seq = min(2048, limit[0]) if limit else 2048
         if seq < 2048:

@@ -62,10 +62,13 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
     Cost.activation_budget; trainable: the plan's trainable=, whose parameters alone the optimizer gets)."""
     out = ["# the pick as code (or: model, opt = plan.apply(model)):"]
     if trainable is not None:
-        whole = [t.strip() for t in trainable.split(",") if "#" not in t]
-        if len(whole) < len(trainable.split(",")):
-            out.append(f"# trainable={trainable!r} trains part of a parameter (#a:b): freeze the other rows "
-                       "yourself (plan.apply() freezes whole parameters only)")
+        items = [t.strip() for t in trainable.split(",")]
+        # a part (#a:b) trains rows of its parameters: they take gradients, the other rows' the user zeroes
+        whole = [t.split("#")[0] for t in items]
+        if any("#" in t for t in items):
+            out.append(f"# trainable={trainable!r} trains part of a parameter (#a:b): those parameters train "
+                       "whole below; zero their other rows' gradients yourself, e.g. with a hook "
+                       "(plan.apply() freezes whole parameters only)")
         if whole:
             out.append("import re   # the parameters trainable= names train; the rest stay frozen")
             out.append(f"for name, p in model.named_parameters(): p.requires_grad_(any(re.search(r, name) for r in "

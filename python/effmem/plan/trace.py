@@ -238,6 +238,11 @@ def default_inputs(model: nn.Module, batch: int, seq: int, device) -> Tuple[tupl
 InputsFn = Callable[[int, int, torch.device], Tuple[tuple, dict]]
 
 
+class TraceFailed(RuntimeError):
+    """The model's own forward raised on the trace's inputs (a config it cannot run as given: DeepSeek-V2's
+    defaults, X-MOD without a default language): its message is the error's type and text."""
+
+
 def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, target: str,
                  inputs: Optional[InputsFn] = None, fast: bool = False, autocast: bool = False) -> Trace:
     """Run one training forward of `model` on meta tensors of `dtype` and record what it leaves alive.
@@ -359,6 +364,8 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                 raise ValueError(f"model: {type(model).__name__}'s forward reads tensor values (.tolist(), .item() "
                                  "or .cpu(), e.g. to route tokens to experts by count), which effmem plan's trace "
                                  "on meta tensors cannot run") from None
+            except (ValueError, TypeError) as e:   # not an argument of the plan's: said so (TraceFailed)
+                raise TraceFailed(f"{type(e).__name__}: {e}") from e
         st["after_head"] = True
         for t in _tensors(out):
             record(t, output=True)
