@@ -266,7 +266,8 @@ def test_frozen_weights_and_their_autocast_copies_are_kept_as_they_are(autocast)
     """LoRA-style: the projections' weights frozen. A frozen weight, and autocast's copy of one (made for each
     use: autocast caches only copies of weights that take a gradient), has no autograd history; they were
     stored as 8-bit codes under autocast (21 of them here), where a trained weight's are kept: the rounding of a
-    weight in every input gradient. Now they count as a trained weight's do."""
+    weight in every input gradient. Now they count as a trained weight's do. The bf16 model without autocast is
+    the control (its linear layers hand their weights over as they are, never through the hooks)."""
     x = ids(batch=2, seq=48)   # 96 tokens: no activation has a weight's shape
     dtype = torch.float32 if autocast else torch.bfloat16
     stats = {}

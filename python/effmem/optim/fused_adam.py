@@ -99,7 +99,7 @@ class FusedAdam(AdamBase):
         self._interrupted_load: Optional[str] = None   # why steps are refused (_load_checked)
         self._refusals = RefusalMonitor("FusedAdam")
         self._lr_checked: Dict[int, Tensor] = {}  # per group, the lr tensor whose value was checked
-        # per parameter, its dtype and shape and weak references to its entry's tensors, last checked
+        # per parameter, its dtype, shape and device and weak references to its entry's tensors, last checked
         self._kept: Dict[int, Tuple] = {}
         self._memory_checked: Optional[Tuple] = None   # the stepped parameters' (data_ptr, strides), last checked
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
@@ -133,9 +133,9 @@ class FusedAdam(AdamBase):
         # load_state_dict).
         keys = _ENTRY_KEYS[self.state_bits]
         kept = None if compiling else self._kept.get(id(p))
-        # p's dtype and shape too: p.data replaced (model.float(), a resize) needs the entry converted or refused
-        # naming the parameter, which the kernel's own check did only after earlier groups had stepped
-        if state and kept is not None and kept[0] == (p.dtype, p.shape) and _same(kept[1], state, keys):
+        # p's dtype, shape and device too: p.data replaced (model.float(), a resize, a move) needs the entry
+        # converted or refused naming the parameter, which the kernel's own check did after other groups stepped
+        if state and kept is not None and kept[0] == (p.dtype, p.shape, p.device) and _same(kept[1], state, keys):
             return state
         if (not state or (p.dtype != torch.float32 and "master" not in state)) and _capturing():
             raise RuntimeError("FusedAdam.step: a parameter's state (moments, or the fp32 master of a checkpoint "
@@ -166,7 +166,7 @@ class FusedAdam(AdamBase):
         if p.dtype != torch.float32 and "master" not in state:   # new, or loaded from a checkpoint without one
             state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
         if not compiling:
-            self._kept[id(p)] = ((p.dtype, p.shape), tuple(weakref.ref(state[k]) if k in state else None
+            self._kept[id(p)] = ((p.dtype, p.shape, p.device), tuple(weakref.ref(state[k]) if k in state else None
                                                            for k in keys))
         return state
 
