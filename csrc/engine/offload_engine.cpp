@@ -21,10 +21,9 @@ namespace {
 constexpr int64_t kAlignElems = 32;
 
 
-// A worker failure, rethrown in every later call so that no caller goes on
-// with half-updated state.
-// Every later call reports the failure; the only way on is a new optimizer, which the message names (a
-// load_state_dict into this one is refused as well, and a new one over the same parameters until this is closed).
+// A worker failure, rethrown in every later call so that no caller goes on with half-updated state. The only
+// way on is a new optimizer, which the message names (a load_state_dict into this one is refused as well, and a
+// new one over the same parameters until this one is closed).
 [[noreturn]] void rethrow_worker_error(const std::exception_ptr& e) {
   static const char* const kWayOut =
       " [this optimizer cannot go on: call close() (with delay or async_step it reports this error once more, "

@@ -89,8 +89,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             forward and backward passes, and each parameter's new weights
             are copied in during the next step's last backward (the one not
             inside ``accumulating()``), as soon as its gradient is complete
-            (a detached use of it later in that backward reads them). This hides the CPU update behind a whole step of
-            forward and backward, but changes the math: the next step still
+            (a detached use of it later in that backward reads them). This
+            hides the CPU update behind a whole step of forward and
+            backward, but changes the math: the next step still
             runs on the weights before this update, so each gradient is one
             step stale (the update of step k applies the gradient taken at
             the weights of step k-1, as in ZeRO-Offload's delayed parameter
