@@ -131,7 +131,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         if policy == "budget":
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
-            budget.forward_hook = model.register_forward_pre_hook(budget.new_forward)
+            budget.forward_hook = model.register_forward_pre_hook(budget.new_forward, with_kwargs=True)
         seeds = itertools.count()   # the rounding seeds of the layers the budget makes "min" (next_seed)
         for i, (name, layer) in enumerate(named):
             # on the layers too: found from a model that wraps this one or that it was unwrapped into (_record)

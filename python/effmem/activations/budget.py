@@ -202,14 +202,19 @@ class BudgetPolicy:
         self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
         self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output in this forward
         self.forward_hook = None   # the model's forward pre-hook that forgets them (new_forward)
+        # this forward asks the layers for outputs besides their hidden state (output_router_logits=True passed
+        # to the model's forward, as the config's flag at apply time): "min" is left out for it (new_forward)
+        self.side_outputs = False
 
-    def new_forward(self, module, args) -> None:
-        """The model's forward pre-hook: the layers' outputs of an earlier forward forgotten, so that a model
-        called again on its own output (a recurrent loop over a one-layer stack) is not taken for a layer looped
-        inside one forward. Compiled, the hook is traced and does nothing: the layers run out of the graph
+    def new_forward(self, module, args, kwargs) -> None:
+        """The model's forward pre-hook (with its kwargs): the layers' outputs of an earlier forward forgotten, so
+        that a model called again on its own output (a recurrent loop over a one-layer stack) is not taken for a
+        layer looped inside one forward; and whether this forward asks for router logits or attention weights.
+        Compiled, the hook is traced and does nothing: the layers run out of the graph
         (activations._compiled_budget_layer), where the check still sees a loop inside one forward."""
         if not torch.compiler.is_compiling():
             self._outputs.clear()
+            self.side_outputs = any(kwargs.get(f) is True for f in ("output_router_logits", "output_attentions"))
 
     def latest(self) -> Optional[dict]:
         choice = self.choices.get(self.used)
@@ -252,14 +257,15 @@ class BudgetPolicy:
         link = _link_rate(hidden.device)
         max_offload = hidden_layers(self.layers, layer_s, codes, link)
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)
-        modes = choose(self.layers, nbytes, budget, max_offload, self.allow_min)
+        allow_min = self.allow_min and not self.side_outputs
+        modes = choose(self.layers, nbytes, budget, max_offload, allow_min)
         if modes is None:
-            least_mode = "min" if self.allow_min else "fast"
+            least_mode = "min" if allow_min else "fast"
             n_off = max_offload if nbytes["offload"] < nbytes[least_mode] else 0
             least = n_off * nbytes["offload"] + (self.layers - n_off) * nbytes[least_mode]
             how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
                    f"'{least_mode}'" if n_off else f"every layer under '{least_mode}'")
-            if not self.allow_min:
+            if not allow_min:
                 how += " ('min' is left out: the model's loss uses tensors a layer makes besides its output)"
             raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
                              f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
@@ -302,7 +308,8 @@ class BudgetPolicy:
         dev = hidden.device.type
         # autocast too: under it the layer saves other dtypes, and other bytes
         amp = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) else None
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp)
+        # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs)
         choice = self.choices.get(key)
         if choice is None:
             _warn_hooks(layer)
