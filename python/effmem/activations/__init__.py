@@ -24,7 +24,7 @@ Policies:
 * ``memory_budget=`` instead of a policy: each layer plain, "fast", "min" or
   (on a GPU) "offload", a "fast" layer whose codes go to pinned host memory;
   the mix of least time whose layers' saved activations fit the budget
-  (effmem.activations.budget), chosen at the first forward of each shape.
+  (effmem.activations.budget), chosen at the first forward of each shape and mode.
 
 Under torch.compile, a "fast" layer is compiled as its own graph with
 selective checkpointing that keeps matmul and attention outputs, and called
