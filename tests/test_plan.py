@@ -464,6 +464,10 @@ def test_a_config_objects_attention_implementation_is_planned():
         p = effmem.plan(model, batch=1, seq=256, device="cpu", host_memory="8GB")
         kinds[name] = p.candidate("fp32+mb1x1").cost.parts["activations_by_kind"]
     assert kinds["object"] == kinds["dict"] and sum(kinds["object"].values()) > 1.5 * sum(kinds["sdpa"].values())
+    # flash attention's is planned as sdpa: transformers refuses to build it without the flash_attn package
+    flash = transformers.LlamaConfig(attn_implementation="flash_attention_2", **kw)
+    p = effmem.plan(flash, batch=1, seq=256, device="cpu", host_memory="8GB")
+    assert p.candidate("fp32+mb1x1").cost.parts["activations_by_kind"] == kinds["sdpa"]
 
 
 def test_an_error_of_the_models_own_forward_is_named_as_one(tmp_path, capsys):

@@ -344,9 +344,12 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
             cfg = model.to_dict()
             cfg["model_type"] = model.model_type
             # to_dict leaves out the attention implementation asked for (eager keeps the [seq, seq] scores:
-            # several times the activations of the sdpa/flash kernels a model built from the dict would get)
-            if getattr(model, "_attn_implementation", None) is not None and "attn_implementation" not in cfg:
-                cfg["attn_implementation"] = model._attn_implementation
+            # several times the activations of the sdpa kernel a model built from the dict would get). Not flash
+            # attention's: transformers refuses to build it without the flash_attn package, and sdpa, which the
+            # trace plans then, saves what it saves
+            impl = getattr(model, "_attn_implementation", None)
+            if isinstance(impl, str) and not impl.startswith("flash") and "attn_implementation" not in cfg:
+                cfg["attn_implementation"] = impl
             name = model.model_type
         else:
             raise TypeError(f"model: expected a preset name, a config.json path, a Hugging Face config "

@@ -68,7 +68,8 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
         if any("#" in t for t in items):
             out.append(f"# trainable={trainable!r} trains part of a parameter (#a:b): those parameters train "
                        "whole below; zero their other rows' gradients yourself, e.g. with a hook "
-                       "(plan.apply() freezes whole parameters only)")
+                       "(plan.apply() freezes whole parameters only). The optimizer then keeps state for all of "
+                       "their rows: more memory than the plan counted for the rows named")
         if whole:
             out.append("import re   # the parameters trainable= names train; the rest stay frozen")
             out.append(f"for name, p in model.named_parameters(): p.requires_grad_(any(re.search(r, name) for r in "
