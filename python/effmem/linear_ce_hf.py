@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effmem._replicas import refuse_replication
 from effmem.linear_ce import check_grad_in_forward, linear_cross_entropy
 from effmem.optim._validate import is_dtensor
 
@@ -182,13 +183,9 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     return model
 
 
-def _no_replicas():
-    """nn.DataParallel's replicas copy the model's __dict__, and with it the fused forward and loss, which would
-    run the original model on every replica's inputs (another GPU's: a device mismatch)."""
-    raise RuntimeError("fuse_linear_cross_entropy: a fused model cannot be replicated by torch.nn.DataParallel "
-                       "(transformers' Trainer uses it on several GPUs when not started by torchrun or accelerate "
-                       "launch): run one process per GPU (torchrun, DistributedDataParallel), or "
-                       "unfuse_linear_cross_entropy(model) first")
+# nn.DataParallel's replicas would run the fused forward and loss, bound to the original model (_replicas)
+_no_replicas = functools.partial(refuse_replication, "fuse_linear_cross_entropy: a fused model",
+                                 "unfuse_linear_cross_entropy(model)")
 
 
 def _peft_base(model: nn.Module) -> Optional[nn.Module]:

@@ -50,6 +50,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from effmem._replicas import refuse_replication
 from effmem.activations import paths, relu
 from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
                                       restore_training_cache)
@@ -160,13 +161,9 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     return model
 
 
-def _no_replicas():
-    """nn.DataParallel's replicas copy each layer's __dict__, and with it the policy's forward, bound to the
-    original layer: every replica would run it, on another GPU's inputs (a device mismatch at best)."""
-    raise RuntimeError("apply_activation_policy: a model under an activation policy cannot be replicated by "
-                       "torch.nn.DataParallel (transformers' Trainer uses it on several GPUs when not started by "
-                       "torchrun or accelerate launch): run one process per GPU (torchrun, "
-                       "DistributedDataParallel), or remove_activation_policy(model) first")
+# nn.DataParallel's replicas would run each layer's policy forward, bound to the original layer (_replicas)
+_no_replicas = functools.partial(refuse_replication, "apply_activation_policy: a model under an activation policy",
+                                 "remove_activation_policy(model)")
 
 
 def _hidden(args, kwargs):

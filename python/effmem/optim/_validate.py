@@ -109,8 +109,7 @@ def hyperparameters(group: Dict[str, Any], check_lr: bool = True, state_bits: Op
                          "not recorded by autograd); stepping this group would silently cut the graph")
 
 
-# torch.optim.Adam/AdamW's flags in every group of theirs, none of them ours: amsgrad, maximize and differentiable
-# are refused where True (hyperparameters), the rest are how torch runs its step; a load drops them all
+# torch's Adam/AdamW flags, in every group of theirs: refused where True (hyperparameters) or dropped at a load
 TORCH_ONLY_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 
 
@@ -303,8 +302,8 @@ def _scale_values(t: Tensor, where: str, key: str) -> None:
 def entry(saved: Any, p: Tensor, where: str, by_torch: bool = False) -> Tuple[Dict[str, Any], float, bool]:
     """One parameter's checkpoint entry (or an opt.state entry assigned by hand) checked against p: a copy
     with its 8-bit codes under torch's names and this rank's shards, its step count, and whether it held a
-    float32 master that p (float32, holding other weights) leaves unused (taken out). by_torch: the checkpoint
-    was written by torch's Adam/AdamW, whose master entry (FusedAdam's, carried along) is never updated."""
+    float32 master that p (float32, holding other weights) leaves unused (taken out). by_torch: torch's Adam/AdamW
+    wrote it (a master there is FusedAdam's, carried along and stale)."""
     if not isinstance(saved, dict):
         raise TypeError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
     from effmem.optim import _adam8
@@ -326,12 +325,11 @@ def entry(saved: Any, p: Tensor, where: str, by_torch: bool = False) -> Tuple[Di
         # 8-bit optimizer encodes them anew)
         saved = _adam8.decoded(saved, by_rows)
     _state_tensor(saved, "master", where, shape, False, sharded=sharded)
-    if "master" in saved and (by_torch or saved["master"].dtype != torch.float32):
-        # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype (float32 for a model
-        # made float32 meanwhile), and do not update it: it is not a master any more, the parameter is
-        saved = {k: v for k, v in saved.items() if k != "master"}
-    master_unused = "master" in saved and p.dtype == torch.float32 and not _rounds_to(saved["master"], p)
-    if master_unused:
+    # torch's optimizers carry FusedAdam's master along cast to the parameter's dtype (float32 for a model made
+    # float32 meanwhile), never updated: not a master any more, the parameter is
+    stale = "master" in saved and (by_torch or saved["master"].dtype != torch.float32)
+    master_unused = not stale and "master" in saved and p.dtype == torch.float32 and not _rounds_to(saved["master"], p)
+    if stale or master_unused:
         saved = {k: v for k, v in saved.items() if k != "master"}
     if "step" not in saved:   # taken for 0, the next step corrected saved moments as first ones
         raise ValueError(f"{where}: missing 'step' (an Adam checkpoint holds 'step', 'exp_avg' and "
@@ -384,8 +382,7 @@ def checkpoint(optimizer: torch.optim.Optimizer, state_dict: Any, name: str, war
                          f"no parameter of state_dict['param_groups'] (ids {sorted(listed, key=str)[:5]!r}"
                          f"{' ...' if len(listed) > 5 else ''}){hint}")
     plan, unused = [], []
-    # torch's Adam and AdamW write their flags into every group (FusedAdam's and OffloadAdam's loads drop them)
-    by_torch = any("amsgrad" in group for group in groups)
+    by_torch = any("amsgrad" in group for group in groups)   # TORCH_ONLY_FLAGS: our loads drop them
     for gi, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
         for saved_id, p in zip(group["params"], mine["params"]):
             saved = saved_state.get(saved_id)
