@@ -133,6 +133,51 @@ def test_apply_refuses_what_it_cannot_do():
         p.candidate("nope")
 
 
+def _policy_on(m):
+    effmem.apply_activation_policy(m, "checkpoint")
+
+
+def _hf_checkpointing_on(m):
+    m.gradient_checkpointing_enable()
+
+
+@pytest.mark.parametrize("prepare, named", [(_policy_on, "remove_activation_policy"),
+                                            (lambda m: effmem.compress_activations(m), "remove_compression"),
+                                            (_hf_checkpointing_on, "gradient_checkpointing_disable"),
+                                            (effmem.fuse_linear_cross_entropy, "unfuse_linear_cross_entropy")])
+def test_apply_refuses_a_model_already_prepared_and_leaves_it_as_it_was(prepare, named):
+    """A technique already on the model: kept under a candidate without it, the model was not the one the plan
+    predicted (a checkpointing policy left on under 'activations: none', a reviewer's find); under one with
+    its own, refused by that step after apply() had cast, frozen and fused the model. Refused first now."""
+    p = effmem.plan(TINY, batch=2, seq=32, device="cpu", host_memory="8GB", trainable=r"model\.layers\.1\.")
+    c = pick_of(p, precision="bf16", activations="none", micro_batch=2, loss="standard")
+    m = real_tiny()
+    prepare(m)
+    before = {n: (t.dtype, t.requires_grad) for n, t in m.named_parameters()}
+    with pytest.raises(ValueError, match=named):
+        p.apply(m, c.name)
+    assert {n: (t.dtype, t.requires_grad) for n, t in m.named_parameters()} == before
+    fused = pick_of(p, precision="bf16", activations="none", micro_batch=2, loss="fused")
+    if prepare is effmem.fuse_linear_cross_entropy:   # fused already, for a candidate that fuses: as it asks
+        p.apply(m, fused.name)
+
+
+def test_apply_refuses_another_attention_implementation():
+    """Planned with sdpa attention (a config's default), applied to a model built with eager attention, which
+    keeps the [seq, seq] scores: 1.64x the planned activations at 512 tokens in a reviewer's run."""
+    import transformers
+    p = effmem.plan(TINY, batch=2, seq=32, device="cpu", host_memory="8GB")
+    c = pick_of(p, precision="fp32", activations="none", micro_batch=2, loss="standard")
+    cfg = dict(TINY)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(ValueError, match="attention runs as 'eager'.*attn_implementation='sdpa'"):
+        p.apply(eager, c.name)
+    from_module = effmem.plan(eager, batch=2, seq=32, device="cpu", host_memory="8GB")   # planned as it runs
+    from_module.apply(eager, pick_of(from_module, precision="fp32", activations="none", micro_batch=2,
+                                     loss="standard").name)
+
+
 @pytest.mark.parametrize("loss", ["fused", "fused_gif"])
 def test_compressed_activations_with_the_fused_loss_apply_and_train(loss):
     """apply() compressed the activations first, whose module-tracking hooks on lm_head fusing then refused:

@@ -1,6 +1,6 @@
 """plan.apply(model): the chosen configuration, ready for a training loop."""
 import contextlib
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,13 +35,55 @@ class _SaveOnCpu:
             ctx.__exit__(None, None, None)
 
 
-def _check_runnable(plan, model: nn.Module) -> None:
-    """Before anything changes: a model with values, on a machine with the device the plan was made for."""
+def _check_runnable(plan, model: nn.Module, cfg) -> None:
+    """Before anything changes: a model with values, as it was built (none of the techniques the candidate
+    chooses among already on it), on a machine with the device the plan was made for."""
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None:
         raise ValueError(f"model: {meta} is on the meta device (no values: a model built to be planned); build "
                          "it with its weights (from_pretrained, or to_empty() and load them) to apply the plan")
+    on = _prepared(model, cfg)
+    if on:
+        # kept, the model would not be the one whose memory and time the candidate predicts (a policy left on
+        # under an "activations: none" pick), or refused by the step that applies the candidate's own, after
+        # the cast and the freezing had changed the model
+        raise ValueError(f"model: {'; '.join(on)} already on it; apply() prepares the model as it was built, "
+                         f"with {cfg.name}'s techniques only: undo that first")
+    _check_attention(plan, model)
     check_device(plan)
+
+
+def _prepared(model: nn.Module, cfg) -> List[str]:
+    """The memory techniques already on `model`, each with its undo."""
+    modules = list(model.modules())
+    found = []
+    if any(getattr(m, "_effmem_policy", None) is not None or m.__dict__.get("_effmem_fast") is not None
+           for m in modules):
+        found.append("an activation policy (remove_activation_policy(model))")
+    if any(m.__dict__.get("_effmem_compressor") is not None for m in modules):
+        found.append("compress_activations (remove_compression(model))")
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):   # transformers' flag
+        found.append("transformers' gradient checkpointing (model.gradient_checkpointing_disable())")
+    if model.__dict__.get("_effmem_save_on_cpu") is not None:
+        found.append("an earlier apply()'s save_on_cpu hooks (build the model again)")
+    if cfg.loss == "standard" and model.__dict__.get("_effmem_fused_forward") is not None:
+        found.append("fuse_linear_cross_entropy, where the candidate computes the standard loss "
+                     "(unfuse_linear_cross_entropy(model))")
+    return found
+
+
+def _check_attention(plan, model: nn.Module) -> None:
+    """The attention kernel the plan traced: eager attention keeps the [seq, seq] scores, several times what
+    sdpa's kernels save (1.64x the planned activations of a small Llama at 512 tokens, a reviewer's run)."""
+    planned = plan.spec.attention if plan.spec is not None else None
+    have = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not (isinstance(planned, str) and isinstance(have, str)) or have == planned:
+        return
+    if planned == "sdpa" and have.startswith("flash"):   # planned as sdpa, whose flash kernel saves the same
+        return
+    raise ValueError(f"model: its attention runs as {have!r} (config._attn_implementation), the plan's as "
+                     f"{planned!r}, whose saved activations and time it counted; build the model with "
+                     f"attn_implementation={planned!r}, or plan this one")
 
 
 def check_device(plan) -> None:
@@ -72,7 +114,7 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     _check_same_model(plan, model)
     if cfg.sharding != "none":
         _check_distributed(plan, c.name)
-    _check_runnable(plan, model)
+    _check_runnable(plan, model, cfg)
     spec = plan.spec
     which = Trainable.parse(spec.trainable_text) if spec is not None and spec.trainable_text else None
     if which is not None:

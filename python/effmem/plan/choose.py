@@ -3,6 +3,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from effmem.plan import costs
+from effmem.plan.report import size_text
 
 GB = 10 ** 9
 # Candidates predicted within this fraction of the fastest one's step count as equally fast (the step model
@@ -84,11 +85,11 @@ def judge(cands: List[Candidate], budget: float, gpu_mem: int, host_mem: int, he
         c.short_bytes = int(max(0.0, over) + max(0.0, host_over))
         short = []
         if over > 0:
-            short.append(f"needs {c.cost.peak_bytes / GB:.1f} GB, {over / GB:.1f} GB over the {budget / GB:.1f} GB "
-                         f"budget ({gpu_mem / GB:.1f} GB less {headroom:.0%} headroom)")
+            short.append(f"needs {size_text(c.cost.peak_bytes)}, {size_text(over)} over the {size_text(budget)} "
+                         f"budget ({size_text(gpu_mem)} less {headroom:.0%} headroom)")
         if host_over > 0:
-            short.append(f"needs {c.cost.host_bytes / GB:.1f} GB of host memory, {host_over / GB:.1f} GB over 90% "
-                         f"of {host_mem / GB:.1f} GB")
+            short.append(f"needs {size_text(c.cost.host_bytes)} of host memory, {size_text(host_over)} over 90% "
+                         f"of {size_text(host_mem)}")
         ruled_out = ("overlap mode rules out clipping by global norm (plan with clipping=False, or --no-clipping, "
                      "to allow it)"
                      if clipping and c.config.optimizer == "offload_overlap" else

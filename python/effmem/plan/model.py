@@ -266,6 +266,9 @@ class ModelSpec:
     # configs: each decoder layer's kind and each kind's signature (plan/layer_kinds.py)
     layer_kinds: Optional[List[int]] = None
     kind_signatures: Optional[list] = None
+    # the attention implementation the traced model ran (transformers' config._attn_implementation), for
+    # apply() to compare: eager attention saves several times what sdpa's kernels do
+    attention: Optional[str] = None
 
     def layer_groups(self) -> List[Tuple[int, List[int]]]:
         """Per kind of layer after the first: (how many, the layers a trace of one more of them holds)."""
@@ -333,6 +336,7 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
     if isinstance(model, nn.Module):
         blocks = find_blocks(model)[1]
         spec = ModelSpec(type(model).__name__, _param_infos(model, which), len(blocks), module=model)
+        spec.attention = _attention(model)
     else:
         if isinstance(model, str):
             name, cfg = load_config(model)
@@ -361,6 +365,7 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
         spec = ModelSpec(name, _param_infos(full, which), config_layers(cfg), config=cfg,
                          resolved_config=full.config.to_dict(),
                          build_layers=lambda n, cfg=cfg: _hf_model_from_config(cfg, n))
+        spec.attention = _attention(full)
         path, blocks = find_blocks(full)
         if len(blocks) != spec.num_layers:   # (Jamba: attention and Mamba layers in one list)
             raise ValueError(_mixed_layers(full, name, spec.num_layers, len(blocks)))
@@ -374,6 +379,11 @@ def model_spec(model: ModelArg, trainable: Optional[str] = None) -> ModelSpec:
                              f"(names look like {spec.params[min(1, len(spec.params) - 1)].name!r}; a weight "
                              "tied to another, as lm_head's to the embedding, goes by the first one's name)")
     return spec
+
+
+def _attention(model: nn.Module) -> Optional[str]:
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
 
 
 def _mixed_layers(model: nn.Module, name: str, num_layers: int, found: int) -> str:

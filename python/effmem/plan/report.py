@@ -11,6 +11,14 @@ def _gb(n: float) -> str:
     return f"{n / GB:.3g}" if n < 1000 * GB else f"{n / GB:.0f}"   # 1 TB as 1000, not 1e+03
 
 
+def size_text(n: float, digits: int = 1) -> str:
+    """Bytes in the unit of their size (GB = 1e9 bytes): a tiny model's would all read 0.0 GB."""
+    for unit, scale in (("GB", GB), ("MB", 10 ** 6), ("kB", 10 ** 3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _count(n: int) -> str:
     """A parameter count in the unit of its size: a tiny model's read 0.000B."""
     return next((f"{n / scale:.3f}{unit}" for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)) if n >= scale),

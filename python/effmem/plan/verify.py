@@ -20,6 +20,7 @@ from torch import nn
 from effmem.optim._validate import whole
 from effmem.plan.apply import check_device, micro_batch
 from effmem.plan.costs import under_autocast
+from effmem.plan.report import size_text
 from effmem.plan.trace import default_inputs
 
 
@@ -183,13 +184,8 @@ def _state_bytes(model: nn.Module, opt, device: torch.device) -> dict:
 
 
 def format_verify(rows: List[dict]) -> str:
-    def gb(n):   # in the unit of the size: a tiny model's parts would all read 0.000 GB
-        if n is None:
-            return "n/a"
-        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-            if abs(n) >= scale:
-                return f"{n / scale:.3f} {unit}"
-        return f"{n} B"
+    def gb(n):
+        return "n/a" if n is None else size_text(n, 3)
     lines = ["verify: predicted against measured (GB = 1e9 bytes; the measured activations include autograd's "
              "own graph)"]
     for r in rows:
