@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
 from effmem.activations import relu
 from effmem.activations.compiled import compiled_forward, leaves_graph
-from effmem.activations.selective import context as selective_context
+from effmem.activations.selective import KeptOutputChanged, context as selective_context
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
 
@@ -348,7 +348,7 @@ def _eager_contexts(layer: nn.Module, selective: bool):
     - under "selective", torch's refusal of a kept output changed in place otherwise names the fix."""
     forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
     flip = [m for m in layer.modules() if getattr(m, "inplace", None) is True] if selective else []
-    return (_Reentrant(functools.partial(_out_of_place, flip, forward)),
+    return (_Reentrant(functools.partial(_forward, layer, flip, forward)),
             _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective)))
 
 
@@ -395,14 +395,27 @@ def _recompute(layer: nn.Module, flip, inner, selective: bool):
                     "gradient penalty, a Hessian-vector product) is refused. Use policy='checkpoint' or 'fast' "
                     "for that") from err
             if selective and "has been mutated" in str(err):
-                raise RuntimeError(
-                    f"{type(layer).__name__} under effmem's 'selective' policy changes the output of a matrix "
-                    "product in place (an in-place op in its forward, such as x.add_(), or inside an op it "
-                    "calls, such as a bfloat16 nn.LSTM on the CPU; in-place modules already run out of place "
-                    "there); selective checkpointing keeps those outputs for backward, and torch refuses one "
-                    "changed since. Use policy='checkpoint' or 'fast' for this model, or make that op out of "
-                    "place") from err
+                raise RuntimeError(_changed_in_place(layer)) from err
             raise
+
+
+def _changed_in_place(layer: nn.Module) -> str:
+    return (f"{type(layer).__name__} under effmem's 'selective' policy changes the output of a matrix product in "
+            "place (an in-place op in its forward, such as x.add_(), or inside an op it calls, such as nn.GRU or a "
+            "bfloat16 nn.LSTM on the CPU; in-place modules already run out of place there); selective "
+            "checkpointing keeps those outputs for backward, and they would no longer be the forward's. Use "
+            "policy='checkpoint' or 'fast' for this model, or make that op out of place")
+
+
+@contextlib.contextmanager
+def _forward(layer: nn.Module, flip, inner):
+    """The checkpointed forward's context: in-place modules out of place; selective's refusal of a write into a
+    kept output named."""
+    try:
+        with _out_of_place(flip, inner):
+            yield
+    except KeptOutputChanged as err:
+        raise RuntimeError(_changed_in_place(layer)) from err
 
 
 @leaves_graph
