@@ -130,6 +130,14 @@ def remove_compression(module: nn.Module) -> nn.Module:
     compressor = getattr(module, _ATTR, None)
     if compressor is None:
         raise ValueError("remove_compression: this module was not wrapped by compress_activations")
+    calls = compressor._root_calls()
+    if calls and calls[0][1] is not None:
+        if _on_stack(calls[0][1], sys._getframe(1)):
+            raise RuntimeError("remove_compression: called inside the wrapped module's forward, whose exit would "
+                               "then never leave the saved-tensor hooks; call it once the forward has returned")
+        # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks gone,
+        # no later forward would drop them (_RootEnter), and every later save on the thread was quantised
+        compressor._abandon()
     compressor.remove_hooks()
     del module.__dict__[_ATTR]
     module.__dict__.pop("compress_stats", None)
