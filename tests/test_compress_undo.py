@@ -1,4 +1,5 @@
-"""remove_compression after a forward that Ctrl-C interrupted past its exit hook (a reviewer's find)."""
+"""Undoing activation hooks after a forward that Ctrl-C interrupted past its exit hook: remove_compression, and
+plan.apply's save_on_cpu hooks at the next forward (a reviewer's finds)."""
 import gc
 import weakref
 
@@ -55,3 +56,32 @@ def test_remove_compression_inside_the_forward_is_refused():
     assert no_hooks_left() and compressor_of(model) is not None
     block.undo = None
     remove_compression(model)
+
+
+def _pushed_hooks() -> int:
+    """How many saved-tensor hooks the thread has pushed (popped and pushed back)."""
+    stack = []
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        stack.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(stack):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return len(stack)
+
+
+def test_plan_apply_save_on_cpu_leaves_no_hooks_after_interrupted_forwards():
+    """plan.apply's save_on_cpu hooks overwrote the context an interrupted forward left entered: one more
+    save_on_cpu on the thread per Ctrl-C, for good. The next forward exits what is left first now."""
+    from effmem.plan.apply import _SaveOnCpu
+    block = _Stop()
+    block._effmem_save_on_cpu = _SaveOnCpu(block, pin=False)
+    block.stop = KeyboardInterrupt()
+    for _ in range(3):
+        try:
+            block(torch.randn(4, 64, requires_grad=True))
+        except KeyboardInterrupt:
+            pass
+        assert _pushed_hooks() == 1
+    block.stop = None
+    block(torch.randn(4, 64, requires_grad=True)).sum().backward()
+    assert _pushed_hooks() == 0

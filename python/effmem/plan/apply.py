@@ -8,6 +8,7 @@ from torch import nn
 from effmem.activations import apply_activation_policy
 from effmem.activations.cache import no_training_cache
 from effmem.compress import compress_activations
+from effmem.compress.api import _module_call_frame, _on_stack
 from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
 from effmem.optim._validate import whole
@@ -19,20 +20,30 @@ class _SaveOnCpu:
     """Forward hooks that run the model's forward inside torch.autograd.graph.save_on_cpu."""
 
     def __init__(self, model: nn.Module, pin: bool):
-        self.ctx = None
+        self.open = []   # per call of the model: (the save_on_cpu entered or None, the frame of that call)
         self.pin = pin
         model.register_forward_pre_hook(self.enter)
         model.register_forward_hook(self.exit, always_call=True)
 
     def enter(self, module, args):
-        if torch.is_grad_enabled():
-            self.ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.pin)
-            self.ctx.__enter__()
+        caller = _module_call_frame()
+        if self.open and not _on_stack(self.open[0][1], caller):
+            # a forward interrupted past its exit hook (Ctrl-C: torch runs always_call hooks on an Exception
+            # only) left its context entered: each one more save_on_cpu for every later save of the thread
+            for ctx, _ in reversed(self.open):
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+            self.open.clear()
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.pin) if torch.is_grad_enabled() else None
+        if ctx is not None:
+            ctx.__enter__()
+        self.open.append((ctx, caller))
 
     def exit(self, module, args, output):
-        if self.ctx is not None:
-            ctx, self.ctx = self.ctx, None
-            ctx.__exit__(None, None, None)
+        if self.open:
+            ctx, _ = self.open.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
 
 
 def _check_runnable(plan, model: nn.Module, cfg) -> None:
