@@ -293,10 +293,12 @@ def test_a_cache_with_gradients_is_turned_off_or_refused(policy, training):
 @pytest.mark.parametrize("policy", ["fast", "min", "selective", "budget"])
 def test_a_model_under_a_policy_pickles(policy):
     """torch.save(model) of a model under a policy (its hooks were a local closure: "Can't pickle local
-    object"), loaded back with the policy still applied and the same loss."""
+    object"), loaded back with the policy still applied and the same loss. After a forward too: a budget's
+    weak references to its layers' outputs did not pickle."""
     m = llama()
     m = apply_activation_policy(m, memory_budget=0.5) if policy == "budget" else apply_activation_policy(m, policy)
     x = ids()
+    m(input_ids=x, labels=x).loss.backward()
     buf = io.BytesIO()
     torch.save(m, buf)
     buf.seek(0)

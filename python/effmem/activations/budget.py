@@ -206,6 +206,11 @@ class BudgetPolicy:
         # to the model's forward, as the config's flag at apply time): "min" is left out for it (new_forward)
         self.side_outputs = False
 
+    def __getstate__(self):
+        """A pickle (torch.save(model)) or copy without the last forward's outputs: weak references do not
+        pickle, and a copy's next forward starts afresh anyway."""
+        return dict(self.__dict__, _outputs={})
+
     def new_forward(self, module, args, kwargs) -> None:
         """The model's forward pre-hook (with its kwargs): the layers' outputs of an earlier forward forgotten, so
         that a model called again on its own output (a recurrent loop over a one-layer stack) is not taken for a
