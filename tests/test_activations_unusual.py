@@ -66,3 +66,23 @@ def test_without_the_op_output_the_bases_of_unsafe_views_are_watched():
     check(ctx, aten.sigmoid.default, pieces[0])                           # out of place: allowed
     with pytest.raises(KeptOutputChanged, match="aten.add_.Tensor writes into"):
         check(ctx, aten.add_.Tensor, pieces[1], torch.randn(4, 2))
+
+
+class _ReentrantInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + torch.utils.checkpoint.checkpoint(lambda z: torch.tanh(self.lin(z)), x, use_reentrant=True)
+
+
+def test_min_names_a_reentrant_checkpoint_inside_a_layer():
+    """torch's own refusal blamed a .grad() or backward(inputs=) that the user never called."""
+    net = nn.Module()
+    net.layers = nn.ModuleList([_ReentrantInside(), _ReentrantInside()])
+    net.forward = lambda x: net.layers[1](net.layers[0](x))
+    effmem.apply_activation_policy(net, "min")
+    with pytest.raises(RuntimeError, match="calls torch.utils.checkpoint\\(use_reentrant=True\\) inside it.*"
+                                           "use_reentrant=False"):
+        net.forward(torch.randn(8, 32, requires_grad=True)).square().sum().backward()

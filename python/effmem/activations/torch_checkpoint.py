@@ -1,0 +1,119 @@
+"""The "checkpoint" and "selective" policies: torch's checkpointing of a layer (non-reentrant), with the contexts
+effmem adds around its forward and recompute: in-place modules out of place under "selective", the layer's
+buffers as the forward left them, and torch's refusals named with the policy and its way out."""
+import contextlib
+import functools
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
+from effmem.activations.selective import KeptOutputChanged, context as selective_context
+
+
+@contextlib.contextmanager
+def buffers_kept(buffers):
+    """Extra runs of a layer's forward (a recompute, the budget's probes) leave these buffers of it as they
+    were: a BatchNorm's running statistics and count would take each run as a training step."""
+    kept = [(b, b.detach().clone()) for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in kept:
+                b.copy_(value)
+
+
+def torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):
+    """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
+    if not torch.is_grad_enabled():   # nothing saved: the layer as it is (compiled, evaluation broke the graph)
+        return original(*args, **kwargs)
+    if torch.compiler.is_compiling():   # the compiler takes no contexts but selective checkpointing's own
+        context = {"context_fn": selective_context} if selective else {}
+    else:
+        if torch.is_grad_enabled():
+            refuse_cache(layer, args, kwargs)
+            refuse_hf_checkpointing(layer)
+        context = {"context_fn": functools.partial(_eager_contexts, layer, selective)}
+    return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
+
+
+def _eager_contexts(layer: nn.Module, selective: bool):
+    """torch checkpointing's two contexts, for the forward and the recompute: selective's caches, and
+    - the layer's in-place modules (nn.ReLU(inplace=True)...) run out of place in both under "selective":
+      in place they changed the matrix product's output that it keeps, which torch then refused;
+    - the recompute leaves the layer's buffers as the forward left them (a BatchNorm counted it as a
+      second training step);
+    - under "selective", torch's refusal of a kept output changed in place otherwise names the fix."""
+    forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
+    flip = [m for m in layer.modules() if getattr(m, "inplace", None) is True] if selective else []
+    return (_Reentrant(functools.partial(_forward, layer, flip, forward)),
+            _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective)))
+
+
+class _Reentrant:
+    """A context manager entered afresh each time: torch enters the recompute's at every recompute (a second
+    backward with retain_graph, a double backward), where a generator's context manager works once."""
+
+    def __init__(self, make):
+        self.make, self.open = make, []
+
+    def __enter__(self):
+        self.open.append(self.make())
+        return self.open[-1].__enter__()
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _out_of_place(modules, inner):
+    for m in modules:
+        m.inplace = False
+    try:
+        with inner:
+            yield
+    finally:
+        for m in modules:
+            m.inplace = True
+
+
+@contextlib.contextmanager
+def _recompute(layer: nn.Module, flip, inner, selective: bool):
+    buffers = list(layer.buffers())
+    with buffers_kept(buffers) if buffers else nullcontext():
+        try:
+            with _out_of_place(flip, inner):
+                yield
+        except RuntimeError as err:
+            if selective and "backward an extra time" in str(err):
+                raise RuntimeError(
+                    f"{type(layer).__name__} under effmem's 'selective' policy: torch's selective checkpointing "
+                    "keeps what it saves for one backward, so a second one through these layers "
+                    "(retain_graph=True) or differentiating their gradients again (create_graph=True: a "
+                    "gradient penalty, a Hessian-vector product) is refused. Use policy='checkpoint' or 'fast' "
+                    "for that") from err
+            if selective and "has been mutated" in str(err):
+                raise RuntimeError(_changed_in_place(layer)) from err
+            raise
+
+
+def _changed_in_place(layer: nn.Module) -> str:
+    return (f"{type(layer).__name__} under effmem's 'selective' policy changes the output of a matrix product in "
+            "place (an in-place op in its forward, such as x.add_(), or inside an op it calls, such as nn.GRU or a "
+            "bfloat16 nn.LSTM on the CPU; in-place modules already run out of place there); selective "
+            "checkpointing keeps those outputs for backward, and they would no longer be the forward's. Use "
+            "policy='checkpoint' or 'fast' for this model, or make that op out of place")
+
+
+@contextlib.contextmanager
+def _forward(layer: nn.Module, flip, inner):
+    """The checkpointed forward's context: in-place modules out of place; selective's refusal of a write into a
+    kept output named."""
+    try:
+        with _out_of_place(flip, inner):
+            yield
+    except KeptOutputChanged as err:
+        raise RuntimeError(_changed_in_place(layer)) from err
