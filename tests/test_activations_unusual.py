@@ -86,3 +86,19 @@ def test_min_names_a_reentrant_checkpoint_inside_a_layer():
     with pytest.raises(RuntimeError, match="calls torch.utils.checkpoint\\(use_reentrant=True\\) inside it.*"
                                            "use_reentrant=False"):
         net.forward(torch.randn(8, 32, requires_grad=True)).square().sum().backward()
+
+
+def test_compress_activations_keeps_a_relu_s_mask_exact():
+    """ReLU's backward passes a gradient where its saved output is positive; a small positive output rounded to
+    code 0 lost it: 283 of 65,413 positive values in a reviewer's net, weight gradients 9.4% off at 8 bits. The
+    output's own save carries its exact mask now (1 bit per element, in the statistics as bool bytes)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    net = effmem.compress_activations(copy.deepcopy(plain), bits=8)
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    worst = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(net.parameters(), plain.parameters()))
+    assert worst < 0.02, worst
+    stats = net.compress_stats
+    assert stats.by_dtype["bool"].bytes_after == 2 * 256 * 512 // 8   # the two ReLUs' masks, packed

@@ -222,19 +222,22 @@ def test_module_trace_equals_real_saved_bytes_demo_gpt():
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: m(x, y))
 
 
+@pytest.mark.parametrize("act", ["silu", "relu"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_compressed_bytes_match_compress_stats(bits):
+def test_compressed_bytes_match_compress_stats(bits, act):
     """compress8/compress4: the saved bytes at compress_activations' sizes, against its own statistics.
 
     Within 2%: the prediction applies compress' size and dtype rules to each
     storage; compress decides per saved view (a few small views of larger
     storages go the other way). Its statistics count a tensor kept as it is at
     each save (the rotary tables, saved by every attention): counted here once
-    per storage, as memory holds them."""
+    per storage, as memory holds them. A ReLU's output is stored with its exact mask beside it (1 bit per
+    element), counted too."""
     batch, seq = 2, 64
-    tr = trace_spec(model_spec(LLAMA), batch, seq, torch.float32, "cpu")
+    cfg = dict(LLAMA, hidden_act=act)
+    tr = trace_spec(model_spec(cfg), batch, seq, torch.float32, "cpu")
     predicted = sum(tr.activations(f"compress{bits}").values())
-    m = compress_activations(real_model(LLAMA), bits=bits, record=True)
+    m = compress_activations(real_model(cfg), bits=bits, record=True)
     out = hf_call(m, batch, seq)
     outputs = out.loss.untyped_storage().nbytes() + out.logits.untyped_storage().nbytes()
     stats = m.compress_stats

@@ -48,6 +48,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 # its version), or compressed (the entry shared by every save of a memory, and this save's view of it).
 _Kept = _C.KeptTensor
 _Handle = _C.SavedHandle
+# Saves whose backward reads only the sign of the saved output (a mask), which rounding must not flip.
+SIGN_READ = frozenset(("ReluBackward0",))
+
+
+class _MaskedSave:
+    """A compressed save and its exact mask (a packed bool handle, or the bool tensor kept as it is)."""
+    __slots__ = ("values", "mask")
+
+    def __init__(self, values, mask):
+        self.values, self.mask = values, mask
 
 
 def _version_error(now: int, saved: int, dtype: torch.dtype, shape, device: torch.device) -> None:
@@ -278,7 +288,23 @@ class ActivationCompressor:
         reason = self._reason(t, excluded)
         if reason is not None:
             return self._keep(t, reason, module)
-        return self._store(t, module)
+        h = self._store(t, module)
+        if type(h) is _Handle and h.entry.saves == 1 and t.grad_fn is not None and t.grad_fn.name() in SIGN_READ:
+            return self._masked(t, h, module)
+        return h
+
+    def _masked(self, t: Tensor, h, module: str) -> "_MaskedSave":
+        """A ReLU's own save of its output (the first of that memory: a layer reading it saves it later), with its
+        exact mask (t > 0, 1 bit per element) beside the codes. ReLU's backward passes a gradient where its
+        output is positive, and a small positive value that rounds to code 0 lost its gradient: in a reviewer's
+        Linear-ReLU net, 283 of 65,413 positive outputs came back as 0 and the weight gradients were 9% off
+        (38% at 4 bits)."""
+        mask = t > 0
+        m = self._saves.store(mask)
+        if type(m) is str:   # no gain in packing it: kept as it is
+            m = mask
+        self.stats.record_extra("bool", module, m.entry.bytes_after if type(m) is _Handle else mask.numel())
+        return _MaskedSave(h, m)
 
     def _store(self, t: Tensor, module: str):
         """t's memory as compressed codes shared by every save of it (or t kept, where that is no gain)."""
@@ -297,7 +323,12 @@ class ActivationCompressor:
         return h
 
     def _unpack_other(self, packed):
-        """What the C++ unpack hook leaves to Python: saves made while compiling (the tensor itself)."""
+        """What the C++ unpack hook leaves to Python: saves made while compiling (the tensor itself), and a
+        ReLU's output with its exact mask (_masked): positive where the mask is, 0 elsewhere."""
         if isinstance(packed, Tensor):
             return packed
+        if isinstance(packed, _MaskedSave):
+            values = self._saves.unpack(packed.values)
+            mask = packed.mask if isinstance(packed.mask, Tensor) else self._saves.unpack(packed.mask)
+            return torch.where(mask, values.clamp_min(torch.finfo(values.dtype).tiny), values.new_zeros(()))
         raise TypeError(f"effmem: cannot unpack a saved {type(packed).__name__}")

@@ -94,6 +94,10 @@ class CompressionStats:
     def record_compressed(self, dtype: str, module: str, before: int, after: int) -> None:
         self.add("compressed", dtype, module, 1, before, after)
 
+    def record_extra(self, dtype: str, module: str, nbytes: int) -> None:
+        """Bytes stored beside a compressed save, not saved by autograd itself (a ReLU's exact mask)."""
+        self._record(dtype, module, 0, nbytes, count=0)
+
     def record_kept(self, reason: str, dtype: str, module: str, nbytes: int) -> None:
         self.add(reason, dtype, module, 1, nbytes, nbytes)
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from effmem.compress._codec import memory_row, packed_bytes, saved_groups
+from effmem.compress.hooks import SIGN_READ
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.activations import relu
 from effmem.activations.checkpoint import routes_tokens
@@ -74,6 +75,7 @@ class Record:
     output: bool = False                 # part of what forward returned
     sac_output: bool = False             # a decoder layer's matmul/attention output (selective keeps it)
     relu_mask: bool = False              # a layer's nn.ReLU's mask, 1 bit per element: what "min" keeps for it
+    sign_read: bool = False              # a ReLU's output: compress_activations stores its exact mask beside it
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
@@ -170,6 +172,8 @@ class Trace:
                 bits = int(strategy[len("compress"):])
                 rows, cols, group = saved_groups(n // r.elem_size, r.last_dim, cfg.group_size)
                 n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(rows, cols, bits, group)
+                if r.sign_read:   # and its exact mask, 1 bit per element (compress.hooks._masked)
+                    n += (r.nbytes // r.elem_size + 7) // 8
             if strategy == "checkpoint8" and r.block_input and not r.saved_outside and not self.routed:
                 # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows (as it is for a
                 # layer that routes tokens to experts: routes_tokens).
@@ -312,7 +316,8 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                 setattr(r, k, True)
 
     def pack(t: Tensor):
-        record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"])
+        record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"],
+               sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ)
         # A node keeping its own output held the tensor itself, grad_fn and all: a cycle through C++ that
         # gc cannot free, one meta graph per plan for the life of the process. A detached alias breaks it;
         # made outside the dispatch modes, so the trace's op count (the host time of a step) does not see it.
