@@ -28,11 +28,12 @@ def test_nn_data_parallel_replication_is_refused_and_allowed_again_once_removed(
     assert all("forward" not in r.__dict__ for r in replicas)
 
 
-@pytest.mark.parametrize("policy", ["min", "budget"])
+@pytest.mark.parametrize("policy", ["min", "budget", "checkpoint", "selective"])
 def test_a_mode_switch_between_forward_and_backward_recomputes_the_forwards_dropout(policy):
     """model.eval() between a training forward and its backward (a validation pass in between): the recompute ran
     the layer in eval mode, without the forward's dropout, and the gradients were those of another function (33%
-    off, a reviewer's repro; torch's checkpoint raises there). It now runs each module in its forward's mode."""
+    off, a reviewer's repro; torch's checkpoint, under "checkpoint" and "selective", raised a CheckpointError
+    naming no cause). It now runs each module in its forward's mode."""
     plain, x = llama(attention_dropout=0.3), ids(seq=24)
     ours = copy.deepcopy(plain)
     ours = (apply_activation_policy(ours, memory_budget=0.05) if policy == "budget"
@@ -47,7 +48,7 @@ def test_a_mode_switch_between_forward_and_backward_recomputes_the_forwards_drop
     if policy == "budget":
         (choice,) = ours._effmem_budget.choices.values()
         assert "min" in choice["modes"]
-    assert rel_err(got[1], got[0]) < 0.02
+    assert rel_err(got[1], got[0]) < (0.02 if policy in ("min", "budget") else 1e-6)
     assert all(not m.training for m in ours.modules())   # the modes as the user set them after the recompute
 
 

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
 from effmem.activations import relu
 from effmem.activations.compiled import compiled_forward, leaves_graph
-from effmem.activations.torch_checkpoint import buffers_kept, torch_checkpointed
+from effmem.activations.torch_checkpoint import buffers_kept, modes_as, torch_checkpointed
 from effmem.compress import _codec
 from effmem.compress.functions import _as_rows, _seed
 
@@ -270,7 +270,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
             args_[i] = e
         rest_, kwargs_ = tree_unflatten(args_, spec)
         replay, tail["ran"] = "ran" in tail, True   # the forward's own run reads what it reads
-        with _as_in_forward(layer, held) if replay else nullcontext(), _modes_as(modes) if replay else nullcontext():
+        with _as_in_forward(layer, held) if replay else nullcontext(), modes_as(modes) if replay else nullcontext():
             out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
         if not isinstance(out, (Tensor, tuple)) or isinstance(out, tuple) and not (out and isinstance(out[0], Tensor)):
             got = type(out).__name__ if not isinstance(out, tuple) else (
@@ -310,21 +310,6 @@ def _as_in_forward(layer: nn.Module, held: dict):
         return nullcontext()
     from torch.nn.utils.stateless import _reparametrize_module   # what functional_call itself runs
     return _reparametrize_module(layer, changed)
-
-
-@contextlib.contextmanager
-def _modes_as(modes):
-    """The recompute runs each module in its forward's mode: a model.eval() between forward and backward (a
-    validation pass) recomputed without the forward's dropout, and the gradients were silently those of
-    another function (33% off on a tiny Llama with attention dropout, a reviewer's repro)."""
-    now = [(m, m.training) for m, _ in modes]
-    for m, training in modes:
-        m.training = training
-    try:
-        yield
-    finally:
-        for m, training in now:
-            m.training = training
 
 
 @leaves_graph

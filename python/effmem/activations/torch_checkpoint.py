@@ -26,6 +26,22 @@ def buffers_kept(buffers):
                 b.copy_(value)
 
 
+@contextlib.contextmanager
+def modes_as(modes):
+    """The recompute runs each module in its forward's mode: a model.eval() between forward and backward (a
+    validation pass) recomputed without the forward's dropout, and the gradients were silently those of
+    another function under "min" (33% off on a tiny Llama with attention dropout, a reviewer's repro); torch's
+    checkpointing ("checkpoint", "selective") raised a CheckpointError that named no cause."""
+    now = [(m, m.training) for m, _ in modes]
+    for m, training in modes:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, training in now:
+            m.training = training
+
+
 def torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwargs):
     """The layer under torch's checkpointing ("checkpoint"), or its selective form ("selective")."""
     if not torch.is_grad_enabled():   # nothing saved: the layer as it is (compiled, evaluation broke the graph)
@@ -45,12 +61,13 @@ def _eager_contexts(layer: nn.Module, selective: bool):
     - the layer's in-place modules (nn.ReLU(inplace=True)...) run out of place in both under "selective":
       in place they changed the matrix product's output that it keeps, which torch then refused;
     - the recompute leaves the layer's buffers as the forward left them (a BatchNorm counted it as a
-      second training step);
+      second training step), and runs each module in the forward's train/eval mode;
     - under "selective", torch's refusal of a kept output changed in place otherwise names the fix."""
     forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
     flip = [m for m in layer.modules() if getattr(m, "inplace", None) is True] if selective else []
+    modes = [(m, m.training) for m in layer.modules()]   # the forward's (made as it starts)
     return (_Reentrant(functools.partial(_forward, layer, flip, forward)),
-            _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective)))
+            _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective, modes)))
 
 
 class _Reentrant:
@@ -81,9 +98,9 @@ def _out_of_place(modules, inner):
 
 
 @contextlib.contextmanager
-def _recompute(layer: nn.Module, flip, inner, selective: bool):
+def _recompute(layer: nn.Module, flip, inner, selective: bool, modes):
     buffers = list(layer.buffers())
-    with buffers_kept(buffers) if buffers else nullcontext():
+    with buffers_kept(buffers) if buffers else nullcontext(), modes_as(modes):
         try:
             with _out_of_place(flip, inner):
                 yield
