@@ -32,11 +32,14 @@ namespace effmem {
 // e^x within a few units in the last place: x = k ln2 + r (Cody-Waite, ln2 in
 // two parts, k * the high part exact), e^r by its Taylor series to r^7 on
 // |r| <= ln2 / 2 (truncation under 2^-26), times 2^k built in the exponent
-// bits. Below -87 it returns 0 and above 88 +inf (e^x leaves the normal
-// range, and 1 + e^x already rounds to 1 or overflows there); NaN stays NaN.
+// bits (2^127 * 2 for k = 128). Below -87 it returns 0 (e^x leaves the normal
+// range, and 1 + e^x rounds to 1 long before); from 88.75 +inf, and between
+// ln(FLT_MAX) = 88.7228 and there the product overflows to +inf itself (an
+// earlier cut at 88 made e^88.5, 2.7e38, infinite, and silu(-88.5) -0 where
+// torch gives -3.2e-37); NaN stays NaN.
 EFFMEM_HD float exp_f(float x) {
   // selects, no branches: the CPU loops vectorise (NaN takes the -87 side, then the last line)
-  const float xc = x >= -87.0f ? (x <= 88.0f ? x : 88.0f) : -87.0f;
+  const float xc = x >= -87.0f ? (x <= 88.75f ? x : 88.75f) : -87.0f;
   const float t = xc * 1.44269504088896341f;
   // round to nearest: adding 1.5 * 2^23 leaves no fraction bits (|t| < 2^22)
   const float k = (t + 12582912.0f) - 12582912.0f;
@@ -49,9 +52,12 @@ EFFMEM_HD float exp_f(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  // k is in [-126, 127] here, so 2^k is a normal float
-  const float e = p * float_of(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
-  return x > 88.0f ? float_of(0x7f800000u) : (x < -87.0f ? 0.0f : (x != x ? x : e));
+  // k is in [-126, 128] here; 2^k as two normal factors where k = 128 (each multiplication by a power of two is
+  // exact until it overflows)
+  const float kb = k > 127.0f ? 127.0f : k;
+  const float two_k = float_of(static_cast<uint32_t>(static_cast<int32_t>(kb) + 127) << 23);
+  const float e = p * two_k * (k > 127.0f ? 2.0f : 1.0f);
+  return x > 88.75f ? float_of(0x7f800000u) : (x < -87.0f ? 0.0f : (x != x ? x : e));
 }
 
 template <class T>
