@@ -148,3 +148,27 @@ def test_libstdcxx_probe_fixes_a_static_link_and_check_rejects_one(tmp_path):
     assert not bad.exists()
     good = run("check", str(tmp_path / "static" / "probe_shared.so"))
     assert good.returncode == 0, good.stderr
+
+
+def test_a_cuda_host_compiler_linking_libstdcxx_statically_stays_off_the_extension_link(tmp_path):
+    """CMake adds what nvcc's host compiler links implicitly to the C++ link of _C: a CUDAHOSTCXX linking
+    libstdc++ statically (as the GPU machine's /opt/gcc g++ does) put libstdc++.a there, and the check deleted
+    the extension after a ten-minute build, naming neither variable (a reviewer's build). A configure only."""
+    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    ninja = shutil.which("ninja", path=os.path.dirname(sys.executable)) or shutil.which("ninja")
+    gxx = shutil.which("g++")
+    if cmake is None or ninja is None or gxx is None:
+        pytest.skip("needs cmake, ninja and g++")
+    if torch.version.cuda is None or _cuda_compiler_for_default_build() is None:
+        pytest.skip("checked where CUDA would be built: torch with CUDA and a toolkit")
+    wrapper = tmp_path / "g++-static"
+    wrapper.write_text(f'#!/bin/sh\nexec {gxx} "$@" -static-libstdc++ -static-libgcc\n')
+    wrapper.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDACXX")}
+    proc = subprocess.run([cmake, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}", "-S", str(ROOT),
+                           "-B", str(tmp_path / "build"), f"-DPython_EXECUTABLE={sys.executable}",
+                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                          env={**clean, "CUDAHOSTCXX": str(wrapper)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CUDA kernels for architectures" in proc.stdout
+    assert "libstdc++.a" not in (tmp_path / "build" / "build.ninja").read_text()
