@@ -157,3 +157,30 @@ def test_an_interrupt_among_the_first_step_s_state_entries_leaves_the_optimizer_
         opt.zero_grad()
     assert len(opt.state_dict()["state"]) == 4
     opt.close()
+
+
+@pytest.mark.parametrize("child", ["nothing", "offload"])
+def test_a_forked_child_exits_after_the_parent_ran_the_cpu_kernels_on_two_threads(child):
+    """effmem's intra-op pool (a worker thread once a kernel ran with 2 torch threads) was destroyed at a forked
+    child's exit: its destructor joined the parent's threads, which the child does not have, and the child hung
+    at sys.exit or aborted (a reviewer's repro). The pool is never destroyed at exit now."""
+    r = run_child(f"""
+        import os, sys, torch, effmem
+        torch.set_num_threads(2)
+        p = torch.nn.Parameter(torch.zeros(1 << 16))
+        p.grad = torch.ones(1 << 16)
+        effmem.FusedAdam([p]).step()
+        torch.set_num_threads(1)   # torch's own OpenMP pool left unused in the child (it hangs there by itself)
+        pid = os.fork()
+        if pid == 0:
+            if "{child}" == "offload":
+                m = torch.nn.Linear(64, 64)
+                opt = effmem.OffloadAdam(m.parameters(), lr=1e-3)
+                m(torch.randn(4, 64)).sum().backward()
+                opt.step()
+                opt.close()
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+    """, timeout=60)
+    assert r.returncode == 0 and "child 0" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])

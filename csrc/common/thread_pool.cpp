@@ -92,7 +92,12 @@ void ThreadPool::run(int64_t n, const std::function<void(int64_t)>& fn) {
 
 std::shared_ptr<ThreadPool> intra_op_pool() {
   static std::mutex mu;
-  static std::shared_ptr<ThreadPool> pool;
+  // Never destroyed at exit: a forked child that exits without calling this again would run the parent's
+  // pool's destructor, joining threads that do not exist in it and destroying condition variables their
+  // waits still count (a child of a process that had run FusedAdam with 2 threads hung at sys.exit, or
+  // aborted). At the parent's exit its workers are waiting on a condition variable that is never destroyed.
+  static auto* const pool_ptr = new std::shared_ptr<ThreadPool>();
+  auto& pool = *pool_ptr;
   std::lock_guard<std::mutex> lock(mu);
   const int want = std::max(1, at::get_num_threads());
   if (pool && !pool->owned_by_this_process()) {
