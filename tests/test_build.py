@@ -172,3 +172,25 @@ def test_a_cuda_host_compiler_linking_libstdcxx_statically_stays_off_the_extensi
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout
     assert "libstdc++.a" not in (tmp_path / "build" / "build.ninja").read_text()
+
+
+def test_cudacxx_with_flags_is_not_replaced_by_the_nvcc_on_path(tmp_path):
+    """CUDACXX naming nvcc with flags is left to CMake; the symlink-following look on PATH (for when nothing
+    names a toolkit) took a PATH nvcc in its place and dropped the user's (a reviewer's configure). A configure
+    only, with a broken nvcc first on PATH."""
+    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    nvcc = _cuda_compiler_for_default_build()
+    if cmake is None or torch.version.cuda is None or nvcc is None:
+        pytest.skip("needs cmake, torch with CUDA and a toolkit")
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDA_HOME",
+                                                              "CUDA_PATH")}
+    env = {**clean, "CUDACXX": f"{nvcc} -allow-unsupported-compiler", "PATH": f"{fake.parent}:{clean['PATH']}"}
+    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
+                           f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
