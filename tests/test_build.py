@@ -190,7 +190,8 @@ def test_cudacxx_with_flags_is_not_replaced_by_the_nvcc_on_path(tmp_path):
                                                               "CUDA_PATH")}
     env = {**clean, "CUDACXX": f"{nvcc} -allow-unsupported-compiler", "PATH": f"{fake.parent}:{clean['PATH']}"}
     proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
-                           f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                           f"-DPython_EXECUTABLE={sys.executable}",
+                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
