@@ -64,8 +64,44 @@ def test_without_the_op_output_the_bases_of_unsafe_views_are_watched():
     check(ctx, aten.add_.Tensor, torch.randn(4, 2), torch.randn(4, 2))   # another storage: allowed
     check(ctx, aten.unsafe_split.Tensor, base, 2, 1)
     check(ctx, aten.sigmoid.default, pieces[0])                           # out of place: allowed
+    check(ctx, aten.add_.Tensor, base, torch.randn(4, 6))                 # the base itself: torch sees it
     with pytest.raises(KeptOutputChanged, match="aten.add_.Tensor writes into"):
         check(ctx, aten.add_.Tensor, pieces[1], torch.randn(4, 2))
+
+
+class _AddsInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        out = self.b(torch.relu(self.a(x)))
+        out += x   # into the last product's kept output: torch's check sees it, and its recompute never gets there
+        return out
+
+
+def test_selective_leaves_writes_torch_sees_to_torch():
+    """The first form of the check refused every write into a kept output's memory, this one too, which torch's
+    selective checkpointing computes exactly (a reviewer's find); and tensor subclasses (DTensor, TwoTensor),
+    whose storages have no data pointer, raised in it."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    torch.manual_seed(0)
+    plain = nn.Module()
+    plain.layers = nn.ModuleList([_AddsInPlace(), _AddsInPlace()])
+    plain.forward = lambda x: plain.layers[1](plain.layers[0](x))
+    net = copy.deepcopy(plain)
+    net.forward = lambda x: net.layers[1](net.layers[0](x))
+    x = torch.randn(4, 32)
+    plain.forward(x).square().mean().backward()
+    effmem.apply_activation_policy(net, "selective")
+    net.forward(x).square().mean().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), net.parameters()))
+    sub = nn.Module()
+    sub.layers = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)])
+    sub.forward = lambda x: sub.layers[1](torch.nn.functional.gelu(sub.layers[0](x)))
+    effmem.apply_activation_policy(sub, "selective")
+    sub.forward(TwoTensor(torch.randn(4, 32), torch.randn(4, 32)).requires_grad_()).sum().backward()
+    assert sub.layers[0].weight.grad is not None
 
 
 class _ReentrantInside(nn.Module):

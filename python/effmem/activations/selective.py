@@ -46,8 +46,10 @@ def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _storage(t) -> int:
-    """The address of a tensor's storage; 0 where there is none to compare (meta, empty, not a tensor)."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+    """The address of a plain tensor's storage; 0 where there is none to compare (meta, empty, sparse, a subclass
+    such as DTensor or FakeTensor, whose storage has no data pointer, not a tensor)."""
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type == "meta"
+            or t.numel() == 0):
         return 0
     return t.untyped_storage().data_ptr()
 
@@ -59,25 +61,43 @@ def _written(op, args, kwargs):
             yield args[i] if i < len(args) else kwargs.get(a.name)
 
 
+def _layout(t) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def checked_policy():
-    """`policy`, also refusing a write into a kept output's storage, which torch's check of the cache's version
-    counters misses where it goes through an unsafe view. The kept outputs' storages come from the policy's
-    context (op_output, in newer torch); without it, the bases of unsafe views stand in for them."""
-    kept = set()
+    """`policy`, also refusing a write into a kept output's memory through an alias that autograd does not track
+    (not the output, not a view of it: an unsafe_split piece), whose writes torch's check of the cache's version
+    counters misses. Writes it sees are left to it (one into the layer's last product, which its recompute never
+    reaches, is exact). The kept outputs come from the policy's context (op_output, in newer torch); without it,
+    the bases of unsafe views stand for them. By address and layout: C++ code (the GRU cell) drops the Python
+    objects of the tensors it holds, so neither identity nor weak references last."""
+    kept = {}   # storage address -> layouts (data pointer, shape, strides) of the kept outputs in it
+
+    def watch(t) -> None:
+        p = _storage(t)
+        if p:
+            kept.setdefault(p, set()).add(_layout(t))
+
+    def untracked_alias(w) -> bool:
+        layouts = kept.get(_storage(w))
+        return layouts is not None and not w._is_view() and _layout(w) not in layouts
 
     def check(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         decision = policy(ctx, op, *args, **kwargs)
         if torch.compiler.is_compiling():
             return decision
+        if hasattr(ctx, "op_output"):
+            if decision is CheckpointPolicy.MUST_SAVE:
+                for t in tree_flatten(ctx.op_output)[0]:
+                    watch(t)
+        elif op in _UNSAFE_VIEWS:   # an older torch
+            watch(args[0])
         schema = getattr(op, "_schema", None)
-        if decision is CheckpointPolicy.MUST_SAVE and hasattr(ctx, "op_output"):
-            kept.update(p for p in map(_storage, tree_flatten(ctx.op_output)[0]) if p)
-        elif op in _UNSAFE_VIEWS and not hasattr(ctx, "op_output"):
-            kept.add(_storage(args[0]))
-            kept.discard(0)
-        elif kept and schema is not None and schema.is_mutable and any(
-                _storage(t) in kept for t in _written(op, args, kwargs)):
-            raise KeptOutputChanged(f"{op} writes into a matrix product's output that the policy keeps")
+        if kept and schema is not None and schema.is_mutable and any(
+                untracked_alias(w) for w in _written(op, args, kwargs)):
+            raise KeptOutputChanged(f"{op} writes into a matrix product's output that the policy keeps, through an "
+                                    "alias torch's version check does not see")
         return decision
     return check
 
