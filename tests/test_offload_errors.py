@@ -100,10 +100,15 @@ def test_overlap_backward_that_raises_midway_refuses_further_steps():
     opt.zero_grad()
     with pytest.raises(RuntimeError, match=r"a backward raised after \d+ parameter updates had already been applied"):
         opt.step()
+    # a checkpoint too: it carried the partial step past this refusal into every run resumed from it (saved on
+    # Ctrl-C, a reviewer's repro: an optimizer loaded from it stepped on without a word)
+    with pytest.raises(RuntimeError, match=r"a backward raised after \d+ parameter updates had already been applied"):
+        opt.state_dict()
     with pytest.raises(RuntimeError, match="Further steps are refused"):
         model(*data[2])[1].backward()        # the next backward's first hook refuses too
     # the documented ways on: accept the partial step, or reload a checkpoint
     opt.accept_partial_step()
+    assert opt.state_dict()["state"]   # accepted: the state as it is
     model.zero_grad(set_to_none=True)
     model(*data[2])[1].backward()
     opt.step()

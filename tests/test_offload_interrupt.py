@@ -99,3 +99,34 @@ def test_an_interrupt_before_the_engine_takes_a_later_micro_batch_keeps_it_in_p_
         model(2 * x).sum().backward()
     assert sum(p.grad is not None for p in model.parameters()) == 1   # the one interrupted, still the user's
     opt.close()
+
+
+@pytest.mark.parametrize("flush", ["flush", "state_dict", "eval_forward"])
+def test_a_delay_flush_between_forward_and_backward_makes_the_backward_refuse(flush):
+    """delay=True installs a step's weights during the next backward; a flush before it (opt.flush(), the model's
+    state_dict() or an evaluation forward under attach(), from another thread say) installed them under the
+    graph of a forward that read the old ones, with no version change: its backward ran on other weights than
+    its forward's, without an error (a reviewer's repro). Now it refuses, as torch does after an in-place write."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = OffloadAdam(model.parameters(), lr=0.1, delay=True)
+    opt.attach(model)
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    if flush == "flush":
+        opt.flush()
+    elif flush == "state_dict":
+        model.state_dict()
+    else:
+        with torch.no_grad():
+            model.eval()(x)
+        model.train()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    opt.zero_grad()
+    model(x).square().mean().backward()   # a forward after the flush trains on
+    opt.step()
+    opt.close()

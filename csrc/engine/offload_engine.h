@@ -132,7 +132,9 @@ class OffloadEngine {
   void zero_grad();
   // Waits for the worker and every copy; in delay mode first installs the
   // weights not yet uploaded, so the parameters hold the latest update.
-  void synchronize();
+  // Returns the indices of the parameters it wrote (for Python to bump their
+  // version counters: a graph saved before then refuses a backward).
+  std::vector<int64_t> synchronize();
   // delay_correction: whether a synchronize() since the last step() or zero_grad() put an update's own
   // weights back in place of a prediction made from gradients still pending (a flush between backward and
   // step): the next forward reads them unless that step's weights go up at once.

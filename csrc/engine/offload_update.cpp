@@ -346,20 +346,26 @@ void OffloadEngine::zero_grad() {
   for (Bucket& b : buckets_) b.landed = 0;
 }
 
-void OffloadEngine::synchronize() {
+std::vector<int64_t> OffloadEngine::synchronize() {
   check_usable();
   wait_idle();
   wait_staged();
+  std::vector<int64_t> written;
   if (options_.delay) {
     check_usable();  // install nothing from a failed update
     std::lock_guard<std::mutex> lock(mu_);
-    for (Param& p : params_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Param& p = params_[i];
       prediction_replaced_ = prediction_replaced_ || p.predicted;
-      if (p.pending_upload || p.predicted) upload_pending_locked(p);
+      if (p.pending_upload || p.predicted) {
+        upload_pending_locked(p);
+        if (p.numel > 0) written.push_back(static_cast<int64_t>(i));
+      }
     }
   }
   transfer_->wait_uploads();  // Python may write the host state next (load_state_dict)
   check_usable();
+  return written;
 }
 
 void OffloadEngine::discard_pending() {

@@ -58,7 +58,7 @@ class OffloadBuild:
         if self._in_backward:
             raise RuntimeError("OffloadAdam.add_param_group: the engine holds gradients of a backward not yet "
                                "stepped; add param groups after step() or zero_grad()")
-        self._engine.synchronize()
+        self._synchronize()
         saved = [tuple(v.clone() for v in views) for views in self._views]
         steps = self._steps.clone()
         super().add_param_group(param_group)  # checks the new group; a refused one changes nothing

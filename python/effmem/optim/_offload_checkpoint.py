@@ -13,11 +13,14 @@ class OffloadCheckpoint:
 
         The tensors are the engine's host memory, as torch optimizers hand out
         their own state: ``torch.save`` it, or clone it to keep a snapshot.
-        Parameters that have not been stepped yet have no entry.
+        Parameters that have not been stepped yet have no entry. Refused after an overlap=True backward that
+        raised part way (Ctrl-C), as step() is: the state holds part of a step, which a checkpoint would carry
+        past that refusal into every run resumed from it.
         """
         self._check_open()
+        self._check_consistent()
         self._check_state()
-        self._engine.synchronize()
+        self._synchronize()
         self._forget_predictions()   # as a run resumed from this checkpoint: both then take the same steps
         self._sync_state()
         sd = super().state_dict()

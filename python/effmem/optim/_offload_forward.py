@@ -156,7 +156,7 @@ class _Flush(_EngineHook):
             if opt._open_tasks and _backward_depth() == 0:
                 opt._engine.fence()
             return   # evaluation is an eval-mode forward without gradients; training in eval mode keeps its overlap
-        opt._engine.synchronize()
+        opt._synchronize()
 
 
 class _ZeroGrad(_EngineHook):

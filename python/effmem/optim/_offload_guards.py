@@ -135,7 +135,7 @@ class OffloadGuards:
         self._open_tasks.clear()
         # Bucket updates run on the engine's workers: wait for those the failed backward queued,
         # or they would be missed by the count below (seen as a rare flaky test).
-        self._engine.synchronize()
+        self._synchronize()
         updates = self._engine.param_updates - self._updates_at_open
         if self._overlap and updates > 0:
             self._broken = (
@@ -202,7 +202,7 @@ class OffloadGuards:
             raise RuntimeError(f"{what}, which {why}. Change the tensors in place "
                                "(opt.state[p]['exp_avg'].zero_()), load a state with opt.load_state_dict(...), or "
                                "build a new OffloadAdam to start afresh.")
-        self._engine.synchronize()   # an update in flight writes the entries' memory: let it land first
+        self._synchronize()   # an update in flight writes the entries' memory: let it land first
         self._forget_predictions()   # made from the state replaced here
         entries = {}
         for p in changed:
@@ -293,7 +293,7 @@ class OffloadGuards:
                    "bf16, which needs no loss scaling, or pass stream_grads=False (without overlap or attach_ddp), "
                    "where GradScaler works as with torch's AdamW. ")
         self._check_consistent()
-        self._engine.synchronize()   # overlap's bucket updates run on the workers: all of them counted
+        self._synchronize()   # overlap's bucket updates run on the workers: all of them counted
         if self._overlap and self._engine.param_updates > self._updates_at_open:
             self._broken = (message + "overlap=True had already updated the parameters during backward with the "
                             "scaled gradients, so further steps are refused: restore the model's weights and "

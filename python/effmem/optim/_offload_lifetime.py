@@ -4,6 +4,7 @@ import os
 import weakref
 from typing import Dict, Iterable, Tuple
 
+import torch
 from torch import Tensor
 
 # id(param) -> (the parameter, the open OffloadAdam stepping it), both weakly: an OffloadAdam's gradient hooks
@@ -49,7 +50,16 @@ class OffloadLifetime:
         """Waits for the updates in flight and, with ``delay=True``, copies the weights not yet
         installed into the parameters: afterwards they hold every step taken so far."""
         self._check_open()
-        self._engine.synchronize()
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        """The engine's synchronize, the parameters it wrote (delay: weights not installed yet) marked as changed
+        in place: a graph saved before refuses its backward, as torch's does after an in-place write, where a
+        flush between a forward and its backward (opt.flush(), model.state_dict(), an evaluation forward) made
+        the backward use weights other than its forward's, silently (a reviewer's repro)."""
+        written = self._engine.synchronize()
+        if written:
+            torch.autograd.graph.increment_version([self._local[i] for i in written])
 
     def counters(self) -> Dict[str, int]:
         """bytes_down / bytes_up (gradient and weight copies so far), param_updates, accumulations,
@@ -71,7 +81,7 @@ class OffloadLifetime:
                 # the last step's weights into the parameters (not in a process forked from the one that
                 # made the engine: it has none of the engine's threads, and close() only lets go there)
                 if self._delay and os.getpid() == self._pid:
-                    self._engine.synchronize()
+                    self._synchronize()
             finally:
                 self._engine.close()
                 # Let go of the host state, so that its memory goes now rather than with this

@@ -416,7 +416,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._plain_backwards = 0
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
-            self._engine.synchronize()
+            self._synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks)."""
