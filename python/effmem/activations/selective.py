@@ -61,27 +61,23 @@ def _written(op, args, kwargs):
             yield args[i] if i < len(args) else kwargs.get(a.name)
 
 
-def _layout(t) -> tuple:
-    return t.data_ptr(), tuple(t.shape), t.stride()
-
-
 def checked_policy():
-    """`policy`, also refusing a write into a kept output's memory through an alias that autograd does not track
-    (not the output, not a view of it: an unsafe_split piece), whose writes torch's check of the cache's version
-    counters misses. Writes it sees are left to it (one into the layer's last product, which its recompute never
-    reaches, is exact). The kept outputs come from the policy's context (op_output, in newer torch); without it,
-    the bases of unsafe views stand for them. By address and layout: C++ code (the GRU cell) drops the Python
-    objects of the tensors it holds, so neither identity nor weak references last."""
-    kept = {}   # storage address -> layouts (data pointer, shape, strides) of the kept outputs in it
+    """`policy`, also refusing a write into a kept output's memory through another tensor that autograd does not
+    track as a view of it (an unsafe_split piece, `.data`), whose writes torch's check of the cache's version
+    counters misses. Writes to the output itself or its views are left to torch (one into the layer's last
+    product, which its recompute never reaches, is exact). The kept outputs come from the policy's context
+    (op_output, in newer torch); without it, the bases of unsafe views stand for them. Known by storage address
+    and tensor identity (_cdata: C++ code, as the GRU cell, drops the Python objects of the tensors it holds)."""
+    kept = {}   # storage address -> identities of the kept outputs in it (torch's cache holds them to backward)
 
     def watch(t) -> None:
         p = _storage(t)
         if p:
-            kept.setdefault(p, set()).add(_layout(t))
+            kept.setdefault(p, set()).add(t._cdata)
 
     def untracked_alias(w) -> bool:
-        layouts = kept.get(_storage(w))
-        return layouts is not None and not w._is_view() and _layout(w) not in layouts
+        ids = kept.get(_storage(w))
+        return ids is not None and not w._is_view() and w._cdata not in ids
 
     def check(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         decision = policy(ctx, op, *args, **kwargs)
@@ -96,8 +92,8 @@ def checked_policy():
         schema = getattr(op, "_schema", None)
         if kept and schema is not None and schema.is_mutable and any(
                 untracked_alias(w) for w in _written(op, args, kwargs)):
-            raise KeptOutputChanged(f"{op} writes into a matrix product's output that the policy keeps, through an "
-                                    "alias torch's version check does not see")
+            raise KeptOutputChanged(f"{op} writes into a matrix product's output that the policy keeps, through a "
+                                    "tensor torch's version check does not follow")
         return decision
     return check
 
