@@ -195,3 +195,27 @@ def test_cudacxx_with_flags_is_not_replaced_by_the_nvcc_on_path(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_an_nvcc_on_path_through_a_symlink_builds_cuda(tmp_path):
+    """With no variable naming a toolkit and none in the usual folder (EFFMEM_DEFAULT_CUDA_ROOT points elsewhere
+    here), the nvcc on PATH, a symlink to the toolkit's: CMake's trial with the symlink failed ("Couldn't find CUDA
+    library root") and the build went CPU-only saying no CUDA compiler was found (a reviewer's build). Configure
+    only."""
+    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    nvcc = _cuda_compiler_for_default_build()
+    if cmake is None or torch.version.cuda is None or nvcc is None:
+        pytest.skip("needs cmake, torch with CUDA and a toolkit")
+    link = tmp_path / "bin" / "nvcc"
+    link.parent.mkdir()
+    link.symlink_to(os.path.realpath(nvcc))
+    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDA_HOME",
+                                                              "CUDA_PATH", "CUDACXX")}
+    env = {**clean, "PATH": f"{link.parent}:{clean['PATH']}"}
+    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
+                           f"-DPython_EXECUTABLE={sys.executable}",
+                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                           f"-DEFFMEM_DEFAULT_CUDA_ROOT={tmp_path / 'none'}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
