@@ -281,3 +281,23 @@ def test_a_gradient_dtype_wider_than_the_parameter_is_refused():
     with pytest.raises(ValueError, match=r"parameter 0 \(shape \(4,\)\) has grad_dtype torch.float32, not its own"):
         (p.float() * 2).sum().backward()
     opt.close()
+
+
+def test_overlap_state_dict_during_a_healthy_backward_breaks_nothing():
+    """state_dict() judges only backwards known to have raised: one still running (state_dict from a tensor hook,
+    or another thread) was taken for a failure, refused, and the optimizer refused that backward and every step
+    after it (a reviewer's find in the refusal's first form)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    opt = OffloadAdam(model.parameters(), overlap=True, bucket_size=2000, lr=1e-3)
+    x = torch.randn(8, 64)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = []
+    handle = model[1].weight.register_hook(lambda g: saved.append(opt.state_dict()) or g)
+    model(x).square().mean().backward()
+    handle.remove()
+    opt.step()
+    assert saved and saved[0]["state"]
+    opt.close()

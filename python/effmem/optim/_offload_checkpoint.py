@@ -18,7 +18,7 @@ class OffloadCheckpoint:
         past that refusal into every run resumed from it.
         """
         self._check_open()
-        self._check_consistent()
+        self._check_saved_state()
         self._check_state()
         self._synchronize()
         self._forget_predictions()   # as a run resumed from this checkpoint: both then take the same steps
@@ -72,6 +72,7 @@ class OffloadCheckpoint:
         # A consistent state again: a failed overlap backward is behind us, opt.state is the engine's.
         self._broken = None
         self._open_tasks.clear()
+        self._raised_tasks.clear()
         self._note_state()
 
     def _load_entry(self, p, saved, step: float) -> None:

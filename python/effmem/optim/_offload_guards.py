@@ -41,8 +41,11 @@ class _TaskEnd:
         self.reached = False
 
 
-def _fence_unless_reached(state, engine) -> None:
-    if not state["reached"] and not engine.closed:
+def _fence_unless_reached(state, engine, raised: set, task: int) -> None:
+    if state["reached"]:
+        return
+    raised.add(task)   # freed without reaching its end: it raised
+    if not engine.closed:
         try:
             engine.fence()
         except RuntimeError:   # a failed update: the engine raises it at the caller's next call, not here
@@ -95,7 +98,7 @@ class OffloadGuards:
         # or the weights its hooks installed (delay) would still be in flight when the next forward reads them.
         # On the CPU autograd frees the task before backward() raises; on a GPU the device thread may free it a
         # little later, which is why attach(model)'s forward pre-hook fences too (_Flush).
-        weakref.finalize(end, _fence_unless_reached, end.__dict__, engine)
+        weakref.finalize(end, _fence_unless_reached, end.__dict__, engine, self._raised_tasks, task)
         torch.autograd.Variable._execution_engine.queue_callback(finished)
 
     def _note_mixed_micro_batches(self) -> None:
@@ -133,6 +136,7 @@ class OffloadGuards:
         if not self._open_tasks:
             return
         self._open_tasks.clear()
+        self._raised_tasks.clear()
         # Bucket updates run on the engine's workers: wait for those the failed backward queued,
         # or they would be missed by the count below (seen as a rare flaky test).
         self._synchronize()
@@ -142,11 +146,21 @@ class OffloadGuards:
                 f"OffloadAdam(overlap=True): a backward raised after {updates} parameter updates had already "
                 "been applied during it (overlap updates each bucket as soon as its gradients land), so the "
                 "parameters and the optimizer state now hold part of a step. Further steps are refused: restore "
-                "the model's weights and opt.load_state_dict(...) from a checkpoint, or call "
-                "opt.accept_partial_step() to go on from the parameters as they are.")
+                "the model's weights and opt.load_state_dict(...) from a checkpoint (torch.distributed.checkpoint's "
+                "set_optimizer_state_dict reads opt.state_dict() first, refused too: call accept_partial_step() "
+                "before it), or call opt.accept_partial_step() to go on from the parameters as they are.")
 
     def _check_consistent(self) -> None:
         self._note_unfinished_backward()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def _check_saved_state(self) -> None:
+        """state_dict(): refused where step() would be, judging only backwards known to have raised (freed
+        without reaching their end): it may be called while one runs (a hook, another thread), which
+        _check_consistent would take for a failure and break the optimizer over."""
+        if any(t in self._raised_tasks for t in self._open_tasks):
+            self._note_unfinished_backward()
         if self._broken is not None:
             raise RuntimeError(self._broken)
 
@@ -156,6 +170,7 @@ class OffloadGuards:
         self._check_open()
         self._broken = None
         self._open_tasks.clear()
+        self._raised_tasks.clear()
         self._engine.zero_grad()
         self._sync_state()   # the buckets the failed backward completed were updated
         self._in_backward = False

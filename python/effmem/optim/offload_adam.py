@@ -269,6 +269,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._clip_scale = 1.0
         # backward graph tasks under way (nested ones too), until their end: (thread, backward depth) at open
         self._open_tasks: Dict[int, Tuple[int, int]] = {}
+        self._raised_tasks: set = set()   # graph tasks freed without reaching their end (_track_backward)
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         self._plain_backwards, self._warned_mixed = 0, False   # delay: backwards since step() outside accumulating()
