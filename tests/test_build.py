@@ -98,21 +98,32 @@ _BAD_SETTINGS = [
 ]
 
 
+def _cmake():
+    return shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+
+
+def _configure(tmp_path, cmake, env=(), drop=(), args=()) -> subprocess.CompletedProcess:
+    """A configure only (no compile, seconds) into tmp_path/build, EFFMEM_CUDA*, CUDACXX and `drop` out of the
+    environment and `env` in; `args` before CMake's own."""
+    kept = {k: v for k, v in os.environ.items()
+            if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDACXX", *drop)}
+    return subprocess.run([cmake, *args, "-S", str(ROOT), "-B", str(tmp_path / "build"),
+                           f"-DPython_EXECUTABLE={sys.executable}",
+                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                          env={**kept, **dict(env)}, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("env,message,needs_cuda", _BAD_SETTINGS)
 def test_a_bad_build_setting_stops_the_configure_naming_it(tmp_path, env, message, needs_cuda):
     """Each used to be ignored: an unknown EFFMEM_CUDA built CUDA (or, for "on" without a toolkit, silently
     none), a CUDA_HOME without nvcc was skipped for another toolkit or none, "sm_90" failed in CMake's words.
     A configure only (no compile): seconds."""
-    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    cmake = _cmake()
     if cmake is None:
         pytest.skip("cmake is not installed")
     if needs_cuda and (torch.version.cuda is None or _cuda_compiler_for_default_build() is None):
         pytest.skip("checked where CUDA would be built: torch with CUDA and a toolkit")
-    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDACXX")}
-    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
-                           f"-DPython_EXECUTABLE={sys.executable}",
-                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                          env={**clean, **env}, capture_output=True, text=True, timeout=300)
+    proc = _configure(tmp_path, cmake, env)
     assert proc.returncode != 0
     assert message in " ".join(proc.stderr.split()), proc.stderr[-2000:]
 
@@ -154,7 +165,7 @@ def test_a_cuda_host_compiler_linking_libstdcxx_statically_stays_off_the_extensi
     """CMake adds what nvcc's host compiler links implicitly to the C++ link of _C: a CUDAHOSTCXX linking
     libstdc++ statically (as the GPU machine's /opt/gcc g++ does) put libstdc++.a there, and the check deleted
     the extension after a ten-minute build, naming neither variable (a reviewer's build). A configure only."""
-    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    cmake = _cmake()
     ninja = shutil.which("ninja", path=os.path.dirname(sys.executable)) or shutil.which("ninja")
     gxx = shutil.which("g++")
     if cmake is None or ninja is None or gxx is None:
@@ -164,11 +175,8 @@ def test_a_cuda_host_compiler_linking_libstdcxx_statically_stays_off_the_extensi
     wrapper = tmp_path / "g++-static"
     wrapper.write_text(f'#!/bin/sh\nexec {gxx} "$@" -static-libstdc++ -static-libgcc\n')
     wrapper.chmod(0o755)
-    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDACXX")}
-    proc = subprocess.run([cmake, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}", "-S", str(ROOT),
-                           "-B", str(tmp_path / "build"), f"-DPython_EXECUTABLE={sys.executable}",
-                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                          env={**clean, "CUDAHOSTCXX": str(wrapper)}, capture_output=True, text=True, timeout=300)
+    proc = _configure(tmp_path, cmake, {"CUDAHOSTCXX": str(wrapper)},
+                      args=("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout
     assert "libstdc++.a" not in (tmp_path / "build" / "build.ninja").read_text()
@@ -178,7 +186,7 @@ def test_cudacxx_with_flags_is_not_replaced_by_the_nvcc_on_path(tmp_path):
     """CUDACXX naming nvcc with flags is left to CMake; the symlink-following look on PATH (for when nothing
     names a toolkit) took a PATH nvcc in its place and dropped the user's (a reviewer's configure). A configure
     only, with a broken nvcc first on PATH."""
-    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    cmake = _cmake()
     nvcc = _cuda_compiler_for_default_build()
     if cmake is None or torch.version.cuda is None or nvcc is None:
         pytest.skip("needs cmake, torch with CUDA and a toolkit")
@@ -186,13 +194,8 @@ def test_cudacxx_with_flags_is_not_replaced_by_the_nvcc_on_path(tmp_path):
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nexit 1\n")
     fake.chmod(0o755)
-    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDA_HOME",
-                                                              "CUDA_PATH")}
-    env = {**clean, "CUDACXX": f"{nvcc} -allow-unsupported-compiler", "PATH": f"{fake.parent}:{clean['PATH']}"}
-    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
-                           f"-DPython_EXECUTABLE={sys.executable}",
-                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = _configure(tmp_path, cmake, {"CUDACXX": f"{nvcc} -allow-unsupported-compiler",
+                                        "PATH": f"{fake.parent}:{os.environ['PATH']}"}, drop=("CUDA_HOME", "CUDA_PATH"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
 
@@ -202,20 +205,14 @@ def test_an_nvcc_on_path_through_a_symlink_builds_cuda(tmp_path):
     here), the nvcc on PATH, a symlink to the toolkit's: CMake's trial with the symlink failed ("Couldn't find CUDA
     library root") and the build went CPU-only saying no CUDA compiler was found (a reviewer's build). Configure
     only."""
-    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or shutil.which("cmake")
+    cmake = _cmake()
     nvcc = _cuda_compiler_for_default_build()
     if cmake is None or torch.version.cuda is None or nvcc is None:
         pytest.skip("needs cmake, torch with CUDA and a toolkit")
     link = tmp_path / "bin" / "nvcc"
     link.parent.mkdir()
     link.symlink_to(os.path.realpath(nvcc))
-    clean = {k: v for k, v in os.environ.items() if k not in ("EFFMEM_CUDA", "EFFMEM_CUDA_ARCHITECTURES", "CUDA_HOME",
-                                                              "CUDA_PATH", "CUDACXX")}
-    env = {**clean, "PATH": f"{link.parent}:{clean['PATH']}"}
-    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"),
-                           f"-DPython_EXECUTABLE={sys.executable}",
-                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-                           f"-DEFFMEM_DEFAULT_CUDA_ROOT={tmp_path / 'none'}"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = _configure(tmp_path, cmake, {"PATH": f"{link.parent}:{os.environ['PATH']}"}, drop=("CUDA_HOME", "CUDA_PATH"),
+                      args=(f"-DEFFMEM_DEFAULT_CUDA_ROOT={tmp_path / 'none'}",))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
