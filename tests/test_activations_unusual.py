@@ -174,3 +174,25 @@ def test_compress_activations_keeps_a_relu_s_mask_exact():
     assert worst < 0.02, worst
     stats = net.compress_stats
     assert stats.by_dtype["bool"].bytes_after == 2 * 256 * 512 // 8   # the two ReLUs' masks, packed
+
+
+@pytest.mark.parametrize("act", [lambda: nn.LeakyReLU(0.01), lambda: nn.LeakyReLU(0.2, inplace=True), nn.ReLU6,
+                                 lambda: nn.Hardtanh(-0.5, 0.5)])
+def test_compress_activations_masks_kinked_activations(act):
+    """LeakyReLU, ReLU6 and Hardtanh keep their input, whose 8-bit codes moved values near a kink across it: a
+    reviewer's 3-layer net's first weight gradient 5.7% off plain's (LeakyReLU; 5.9% ReLU6, 1.5% Hardtanh), where
+    GELU's is 0.5%. compress_activations(model) gives those modules a backward from their exact mask, 1 bit per
+    element (the policies' classes, activations.relu), and remove_compression gives the classes back."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 256), act(), nn.Linear(256, 256), act(), nn.Linear(256, 10))
+    kinds = [type(m) for m in plain]
+    x = torch.randn(512, 64)
+    net = effmem.compress_activations(copy.deepcopy(plain), bits=8)
+    plain(x).square().mean().backward()
+    net(x).square().mean().backward()
+    worst = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(net.parameters(), plain.parameters()))
+    assert worst < 0.008, worst
+    kept = net.compress_stats.skipped["integer"]
+    assert kept.bytes_after == 2 * 512 * 256 // 8   # the two masks, packed; the inputs are not saved
+    effmem.compress.remove_compression(net)
+    assert [type(m) for m in net] == kinds

@@ -222,7 +222,7 @@ def test_module_trace_equals_real_saved_bytes_demo_gpt():
     assert sum(predicted.values()) == counted_saved_bytes(m, lambda: m(x, y))
 
 
-@pytest.mark.parametrize("act", ["silu", "relu"])
+@pytest.mark.parametrize("act", ["silu", "relu", "leaky_relu", "relu6"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_compressed_bytes_match_compress_stats(bits, act):
     """compress8/compress4: the saved bytes at compress_activations' sizes, against its own statistics.

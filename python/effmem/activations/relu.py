@@ -170,11 +170,15 @@ MASKED = {nn.ReLU: MaskedReLU, nn.LeakyReLU: MaskedLeakyReLU, nn.Hardtanh: Maske
 _PLAIN = {masked: plain for plain, masked in MASKED.items()}
 
 
+def patchable(m: nn.Module) -> bool:
+    """Whether patch gives m a masked class (a LeakyReLU with a negative slope has no mask of its output)."""
+    return type(m) in MASKED and not (type(m) is nn.LeakyReLU and not m.negative_slope >= 0)
+
+
 def patch(m: nn.Module) -> bool:
-    masked = MASKED.get(type(m))
-    if masked is None or (type(m) is nn.LeakyReLU and not m.negative_slope >= 0):
+    if not patchable(m):
         return False
-    m.__class__ = masked
+    m.__class__ = MASKED[type(m)]
     return True
 
 

@@ -32,6 +32,9 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
       hooks, a forward hook (run even when forward raises) leaves them, and
       pre/post hooks on every submodule keep track of which one is running.
       No wrapper module is added, so ``state_dict`` keys are unchanged.
+      Its nn.LeakyReLU, nn.ReLU6 and nn.Hardtanh modules take a subclass
+      whose backward reads their exact slope mask (1 bit per element)
+      instead of their quantised input (_masked_activations).
       ``model.compress_stats`` describes the latest forward run with grad
       enabled (reset at the start of each; forwards under torch.no_grad()
       enter nothing and leave it alone). ``remove_compression(model)`` takes
@@ -117,12 +120,43 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
                            "effmem.compress.remove_compression(module) first to change the options")
     compressor = ActivationCompressor(config)
     compressor.track_modules(module, include_root=False)
+    compressor._handles += _masked_activations(module)
     compressor._handles.append(module.register_forward_pre_hook(_RootEnter(compressor)))
     compressor._handles.append(module.register_forward_hook(_RootExit(compressor), always_call=True))
     object.__setattr__(module, _ATTR, compressor)
     object.__setattr__(module, "compress_stats", compressor.stats)
     forget_compiled_code("compress_activations(module)", "it")
     return module
+
+
+class _Unpatch:
+    """Takes a module patched by _masked_activations back to its class (remove_hooks calls it as a hook's)."""
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def remove(self) -> None:
+        from effmem.activations import relu
+        relu.unpatch(self.module)
+
+
+def _masked_activations(module: nn.Module) -> list:
+    """Give the model's nn.LeakyReLU, nn.Hardtanh and nn.ReLU6 modules a backward from their exact slope mask,
+    1 bit per element (activations.relu, as the policies do). Autograd keeps their input, and its 8-bit codes
+    moved values near a kink across it: a reviewer's 3-layer net's first weight gradient came out 5.7% off
+    plain's with LeakyReLU (5.9% ReLU6, 1.5% Hardtanh) against 0.4% with GELU. The mask is exact and 8x
+    smaller than the codes. nn.ReLU keeps autograd's save of its output, with the exact mask beside it
+    (hooks._masked); functional calls (F.leaky_relu in a forward's code) cannot be reached and stay as they
+    are. Returns the handles that undo it."""
+    from effmem.activations import relu   # imports compress._codec: not at module level
+    return [_Unpatch(m) for m in module.modules() if kinked_activation(m) and relu.patch(m)]
+
+
+def kinked_activation(m: nn.Module) -> bool:
+    """Whether compress_activations(model) gives m a backward from its mask (effmem plan counts it so)."""
+    from effmem.activations import relu
+    return type(m) is not nn.ReLU and relu.patchable(m)   # nn.ReLU: hooks._masked
 
 
 def remove_compression(module: nn.Module) -> nn.Module:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from effmem.compress._codec import memory_row, packed_bytes, saved_groups
+from effmem.compress.api import kinked_activation
 from effmem.compress.hooks import SIGN_READ
 from effmem.compress.policy import CompressConfig, value_reason
 from effmem.activations import relu
@@ -76,6 +77,8 @@ class Record:
     sac_output: bool = False             # a decoder layer's matmul/attention output (selective keeps it)
     relu_mask: bool = False              # a layer's nn.ReLU's mask, 1 bit per element: what "min" keeps for it
     sign_read: bool = False              # a ReLU's output: compress_activations stores its exact mask beside it
+    kink_read: bool = False              # saved by a LeakyReLU/Hardtanh/ReLU6 module: compress keeps its mask
+    read_elsewhere: bool = False         # saved by another op too (compress then stores its codes as well)
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
@@ -84,6 +87,20 @@ class Record:
         rows = max(1, self.nbytes // self.elem_size // max(self.last_dim, 1))
         probe = torch.empty((rows, self.last_dim), dtype=self.dtype, device="meta")
         return self.saved and value_reason(cfg, probe) is None
+
+
+def _compressed_bytes(r: Record, cfg: CompressConfig, bits: int) -> int:
+    """What compress_activations keeps of a saved storage: its codes (or itself, where its rules keep it as it
+    is), and an activation's exact mask, 1 bit per element (compress.hooks._masked, api._masked_activations)."""
+    mask = (r.nbytes // r.elem_size + 7) // 8
+    if r.kink_read and not r.read_elsewhere:   # read by a patched activation alone: its mask replaces it
+        return mask
+    n = r.nbytes
+    if r.compressible(cfg):
+        rows, cols, group = saved_groups(n // r.elem_size, r.last_dim, cfg.group_size)
+        n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(rows, cols, bits, group)
+        n += mask if r.sign_read else 0
+    return n + (mask if r.kink_read else 0)
 
 
 def _storage(t: Tensor):
@@ -168,12 +185,8 @@ class Trace:
             if r.output and not saved:
                 by_kind["logits"] += n  # what forward returned: the logits and the loss
                 continue
-            if strategy.startswith("compress") and r.compressible(cfg):
-                bits = int(strategy[len("compress"):])
-                rows, cols, group = saved_groups(n // r.elem_size, r.last_dim, cfg.group_size)
-                n = (n // r.elem_size + 7) // 8 if r.dtype == torch.bool else packed_bytes(rows, cols, bits, group)
-                if r.sign_read:   # and its exact mask, 1 bit per element (compress.hooks._masked)
-                    n += (r.nbytes // r.elem_size + 7) // 8
+            if strategy.startswith("compress"):
+                n = _compressed_bytes(r, cfg, int(strategy[len("compress"):]))
             if strategy == "checkpoint8" and r.block_input and not r.saved_outside and not self.routed:
                 # effmem.activations.checkpoint: the layer input as 8-bit codes of its rows (as it is for a
                 # layer that routes tokens to experts: routes_tokens).
@@ -316,8 +329,10 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                 setattr(r, k, True)
 
     def pack(t: Tensor):
+        kinked = bool(stack) and kinked_activation(stack[-1])
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"],
-               sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ)
+               sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ, kink_read=kinked,
+               read_elsewhere=not kinked)
         # A node keeping its own output held the tensor itself, grad_fn and all: a cycle through C++ that
         # gc cannot free, one meta graph per plan for the life of the process. A detached alias breaks it;
         # made outside the dispatch modes, so the trace's op count (the host time of a step) does not see it.
