@@ -50,6 +50,17 @@ void adam8_step_fallback(at::TensorList params, at::TensorList grads, at::Tensor
   no_kernel("adam8_step_", params[0]);
 }
 
+// adam_check's only kernel, for every device: the checks alone, with hyper-parameters they accept (FusedAdam
+// checks its groups' own before).
+void adam_check(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList masters, at::TensorList steps, at::TensorList exp_avg_scales,
+                at::TensorList exp_avg_sq_scales) {
+  const std::vector<int64_t> salts(params.size(), 0);
+  const Adam8State eight{exp_avg_scales, exp_avg_sq_scales, salts};
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, 0.0, 0.9, 0.999, 1e-8, 0.0, std::nullopt,
+                  std::nullopt, std::nullopt, std::nullopt, exp_avg_scales.empty() ? nullptr : &eight);
+}
+
 // The checkpoint conversions run on the CPU (python/effmem/optim/_adam8.py converts elsewhere in torch ops).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adam8_encode_fallback(const at::Tensor& m,
                                                                                  const at::Tensor&, double, int64_t) {
@@ -117,6 +128,7 @@ at::Tensor rms_norm_apply_fallback(const at::Tensor& x, const at::Tensor& rstd, 
 TORCH_LIBRARY_IMPL(effmem, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step_fallback);
   m.impl("adam8_step_", &adam8_step_fallback);
+  m.impl("adam_check", &adam_check);
   m.impl("adam8_encode", &adam8_encode_fallback);
   m.impl("adam8_decode", &adam8_decode_fallback);
   m.impl("l2norm", &l2norm_fallback);

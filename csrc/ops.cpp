@@ -32,6 +32,11 @@ TORCH_LIBRARY(effmem, m) {
       "int[] salts, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
       "bool bias_correction, Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
       "Tensor(g!)? status=None) -> ()");
+  // The checks of adam_step_ (exp_avg_scales empty) or adam8_step_ over the same lists, writing nothing:
+  // FusedAdam runs them over every call of a step before the first, so that a refused step changes nothing.
+  m.def(
+      "adam_check(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor[] masters, "
+      "Tensor[] steps, Tensor[] exp_avg_scales, Tensor[] exp_avg_sq_scales) -> ()");
   // A checkpoint's moments to 8-bit ones and back, as adam8_step_ encodes and
   // decodes them (CPU only; python/effmem/optim/_adam8.py does the same in
   // torch ops elsewhere): m and v, float32 [n], into (m codes, v codes, m

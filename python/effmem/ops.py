@@ -71,6 +71,15 @@ def adam_step_(
     )
 
 
+def adam_check(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+               exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor], steps: Sequence[Tensor],
+               exp_avg_scales: Sequence[Tensor] = (), exp_avg_sq_scales: Sequence[Tensor] = ()) -> None:
+    """adam_step_'s checks of its lists (adam8_step_'s, given the block scales), writing nothing: raises what
+    the step would."""
+    _lib.adam_check(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps),
+                    list(exp_avg_scales), list(exp_avg_sq_scales))
+
+
 def l2norm(tensors: Sequence[Tensor]) -> Tensor:
     """Global L2 norm of float32/bf16/fp16 tensors on one device, as a float32 scalar there."""
     return _lib.l2norm(list(tensors))
@@ -111,6 +120,15 @@ def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_a
                                ("exp_avg_sqs", exp_avg_sqs), ("exp_avg_scales", exp_avg_scales),
                                ("exp_avg_sq_scales", exp_avg_sq_scales), ("masters", masters), ("steps", steps)),
                lr_tensor, inv_scale, found_inf, status)
+
+
+@torch.library.register_fake("effmem::adam_check")
+def _adam_check_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, exp_avg_scales,
+                     exp_avg_sq_scales) -> None:
+    _adam_fake("adam_check", (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                              ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps),
+                              ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
+               None, None, None, None)
 
 
 @torch.library.register_fake("effmem::adam8_encode")

@@ -1,21 +1,23 @@
 """FusedAdam's checks of what changed in place since the last step, run over every group's buckets before any
 is stepped: a refused step changes nothing (the kernel refuses these too, but only after the buckets before its
 own were updated and their step counts advanced)."""
+import re
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from effmem import ops
 from effmem.optim import _validate
 
 
 def cpu_steps(opt, buckets: List) -> None:
     """Step counts written in place into opt.state, on the CPU. A CUDA count is the kernel's to check: reading
     it here would cost a host sync per step; so are all under torch.compile (a value read would break the
-    graph)."""
+    graph). A meta one has no value (a meta model steps as torch's optimizers step it: nothing happens)."""
     if torch.compiler.is_compiling():
         return
-    steps = [s for group in buckets for b in group.values() for s in b["steps"] if not s.is_cuda]
+    steps = [s for group in buckets for b in group.values() for s in b["steps"] if s.device.type == "cpu"]
     i = _validate.first_bad_count(torch.stack(steps)) if steps else None
     if i is not None:
         n = next(n for n, p in enumerate(p for g in opt.param_groups for p in g["params"])
@@ -44,3 +46,33 @@ def memory(buckets: List, checked: Optional[Tuple]) -> Optional[Tuple]:
     except ValueError as err:
         raise ValueError(f"FusedAdam: {err} (p.data = another parameter's data?)") from None
     return now
+
+
+def kernels(opt, buckets: List) -> None:
+    """The kernels' own checks (strides, memory shared by what a step writes and what it reads) over every call
+    of the step, before the first: the kernel refused a later call's tensors only after the calls before had
+    stepped (their groups updated, step counts advanced; each retry stepped them again, in a reviewer's run).
+    The error names the tensor as the optimizer's other errors do (parameter n counts over all groups)."""
+    if torch.compiler.is_compiling():   # the kernel checks when the graph runs
+        return
+    first = 0   # the number of the group's first parameter
+    for group, group_buckets in zip(opt.param_groups, buckets):
+        for b in group_buckets.values():
+            try:
+                ops.adam_check(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
+                               b.get("exp_avg_scales", ()), b.get("exp_avg_sq_scales", ()))
+            except (ValueError, TypeError) as err:
+                where = [first + j for j in b["where"]]
+                raise type(err)("FusedAdam: " + _named(str(err).split("\n")[0], where)) from None
+        first += len(group["params"])
+
+
+# The kernel's names of its lists, as the optimizer's user knows each tensor
+_LISTS = {"params": "parameter {n}", "grads": "the .grad of parameter {n}",
+          **{f"{k}s": f"opt.state[p]['{k}'] of parameter {{n}}"
+             for k in ("exp_avg", "exp_avg_sq", "master", "step", "exp_avg_scale", "exp_avg_sq_scale")}}
+_LIST_ENTRY = re.compile(r"\b(" + "|".join(sorted(_LISTS, key=len, reverse=True)) + r")\[(\d+)\]")
+
+
+def _named(message: str, where: List[int]) -> str:
+    return _LIST_ENTRY.sub(lambda m: _LISTS[m.group(1)].format(n=where[int(m.group(2))]), message)

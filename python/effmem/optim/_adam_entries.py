@@ -55,12 +55,25 @@ def _exact_float32_weights(plan) -> None:
             _local(p).copy_(saved["master"])
 
 
-def _match_layout(state: Dict[str, Tensor], p: Tensor) -> None:
-    """Float32 moments and master laid out as p (the kernels walk them along p's memory): one put in opt.state
-    by hand with other strides (zeros of p's shape for a channels_last p) is copied so once, as torch's
-    optimizers take any layout. Called where exp_avg's strides differ (the step compares that one only: an
-    exp_avg_sq replaced alone meets the kernel's refusal, which says how to make it match)."""
-    for key in ("exp_avg", "exp_avg_sq", "master"):
+def _laid_out_elsewhere(state: Dict[str, Tensor], p: Tensor, bits: int) -> bool:
+    """Whether a moment or the master has other strides than p (a stride compare each: checked every step)."""
+    m_key, v_key = _adam8.MOMENT_KEYS[bits]
+    strides, master = p.stride(), state.get("master")
+    return (state[m_key].stride() != strides or state[v_key].stride() != strides
+            or (master is not None and master.stride() != strides))
+
+
+def _match_layout(state: Dict[str, Tensor], p: Tensor, bits: int = 32, salt: int = 0) -> None:
+    """Moments and master laid out as p (the kernels walk them along p's memory), as torch's optimizers take
+    any layout: one put in opt.state by hand with other strides (zeros of p's shape for a channels_last p) is
+    copied so once. 8-bit codes whose blocks ran along other memory (p.data = a column-major copy) are
+    re-encoded along p's, as a checkpoint's are (_adam8.convert; the kernel refused them after the groups
+    before had stepped, each retry stepping them again)."""
+    if bits == 8 and _adam8._order(state[_adam8.CODE_KEYS["exp_avg"]]) != _adam8._order(p):
+        new = _adam8.convert(_adam8.checkpoint_in(state, "state"), _local(p), 8, float(state["step"]), salt)
+        for key, scale in _adam8.SCALE_KEYS.items():
+            state[_adam8.CODE_KEYS[key]], state[scale] = new[key], new[scale]
+    for key in (*_adam8.MOMENT_KEYS[bits], "master"):
         t = state.get(key)
         if isinstance(t, Tensor) and t.shape == p.shape and _local(t).stride() != _local(p).stride():
             state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)

@@ -9,8 +9,8 @@ from torch import Tensor
 from effmem import ops
 from effmem.optim import _adam8, _adam_checks, _validate
 from effmem.optim._adam_base import AdamBase
-from effmem.optim._adam_entries import (_ENTRY_KEYS, _as_kept, _exact_float32_weights, _local, _match_layout,
-                                        _restore_state)
+from effmem.optim._adam_entries import (_ENTRY_KEYS, _as_kept, _exact_float32_weights, _laid_out_elsewhere, _local,
+                                        _match_layout, _restore_state)
 from effmem.optim._refusals import RefusalMonitor
 from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 
@@ -244,6 +244,7 @@ class FusedAdam(AdamBase):
         buckets = [self._buckets(group) for group in self.param_groups]
         _adam_checks.cpu_steps(self, buckets)
         self._memory_checked = _adam_checks.memory(buckets, self._memory_checked)
+        _adam_checks.kernels(self, buckets)
         pending, self._pending_grad_scale = self._pending_grad_scale, {}
         clip, self._pending_clip = self._pending_clip, None
         if pending and clip is not None and inv_scale is not None:
@@ -316,14 +317,15 @@ class FusedAdam(AdamBase):
         salts = self._salts() if self.state_bits == 8 else None
         m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
         compiling = torch.compiler.is_compiling()
-        for p in group["params"]:
+        for j, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             grad = _validate.grad(p)
             state = self._init_state(p, compiling)
-            if self.state_bits == 32 and state["exp_avg"].stride() != p.stride():   # one compare per step
-                _match_layout(state, p)
+            if _laid_out_elsewhere(state, p, self.state_bits):
+                _match_layout(state, p, self.state_bits, salts[id(p)] if salts is not None else 0)
             b = buckets[(p.device, p.dtype, grad.dtype)]
+            b["where"].append(j)
             w, m, v, master = p, state[m_key], state[v_key], state.get("master")
             if _validate.is_dtensor(p):   # FSDP2: this rank's shards (_as_kept: its state is DTensors too)
                 w, grad, m, v = _local(p), _local(grad), _local(m), _local(v)
