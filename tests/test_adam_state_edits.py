@@ -172,19 +172,22 @@ def test_a_compiled_step_does_not_compile_again_at_each_load_state_dict():
     assert counters["stats"]["unique_graphs"] == graphs <= 2
 
 
-def test_what_the_kernel_refuses_is_refused_before_any_group_steps():
+@pytest.mark.parametrize("n", [0, 1])
+def test_what_the_kernel_refuses_is_refused_before_any_group_steps(n):
     """A .grad sharing its parameter's memory met the kernel's refusal only after the groups before had stepped
     and every step count had advanced, again at each retry (a reviewer's find); the kernel's checks run over
-    every call first now, and the message names the parameter, not the kernel's lists."""
-    opt, (a, b, c) = stepped()
-    before = [p.detach().clone() for p in (a, b, c)]
-    b.grad = b.detach()
+    every call but the first before it now (that one's refusal undoes its step-count advance), and the message
+    names the parameter, not the kernel's lists."""
+    opt, params = stepped()
+    before = [p.detach().clone() for p in params]
+    params[n].grad = params[n].detach()
     for _ in range(2):
-        with pytest.raises(ValueError, match=r"FusedAdam: parameter 1 and the .grad of parameter 1 share memory"):
+        with pytest.raises(ValueError, match=f"FusedAdam: parameter {n} and the .grad of parameter {n} share mem"):
             opt.step()
-    assert all(torch.equal(p, q) for p, q in zip((a, b, c), before))
-    assert [float(opt.state[p]["step"]) for p in (a, b, c)] == [1.0, 1.0, 1.0]
-    b.grad = torch.full_like(b, 0.5)
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    assert [float(opt.state[p]["step"]) for p in params] == [1.0, 1.0, 1.0]
+    a, b, c = params
+    params[n].grad = torch.full_like(params[n], 0.5)
     opt.step()
     assert [float(opt.state[p]["step"]) for p in (a, b, c)] == [2.0, 2.0, 2.0]
     w = torch.randn(5, dtype=torch.bfloat16)

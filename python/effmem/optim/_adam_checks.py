@@ -50,21 +50,37 @@ def memory(buckets: List, checked: Optional[Tuple]) -> Optional[Tuple]:
 
 def kernels(opt, buckets: List) -> None:
     """The kernels' own checks (strides, memory shared by what a step writes and what it reads) over every call
-    of the step, before the first: the kernel refused a later call's tensors only after the calls before had
-    stepped (their groups updated, step counts advanced; each retry stepped them again, in a reviewer's run).
-    The error names the tensor as the optimizer's other errors do (parameter n counts over all groups)."""
+    of the step but the first, before the first: the kernel refused a later call's tensors only after the calls
+    before had stepped (their groups updated, step counts advanced; each retry stepped them again, in a
+    reviewer's run). The first call's kernel refuses before it writes (the step undoes that call's step-count
+    advance and names the tensor: named); one bucket, the usual case, costs no second check."""
     if torch.compiler.is_compiling():   # the kernel checks when the graph runs
         return
-    first = 0   # the number of the group's first parameter
+    for i, (first, b) in enumerate(calls(opt, buckets)):
+        if i == 0:
+            continue
+        try:
+            ops.adam_check(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
+                           b.get("exp_avg_scales", ()), b.get("exp_avg_sq_scales", ()))
+        except (ValueError, TypeError) as err:
+            raise named(err, first, b) from None
+
+
+def calls(opt, buckets: List):
+    """(the number of its group's first parameter, bucket) of each kernel call of a step, in order."""
+    first = 0
     for group, group_buckets in zip(opt.param_groups, buckets):
         for b in group_buckets.values():
-            try:
-                ops.adam_check(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
-                               b.get("exp_avg_scales", ()), b.get("exp_avg_sq_scales", ()))
-            except (ValueError, TypeError) as err:
-                where = [first + j for j in b["where"]]
-                raise type(err)("FusedAdam: " + _named(str(err).split("\n")[0], where)) from None
+            yield first, b
         first += len(group["params"])
+
+
+def named(err: Exception, first: int, b) -> Exception:
+    """The kernel's error with the tensor named as the optimizer's other errors name it (parameter n counts
+    over all groups), not by the kernel's lists."""
+    where = [first + j for j in b["where"]]
+    return type(err)("FusedAdam: " + _LIST_ENTRY.sub(lambda m: _LISTS[m.group(1)].format(n=where[int(m.group(2))]),
+                                                     str(err).split("\n")[0]))
 
 
 # The kernel's names of its lists, as the optimizer's user knows each tensor
@@ -73,6 +89,3 @@ _LISTS = {"params": "parameter {n}", "grads": "the .grad of parameter {n}",
              for k in ("exp_avg", "exp_avg_sq", "master", "step", "exp_avg_scale", "exp_avg_sq_scale")}}
 _LIST_ENTRY = re.compile(r"\b(" + "|".join(sorted(_LISTS, key=len, reverse=True)) + r")\[(\d+)\]")
 
-
-def _named(message: str, where: List[int]) -> str:
-    return _LIST_ENTRY.sub(lambda m: _LISTS[m.group(1)].format(n=where[int(m.group(2))]), message)

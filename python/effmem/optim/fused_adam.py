@@ -258,6 +258,7 @@ class FusedAdam(AdamBase):
             total = grad_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
             pending = {d: clip_coefficient(_to_device(total, d), clip[1]) for d in pending}
         per_device: Dict[torch.device, Tuple] = {}  # (scale, found_inf) of each device, once per step
+        number, first_call = 0, True   # of the group's first parameter; _adam_checks.kernels checked the others
         for group, group_buckets in zip(self.param_groups, buckets):
             lr = group["lr"]
             per_group: Dict[torch.device, Tuple] = {}  # (lr, lr_tensor, advance) of each device
@@ -272,21 +273,27 @@ class FusedAdam(AdamBase):
                 if device not in per_group:
                     per_group[device] = _lr_and_advance(lr, device, inf)
                 step_lr, lr_tensor, advance = per_group[device]
-                if advance is None:
-                    torch._foreach_add_(b["steps"], 1.0)
-                else:
-                    # The tensor-list overload: the one-tensor-scalar overload of _foreach_add_
-                    # reads the scalar on the host (a sync per step, seen on an H100).
-                    torch._foreach_add_(b["steps"], [advance] * len(b["steps"]))
+                # The tensor-list overload: the one-tensor-scalar overload of _foreach_add_ reads the scalar on
+                # the host (a sync per step, seen on an H100).
+                advances = 1.0 if advance is None else [advance] * len(b["steps"])
+                torch._foreach_add_(b["steps"], advances)
                 eight = {} if self.state_bits == 32 else dict(
                     exp_avg_scales=b["exp_avg_scales"], exp_avg_sq_scales=b["exp_avg_sq_scales"], salts=b["salts"])
-                ops.adam_step_(
-                    b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
-                    lr=0.0 if lr_tensor is not None else step_lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                    bias_correction=group["bias_correction"], lr_tensor=lr_tensor, inv_scale=scale,
-                    found_inf=inf, status=self._refusals.status(device), **eight,
-                )
+                try:
+                    ops.adam_step_(
+                        b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
+                        lr=0.0 if lr_tensor is not None else step_lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                        bias_correction=group["bias_correction"], lr_tensor=lr_tensor, inv_scale=scale,
+                        found_inf=inf, status=self._refusals.status(device), **eight,
+                    )
+                except (ValueError, TypeError) as err:
+                    if not first_call or torch.compiler.is_compiling():
+                        raise
+                    torch._foreach_sub_(b["steps"], advances)   # refused before it wrote: nothing else moved
+                    raise _adam_checks.named(err, number, b) from None
+                first_call = False
+            number += len(group["params"])
         for device in per_device:
             self._refusals.launched(device)
         return loss
