@@ -39,3 +39,25 @@ def test_the_fused_loss_backward_products_are_counted_as_the_unfused_heads():
         assert fused.backward_flops == plain.backward_flops > 2 * head
         assert fused.head_recompute_flops == (head if grad_in_forward is None else 0.0)
         effmem.unfuse_linear_cross_entropy(model)
+
+
+def test_the_printed_code_of_a_model_frozen_in_part_steps_its_trained_parameters_alone():
+    """A model that comes frozen in part (LoRA adapters on frozen weights) is planned for its trained parameters,
+    but the printed code (and --json's) gave the optimizer model.parameters(): OffloadAdam then kept host state
+    for every frozen weight, 16x the plan's prediction in a reviewer's peft run."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from effmem.plan.report import plan_code
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    for name, p in model.named_parameters():
+        p.requires_grad_("q_proj" in name)
+    plan = effmem.plan(model, batch=2, seq=32, device="cuda", gpu_memory="1GB", host_memory="8GB")
+    assert plan.trainable_params < plan.params
+    for c in plan.candidates:
+        code = plan_code(plan, c)
+        assert "(model.parameters()" not in code and "([p for p in model.parameters() if p.requires_grad]" in code
+    assert "if p.requires_grad]" in str(plan)
+    whole = effmem.plan(TINY, batch=2, seq=32, device="cpu")
+    assert "Adam(model.parameters()" in plan_code(whole, whole.pick)

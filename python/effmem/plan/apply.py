@@ -13,7 +13,7 @@ from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
 from effmem.optim._validate import whole
 from effmem.plan.model import Trainable, find_blocks
-from effmem.plan.report import _trainable, code_for
+from effmem.plan.report import plan_code
 
 
 class _SaveOnCpu:
@@ -205,7 +205,7 @@ def _check_distributed(plan, name: str) -> None:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         c = plan.candidate(name)
-        code = code_for(c.config, plan.device, c.cost.activation_budget, _trainable(plan))
+        code = plan_code(plan, c)
         raise ValueError(f"candidate {name}: a sharded configuration is applied on every rank after "
                          f"torch.distributed.init_process_group (torchrun); it is not initialised here. The "
                          f"lines each rank runs:\n{code}")

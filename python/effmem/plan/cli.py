@@ -83,8 +83,8 @@ def cmd_plan(args) -> int:
                              "model of the same family, may trace")
     data = plan.as_dict()
     if plan.pick is not None:
-        from effmem.plan.report import _trainable, code_for
-        data["code"] = code_for(plan.pick.config, plan.device, plan.pick.cost.activation_budget, _trainable(plan))
+        from effmem.plan.report import plan_code
+        data["code"] = plan_code(plan, plan.pick)
     if args.verify:
         names = [c.name for c in plan.candidates if c.fits] if args.verify == "all" else None
         try:

@@ -44,7 +44,7 @@ def format_plan(plan, max_rows: int = 14) -> str:
         lines.append(f"\npick: {pick.name}  (peak {_gb(pick.cost.peak_bytes)} GB, "
                      f"host {_gb(pick.cost.host_bytes)} GB, step {pick.step_time_s * 1e3:.0f} ms)")
         lines.append("  " + "  ".join(f"{k} {_gb(pick.cost.parts[k])}" for k in PARTS))
-        lines.append("\n" + code_for(pick.config, plan.device, pick.cost.activation_budget, _trainable(plan)))
+        lines.append("\n" + plan_code(plan, pick))
     lines.append("\ncandidates (best micro-batch of each combination; --json has all of them):")
     header = f"  {'name':<44} {'fits':<5} {'peak GB':>8} {'host GB':>8} {'step ms':>9}  why"
     lines.append(header)
@@ -65,9 +65,10 @@ def format_plan(plan, max_rows: int = 14) -> str:
 
 
 def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
-             trainable: Optional[str] = None) -> str:
+             trainable: Optional[str] = None, frozen: bool = False) -> str:
     """The pick as the lines of a training script (activation_budget: a fast_offload candidate's
-    Cost.activation_budget; trainable: the plan's trainable=, whose parameters alone the optimizer gets)."""
+    Cost.activation_budget; trainable: the plan's trainable=, whose parameters alone the optimizer gets, as
+    it gets the trained ones alone where the model is frozen in part)."""
     out = ["# the pick as code (or: model, opt = plan.apply(model)):"]
     if trainable is not None:
         items = [t.strip() for t in trainable.split(",")]
@@ -117,7 +118,8 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
         out.append("from effmem.plan.model import find_blocks   # the decoder layers")
         out.append(f"for block in find_blocks(model)[1]: fully_shard(block, reshard_after_forward={resh})  # FSDP2")
         out.append(f"fully_shard(model, reshard_after_forward={resh})")
-    params = "[p for p in model.parameters() if p.requires_grad]" if trainable is not None else "model.parameters()"
+    params = ("[p for p in model.parameters() if p.requires_grad]" if trainable is not None or frozen
+              else "model.parameters()")
     opt = {"gpu": f"effmem.FusedAdam({params}, lr=3e-4)",
            "offload": f"effmem.OffloadAdam({params}, lr=3e-4)",
            "offload_overlap": f"effmem.OffloadAdam({params}, lr=3e-4, overlap=True)",
@@ -144,3 +146,11 @@ def code_for(cfg: Config, device: str = "cuda", activation_budget: int = 0,
 
 def _trainable(plan) -> Optional[str]:
     return getattr(plan.spec, "trainable_text", None)
+
+
+def plan_code(plan, candidate) -> str:
+    """code_for a candidate of a plan: its optimizer over the trained parameters alone where the plan counted
+    fewer than the model has (trainable=, or a model that came frozen in part: a LoRA one's printed code gave
+    OffloadAdam all the frozen weights too, 16x the host memory the plan predicted, in a reviewer's run)."""
+    return code_for(candidate.config, plan.device, candidate.cost.activation_budget, _trainable(plan),
+                    frozen=plan.trainable_params < plan.params)
