@@ -85,3 +85,47 @@ def test_plan_apply_save_on_cpu_leaves_no_hooks_after_interrupted_forwards():
     block.stop = None
     block(torch.randn(4, 64, requires_grad=True)).sum().backward()
     assert _pushed_hooks() == 0
+
+
+class _Adapter(nn.Module):
+    """peft's PeftModel in brief: it holds the model, and attribute reads it lacks pass through to it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def forward(self, x):
+        return self.base_model(x)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model, name)
+
+
+def _hooks(m: nn.Module) -> int:
+    return sum(len(s._forward_pre_hooks) + len(s._forward_hooks) for s in m.modules())
+
+
+@pytest.mark.parametrize("wrapped", ["inner", "outer"])
+def test_remove_compression_finds_a_compressor_an_adapter_hides(wrapped):
+    """compress_activations(base) then get_peft_model: remove_compression(peft_model) read the base's compressor
+    through the wrapper and failed with a KeyError, its hooks gone and its attribute left, so the base could not
+    be wrapped again. compress_activations(peft_model) then merge_and_unload(): the merged model kept the hooks,
+    and remove_compression(merged) said it was not wrapped (a reviewer's peft runs)."""
+    base = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
+    if wrapped == "inner":
+        compress_activations(base)
+        outer = _Adapter(base)
+        remove_compression(outer)
+    else:
+        outer = compress_activations(_Adapter(base))
+        outer(torch.randn(64, 64)).sum().backward()
+        remove_compression(base)   # the adapter merged away: the model alone is left
+        assert compressor_of(outer) is None
+    assert _hooks(outer) == 0 and compressor_of(base) is None and "compress_stats" not in base.__dict__
+    compress_activations(base)
+    assert _hooks(base) == 2 * len(list(base.modules()))   # one set: entry and exit on the root, tracking below
+    with pytest.raises(ValueError, match="not wrapped"):
+        remove_compression(nn.Linear(2, 2))

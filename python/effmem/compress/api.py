@@ -160,23 +160,46 @@ def kinked_activation(m: nn.Module) -> bool:
 
 
 def remove_compression(module: nn.Module) -> nn.Module:
-    """Undo compress_activations(module): remove its hooks and attributes."""
-    compressor = getattr(module, _ATTR, None)
-    if compressor is None:
+    """Undo compress_activations(module): remove its hooks and attributes. Also where the wrapped module is
+    inside this one (peft's get_peft_model wraps a model compress_activations wrapped: the wrapper's attribute
+    reads passed through to it, and its removal failed with a KeyError) or held it (a PeftModel wrapped, then
+    merge_and_unload: its hooks stayed on the merged model, which nothing could take them off)."""
+    found = _compressors(module)
+    if not found:
         raise ValueError("remove_compression: this module was not wrapped by compress_activations")
-    calls = compressor._root_calls()
-    if calls and calls[0][1] is not None:
-        if _on_stack(calls[0][1], sys._getframe(1)):
+    caller = sys._getframe(1)
+    for compressor in found:
+        calls = compressor._root_calls()
+        if calls and calls[0][1] is not None and _on_stack(calls[0][1], caller):
             raise RuntimeError("remove_compression: called inside the wrapped module's forward, whose exit would "
                                "then never leave the saved-tensor hooks; call it once the forward has returned")
-        # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks gone,
-        # no later forward would drop them (_RootEnter), and every later save on the thread was quantised
-        compressor._abandon()
-    compressor.remove_hooks()
-    del module.__dict__[_ATTR]
-    module.__dict__.pop("compress_stats", None)
+    for compressor in found:
+        if compressor._root_calls() and compressor._root_calls()[0][1] is not None:
+            # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks
+            # gone, no later forward would drop them (_RootEnter), and every later save on the thread was quantised
+            compressor._abandon()
+        compressor.remove_hooks()
+        owner = compressor._root
+        if owner.__dict__.get(_ATTR) is compressor:
+            del owner.__dict__[_ATTR]
+            owner.__dict__.pop("compress_stats", None)
     forget_compiled_code("remove_compression(module)", "it")   # compiled with the hooks, it would go on compressing
     return module
+
+
+def _compressors(module: nn.Module) -> list:
+    """The compress_activations(model) compressors of module's tree: those wrapping it or a module inside it,
+    and those whose hooks are on its modules (the wrapped module held it). The context form's are its own."""
+    found = {}
+    for m in module.modules():
+        c = m.__dict__.get(_ATTR)
+        if c is not None:
+            found[id(c)] = c
+        for h in m._forward_pre_hooks.values():
+            c = getattr(h, "__self__", None)
+            if isinstance(c, ActivationCompressor) and not c._context_hooks and c._root is not None:
+                found[id(c)] = c
+    return list(found.values())
 
 
 def compressor_of(module: nn.Module) -> Optional[ActivationCompressor]:
