@@ -4,6 +4,8 @@ OffloadAdam takes each gradient off its parameter during backward, so torch.nn.u
 no p.grad, returned 0 and clipped nothing: under Hugging Face's Trainer (max_grad_norm=1.0 by default)
 OffloadAdam trained unclipped, silently, where FusedAdam and torch's AdamW clipped. Importing effmem routes
 those parameters to the optimizer's own clip (effmem/optim/_clip_route.py)."""
+import warnings
+
 import pytest
 import torch
 
@@ -196,3 +198,23 @@ def test_clip_by_value_over_what_offload_adam_holds_is_refused_with_the_reason()
     plain.grad = torch.full((3,), 5.0)
     torch.nn.utils.clip_grad_value_([plain], 0.1)   # anything else: torch's own
     assert torch.equal(plain.grad, torch.full((3,), 0.1))
+
+
+def test_overlap_gives_a_norm_only_call_nan_and_refuses_a_clip():
+    """transformers' Trainer asks for the norm at every step to log grad_norm (clip_grad_norm_(inf), clipping
+    or not): under overlap=True, whose buckets update during backward, that call was refused with the clip's
+    message, so Trainer could not run overlap at all, even with max_grad_norm=0 (a reviewer's run). It gets
+    NaN now, with a warning once; a real clip is still refused."""
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, overlap=True)
+    for i, (x, y) in enumerate(batches(2)):
+        model(x, y)[1].backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        assert norm.isnan() and sum("max_norm=inf) returns NaN" in str(w.message) for w in seen) == (i == 0)
+        with pytest.raises(RuntimeError, match="cannot clip by the global norm"):
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    opt.close()

@@ -3,6 +3,7 @@ import contextlib
 import math
 import os
 import threading
+import warnings
 from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -274,6 +275,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
         self._plain_backwards, self._warned_mixed = 0, False   # delay: backwards since step() outside accumulating()
         self._warned_unstepped = False   # overlap: zero_grad() after a backward that updated, with no step()
+        self._warned_norm = False        # overlap: clip_grad_norm_(inf) has no norm to give (_unknown_norm)
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_asked = stream_grads
@@ -347,6 +349,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         _validate.max_norm(max_norm)
         self._check_open()
         if self._overlap:
+            if not isinstance(max_norm, Tensor) and max_norm == math.inf:
+                return self._unknown_norm()
             raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
                                "gradient exists, so it cannot clip by the global norm; use overlap=False")
         self._take_leftover_grads(keep=not self._grads_leave_in_backward())
@@ -355,6 +359,17 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # FusedAdam's float32 arithmetic (a tensor max_norm read here: the host waits for the gradients anyway)
         self._clip_scale = float(clip_coefficient(total, float(max_norm)))
         return total
+
+    def _unknown_norm(self) -> Tensor:
+        """overlap=True: a call that asks for the norm alone (max_norm=inf: transformers' Trainer makes one at
+        every step to log grad_norm, clipping or not, and was refused, naming a clip it did not ask for). The
+        gradients are gone into their buckets' updates: NaN, with a warning once."""
+        if not self._warned_norm:
+            self._warned_norm = True
+            warnings.warn("OffloadAdam(overlap=True): clip_grad_norm_(max_norm=inf) returns NaN: each bucket's "
+                          "gradients went into its update during backward, so there is no global norm to measure "
+                          "(a logged grad_norm is nan); use overlap=False to see it", stacklevel=4)
+        return torch.tensor(math.nan, dtype=torch.float32)
 
     # ------------------------------------------------------------------ step
 
