@@ -1,4 +1,4 @@
-"""Helpers shared by the compress_activations tests (tests/test_compress*.py)."""
+"""Helpers shared by the compress_activations tests (tests/test_compress*.py), and a model wrapper."""
 import torch
 
 from effmem import demo_model
@@ -31,3 +31,20 @@ def max_rel_err(got, exact):
 def no_hooks_left():
     return (torch._C._autograd._top_saved_tensors_default_hooks(False) is None
             and torch._C._len_torch_dispatch_stack() == 0)
+
+
+class Adapter(torch.nn.Module):
+    """peft's PeftModel in brief: it holds the model, and attribute reads it lacks pass through to it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model, name)

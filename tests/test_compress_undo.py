@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from effmem.compress import compress_activations, compressor_of, remove_compression
-from compress_helpers import no_hooks_left
+from compress_helpers import Adapter, no_hooks_left
 
 
 class _Stop(nn.Module):
@@ -87,23 +87,6 @@ def test_plan_apply_save_on_cpu_leaves_no_hooks_after_interrupted_forwards():
     assert _pushed_hooks() == 0
 
 
-class _Adapter(nn.Module):
-    """peft's PeftModel in brief: it holds the model, and attribute reads it lacks pass through to it."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.base_model = model
-
-    def forward(self, x):
-        return self.base_model(x)
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.base_model, name)
-
-
 def _hooks(m: nn.Module) -> int:
     return sum(len(s._forward_pre_hooks) + len(s._forward_hooks) for s in m.modules())
 
@@ -117,10 +100,10 @@ def test_remove_compression_finds_a_compressor_an_adapter_hides(wrapped):
     base = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
     if wrapped == "inner":
         compress_activations(base)
-        outer = _Adapter(base)
+        outer = Adapter(base)
         remove_compression(outer)
     else:
-        outer = compress_activations(_Adapter(base))
+        outer = compress_activations(Adapter(base))
         outer(torch.randn(64, 64)).sum().backward()
         remove_compression(base)   # the adapter merged away: the model alone is left
         assert compressor_of(outer) is None

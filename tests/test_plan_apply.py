@@ -14,6 +14,7 @@ import effmem
 from effmem.compress.api import compressor_of
 from effmem.plan import costs
 from effmem.plan.verify import verify
+from compress_helpers import Adapter
 from test_plan import TINY, pick_of
 
 pytest.importorskip("transformers")
@@ -296,3 +297,19 @@ def test_every_candidates_code_names_only_what_it_imports():
         assert used <= known, (c.name, used - known)
         chains = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         assert not any(s.startswith("torch.distributed.") for s in chains), c.name   # a submodule not imported
+
+
+def test_apply_takes_a_wrapper_whose_policy_was_removed_through_the_model_inside():
+    """The policy's attributes on a wrapper outlive a removal through the model inside (a PeftModel's
+    get_base_model()): apply() took them for a policy still on, and refused (a reviewer's peft run)."""
+    p = effmem.plan(TINY, batch=2, seq=32, device="cpu", host_memory="8GB")
+    c = pick_of(p, precision="bf16", activations="none", micro_batch=2, loss="standard")
+    inner = real_tiny()
+    wrapped = Adapter(inner)
+    effmem.apply_activation_policy(wrapped, "fast")
+    with pytest.raises(ValueError, match="remove_activation_policy"):
+        p.apply(wrapped, c.name)
+    effmem.remove_activation_policy(inner)
+    assert "_effmem_fast" in wrapped.__dict__   # what the check must not take for a policy
+    model, opt = p.apply(wrapped, c.name)
+    assert model is wrapped and opt is not None

@@ -68,8 +68,9 @@ def _prepared(model: nn.Module, cfg) -> List[str]:
     """The memory techniques already on `model`, each with its undo."""
     modules = list(model.modules())
     found = []
-    if any(getattr(m, "_effmem_policy", None) is not None or m.__dict__.get("_effmem_fast") is not None
-           for m in modules):
+    # by its layers: a wrapper keeps the policy's attributes after a removal through the model inside it (a
+    # PeftModel's get_base_model()), which then made apply() refuse a policy no longer on (a reviewer's run)
+    if any(getattr(m, "_effmem_policy", None) is not None for m in modules):
         found.append("an activation policy (remove_activation_policy(model))")
     if any(m.__dict__.get("_effmem_compressor") is not None for m in modules):
         found.append("compress_activations (remove_compression(model))")
