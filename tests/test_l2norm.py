@@ -48,6 +48,33 @@ def test_inf_and_nan_propagate():
     assert ops.l2norm([torch.tensor([1.0, float("nan")])]).isnan().item()
 
 
+def test_every_cpu_isa_gives_identical_bits():
+    """The lanes were the vector's (16, 8 or 1), so a bf16 norm differed in its last bits between vector units,
+    and through the clip every weight of a step (a reviewer's resume across machines); 32 lanes on every unit.
+    The clip's optimizers too: FusedAdam and OffloadAdam, a step clipped, each unit's weights bit for bit."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(s).to(d) * 3 for s, d in [((7,), torch.bfloat16), ((4097,), torch.float16),
+                                                       ((300, 301), torch.float32), ((200_003,), torch.bfloat16)]]
+    norms, weights = [], []
+    for isa in cpu_isas():
+        with cpu_isa(isa):
+            norms.append(ops.l2norm(tensors).item())
+            run = []
+            for cls in (effmem.FusedAdam, effmem.OffloadAdam):
+                ps = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
+                opt = cls(ps, lr=1e-2)
+                for p, t in zip(ps, tensors):
+                    p.grad = t.clone()
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+                run += [p.detach().clone() for p in ps]
+                if cls is effmem.OffloadAdam:
+                    opt.close()
+            weights.append(run)
+    assert len(set(norms)) == 1, norms
+    assert all(torch.equal(a, b) for w in weights[1:] for a, b in zip(w, weights[0]))
+
+
 def test_does_not_depend_on_thread_count():
     t = [torch.randn(1_000_003)]
     n = torch.get_num_threads()

@@ -28,13 +28,6 @@ static inline Vec operator/(Vec a, Vec b) { return _mm512_div_ps(a.x, b.x); }
 static inline Vec sqrt_(Vec a) { return _mm512_sqrt_ps(a.x); }
 // x > acc ? x : acc, lane by lane (the second operand where either is NaN or they are equal)
 static inline Vec max_(Vec x, Vec acc) { return _mm512_max_ps(x.x, acc.x); }
-static inline double hsum(Vec a) {
-  alignas(64) float lanes[Vec::N];
-  _mm512_store_ps(lanes, a.x);
-  double s = 0.0;
-  for (float l : lanes) s += l;
-  return s;
-}
 
 static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 static inline Vec load(const bf16_t* p) {

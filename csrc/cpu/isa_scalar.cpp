@@ -22,7 +22,6 @@ static inline Vec operator*(Vec a, Vec b) { return Vec(a.x * b.x); }
 static inline Vec operator/(Vec a, Vec b) { return Vec(a.x / b.x); }
 static inline Vec sqrt_(Vec a) { return Vec(sqrtf(a.x)); }
 static inline Vec max_(Vec x, Vec acc) { return x.x > acc.x ? x : acc; }
-static inline double hsum(Vec a) { return a.x; }
 template <class T>
 static inline Vec load(const T* p) { return Vec(load1(p)); }
 template <class T>
