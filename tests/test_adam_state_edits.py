@@ -176,20 +176,25 @@ def test_a_compiled_step_does_not_compile_again_at_each_load_state_dict():
 def test_what_the_kernel_refuses_is_refused_before_any_group_steps(n):
     """A .grad sharing its parameter's memory met the kernel's refusal only after the groups before had stepped
     and every step count had advanced, again at each retry (a reviewer's find); the kernel's checks run over
-    every call but the first before it now (that one's refusal undoes its step-count advance), and the message
-    names the parameter, not the kernel's lists."""
-    opt, params = stepped()
-    before = [p.detach().clone() for p in params]
-    params[n].grad = params[n].detach()
-    for _ in range(2):
-        with pytest.raises(ValueError, match=f"FusedAdam: parameter {n} and the .grad of parameter {n} share mem"):
-            opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(params, before))
-    assert [float(opt.state[p]["step"]) for p in params] == [1.0, 1.0, 1.0]
-    a, b, c = params
-    params[n].grad = torch.full_like(params[n], 0.5)
-    opt.step()
-    assert [float(opt.state[p]["step"]) for p in (a, b, c)] == [2.0, 2.0, 2.0]
+    every call but the first before it now (that one's refusal undoes its step-count advance), the message
+    names the parameter, not the kernel's lists, and a pending clip waits for the step after the fix."""
+    results = []
+    for refuse in (False, True):
+        opt, params = stepped()
+        opt.clip_grad_norm_(1e-3)
+        if refuse:
+            before = [p.detach().clone() for p in params]
+            grad, params[n].grad = params[n].grad, params[n].detach()
+            for _ in range(2):
+                with pytest.raises(ValueError, match=f"FusedAdam: parameter {n} and the .grad of parameter {n} sh"):
+                    opt.step()
+            assert all(torch.equal(p, q) for p, q in zip(params, before))
+            assert [float(opt.state[p]["step"]) for p in params] == [1.0, 1.0, 1.0]
+            params[n].grad = grad
+        opt.step()
+        assert [float(opt.state[p]["step"]) for p in params] == [2.0, 2.0, 2.0]
+        results.append([p.detach().clone() for p in params])
+    assert all(torch.equal(p, q) for p, q in zip(*results))
     w = torch.randn(5, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.effmem.adam_check.default,
                           ([w], [torch.randn(5)], [torch.zeros(5)], [torch.zeros(5)], [w.float()], [torch.ones(())],

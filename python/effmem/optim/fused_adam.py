@@ -243,10 +243,16 @@ class FusedAdam(AdamBase):
         # step changes nothing, and keeps its pending clip for the step that follows the fix.
         buckets = [self._buckets(group) for group in self.param_groups]
         _adam_checks.cpu_steps(self, buckets)
-        self._memory_checked = _adam_checks.memory(buckets, self._memory_checked)
+        # Compiled, torch 2.11's dynamo refuses any assignment to an attribute of the optimizer (2.13 allows it):
+        # the memory check is eager only, and the pending clip is taken by mutating what holds it.
+        if not torch.compiler.is_compiling():
+            self._memory_checked = _adam_checks.memory(buckets, self._memory_checked)
         _adam_checks.kernels(self, buckets)
-        pending, self._pending_grad_scale = self._pending_grad_scale, {}
-        clip, self._pending_clip = self._pending_clip, None
+        pending = dict(self._pending_grad_scale)
+        self._pending_grad_scale.clear()
+        clip = self._pending_clip
+        if clip is not None:
+            self._pending_clip = None
         if pending and clip is not None and inv_scale is not None:
             # clipped while scaled: the factor from the norm of the gradients this step applies
             total, max_norm = clip
@@ -290,7 +296,10 @@ class FusedAdam(AdamBase):
                 except (ValueError, TypeError) as err:
                     if not first_call or torch.compiler.is_compiling():
                         raise
-                    torch._foreach_sub_(b["steps"], advances)   # refused before it wrote: nothing else moved
+                    # refused before it wrote: nothing else moved, and the clip waits for the step after the fix
+                    torch._foreach_sub_(b["steps"], advances)
+                    self._pending_grad_scale.update(pending)
+                    self._pending_clip = clip
                     raise _adam_checks.named(err, number, b) from None
                 first_call = False
             number += len(group["params"])
