@@ -435,6 +435,8 @@ def test_a_model_wrapped_after_another_was_compiled_is_compressed():
     """dynamo does not guard on module hooks: torch.compile(compress_activations(m)) reused the graph compiled
     for an earlier model of the same classes, without the hooks, and compressed nothing, silently. Wrapping
     drops compiled code (with a warning), so the next call compiles with the hooks; unwrapping too."""
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        pytest.skip("torch 2.11 compiles a wrapped nn.Sequential to run outside the hooks (README)")
     def make():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))

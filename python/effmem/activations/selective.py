@@ -10,9 +10,12 @@ are those of an unchanged model, bit for bit.
 
 effmem plan traces the same rule (``SAVED_OPS``) to count what it keeps.
 """
+import inspect
+
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext,
+                                    create_selective_checkpoint_contexts)
 
 import effmem.activations.relu  # noqa: F401 (registers effmem::relu)
 
@@ -35,6 +38,11 @@ SAVED_PACKETS = frozenset(op.overloadpacket for op in SAVED_OPS)
 # gradients 32% off, with no error, in a reviewer's run).
 _UNSAFE_VIEWS = frozenset((_aten.unsafe_split.Tensor, _aten.unsafe_split_with_sizes.default,
                            _aten.unsafe_chunk.default))
+
+
+# Whether torch hands the policy the op's output (op_output, newer than torch 2.11): without it only the bases of
+# unsafe views stand for the kept outputs, and a write through `.data` into one goes unseen, as torch's own check.
+SEES_OUTPUTS = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
 class KeptOutputChanged(RuntimeError):

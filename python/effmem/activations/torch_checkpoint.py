@@ -3,6 +3,7 @@ effmem adds around its forward and recompute: in-place modules out of place unde
 buffers as the forward left them, and torch's refusals named with the policy and its way out."""
 import contextlib
 import functools
+import inspect
 from contextlib import nullcontext
 
 import torch
@@ -53,7 +54,45 @@ def torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwa
             refuse_cache(layer, args, kwargs)
             refuse_hf_checkpointing(layer)
         context = {"context_fn": functools.partial(_eager_contexts, layer, selective)}
+    if not _FORWARD_ERRORS_SEEN:
+        return _checkpoint_seeing_errors(original, context["context_fn"], *args, **kwargs)
     return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
+
+
+def _forward_errors_seen() -> bool:
+    """Whether torch's checkpoint hands an error raised by the forward to its generator, as torch 2.13 does.
+    torch 2.11 left the generator at its yield: the forward's contexts never saw the error (effmem's refusal
+    went unnamed), and torch's saved-tensor hooks stayed pushed while the error lived, so a later backward of
+    another model ran the failed layer again (a reviewer's run on 2.11)."""
+    try:
+        return "gen.throw(" in inspect.getsource(torch.utils.checkpoint)
+    except (OSError, TypeError):   # no source to read: taken as the newer behaviour
+        return True
+
+
+_FORWARD_ERRORS_SEEN = _forward_errors_seen()
+
+
+def _checkpoint_seeing_errors(fn, context_fn, *args, **kwargs):
+    """torch's non-reentrant checkpoint, driving its generator as torch 2.13 does: an error of the forward is
+    thrown into it, so that its contexts and hooks are left at once."""
+    gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
+        fn, kwargs.pop("preserve_rng_state", True), context_fn, torch.utils.checkpoint._DEFAULT_DETERMINISM_MODE,
+        False, True, *args, **kwargs)
+    next(gen)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as err:
+        try:
+            gen.throw(err)   # raises it again, or what a context made of it
+        except StopIteration:
+            pass
+        raise
+    try:
+        next(gen)
+    except StopIteration:
+        return out
+    raise RuntimeError("torch.utils.checkpoint's generator went on after the forward's end")
 
 
 def _eager_contexts(layer: nn.Module, selective: bool):
