@@ -63,7 +63,7 @@ def refuse_cache(layer: nn.Module, args, kwargs) -> None:
 
 HF_CHECKPOINTING = ("transformers' gradient checkpointing is on (gradient_checkpointing_enable() or "
                     "activation_checkpointing_enable(), or Trainer's gradient_checkpointing=True); under a policy "
-                    "each layer would run again besides, and \"fast\" would keep its saves all the same. Turn it "
+                    "each layer would run again besides, on top of what the policy keeps or recomputes. Turn it "
                     "off (model.gradient_checkpointing_disable(), TrainingArguments(gradient_checkpointing=False)): "
                     "'checkpoint' is the policy that checkpoints")
 
