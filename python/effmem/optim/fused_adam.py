@@ -248,8 +248,9 @@ class FusedAdam(AdamBase):
         if not torch.compiler.is_compiling():
             self._memory_checked = _adam_checks.memory(buckets, self._memory_checked)
         _adam_checks.kernels(self, buckets)
-        pending = dict(self._pending_grad_scale)
+        taken = dict(self._pending_grad_scale)
         self._pending_grad_scale.clear()
+        pending = taken
         clip = self._pending_clip
         if clip is not None:
             self._pending_clip = None
@@ -298,7 +299,7 @@ class FusedAdam(AdamBase):
                         raise
                     # refused before it wrote: nothing else moved, and the clip waits for the step after the fix
                     torch._foreach_sub_(b["steps"], advances)
-                    self._pending_grad_scale.update(pending)
+                    self._pending_grad_scale.update(taken)
                     self._pending_clip = clip
                     raise _adam_checks.named(err, number, b) from None
                 first_call = False
