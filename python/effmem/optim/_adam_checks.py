@@ -56,29 +56,26 @@ def kernels(opt, buckets: List) -> None:
     advance and names the tensor: named); one bucket, the usual case, costs no second check."""
     if torch.compiler.is_compiling():   # the kernel checks when the graph runs
         return
-    for i, (first, b) in enumerate(calls(opt, buckets)):
-        if i == 0:
-            continue
-        try:
-            ops.adam_check(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
-                           b.get("exp_avg_scales", ()), b.get("exp_avg_sq_scales", ()))
-        except (ValueError, TypeError) as err:
-            raise named(err, first, b) from None
-
-
-def calls(opt, buckets: List):
-    """(the number of its group's first parameter, bucket) of each kernel call of a step, in order."""
-    first = 0
+    first, skip = 0, True   # the number of the group's first parameter; the step's first call
     for group, group_buckets in zip(opt.param_groups, buckets):
-        for b in group_buckets.values():
-            yield first, b
+        for key, b in group_buckets.items():
+            if skip:
+                skip = False
+                continue
+            try:
+                ops.adam_check(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
+                               b.get("exp_avg_scales", ()), b.get("exp_avg_sq_scales", ()))
+            except (ValueError, TypeError) as err:
+                raise named(err, first, group, key) from None
         first += len(group["params"])
 
 
-def named(err: Exception, first: int, b) -> Exception:
+def named(err: Exception, first: int, group, key) -> Exception:
     """The kernel's error with the tensor named as the optimizer's other errors name it (parameter n counts
-    over all groups), not by the kernel's lists."""
-    where = [first + j for j in b["where"]]
+    over all groups), not by the kernel's lists. group, key: the call's (FusedAdam._buckets made its lists of
+    the group's parameters with a gradient and that key, in order)."""
+    where = [first + j for j, p in enumerate(group["params"])
+             if p.grad is not None and (p.device, p.dtype, p.grad.dtype) == key]
     return type(err)("FusedAdam: " + _LIST_ENTRY.sub(lambda m: _LISTS[m.group(1)].format(n=where[int(m.group(2))]),
                                                      str(err).split("\n")[0]))
 

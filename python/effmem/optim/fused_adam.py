@@ -135,7 +135,8 @@ class FusedAdam(AdamBase):
         kept = None if compiling else self._kept.get(id(p))
         # p's dtype, shape and device too: p.data replaced (model.float(), a resize, a move) needs the entry
         # converted or refused naming the parameter, which the kernel's own check did after other groups stepped
-        if state and kept is not None and kept[0] == (p.dtype, p.shape, p.device) and _same(kept[1], state, keys):
+        if (state and kept is not None and kept[0] == (p.dtype, p.shape, p.device, p.stride())
+                and _same(kept[1], state, keys)):
             return state
         if (not state or (p.dtype != torch.float32 and "master" not in state)) and _capturing():
             raise RuntimeError("FusedAdam.step: a parameter's state (moments, or the fp32 master of a checkpoint "
@@ -165,9 +166,11 @@ class FusedAdam(AdamBase):
                 state["exp_avg_sq_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
         if p.dtype != torch.float32 and "master" not in state:   # new, or loaded from a checkpoint without one
             state["master"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        if _laid_out_elsewhere(state, p, self.state_bits):   # an entry, or p.data, given other strides
+            _match_layout(state, p, self.state_bits, self._salts()[id(p)] if self.state_bits == 8 else 0)
         if not compiling:
-            self._kept[id(p)] = ((p.dtype, p.shape, p.device), tuple(weakref.ref(state[k]) if k in state else None
-                                                           for k in keys))
+            self._kept[id(p)] = ((p.dtype, p.shape, p.device, p.stride()),
+                                 tuple(weakref.ref(state[k]) if k in state else None for k in keys))
         return state
 
     @torch.no_grad()
@@ -270,7 +273,8 @@ class FusedAdam(AdamBase):
             lr = group["lr"]
             per_group: Dict[torch.device, Tuple] = {}  # (lr, lr_tensor, advance) of each device
             beta1, beta2 = group["betas"]
-            for (device, _, _), b in group_buckets.items():
+            for key, b in group_buckets.items():
+                device = key[0]
                 if device not in per_device:
                     scale = _per_device(inv_scale, device)
                     if device in pending:
@@ -301,7 +305,7 @@ class FusedAdam(AdamBase):
                     torch._foreach_sub_(b["steps"], advances)
                     self._pending_grad_scale.update(taken)
                     self._pending_clip = clip
-                    raise _adam_checks.named(err, number, b) from None
+                    raise _adam_checks.named(err, number, group, key) from None
                 first_call = False
             number += len(group["params"])
         for device in per_device:
@@ -334,15 +338,12 @@ class FusedAdam(AdamBase):
         salts = self._salts() if self.state_bits == 8 else None
         m_key, v_key = _adam8.MOMENT_KEYS[self.state_bits]
         compiling = torch.compiler.is_compiling()
-        for j, p in enumerate(group["params"]):
+        for p in group["params"]:
             if p.grad is None:
                 continue
             grad = _validate.grad(p)
             state = self._init_state(p, compiling)
-            if _laid_out_elsewhere(state, p, self.state_bits):
-                _match_layout(state, p, self.state_bits, salts[id(p)] if salts is not None else 0)
             b = buckets[(p.device, p.dtype, grad.dtype)]
-            b["where"].append(j)
             w, m, v, master = p, state[m_key], state[v_key], state.get("master")
             if _validate.is_dtensor(p):   # FSDP2: this rank's shards (_as_kept: its state is DTensors too)
                 w, grad, m, v = _local(p), _local(grad), _local(m), _local(v)
