@@ -215,6 +215,9 @@ def test_overlap_gives_a_norm_only_call_nan_and_refuses_a_clip():
         assert norm.isnan() and sum("max_norm=inf) returns NaN" in str(w.message) for w in seen) == (i == 0)
         with pytest.raises(RuntimeError, match="cannot clip by the global norm"):
             opt.clip_grad_norm_(1.0)
+        assert opt.clip_grad_norm_(torch.tensor(float("inf"))).isnan()
+        with pytest.raises(RuntimeError, match=r"no global norm to check \(error_if_nonfinite=True\)"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), error_if_nonfinite=True)
         opt.step()
         opt.zero_grad()
     opt.close()

@@ -167,7 +167,7 @@ class MaskedReLU6(nn.ReLU6):
 
 
 MASKED = {nn.ReLU: MaskedReLU, nn.LeakyReLU: MaskedLeakyReLU, nn.Hardtanh: MaskedHardtanh, nn.ReLU6: MaskedReLU6}
-_PLAIN = {masked: plain for plain, masked in MASKED.items()}
+PLAIN = {masked: plain for plain, masked in MASKED.items()}
 
 
 def patchable(m: nn.Module) -> bool:
@@ -176,9 +176,16 @@ def patchable(m: nn.Module) -> bool:
 
 
 def patch(m: nn.Module) -> bool:
+    """Give m its masked class; True where m is masked for the caller, who undoes it with unpatch. A module
+    masked already (compress_activations and a policy both mask a LeakyReLU) counts its maskers: the class
+    goes back at the last unpatch (remove_compression had taken it from under a policy still on)."""
+    if type(m) in PLAIN:
+        m.__dict__["_effmem_masked"] = m.__dict__.get("_effmem_masked", 1) + 1
+        return True
     if not patchable(m):
         return False
     m.__class__ = MASKED[type(m)]
+    m.__dict__["_effmem_masked"] = 1
     return True
 
 
@@ -203,6 +210,10 @@ def patch_functional(m: nn.Module) -> bool:
 
 
 def unpatch(m: nn.Module) -> None:
-    if type(m) in _PLAIN:
-        m.__class__ = _PLAIN[type(m)]
+    if type(m) in PLAIN:
+        left = m.__dict__.pop("_effmem_masked", 1) - 1
+        if left > 0:
+            m.__dict__["_effmem_masked"] = left
+        else:
+            m.__class__ = PLAIN[type(m)]
     m.__dict__.update(m.__dict__.pop("_effmem_relu_attrs", {}))

@@ -54,8 +54,8 @@ def torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwa
             refuse_cache(layer, args, kwargs)
             refuse_hf_checkpointing(layer)
         context = {"context_fn": functools.partial(_eager_contexts, layer, selective)}
-    if not _FORWARD_ERRORS_SEEN:
-        return _checkpoint_seeing_errors(original, context["context_fn"], *args, **kwargs)
+        if not _FORWARD_ERRORS_SEEN:   # eager only: the compiler traces torch's checkpoint as its own operator
+            return _checkpoint_seeing_errors(original, context["context_fn"], *args, **kwargs)
     return torch_checkpoint(original, *args, use_reentrant=False, **context, **kwargs)
 
 

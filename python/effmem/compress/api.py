@@ -156,50 +156,45 @@ def _masked_activations(module: nn.Module) -> list:
 def kinked_activation(m: nn.Module) -> bool:
     """Whether compress_activations(model) gives m a backward from its mask (effmem plan counts it so)."""
     from effmem.activations import relu
+    if type(m) in relu.PLAIN:   # masked already (a policy): counted as compress' too (relu.patch)
+        return relu.PLAIN[type(m)] is not nn.ReLU
     return type(m) is not nn.ReLU and relu.patchable(m)   # nn.ReLU: hooks._masked
 
 
 def remove_compression(module: nn.Module) -> nn.Module:
-    """Undo compress_activations(module): remove its hooks and attributes. Also where the wrapped module is
-    inside this one (peft's get_peft_model wraps a model compress_activations wrapped: the wrapper's attribute
-    reads passed through to it, and its removal failed with a KeyError) or held it (a PeftModel wrapped, then
-    merge_and_unload: its hooks stayed on the merged model, which nothing could take them off)."""
-    found = _compressors(module)
-    if not found:
+    """Undo compress_activations(module): remove its hooks and attributes. Also through a wrapper whose
+    attribute reads pass to the wrapped model inside it (compress_activations(base), then peft's
+    get_peft_model: removal through the PeftModel read the base's compressor and failed with a KeyError, its
+    hooks gone and its attribute left). A PeftModel wrapped is unwrapped before merge_and_unload(), whose
+    model keeps the hooks of a wrapper it no longer has."""
+    compressor = _compressor_in(module)
+    if compressor is None:
         raise ValueError("remove_compression: this module was not wrapped by compress_activations")
-    caller = sys._getframe(1)
-    for compressor in found:
-        calls = compressor._root_calls()
-        if calls and calls[0][1] is not None and _on_stack(calls[0][1], caller):
+    calls = compressor._root_calls()
+    if calls and calls[0][1] is not None:
+        if _on_stack(calls[0][1], sys._getframe(1)):
             raise RuntimeError("remove_compression: called inside the wrapped module's forward, whose exit would "
                                "then never leave the saved-tensor hooks; call it once the forward has returned")
-    for compressor in found:
-        if compressor._root_calls() and compressor._root_calls()[0][1] is not None:
-            # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks
-            # gone, no later forward would drop them (_RootEnter), and every later save on the thread was quantised
-            compressor._abandon()
-        compressor.remove_hooks()
-        owner = compressor._root
-        if owner.__dict__.get(_ATTR) is compressor:
-            del owner.__dict__[_ATTR]
-            owner.__dict__.pop("compress_stats", None)
+        # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks gone,
+        # no later forward would drop them (_RootEnter), and every later save on the thread was quantised
+        compressor._abandon()
+    compressor.remove_hooks()
+    owner = compressor._root
+    del owner.__dict__[_ATTR]
+    owner.__dict__.pop("compress_stats", None)
     forget_compiled_code("remove_compression(module)", "it")   # compiled with the hooks, it would go on compressing
     return module
 
 
-def _compressors(module: nn.Module) -> list:
-    """The compress_activations(model) compressors of module's tree: those wrapping it or a module inside it,
-    and those whose hooks are on its modules (the wrapped module held it). The context form's are its own."""
-    found = {}
-    for m in module.modules():
-        c = m.__dict__.get(_ATTR)
-        if c is not None:
-            found[id(c)] = c
-        for h in m._forward_pre_hooks.values():
-            c = getattr(h, "__self__", None)
-            if isinstance(c, ActivationCompressor) and not c._context_hooks and c._root is not None:
-                found[id(c)] = c
-    return list(found.values())
+def _compressor_in(module: nn.Module) -> Optional[ActivationCompressor]:
+    """The compressor wrapping module, or the module inside it that its attribute reads pass to (PeftModel)."""
+    c = module.__dict__.get(_ATTR)
+    if c is not None:
+        return c
+    c = getattr(module, _ATTR, None)
+    if isinstance(c, ActivationCompressor) and c._root is not None and any(m is c._root for m in module.modules()):
+        return c
+    return None
 
 
 def compressor_of(module: nn.Module) -> Optional[ActivationCompressor]:

@@ -51,6 +51,9 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
                            "clipping by the norm of its own; call each one's clip_grad_norm_(max_norm)")
     (opt,) = owners.values()
     check_l2(norm_type, "OffloadAdam")
+    if opt._overlap and error_if_nonfinite:   # its norm-only answer, NaN, is no statement about the gradients
+        raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, so there is no global "
+                           "norm to check (error_if_nonfinite=True) or clip by; use overlap=False")
     given = {id(p) for p in parameters}
     missing = [p for p in opt._all_params if p.requires_grad and id(p) not in given]
     if missing:

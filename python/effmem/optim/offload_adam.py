@@ -349,7 +349,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         _validate.max_norm(max_norm)
         self._check_open()
         if self._overlap:
-            if not isinstance(max_norm, Tensor) and max_norm == math.inf:
+            if float(max_norm) == math.inf:   # (a tensor's read: this call refuses or returns NaN anyway)
                 return self._unknown_norm()
             raise RuntimeError("OffloadAdam(overlap=True) updates each bucket during backward, before every "
                                "gradient exists, so it cannot clip by the global norm; use overlap=False")
