@@ -47,6 +47,26 @@ def test_remove_compression_drops_the_hooks_an_interrupted_forward_left():
     assert compressor() is None
 
 
+def test_remove_compression_drops_the_hooks_of_a_module_wrapped_inside_interrupted_with_it():
+    """An exit pops the top of the thread's hook stacks: the wrapped module inside, interrupted with the outer
+    one, pushed its hooks after, so dropping the outer's popped the inner's and left the removed one's on,
+    quantising the saves of other models (a reviewer's find)."""
+    block = _Stop()
+    outer = nn.Sequential(block)
+    compress_activations(block, bits=4)
+    compress_activations(outer)
+    block.stop = KeyboardInterrupt()
+    try:
+        outer(torch.randn(32, 64))
+        raise AssertionError("the forward was not interrupted")
+    except KeyboardInterrupt:
+        pass
+    block.stop = None
+    remove_compression(outer)
+    assert no_hooks_left() and compressor_of(block) is not None
+    remove_compression(block)
+
+
 def test_remove_compression_inside_the_forward_is_refused():
     block = _Stop()
     model = compress_activations(block)

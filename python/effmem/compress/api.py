@@ -176,7 +176,15 @@ def remove_compression(module: nn.Module) -> nn.Module:
             raise RuntimeError("remove_compression: called inside the wrapped module's forward, whose exit would "
                                "then never leave the saved-tensor hooks; call it once the forward has returned")
         # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks gone,
-        # no later forward would drop them (_RootEnter), and every later save on the thread was quantised
+        # no later forward would drop them (_RootEnter), and every later save on the thread was quantised. A
+        # module wrapped on its own inside, interrupted with it, pushed its hooks after: an exit pops the top of
+        # the thread's stacks, so theirs go first (else this one's stayed, quantising the saves of other models)
+        for m in reversed(list(module.modules())):
+            inner = m.__dict__.get(_ATTR)
+            if inner is not None and inner is not compressor and inner._root_calls():
+                entered = inner._root_calls()[0][1]
+                if entered is not None and not _on_stack(entered, sys._getframe(1)):
+                    inner._abandon()
         compressor._abandon()
     compressor.remove_hooks()
     owner = compressor._root

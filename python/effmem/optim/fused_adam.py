@@ -343,6 +343,8 @@ class FusedAdam(AdamBase):
                 continue
             grad = _validate.grad(p)
             state = self._init_state(p, compiling)
+            if state[m_key].stride() != p.stride():   # a moment relaid in place (`.data =`): the entry check misses it
+                _match_layout(state, p, self.state_bits, salts[id(p)] if salts is not None else 0)
             b = buckets[(p.device, p.dtype, grad.dtype)]
             w, m, v, master = p, state[m_key], state[v_key], state.get("master")
             if _validate.is_dtensor(p):   # FSDP2: this rank's shards (_as_kept: its state is DTensors too)
