@@ -251,3 +251,17 @@ def test_a_meta_model_steps_as_torch_s_optimizers_step_it():
     p.grad = torch.randn(8, device="meta")
     opt.step()
     assert opt.state[p]["step"].device.type == "meta"
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_the_kernel_s_refusal_names_the_entries_opt_state_holds(bits):
+    """8-bit moments are opt.state's exp_avg_codes / exp_avg_sq_codes: the refusal named them exp_avg_sq."""
+    a, b = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(300))
+    opt = effmem.FusedAdam([a, b], state_bits=bits)
+    a.grad, b.grad = torch.randn(300), torch.randn(300)
+    opt.step()
+    key = "exp_avg_sq" if bits == 32 else "exp_avg_sq_codes"
+    opt.state[b][key].data = opt.state[a][key].data
+    with pytest.raises(ValueError, match=rf"opt.state\[p\]\['{key}'\] of parameter 0 and opt.state\[p\]\['{key}'\] "
+                                         "of parameter 1 share memory"):
+        opt.step()

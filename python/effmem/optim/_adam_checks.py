@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from effmem import ops
-from effmem.optim import _validate
+from effmem.optim import _adam8, _validate
 
 
 def cpu_steps(opt, buckets: List) -> None:
@@ -66,23 +66,28 @@ def kernels(opt, buckets: List) -> None:
                 ops.adam_check(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["masters"], b["steps"],
                                b.get("exp_avg_scales", ()), b.get("exp_avg_sq_scales", ()))
             except (ValueError, TypeError) as err:
-                raise named(err, first, group, key) from None
+                raise named(err, first, group, key, opt.state_bits) from None
         first += len(group["params"])
 
 
-def named(err: Exception, first: int, group, key) -> Exception:
+def named(err: Exception, first: int, group, key, bits: int) -> Exception:
     """The kernel's error with the tensor named as the optimizer's other errors name it (parameter n counts
-    over all groups), not by the kernel's lists. group, key: the call's (FusedAdam._buckets made its lists of
-    the group's parameters with a gradient and that key, in order)."""
+    over all groups; opt.state's keys of state_bits `bits`), not by the kernel's lists. group, key: the call's
+    (FusedAdam._buckets made its lists of the group's parameters with a gradient and that key, in order)."""
     where = [first + j for j, p in enumerate(group["params"])
              if p.grad is not None and (p.device, p.dtype, p.grad.dtype) == key]
-    return type(err)("FusedAdam: " + _LIST_ENTRY.sub(lambda m: _LISTS[m.group(1)].format(n=where[int(m.group(2))]),
-                                                     str(err).split("\n")[0]))
+
+    def name(m) -> str:
+        entry = _LISTS[m.group(1)]
+        entry = _adam8.CODE_KEYS.get(entry, entry) if bits == 8 else entry
+        n = where[int(m.group(2))]
+        return {"params": f"parameter {n}", "grads": f"the .grad of parameter {n}"}.get(
+            entry, f"opt.state[p]['{entry}'] of parameter {n}")
+    return type(err)("FusedAdam: " + _LIST_ENTRY.sub(name, str(err).split("\n")[0]))
 
 
-# The kernel's names of its lists, as the optimizer's user knows each tensor
-_LISTS = {"params": "parameter {n}", "grads": "the .grad of parameter {n}",
-          **{f"{k}s": f"opt.state[p]['{k}'] of parameter {{n}}"
-             for k in ("exp_avg", "exp_avg_sq", "master", "step", "exp_avg_scale", "exp_avg_sq_scale")}}
+# The kernel's names of its lists, and the entries of opt.state they hold
+_LISTS = {"params": "params", "grads": "grads",
+          **{f"{k}s": k for k in ("exp_avg", "exp_avg_sq", "master", "step", "exp_avg_scale", "exp_avg_sq_scale")}}
 _LIST_ENTRY = re.compile(r"\b(" + "|".join(sorted(_LISTS, key=len, reverse=True)) + r")\[(\d+)\]")
 

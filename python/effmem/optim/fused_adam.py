@@ -305,7 +305,7 @@ class FusedAdam(AdamBase):
                     torch._foreach_sub_(b["steps"], advances)
                     self._pending_grad_scale.update(taken)
                     self._pending_clip = clip
-                    raise _adam_checks.named(err, number, group, key) from None
+                    raise _adam_checks.named(err, number, group, key, self.state_bits) from None
                 first_call = False
             number += len(group["params"])
         for device in per_device:
