@@ -165,8 +165,8 @@ def remove_compression(module: nn.Module) -> nn.Module:
     """Undo compress_activations(module): remove its hooks and attributes. Also through a wrapper whose
     attribute reads pass to the wrapped model inside it (compress_activations(base), then peft's
     get_peft_model: removal through the PeftModel read the base's compressor and failed with a KeyError, its
-    hooks gone and its attribute left). A PeftModel wrapped is unwrapped before merge_and_unload(), whose
-    model keeps the hooks of a wrapper it no longer has."""
+    hooks gone and its attribute left). Unwrap a wrapped PeftModel before merge_and_unload(): the merged model
+    keeps the hooks of a wrapper it no longer has (inert, but removable only through the PeftModel)."""
     compressor = _compressor_in(module)
     if compressor is None:
         raise ValueError("remove_compression: this module was not wrapped by compress_activations")
