@@ -113,6 +113,22 @@ def _configure(tmp_path, cmake, env=(), drop=(), args=()) -> subprocess.Complete
                           env={**kept, **dict(env)}, capture_output=True, text=True, timeout=300)
 
 
+def _cuda_configure_tools():
+    """(cmake, nvcc) for a configure where CUDA would be built; the test is skipped without them."""
+    cmake, nvcc = _cmake(), _cuda_compiler_for_default_build()
+    if cmake is None or torch.version.cuda is None or nvcc is None:
+        pytest.skip("checked where CUDA would be built: cmake, torch with CUDA and a toolkit")
+    return cmake, nvcc
+
+
+def _script(path, body: str):
+    """An executable shell script at path (its folder made)."""
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
 @pytest.mark.parametrize("env,message,needs_cuda", _BAD_SETTINGS)
 def test_a_bad_build_setting_stops_the_configure_naming_it(tmp_path, env, message, needs_cuda):
     """Each used to be ignored: an unknown EFFMEM_CUDA built CUDA (or, for "on" without a toolkit, silently
@@ -121,8 +137,8 @@ def test_a_bad_build_setting_stops_the_configure_naming_it(tmp_path, env, messag
     cmake = _cmake()
     if cmake is None:
         pytest.skip("cmake is not installed")
-    if needs_cuda and (torch.version.cuda is None or _cuda_compiler_for_default_build() is None):
-        pytest.skip("checked where CUDA would be built: torch with CUDA and a toolkit")
+    if needs_cuda:
+        _cuda_configure_tools()
     proc = _configure(tmp_path, cmake, env)
     assert proc.returncode != 0
     assert message in " ".join(proc.stderr.split()), proc.stderr[-2000:]
@@ -170,11 +186,8 @@ def test_a_cuda_host_compiler_linking_libstdcxx_statically_stays_off_the_extensi
     gxx = shutil.which("g++")
     if cmake is None or ninja is None or gxx is None:
         pytest.skip("needs cmake, ninja and g++")
-    if torch.version.cuda is None or _cuda_compiler_for_default_build() is None:
-        pytest.skip("checked where CUDA would be built: torch with CUDA and a toolkit")
-    wrapper = tmp_path / "g++-static"
-    wrapper.write_text(f'#!/bin/sh\nexec {gxx} "$@" -static-libstdc++ -static-libgcc\n')
-    wrapper.chmod(0o755)
+    _cuda_configure_tools()
+    wrapper = _script(tmp_path / "g++-static", f'exec {gxx} "$@" -static-libstdc++ -static-libgcc')
     proc = _configure(tmp_path, cmake, {"CUDAHOSTCXX": str(wrapper)},
                       args=("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -186,14 +199,8 @@ def test_cudacxx_with_flags_is_not_replaced_by_the_nvcc_on_path(tmp_path):
     """CUDACXX naming nvcc with flags is left to CMake; the symlink-following look on PATH (for when nothing
     names a toolkit) took a PATH nvcc in its place and dropped the user's (a reviewer's configure). A configure
     only, with a broken nvcc first on PATH."""
-    cmake = _cmake()
-    nvcc = _cuda_compiler_for_default_build()
-    if cmake is None or torch.version.cuda is None or nvcc is None:
-        pytest.skip("needs cmake, torch with CUDA and a toolkit")
-    fake = tmp_path / "bin" / "nvcc"
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nexit 1\n")
-    fake.chmod(0o755)
+    cmake, nvcc = _cuda_configure_tools()
+    fake = _script(tmp_path / "bin" / "nvcc", "exit 1")
     proc = _configure(tmp_path, cmake, {"CUDACXX": f"{nvcc} -allow-unsupported-compiler",
                                         "PATH": f"{fake.parent}:{os.environ['PATH']}"}, drop=("CUDA_HOME", "CUDA_PATH"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -205,10 +212,7 @@ def test_an_nvcc_on_path_through_a_symlink_builds_cuda(tmp_path):
     here), the nvcc on PATH, a symlink to the toolkit's: CMake's trial with the symlink failed ("Couldn't find CUDA
     library root") and the build went CPU-only saying no CUDA compiler was found (a reviewer's build). Configure
     only."""
-    cmake = _cmake()
-    nvcc = _cuda_compiler_for_default_build()
-    if cmake is None or torch.version.cuda is None or nvcc is None:
-        pytest.skip("needs cmake, torch with CUDA and a toolkit")
+    cmake, nvcc = _cuda_configure_tools()
     link = tmp_path / "bin" / "nvcc"
     link.parent.mkdir()
     link.symlink_to(os.path.realpath(nvcc))

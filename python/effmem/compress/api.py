@@ -170,9 +170,9 @@ def remove_compression(module: nn.Module) -> nn.Module:
     compressor = _compressor_in(module)
     if compressor is None:
         raise ValueError("remove_compression: this module was not wrapped by compress_activations")
-    calls = compressor._root_calls()
+    calls, caller = compressor._root_calls(), sys._getframe(1)
     if calls and calls[0][1] is not None:
-        if _on_stack(calls[0][1], sys._getframe(1)):
+        if _on_stack(calls[0][1], caller):
             raise RuntimeError("remove_compression: called inside the wrapped module's forward, whose exit would "
                                "then never leave the saved-tensor hooks; call it once the forward has returned")
         # a forward interrupted past its exit hook (Ctrl-C) left them pushed on this thread; with the hooks gone,
@@ -183,7 +183,7 @@ def remove_compression(module: nn.Module) -> nn.Module:
             inner = m.__dict__.get(_ATTR)
             if inner is not None and inner is not compressor and inner._root_calls():
                 entered = inner._root_calls()[0][1]
-                if entered is not None and not _on_stack(entered, sys._getframe(1)):
+                if entered is not None and not _on_stack(entered, caller):
                     inner._abandon()
         compressor._abandon()
     compressor.remove_hooks()

@@ -78,16 +78,14 @@ def named(err: Exception, first: int, group, key, bits: int) -> Exception:
              if p.grad is not None and (p.device, p.dtype, p.grad.dtype) == key]
 
     def name(m) -> str:
-        entry = _LISTS[m.group(1)]
-        entry = _adam8.CODE_KEYS.get(entry, entry) if bits == 8 else entry
-        n = where[int(m.group(2))]
-        return {"params": f"parameter {n}", "grads": f"the .grad of parameter {n}"}.get(
-            entry, f"opt.state[p]['{entry}'] of parameter {n}")
+        listed, n = m.group(1), where[int(m.group(2))]
+        if listed in ("params", "grads"):
+            return f"parameter {n}" if listed == "params" else f"the .grad of parameter {n}"
+        entry = listed[:-1]   # exp_avgs: opt.state[p]['exp_avg'], or its codes at 8 bits
+        return f"opt.state[p]['{_adam8.CODE_KEYS.get(entry, entry) if bits == 8 else entry}'] of parameter {n}"
     return type(err)("FusedAdam: " + _LIST_ENTRY.sub(name, str(err).split("\n")[0]))
 
 
-# The kernel's names of its lists, and the entries of opt.state they hold
-_LISTS = {"params": "params", "grads": "grads",
-          **{f"{k}s": k for k in ("exp_avg", "exp_avg_sq", "master", "step", "exp_avg_scale", "exp_avg_sq_scale")}}
-_LIST_ENTRY = re.compile(r"\b(" + "|".join(sorted(_LISTS, key=len, reverse=True)) + r")\[(\d+)\]")
-
+# The kernel's lists, named in its messages as exp_avgs[i]
+_LIST_ENTRY = re.compile(r"\b(params|grads|exp_avg_sq_scales|exp_avg_scales|exp_avg_sqs|exp_avgs|masters|steps)"
+                         r"\[(\d+)\]")
