@@ -74,6 +74,37 @@ def test_a_parameter_whose_data_changed_dtype_or_shape_is_converted_or_refused_b
     assert all(float(opt.state[p]["step"]) == 2 for p in params)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_model_made_float32_in_place_goes_on_from_its_master(dtype):
+    """model.float() after steps in bf16/fp16: the float32 master went with the entry's conversion, and the run went
+    on from the rounded weights (a reviewer's repro). Now the step puts the master into the parameter before it
+    updates it, as a checkpoint's load into a float32 model does (the gradients were taken at the rounded
+    weights, which the optimizer cannot change: it learns of the new dtype at the step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(dtype)
+    opt = effmem.FusedAdam(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x.to(dtype)).float().square().mean().backward()
+        opt.step()
+    master = opt.state[model.weight]["master"].clone()
+    assert not torch.equal(model.weight.float(), master)
+    loaded = torch.nn.Linear(16, 8)
+    loaded.load_state_dict(model.float().state_dict())   # model.float(): in place, the optimizer kept
+    by_load = effmem.FusedAdam(loaded.parameters(), lr=1e-2)
+    by_load.load_state_dict(opt.state_dict())
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    for a, b in zip(model.parameters(), loaded.parameters()):
+        b.grad = a.grad.clone()
+    opt.step()
+    by_load.step()
+    assert "master" not in opt.state[model.weight]
+    for a, b in zip(model.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)
+
+
 def same_in_both_optimizers(make, edit, key: str):
     """Each optimizer made by make(optimizer) -> (opt, params), its entries changed by edit(opt, params) and
     stepped: FusedAdam's parameters and state[key] equal OffloadAdam's, bit for bit. Returns FusedAdam's."""

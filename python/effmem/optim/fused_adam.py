@@ -154,6 +154,8 @@ class FusedAdam(AdamBase):
             restored = _restore_state(saved, p, step, self.state_bits, index)
             state.clear()
             state.update(restored)
+            # model.float() in place: the master goes into the parameter, as a checkpoint's load puts it
+            _exact_float32_weights([(p, saved, step)])
         if not state:
             # zeros_like keeps p's strides, so all tensors of a param share a layout.
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
