@@ -185,6 +185,15 @@ def test_overlapping_params():
         opt.add_param_group({"params": [b]})
 
 
+@pytest.mark.parametrize("cls", [effmem.FusedAdam, effmem.OffloadAdam])
+def test_a_parameter_listed_twice_is_named_as_such(cls):
+    """torch warns of a parameter listed twice in a group; ours refused it as "views of one tensor?", pointing at
+    the wrong cause (a reviewer's note)."""
+    p = param(3)
+    with pytest.raises(ValueError, match="parameters 0 and 1 are one tensor listed twice"):
+        cls([p, p])
+
+
 def test_disjoint_views_are_fine():
     base = torch.randn(10)
     effmem.FusedAdam([torch.nn.Parameter(base[:5]), torch.nn.Parameter(base[5:])])

@@ -154,6 +154,36 @@ def test_load_state_dict_hooks_work_as_for_torchs_optimizers(cls):
     _close(opt)
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, OffloadAdam])
+@pytest.mark.parametrize("bits", [32, 8])
+def test_a_state_dict_post_hook_sees_the_finished_checkpoint_and_may_rekey_it(cls, bits):
+    """torch's contract: post-hooks see the finished state dict and may return another (keyed by parameter name,
+    say). Before, effmem finished it after the hooks: 8-bit state raised TypeError (its scales looked up by
+    integer key), and OffloadAdam's masters pending from a torch checkpoint went out as zeros (reviewer's repros)."""
+    m = _linear(torch.bfloat16)
+    torch_opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _train(m, torch_opt, 1)
+    opt = cls(m.named_parameters(), lr=1e-2, state_bits=bits)
+    opt.load_state_dict(torch_opt.state_dict())   # no masters: each is taken from its parameter
+    names = [n for n, _ in m.named_parameters()]
+    seen = []
+
+    def by_name(optimizer, sd):
+        seen.append(sorted(sd["state"][0]))
+        return dict(sd, state={names[k]: v for k, v in sd["state"].items()})
+
+    opt.register_state_dict_post_hook(by_name)
+    sd = opt.state_dict()
+    moments = ["exp_avg", "exp_avg_sq"] if bits == 32 else ["exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes",
+                                                           "exp_avg_sq_scale"]
+    # FusedAdam's entries take their masters at the next step; OffloadAdam's engine holds them already
+    master = ["master"] if cls is OffloadAdam else []
+    assert seen == [sorted(moments + master + ["step"])] and sorted(sd["state"]) == ["bias", "weight"]
+    for name, p in m.named_parameters():
+        assert torch.equal(sd["state"][name].get("master", p.detach().float()), p.detach().float())
+    _close(opt)
+
+
 @pytest.mark.parametrize("bits", [32, 8])
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copied_fused_adam_trains_on_its_own(bits, how):

@@ -37,6 +37,24 @@ class AdamBase(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def _hooked_state_dict(self, finish: Callable[[Dict[str, Any]], Dict[str, Any]]) -> Dict[str, Any]:
+        """torch.optim's state_dict with `finish` (an effmem optimizer's own entries: masters, 8-bit layout)
+        applied before the post-hooks, which torch's contract lets see the finished state dict and replace it
+        (one that re-keys the state by parameter name broke the 8-bit layout's lookup by index, and an
+        OffloadAdam master pending from the parameter went out as zeros: a reviewer's repros)."""
+        post = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            sd = torch.optim.Optimizer.state_dict(self)
+        finally:
+            self._optimizer_state_dict_post_hooks = post
+        sd = finish(sd)
+        for hook in list(post.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
     def _hooked_load(self, state_dict: Any, load: Callable[[Any], None]) -> None:
         """torch.optim's contract for load_state_dict hooks around an effmem loader: the pre-hooks see a
         shallow copy of the whole checkpoint and may edit or replace it before anything is checked; the

@@ -23,13 +23,14 @@ class OffloadCheckpoint:
         self._synchronize()
         self._forget_predictions()   # as a run resumed from this checkpoint: both then take the same steps
         self._sync_state()
-        sd = super().state_dict()
-        sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
-        for i in self._masters_pending:   # loaded without one, not stepped since
-            k = i + self._first   # the engine's parameter i is the optimizer's i + _first (device_state)
-            if "master" in sd["state"].get(k, ()):
-                sd["state"][k] = dict(sd["state"][k], master=self._local[i].detach().float().clone())
-        return _adam8.checkpoint_out(sd, self._all_params)
+        def finish(sd):
+            sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
+            for i in self._masters_pending:   # loaded without one, not stepped since
+                k = i + self._first   # the engine's parameter i is the optimizer's i + _first (device_state)
+                if "master" in sd["state"].get(k, ()):
+                    sd["state"][k] = dict(sd["state"][k], master=self._local[i].detach().float().clone())
+            return _adam8.checkpoint_out(sd, self._all_params)
+        return self._hooked_state_dict(finish)
 
     def _forget_predictions(self) -> None:
         """delay_correction, after a synchronize: no prediction (a checkpoint holds none, nor its update's

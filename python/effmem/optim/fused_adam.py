@@ -106,10 +106,11 @@ class FusedAdam(AdamBase):
 
     def __getstate__(self) -> Dict[str, Any]:
         """copy.deepcopy, pickle and torch.save(opt): torch keeps defaults, state and param_groups; the
-        moments' format and a clip factor not yet used go along too."""
+        moments' format, a clip factor not yet used and a failed load's refusal of steps go along too."""
         return {**super().__getstate__(), "state_bits": self.state_bits,
                 "_pending_grad_scale": self._pending_grad_scale, "_pending_clip": self._pending_clip,
-                "_pending_outside_capture": self._pending_outside_capture}
+                "_pending_outside_capture": self._pending_outside_capture,
+                "_interrupted_load": self._interrupted_load}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -373,9 +374,10 @@ class FusedAdam(AdamBase):
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim's layout plus ``master`` per bf16/fp16 parameter; under FSDP2, 8-bit block scales as
         DTensors (_adam8.scales_for_checkpoint), so that torch.distributed.checkpoint keeps every rank's."""
-        sd = super().state_dict()
-        sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
-        return _adam8.checkpoint_out(sd, [p for g in self.param_groups for p in g["params"]])
+        def finish(sd):
+            sd["state"] = {k: v for k, v in sd["state"].items() if v}   # an empty entry: a read of opt.state[p]
+            return _adam8.checkpoint_out(sd, [p for g in self.param_groups for p in g["params"]])
+        return self._hooked_state_dict(finish)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict from FusedAdam (or torch.optim.Adam/AdamW).
