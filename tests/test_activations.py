@@ -301,10 +301,25 @@ def test_a_model_under_a_policy_pickles(policy):
     m(input_ids=x, labels=x).loss.backward()
     buf = io.BytesIO()
     torch.save(m, buf)
+    # no itertools.count in it (the rounding seeds' counter): Python 3.14 pickles none (a reviewer's note)
+    assert b"itertools" not in buf.getvalue()
     buf.seek(0)
     back = torch.load(buf, weights_only=False)
     assert back.model.layers[0]._effmem_policy == {"min": "checkpoint8"}.get(policy, policy)
     assert torch.equal(back(input_ids=x, labels=x).loss, m(input_ids=x, labels=x).loss)
+
+
+def test_remove_finds_a_policy_on_a_layer_given_alone_or_behind_a_longer_stack():
+    """remove_activation_policy looked only at the layers layer_stacks found: a copied layer, or a model inside a
+    wrapper with a longer ModuleList of its own, kept its policy, silently."""
+    m = apply_activation_policy(llama(), "fast")
+    layer = copy.deepcopy(m.model.layers[0])
+    remove_activation_policy(layer)
+    assert "forward" not in layer.__dict__ and getattr(layer, "_effmem_policy", None) is None
+    wrapper = torch.nn.ModuleDict({"net": m, "heads": torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(5))})
+    remove_activation_policy(wrapper)
+    assert not any("forward" in x.__dict__ for x in m.model.layers)
+    assert not hasattr(m.model.layers[1], "_effmem_policy")
 
 
 def mixtral():

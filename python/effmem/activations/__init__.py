@@ -11,7 +11,8 @@ Policies:
   outputs are rebuilt in backward from their 8-bit inputs instead of being
   kept (effmem.activations.fused, fast paths in .paths for the Llama,
   Mistral, Mixtral, Qwen2/3 and GPT-2 families of transformers and the demo
-  GPT; other layers get the 8-bit storage alone). Nothing runs twice but
+  GPT, and modules of those kinds in other models; the rest of a layer gets
+  the 8-bit storage alone). Nothing runs twice but
   those elementwise ops.
 * ``"checkpoint"``: each decoder layer checkpointed (torch.utils.checkpoint,
   non-reentrant): its input kept, its insides recomputed in backward.
@@ -44,7 +45,6 @@ checkpointing (effmem.activations.cache); the model's config is not
 changed, and inference and generate() keep their cache.
 """
 import functools
-import itertools
 from typing import List, Optional, Tuple
 
 import torch
@@ -54,7 +54,7 @@ from effmem._replicas import refuse_replication
 from effmem.activations import paths, relu
 from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
                                       restore_training_cache)
-from effmem.activations.checkpoint import SEEDS, checkpoint_layer, compressed_checkpoint, restore_layer
+from effmem.activations.checkpoint import SEEDS, Seeds, checkpoint_layer, compressed_checkpoint, restore_layer
 from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
@@ -133,7 +133,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
             setattr(model, _BUDGET, budget)
             budget.forward_hook = model.register_forward_pre_hook(budget.new_forward, with_kwargs=True)
-        seeds = itertools.count()   # the rounding seeds of the layers the budget makes "min" (next_seed)
+        seeds = Seeds()   # the rounding seeds of the layers the budget makes "min" (next_seed)
         for i, (name, layer) in enumerate(named):
             # on the layers too: found from a model that wraps this one or that it was unwrapped into (_record)
             layer.__dict__[_FAST], layer.__dict__[_BUDGET] = comp, budget
@@ -149,7 +149,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
             layer._effmem_policy = policy
             layer._replicate_for_data_parallel = _no_replicas
         return model
-    seeds = itertools.count()   # "min": the rounding seeds of this model's layers (next_seed)
+    seeds = Seeds()   # "min": the rounding seeds of this model's layers (next_seed)
     for layer in layers:
         if policy == "min":
             # "fast" inside the recomputed layer where it pays: the fused norms and MLP product recompute
@@ -302,7 +302,11 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     names = {id(m): n for n, m in model.named_modules()}
-    every = [layer for _, layers in layer_stacks(model) for layer in layers]
+    # the layers of the model's stacks and every module a policy is on: a layer given alone (a copy of one), or
+    # layers a wrapper's longer stack hides from layer_stacks (both were left on, silently: a reviewer's repro)
+    every = {id(layer): layer for _, layers in layer_stacks(model) for layer in layers}
+    every.update((id(m), m) for m in model.modules() if m.__dict__.get("_effmem_policy") is not None)
+    every = list(every.values())
     for layer in every:   # before any change
         for m in [layer] * (getattr(layer, "_effmem_policy", None) is not None) + layer.__dict__.get(
                 "_effmem_patched", []):

@@ -322,6 +322,21 @@ def _compiled_layer_forward(layer: nn.Module, original, bits: int, group_size: i
 SEEDS = "_effmem_seeds"
 
 
+class Seeds:
+    """A counter of rounding seeds, 0, 1, 2, ...: itertools.count, but one that copy.deepcopy and pickle take on
+    every Python (they stop taking itertools' from 3.14; a model under "min" pickles, as README says)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __iter__(self) -> "Seeds":
+        return self
+
+    def __next__(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
 def next_seed(layer: nn.Module) -> int:
     """The seed of a compressed layer input's stochastic rounding: from a counter of the policy's application,
     shared by its layers (SEEDS), so that a run repeats in one process as it does in a new one (the package's
@@ -340,7 +355,7 @@ def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int 
         raise ValueError(f"{type(layer).__name__}: its forward is already replaced (by an activation policy "
                          "or checkpointing); remove that first")
     if bits is not None:
-        layer.__dict__[SEEDS] = itertools.count() if seeds is None else seeds
+        layer.__dict__[SEEDS] = Seeds() if seeds is None else seeds
     if bits is None:
         layer.forward = functools.partial(torch_checkpointed, layer, layer.forward, selective)
         layer._effmem_policy = "selective" if selective else "checkpoint"
