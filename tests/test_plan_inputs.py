@@ -144,6 +144,8 @@ def test_a_size_past_floats_range_is_refused_by_name(capsys, flag):
         effmem.plan("llama-7b", **{what: "1e400GB"})
     with pytest.raises(ValueError, match=f"{what}: expected a positive, finite size"):
         parse_bytes(10 ** 400, what)   # an int float() cannot hold: math.isfinite raised OverflowError
+    with pytest.raises(ValueError, match=f"{what}: expected a positive size, got '0'"):
+        parse_bytes("0", what)   # not "a size such as 80GB, 80GiB or a number of bytes": 0 is a number of bytes
 
 
 def test_gpu_memory_capped_by_the_host_on_a_cpu_says_so(capsys):

@@ -412,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                       ("--seq-len", "seq_len"), ("--batch-size", "batch_size")]:
         demo.add_argument(flag, type=positive_int, default=None,
                           help=defaults % (CPU_DEFAULTS[key], GPU_DEFAULTS[key]))
-    demo.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: d_model / 32)")
+    demo.add_argument("--heads", type=positive_int, default=None,
+                      help="attention heads (default: d_model // 32, at least 1, lowered until it divides d_model)")
     demo.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when a GPU is visible)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: 0)")
     demo.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")

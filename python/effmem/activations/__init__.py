@@ -75,6 +75,8 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     policy, each layer plain, "fast", "min" or (GPU) "offload", the mix of least time whose saved activations fit: a
     fraction in (0, 1] of the layers' plain saved bytes, or bytes (an int) at the shape of each forward
     (see effmem.activations.budget; the choice is made at the first forward of each input shape).
+    bits (8 or 4) and group_size (elements per scale: 32, 64, 128 or 256): the codes the lossy
+    policies ("fast", "min", a budget) keep saves in; checked for every policy.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")

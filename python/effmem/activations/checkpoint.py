@@ -220,7 +220,9 @@ def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: i
     """run(x), saving nothing inside it and x in `bits`-bit codes; run is recomputed in backward.
 
     Other tensors run uses (masks, rotary tables) are held as they are, by the closure; none of them
-    may need a gradient, and run's parameters get gradients only where x needs one."""
+    may need a gradient, and run's parameters get gradients only where x needs one. bits (8 or 4) and
+    group_size (elements per scale: 32, 64, 128 or 256): x's codes. seed: their stochastic rounding's seed
+    (default: the next of a per-process counter, so that two calls round independently)."""
     _codec.check_config(bits, group_size)
     if not isinstance(x, Tensor) or x.dtype not in _codec.FLOAT_DTYPES:
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got "

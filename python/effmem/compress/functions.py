@@ -124,7 +124,9 @@ def compressed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
     """F.linear(x, weight, bias) whose backward keeps x quantised (bits per element + 8 bytes per group).
 
     Gradients: grad_input = grad @ weight (exact), grad_weight = grad^T @ x_hat
-    (unbiased with stochastic rounding), grad_bias = grad summed over rows.
+    (unbiased with stochastic rounding), grad_bias = grad summed over rows. bits (8 or 4), group_size
+    (elements per scale: 32, 64, 128 or 256) and stochastic (rounding): x's codes. seed: the rounding's seed
+    (default: the next of a per-process counter, so that two calls round independently).
     """
     _check_config(bits, group_size, stochastic)
     _check_input(x, "x")
@@ -133,7 +135,8 @@ def compressed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
 
 def compressed_gelu(x: Tensor, approximate: str = "none", *, bits: int = 8, group_size: int = 128,
                     stochastic: bool = True, seed: Optional[int] = None) -> Tensor:
-    """F.gelu(x, approximate) whose backward keeps x quantised and differentiates GELU at x_hat."""
+    """F.gelu(x, approximate) whose backward keeps x quantised and differentiates GELU at x_hat; bits,
+    group_size, stochastic and seed as for compressed_linear."""
     _check_config(bits, group_size, stochastic)
     _check_input(x, "x")
     if approximate not in ("none", "tanh"):

@@ -1,3 +1,5 @@
+"""effmem's optimizers: FusedAdam (Adam/AdamW with float32 masters in one fused kernel) and OffloadAdam (its
+state and update on the host), and clip_grad_norm_, which clips by global norm across both."""
 from effmem.optim.clip import clip_grad_norm_
 from effmem.optim.fused_adam import FusedAdam
 from effmem.optim.offload_adam import OffloadAdam

@@ -199,8 +199,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     the host state; tensors already taken from ``state_dict()`` stay valid.
     The engine updates the memory each parameter had when the optimizer was
     built: giving a parameter new memory later (``p.data = ...``,
-    ``model.half()``, ``model.to(...)``) makes ``step()`` raise; build the
-    optimizer after such changes.
+    ``model.half()``, ``model.to(...)``) makes the next backward (or a
+    ``step()`` without one) raise; build the optimizer after such changes.
     """
 
     def __init__(

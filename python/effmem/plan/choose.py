@@ -16,6 +16,8 @@ PICK_TOLERANCE = 0.03
 
 @dataclass
 class Candidate:
+    """One configuration a plan considered: what it is (config), its predicted memory (cost: peak, parts,
+    host bytes), its predicted step time by part (time_parts, seconds), whether it fits and, if not, why."""
     config: costs.Config
     cost: costs.Cost
     time_parts: Dict[str, float]
@@ -28,13 +30,16 @@ class Candidate:
 
     @property
     def name(self) -> str:
+        """The configuration's name, as the report, the JSON and Plan.candidate(name) use it."""
         return self.config.name
 
     @property
     def step_time_s(self) -> float:
+        """The predicted optimizer step's time, seconds: the sum of time_parts."""
         return sum(self.time_parts.values())
 
     def as_dict(self) -> dict:
+        """The candidate as the JSON contract has it (an entry of ``Plan.as_dict()["candidates"]``)."""
         parts = {k: v for k, v in self.cost.parts.items() if k != "activations_by_kind"}
         c = self.config
         return {"name": self.name, "fits": self.fits, "peak_bytes": self.cost.peak_bytes,

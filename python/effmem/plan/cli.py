@@ -19,7 +19,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None,
                    help="tokens per sequence (default 2048, or the model's learned positions if fewer)")
     p.add_argument("--accum", type=int, default=None, help="micro-batches per step (default: searched)")
-    p.add_argument("--gpu-memory", default=None, help="memory per GPU (default: this machine's GPU)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="memory per GPU (default: this machine's GPU; an H100's 80GB where there is none)")
     p.add_argument("--host-memory", default=None, help="host memory (default: this machine's)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (default: this machine's, at least 1)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,

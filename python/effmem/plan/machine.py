@@ -20,8 +20,10 @@ def parse_bytes(text: Union[str, int, float, None], what: str) -> Optional[int]:
                              f"('{text:g}GB') or bytes ({text:g}e9)")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
+    if not m:
         raise ValueError(f"{what}: expected a size such as 80GB, 80GiB or a number of bytes, got {text!r}")
+    if float(m.group(1)) <= 0:
+        raise ValueError(f"{what}: expected a positive size, got {text!r}")
     unit = (m.group(2) or "B").upper()
     scale = {"B": 1}
     for i, p in enumerate("KMGT", start=1):

@@ -26,6 +26,7 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def preset_names() -> List[str]:
+    """The presets effmem plan takes by name (small JSON files of public architecture numbers, no download)."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 

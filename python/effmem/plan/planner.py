@@ -156,15 +156,18 @@ class Plan:
 
     @property
     def pick(self) -> Optional[Candidate]:
+        """The chosen candidate (the fastest that fits with headroom), or None where none fits."""
         return next((c for c in self.candidates if c.name == self.best), None)
 
     def candidate(self, name: str) -> Candidate:
+        """The candidate called `name` (as the report and ``as_dict()`` name them); KeyError if there is none."""
         for c in self.candidates:
             if c.name == name:
                 return c
         raise KeyError(f"candidate: no {name!r} in this plan (names look like {self.candidates[0].name!r})")
 
     def as_dict(self) -> dict:
+        """The plan as the JSON contract has it (``effmem plan --json``)."""
         return {"model": self.model, "params": self.params, "trainable_params": self.trainable_params,
                 "gpu_memory": self.gpu_memory, "host_memory": self.host_memory, "gpus": self.gpus,
                 "device": self.device, "batch": self.batch, "seq": self.seq, "method": self.method,
@@ -173,7 +176,9 @@ class Plan:
                 "candidates": [c.as_dict() for c in self.candidates], "best": self.best}
 
     def apply(self, model, candidate: Optional[str] = None, **optimizer_kwargs):
-        """The model prepared as the pick (or the named candidate) says, and its optimizer."""
+        """(model, optimizer): the model prepared as the pick (or the candidate named `candidate`) says, and
+        its optimizer, made with ``optimizer_kwargs`` (lr defaults to 3e-4; the others to the optimizer's own).
+        See effmem.plan.apply.apply for what each part of a candidate does to the model."""
         from effmem.plan.apply import apply
         return apply(self, model, candidate, **optimizer_kwargs)
 
@@ -262,17 +267,18 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
          rates: Optional[Rates] = None) -> Plan:
     """Predict every candidate configuration's peak memory and step time; pick the fastest that fits.
 
-    model: a preset name (effmem.plan.model.preset_names()), a config.json path, a Hugging Face config or
+    model: a preset name (``from effmem.plan import preset_names``: ``effmem.plan`` is this function, which
+    hides the package's modules from attribute access), a config.json path, a Hugging Face config or
     an nn.Module (any device; it is traced on meta tensors). batch: sequences per optimizer step over
     all GPUs; seq: tokens per sequence (default 2048, or fewer where the model's learned positions end);
     accum: micro-batches per step (searched when None).
-    gpu_memory / host_memory: sizes ("80GB", "80GiB" or bytes; default: this machine's). gpus: GPUs
-    (default: this machine's). device: "cuda" or "cpu" (default: cuda when there is a GPU or
-    gpu_memory was given). trainable: regular expressions of the parameters that train (model.py's
-    Trainable). clipping: the recipe clips by global norm (rules out OffloadAdam's overlap mode).
-    headroom: the share of gpu_memory a pick leaves free. inputs: callable(batch, seq, device) -> (args, kwargs)
-    for the model's training forward (default: token ids and labels). rates: a Rates (from effmem.plan.rates
-    import Rates).
+    gpu_memory / host_memory: sizes ("80GB", "80GiB" or bytes; default: this machine's, and for a plan on cuda
+    without a GPU here an H100's 80 GB, planned with its rates). gpus: GPUs (default: this machine's, at least
+    1). device: "cuda" or "cpu" (default: cuda when there is a GPU or gpu_memory or gpus was given).
+    trainable: regular expressions of the parameters that train (model.py's Trainable). clipping: the recipe
+    clips by global norm (rules out OffloadAdam's overlap mode). headroom: the share of gpu_memory a pick
+    leaves free. inputs: callable(batch, seq, device) -> (args, kwargs) for the model's training forward
+    (default: token ids and labels). rates: a Rates (from effmem.plan.rates import Rates).
     """
     with _collector_paused():
         return _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, device, clipping,

@@ -18,6 +18,8 @@ import torch
 
 @dataclass(frozen=True)
 class Rates:
+    """The machine rates a plan turns bytes and FLOPs into time with: shipped for an H100 and a CPU, or
+    measured by calibrate() (``effmem plan --calibrate``); fields as commented below."""
     device: str                 # what the rates describe
     matmul_flops: float         # achieved dense matmul FLOP/s in the training dtype, at large sizes
     matmul_flops_fp32: float    # the same for fp32 weights (under autocast on a GPU)
@@ -110,6 +112,11 @@ def rates_for(device: str) -> Rates:
         except (TypeError, ValueError) as e:
             warnings.warn(f"effmem plan: {_CACHE}'s rates for {device!r} do not fit this version ({e}); using "
                           "the defaults (effmem plan --calibrate measures them again)", stacklevel=2)
+    return _default_rates(device)
+
+
+def _default_rates(device: str) -> Rates:
+    """The rates this version ships for "cpu" or a GPU name (the H100's for any other GPU)."""
     if device == "cpu":
         return CPU_DEFAULT
     if "H100" not in device:
@@ -167,7 +174,11 @@ def _host_op_s(device: torch.device) -> float:
 
 
 def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rates:
-    """Measure this machine's rates (a few seconds) and remember them for later plans."""
+    """Measure this machine's rates (a few seconds) and remember them for later plans.
+
+    device: the device to measure (default: the GPU where there is one, else the CPU). write: remember them
+    in the cache that rates_for reads (``effmem plan --calibrate`` does), else only return them. What it does
+    not measure (the compression codec's and the interconnect's rates) comes from the shipped rates."""
     from effmem.optim import FusedAdam
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -197,7 +208,9 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
     opt = FusedAdam([p])
     host_adam = p.numel() / _median_time(opt.step)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    base = rates_for(name)
+    # what calibration does not measure, from the shipped rates (a calibration's own, taken before, nested
+    # its source in each new one's and named itself as the source of rates it never measured)
+    base = _default_rates(name)
     # fp32 weights train under bf16 autocast on a GPU (bf16 matmuls, plus the casts: 0.9 as in the H100
     # figures above); on a CPU they run fp32 matmuls.
     fp32 = 0.9 * flops[torch.bfloat16] if cuda else flops[torch.float32]
