@@ -327,6 +327,35 @@ def test_cuda_matches_cpu_bit_for_bit(pdtype):
             assert _same(sc[k], sg[k].cpu()), (k, step)
 
 
+@pytest.mark.cuda
+def test_cuda_converts_checkpoints_as_the_cpu_kernels_do():
+    """A float32 checkpoint's moments on a GPU, loaded into FusedAdam(state_bits=8), are encoded in torch ops
+    (_adam8.to_8bit; on the CPU effmem::adam8_encode does it), and 8-bit ones loaded into a float32 optimizer
+    decoded likewise: the same bits as the CPU's (no GPU test ran those torch ops before)."""
+    torch.manual_seed(0)
+    w = torch.randn(3 * 256 + 17)
+    p = torch.nn.Parameter(w.clone())
+    o32 = effmem.FusedAdam([p], lr=1e-2)
+    for k in range(3):
+        p.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(k)) * (k + 1)
+        o32.step()
+    saved = o32.state_dict()
+    got = {}
+    for d in ("cpu", "cuda"):
+        q = torch.nn.Parameter(p.detach().to(d))
+        o8 = effmem.FusedAdam([q], lr=1e-2, state_bits=8)
+        o8.load_state_dict({"param_groups": saved["param_groups"],
+                            "state": {0: {k: v.to(d) for k, v in saved["state"][0].items()}}})
+        encoded = o8.state_dict()["state"][0]
+        back = effmem.FusedAdam([q], lr=1e-2)
+        back.load_state_dict({"param_groups": saved["param_groups"],
+                              "state": {0: {k: v.to(d) for k, v in encoded.items()}}})
+        got[d] = [(k, v.cpu()) for k, v in sorted(encoded.items())] + [
+            ("decoded " + k, v.cpu()) for k, v in sorted(back.state_dict()["state"][0].items())]
+    for (k, a), (_, b) in zip(got["cpu"], got["cuda"]):
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.parametrize("mode", ["plain", "accumulate", "overlap", "delay"])
 def test_offload_adam_matches_fused_adam_bit_for_bit(mode):
     """OffloadAdam(state_bits=8) (host transfer backend) against FusedAdam(state_bits=8) fed the same
