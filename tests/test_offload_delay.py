@@ -342,6 +342,8 @@ def test_delay_retry_after_a_failed_backward_takes_the_gradients_of_the_forward_
     if attached:   # the fence is the forward's: read where the forward reads, after attach's pre-hook
         m.register_forward_pre_hook(take_weights)
     else:
+        if device == "cuda":   # the fence comes when autograd's device thread frees the failed task, which may be
+            torch.cuda.synchronize()   # after backward() raised: waited for, the gradients are what is tested
         take_weights()
     m(x[1]).sum().backward()
     used = got["used"]
