@@ -313,3 +313,17 @@ def test_apply_takes_a_wrapper_whose_policy_was_removed_through_the_model_inside
     assert "_effmem_fast" in wrapped.__dict__   # what the check must not take for a policy
     model, opt = p.apply(wrapped, c.name)
     assert model is wrapped and opt is not None
+
+
+def test_apply_turns_the_training_cache_off_and_restore_training_cache_turns_it_back_on():
+    """apply() turns the key/value cache off in forwards with gradients for every candidate (as its prediction
+    has it), where no undo a README names took it off for candidates without an activation policy (a
+    reviewer's repro): effmem.activations.restore_training_cache, public now, does; the warning names plan.apply."""
+    p = effmem.plan(TINY, batch=2, seq=32, device="cpu", host_memory="8GB")
+    c = pick_of(p, precision="fp32", activations="none", micro_batch=2, loss="standard")
+    model, opt = p.apply(real_tiny(), c.name)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="plan.apply turns the cache off"):
+        assert model(input_ids=ids, use_cache=True).past_key_values is None
+    effmem.activations.restore_training_cache(model)
+    assert model(input_ids=ids, use_cache=True).past_key_values.get_seq_length() == 32

@@ -335,4 +335,4 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
 
 
 __all__ = ["apply_activation_policy", "remove_activation_policy", "activation_stats", "budget_choice",
-           "compressed_checkpoint", "POLICIES"]
+           "compressed_checkpoint", "restore_training_cache", "POLICIES"]

@@ -42,9 +42,10 @@ class _NoCache:
         position = self.position
         positional = position is not None and position < len(args)
         if (args[position] if positional else kwargs.get("use_cache")) is True:
-            warnings.warn(f"{type(module).__name__}: use_cache=True in a forward with gradients under an "
-                          "activation policy is turned off (a recomputed layer would add its keys and values to "
-                          "the cache again), as transformers' own gradient checkpointing does", stacklevel=2)
+            warnings.warn(f"{type(module).__name__}: use_cache=True in a forward with gradients is turned off by "
+                          "effmem (under an activation policy a recomputed layer would add its keys and values to "
+                          "the cache again, as under transformers' own gradient checkpointing; plan.apply turns "
+                          "the cache off in training forwards, as its prediction has it)", stacklevel=2)
         if positional:
             return (*args[:position], False, *args[position + 1:]), kwargs
         return args, {**kwargs, "use_cache": False}

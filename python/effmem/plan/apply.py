@@ -112,7 +112,9 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     Moves and casts the model (bf16 weights, or fp32 ones to run under autocast), freezes what the
     plan's ``trainable`` leaves frozen, checkpoints, compresses or offloads activations, computes the
     loss with effmem.linear_cross_entropy (a "fused-ce" pick; "fused-ce-grad-in-fwd": grad_in_forward=True),
-    and builds FusedAdam or OffloadAdam over the trained parameters. Run ``accumulation`` micro-batches of
+    and builds FusedAdam or OffloadAdam over the trained parameters. The key/value cache is off in forwards
+    with gradients (hooks; the config is left as it was, and inference keeps its cache), whichever the
+    candidate: effmem.activations.restore_training_cache(model) turns it back on. Run ``accumulation`` micro-batches of
     ``micro_batch`` sequences per optimizer step (``plan.pick.config``), each inside
     ``plan.micro_batch(opt, j, accumulation)``.
     """
