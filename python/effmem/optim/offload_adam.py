@@ -327,6 +327,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         the last micro-batch; harmless otherwise). Nested blocks stay accumulating until the outermost
         one ends (an inner one ending turned it off: overlap updated early, delay installed early)."""
         self._check_open()
+        self._warn_host_accumulation()
         outer = self._accumulating
         self._engine.set_accumulating(True)
         self._accumulating = True
