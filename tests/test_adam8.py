@@ -352,6 +352,7 @@ def test_cuda_converts_checkpoints_as_the_cpu_kernels_do():
                               "state": {0: {k: v.to(d) for k, v in encoded.items()}}})
         got[d] = [(k, v.cpu()) for k, v in sorted(encoded.items())] + [
             ("decoded " + k, v.cpu()) for k, v in sorted(back.state_dict()["state"][0].items())]
+    assert [k for k, _ in got["cpu"]] == [k for k, _ in got["cuda"]]
     for (k, a), (_, b) in zip(got["cpu"], got["cuda"]):
         assert torch.equal(a, b), k
 

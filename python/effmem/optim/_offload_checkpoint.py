@@ -99,7 +99,8 @@ class OffloadCheckpoint:
                     self._local[i].copy_(saved["master"])   # for a parameter holding it rounded: exact now
             else:   # fp32 parameters (their own master) and torch's checkpoints: the parameter at first use
                 self._masters_pending.add(i)
-                # until then opt.state shows the parameter as it is now, not the buffer's last run (or zeros)
+                # until then opt.state shows the parameter as it was at the load, not the buffer's last run or
+                # zeros (state_dict() takes it as it is then: model weights loaded after the optimizer's)
                 master.copy_(self._local[i])
         if step > 0:
             self.state[p] = self._state_of(i)

@@ -54,15 +54,18 @@ def _fence_unless_reached(state, engine, raised: set, task: int) -> None:
 
 class OffloadGuards:
     def _warn_host_accumulation(self) -> None:
-        """accumulating() under delay_correction with no device_accumulation: every bucket goes up as plain
-        delay's (the device holds only the last micro-batch's gradient), as README says; said once, since
-        nothing else shows that the correction is off (a reviewer measured plain delay's loss with it on)."""
-        if self._delay_correction and not self._device_accumulation and not self.__dict__.get("_warned_host"):
+        """accumulating() under delay_correction with buckets that device_accumulation does not keep: those go
+        up as plain delay's (the device holds only the last micro-batch's gradient), as README says; said once,
+        since nothing else shows that the correction is off for them (a reviewer measured plain delay's loss
+        with it on)."""
+        host = len(self._params) - len(self._keep_on_device)
+        if self._delay_correction and host and not self.__dict__.get("_warned_host"):
             self._warned_host = True
-            warnings.warn("OffloadAdam(delay_correction=True): gradients accumulated on the host "
-                          "(device_accumulation=0) go up as plain delay's, uncorrected: the device holds only the "
-                          "last micro-batch's gradient. Give device_accumulation=BYTES to keep them on the device",
-                          stacklevel=4)
+            need = sum(t.numel() * t.element_size() for t in self._local)
+            warnings.warn(f"OffloadAdam(delay_correction=True): the gradients of {host} of {len(self._params)} "
+                          f"parameters accumulate on the host (device_accumulation={self._device_accumulation}) "
+                          "and go up as plain delay's, uncorrected: the device holds only the last micro-batch's "
+                          f"gradient. device_accumulation={need} keeps them all on the device", stacklevel=4)
 
     def _track_backward(self) -> None:
         """Overlap and delay mode upload weights during backward (and overlap updates buckets).

@@ -114,7 +114,9 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     loss with effmem.linear_cross_entropy (a "fused-ce" pick; "fused-ce-grad-in-fwd": grad_in_forward=True),
     and builds FusedAdam or OffloadAdam over the trained parameters. The key/value cache is off in forwards
     with gradients (hooks; the config is left as it was, and inference keeps its cache), whichever the
-    candidate: effmem.activations.restore_training_cache(model) turns it back on. Run ``accumulation`` micro-batches of
+    candidate: effmem.activations.restore_training_cache(model) turns it back on for a candidate without an
+    activation policy (under one, a layer run again refuses a cache: remove_activation_policy(model) undoes
+    both). Run ``accumulation`` micro-batches of
     ``micro_batch`` sequences per optimizer step (``plan.pick.config``), each inside
     ``plan.micro_batch(opt, j, accumulation)``.
     """

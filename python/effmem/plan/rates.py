@@ -178,7 +178,8 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
 
     device: the device to measure (default: the GPU where there is one, else the CPU). write: remember them
     in the cache that rates_for reads (``effmem plan --calibrate`` does), else only return them. What it does
-    not measure (the compression codec's and the interconnect's rates) comes from the shipped rates."""
+    not measure comes from the shipped rates: the compression codecs' and the interconnect's rates, the
+    tokens at half rate, the elementwise passes and attention's rate in proportion to the products'."""
     from effmem.optim import FusedAdam
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -209,8 +210,10 @@ def calibrate(device: Optional[torch.device] = None, write: bool = True) -> Rate
     host_adam = p.numel() / _median_time(opt.step)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     # what calibration does not measure, from the shipped rates (a calibration's own, taken before, nested
-    # its source in each new one's and named itself as the source of rates it never measured)
+    # its source in each new one's and named itself as the source of rates it never measured), named without
+    # the advice to calibrate that the shipped rates carry for a GPU other than an H100
     base = _default_rates(name)
+    base = replace(base, source=H100.source) if cuda and base.device != H100.device else base
     # fp32 weights train under bf16 autocast on a GPU (bf16 matmuls, plus the casts: 0.9 as in the H100
     # figures above); on a CPU they run fp32 matmuls.
     fp32 = 0.9 * flops[torch.bfloat16] if cuda else flops[torch.float32]
