@@ -25,8 +25,7 @@ def local_tensor(t: Tensor) -> Tensor:
 
 
 def whole(value: Any, name: str, minimum: int, unit: str = "") -> int:
-    """An int (not a bool; a NumPy integer taken as one) >= minimum, as an int, or a ValueError naming the
-    argument."""
+    """An int (not a bool; a NumPy integer taken as one) >= minimum, as an int, or a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}{f' ({unit})' if unit else ''}, got {value!r}")
     return int(value)
@@ -157,8 +156,7 @@ def params(new: List[Tensor], existing: List[Tensor]) -> None:
     if len(devices) > 1:
         raise ValueError(f"params: a param group must hold parameters of one device, got {sorted(map(str, devices))}; "
                          "put each device's parameters in its own group")
-    given = existing + new
-    new, existing = [local_tensor(p) for p in new], [local_tensor(p) for p in existing]
+    given, new, existing = existing + new, [local_tensor(p) for p in new], [local_tensor(p) for p in existing]
     for i, p in enumerate(new):
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"params[{i}]: expected float32, bfloat16 or float16, got {p.dtype}")
@@ -168,12 +166,10 @@ def params(new: List[Tensor], existing: List[Tensor]) -> None:
     # (meta tensors have no memory: every data_ptr is 0, and they all "overlapped")
     spans = sorted((_span(p) + (i,) for i, p in enumerate(existing + new) if p.numel() > 0 and not p.is_meta))
     for (_, end_a, i), (start_b, _, j) in zip(spans, spans[1:]):
-        if start_b < end_a and given[i] is given[j]:   # torch warns and steps it twice
-            raise ValueError(f"params: parameters {min(i, j)} and {max(i, j)} are one tensor listed twice: each "
-                             "parameter may appear once in an optimizer")
-        if start_b < end_a:
-            raise ValueError(f"params: parameters {i} and {j} share memory (views of one tensor?); "
-                             "each element may be updated by only one parameter")
+        if start_b < end_a:   # (a tensor listed twice: torch warns, and steps it twice)
+            why = ("are one tensor listed twice: each parameter may appear once in an optimizer" if given[i] is given[j]
+                   else "share memory (views of one tensor?); each element may be updated by only one parameter")
+            raise ValueError(f"params: parameters {min(i, j)} and {max(i, j)} {why}")
 
 
 def listed_once(groups) -> None:
