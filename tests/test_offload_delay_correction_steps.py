@@ -219,11 +219,15 @@ def test_the_step_after_add_param_group_installs_its_weights():
 def test_accumulating_on_the_host_says_the_correction_is_off():
     """Under accumulating() with no device_accumulation every bucket goes up as plain delay's, and nothing said
     so: a reviewer trained 5 seeds believing the correction on (+12% to +20% over exact, plain delay's).
-    Said once, also where device_accumulation keeps only some buckets; not where it keeps them all."""
+    Said once, also where device_accumulation keeps only some buckets; not where it keeps them all, nor with
+    stream_grads=False (every gradient adds up on the device), nor for a frozen layer's bucket."""
     import warnings
     m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))   # 2 buckets of 1088 bytes
-    for device_accumulation, said in ((0, "4 of 4"), (1, "4 of 4"), (1088, "2 of 4"), (1 << 20, None)):
-        with OffloadAdam(m.parameters(), lr=1e-2, delay=True, delay_correction=True, bucket_size=16 * 17,
+    cases = ((0, "4 of 4", {}), (1, "4 of 4", {}), (1088, "2 of 4", {}), (1 << 20, None, {}),
+             (0, None, {"stream_grads": False}), (1088, None, {"frozen": True}))
+    for device_accumulation, said, kw in cases:
+        m[0].requires_grad_(not kw.pop("frozen", False))   # the bucket device_accumulation=1088 leaves out
+        with OffloadAdam(m.parameters(), lr=1e-2, delay=True, delay_correction=True, bucket_size=16 * 17, **kw,
                          device_accumulation=device_accumulation) as opt, warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for _ in range(2):

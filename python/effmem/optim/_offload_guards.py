@@ -58,8 +58,9 @@ class OffloadGuards:
         up as plain delay's (the device holds only the last micro-batch's gradient), as README says; said once,
         since nothing else shows that the correction is off for them (a reviewer measured plain delay's loss
         with it on)."""
-        host = len(self._params) - len(self._keep_on_device)
-        if self._delay_correction and host and not self.__dict__.get("_warned_host"):
+        # (stream_grads=False: every gradient adds up in p.grad on the device; frozen parameters have none)
+        host = sum(p.requires_grad and i not in self._keep_on_device for i, p in enumerate(self._params))
+        if self._delay_correction and host and self._grads_leave_in_backward() and "_warned_host" not in self.__dict__:
             self._warned_host = True
             need = sum(t.numel() * t.element_size() for t in self._local)
             warnings.warn(f"OffloadAdam(delay_correction=True): the gradients of {host} of {len(self._params)} "

@@ -146,8 +146,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             from scratch no warm-up short of the run closed the loss gap of
             one-step staleness (bench/bench_delay_warmup.py; figures in the
             README); ``delay_correction`` closes most of it (over exact: +0.67%
-            and +1.41% on the mean of 3 seeds in two runs, +0.77% of 5 seeds,
-            one seed +5.5%).
+            to +1.50% on the means of 3 or 5 seeds, one seed +5.5%, the demo
+            +6.8% with two threads).
         state_bits: 32 (float32 moments) or 8 (8-bit moments with a float32 scale per 256
             elements, as FusedAdam's: about 6 bytes per parameter on the host with the fp32 master,
             instead of 12; the same bits as FusedAdam(state_bits=8) fed the same gradients).
