@@ -58,9 +58,13 @@ class OffloadGuards:
         up as plain delay's (the device holds only the last micro-batch's gradient), as README says; said once,
         since nothing else shows that the correction is off for them (a reviewer measured plain delay's loss
         with it on)."""
-        # (stream_grads=False: every gradient adds up in p.grad on the device; frozen parameters have none)
+        # cheap tests first (accumulating() runs per micro-batch); stream_grads=False: every gradient adds up in
+        # p.grad on the device; frozen parameters have no gradient to lose
+        if (not self._delay_correction or self._warned_host or not self._grads_leave_in_backward()
+                or len(self._keep_on_device) == len(self._params)):
+            return
         host = sum(p.requires_grad and i not in self._keep_on_device for i, p in enumerate(self._params))
-        if self._delay_correction and host and self._grads_leave_in_backward() and "_warned_host" not in self.__dict__:
+        if host:
             self._warned_host = True
             need = sum(t.numel() * t.element_size() for t in self._local)
             warnings.warn(f"OffloadAdam(delay_correction=True): the gradients of {host} of {len(self._params)} "

@@ -254,9 +254,8 @@ class FusedAdam(AdamBase):
         if not torch.compiler.is_compiling():
             self._memory_checked = _adam_checks.memory(buckets, self._memory_checked)
         _adam_checks.kernels(self, buckets)
-        taken = dict(self._pending_grad_scale)
+        pending = taken = dict(self._pending_grad_scale)   # taken: put back by a refused call
         self._pending_grad_scale.clear()
-        pending = taken
         clip = self._pending_clip
         if clip is not None:
             self._pending_clip = None

@@ -276,6 +276,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._plain_backwards, self._warned_mixed = 0, False   # delay: backwards since step() outside accumulating()
         self._warned_unstepped = False   # overlap: zero_grad() after a backward that updated, with no step()
         self._warned_norm = False        # overlap: clip_grad_norm_(inf) has no norm to give (_unknown_norm)
+        self._warned_host = False        # delay_correction: buckets accumulated on the host (_warn_host_accumulation)
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_asked = stream_grads
