@@ -1,13 +1,13 @@
 """What OffloadAdam(delay=True) costs in loss, with and without delay_warmup, on the CPU.
 
-    python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--correction-warmups 0]
+    python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--correction-warmups 0 40]
                                        [--seeds 1] [--clip 1.0] [--noise] [--torch-stale] [--schedule]
                                        [--optimizers]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0 (--clip): plain
 OffloadAdam (exact), then delay=True with each warm-up, delay=True with delay_correction=True
-with each of --correction-warmups, and (--torch-stale) torch's AdamW fed
+with each of --correction-warmups (0 and its default's 40), and (--torch-stale) torch's AdamW fed
 one-step-stale gradients, the same math as delay without effmem. --schedule: the learning rate
 of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) instead of a constant
 one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for common.py
 import common  # noqa: E402
 from effmem import OffloadAdam, demo_model  # noqa: E402
+from effmem.optim.offload_adam import CORRECTION_WARMUP  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=common.count, default=400)
     parser.add_argument("--warmups", type=common.non_negative, nargs="*", default=[0, 50, 100, 200])
-    parser.add_argument("--correction-warmups", type=common.non_negative, nargs="*", default=[0],
+    parser.add_argument("--correction-warmups", type=common.non_negative, nargs="*", default=[0, CORRECTION_WARMUP],
                         help="delay_correction=True runs, one per warm-up")
     parser.add_argument("--seeds", type=common.count, default=1,
                         help="repeat everything for this many initialisations and batch orders; print each "

@@ -25,7 +25,9 @@ from effmem import OffloadAdam  # noqa: E402
 
 def optimizer(numel, state_bits, correction):
     p = torch.nn.Parameter(torch.randn(numel, dtype=torch.bfloat16) * 0.02)
-    return p, OffloadAdam([p], lr=1e-3, delay=True, delay_correction=correction, state_bits=state_bits)
+    # no warm-up: every timed update writes its prediction from the first step on
+    return p, OffloadAdam([p], lr=1e-3, delay=True, delay_correction=correction, delay_warmup=0,
+                          state_bits=state_bits)
 
 
 def main(argv=None):

@@ -140,9 +140,10 @@ def step_comparison(args, device, rows, saved=lambda: None):
                 ("offload_overlap", lambda m: OffloadAdam(m.parameters(), lr=LR, overlap=True)),
                 ("offload_delay", lambda m: OffloadAdam(m.parameters(), lr=LR, delay=True)),
                 # delay whose next forward reads weights predicted from this step's gradient; it predicts from
-                # the whole step's gradient, which device accumulation keeps on the GPU
+                # the whole step's gradient, which device accumulation keeps on the GPU. No warm-up: the rows
+                # time the steady state, and the default's 40 exact steps would outlast the timed ones.
                 ("offload_delay_correction", lambda m: OffloadAdam(m.parameters(), lr=LR, delay=True,
-                                                                   delay_correction=True,
+                                                                   delay_correction=True, delay_warmup=0,
                                                                    device_accumulation=1 << 40)),
                 # Exact math with the update behind the next forward: step() returns at once and each
                 # module's forward waits for its own new weights (the engine updates in forward order).

@@ -13,13 +13,15 @@ import torch
 from effmem import FusedAdam, OffloadAdam, demo_model
 from effmem.cli import lr_lambda
 from effmem.optim import _adam8
+from effmem.optim.offload_adam import CORRECTION_WARMUP
 from effmem.reference import delay_correction_weights
 from offload_helpers import HP, assert_same_training, batches, finish_step, tiny_gpt, train
 
 
 def corrected(model, **kw):
-    """The OffloadAdam under test: delay with delay_correction, small buckets, the tests' hyper-parameters."""
-    kw = {"delay": True, "delay_correction": True, "bucket_size": 5000, **kw}
+    """The OffloadAdam under test: delay with delay_correction, small buckets, the tests' hyper-parameters; no
+    warm-up (predictions from the second step on) unless given."""
+    kw = {"delay": True, "delay_correction": True, "delay_warmup": 0, "bucket_size": 5000, **kw}
     return OffloadAdam(demo_model.decay_groups(model, 0.1), **kw, **HP)
 
 
@@ -221,6 +223,26 @@ def test_delay_correction_after_a_warm_up_predicts_only_for_the_steps_after_it()
     # the warm-up's own weights, then the predictions of steps W..7 (weights and r), then the flush's
     assert off.counters()["bytes_up"] == (warmup + 2 * (len(data) - warmup) + 1) * n * 2
     off.close()
+
+
+def test_the_default_warm_up_is_correction_warmup_exact_steps_and_none_without_the_correction():
+    """delay_warmup's default: CORRECTION_WARMUP exact steps with delay_correction, whose predictions miss most
+    in a run's first steps (README), and none for plain delay, whose second forward reads the weights before the
+    first update."""
+    data = batches(CORRECTION_WARMUP + 3)
+    ref = tiny_gpt(torch.bfloat16)
+    model, exact, stale = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
+    fused = FusedAdam(demo_model.decay_groups(ref, 0.1), **HP)
+    off = OffloadAdam(demo_model.decay_groups(model, 0.1), delay=True, delay_correction=True, **HP)
+    la = train_predicted_reference(ref, fused, data, flush_after=range(1, CORRECTION_WARMUP + 1))
+    assert la == train(model, off, data)
+    off.close()
+    # exact up to the warm-up's end and the step after it (installed at once), predicted after that
+    le = train(exact, FusedAdam(demo_model.decay_groups(exact, 0.1), **HP), data)
+    assert la[:CORRECTION_WARMUP + 1] == le[:CORRECTION_WARMUP + 1] and la[-2:] != le[-2:]
+    with OffloadAdam(demo_model.decay_groups(stale, 0.1), delay=True, **HP) as plain:
+        lp = train(stale, plain, data[:2])
+    assert lp[0] == le[0] and lp[1] != le[1]
 
 
 @pytest.mark.parametrize("decoupled", [True, False])

@@ -80,7 +80,7 @@ def test_a_parameter_without_a_gradient_keeps_its_prediction_for_its_next_one():
     ref = Routed().to(torch.bfloat16)
     model = copy.deepcopy(ref)
     fused = FusedAdam(ref.parameters(), **HP)
-    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, bucket_size=700, **HP)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, delay_warmup=0, bucket_size=700, **HP)
     la = train_routed_reference(ref, fused, data)
     lb = []
     for batch in data:
@@ -156,7 +156,7 @@ def test_a_kept_prediction_survives_a_dropped_micro_batch():
     prediction, and a flush must put those weights back, not the dropped gradient (it did, a review found)."""
     data = routed_batches()
     model = Routed().to(torch.bfloat16)
-    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, bucket_size=700, **HP)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, delay_warmup=0, bucket_size=700, **HP)
     for batch in ((0, *data[0][1:]), (0, *data[1][1:]), (1, *data[2][1:])):
         routed_loss(model, batch).backward()
         off.step()
@@ -180,7 +180,7 @@ def test_state_assigned_by_hand_drops_the_predictions_made_from_the_state_it_rep
     put one forward on it. As after a load_state_dict, predictions go and that step is exact."""
     data = routed_batches()
     model = Routed().to(torch.bfloat16)
-    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, bucket_size=700, **HP)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, delay_warmup=0, bucket_size=700, **HP)
     for batch in ((0, *data[0][1:]), (0, *data[1][1:])):
         routed_loss(model, batch).backward()
         off.step()
@@ -201,7 +201,7 @@ def test_the_step_after_add_param_group_installs_its_weights():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     extra = torch.nn.Parameter(torch.randn(4))
-    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, **HP)
+    off = OffloadAdam(model.parameters(), delay=True, delay_correction=True, delay_warmup=0, **HP)
     x = torch.randn(4, 8)
     installed = []
     for k in range(4):

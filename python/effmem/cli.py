@@ -27,6 +27,7 @@ from effmem.compress import compress_activations
 from effmem.demo_measure import ProgressBar, mib, rss_now_and_peak
 from effmem.info import collect_info, format_info
 from effmem.plan import cli as plan_cli
+from effmem.optim.offload_adam import CORRECTION_WARMUP
 from effmem.plan.demo import compare, demo_plan
 
 def cmd_info(args) -> int:
@@ -297,8 +298,8 @@ def loss_curves(runs: List[dict]) -> str:
     edges = [round(i * steps / CURVE_POINTS) for i in range(CURVE_POINTS + 1)]
     head = [f"{b}" for b in edges[1:]]
     lines = ["loss curves (training loss, mean over each eighth of the steps; delay applies each step's "
-             "gradient one step late, delay_correction takes it at weights predicted a step ahead, the others "
-             "are exact):",
+             "gradient one step late, delay_correction takes it at weights predicted a step ahead after "
+             f"{CORRECTION_WARMUP} exact steps (its default warm-up), the others are exact):",
              "  " + "steps up to".ljust(64) + "".join(h.rjust(8) for h in head)]
     for r in picked:
         means = [statistics.fmean(r["losses"][a:b]) for a, b in zip(edges, edges[1:])]

@@ -24,8 +24,9 @@ from effmem.optim.fused_adam import ParamsT
 _local = _validate.local_tensor
 
 
-# delay=True takes this many exact steps first (see the docstring's delay_warmup).
-DELAY_WARMUP = 0
+# delay=True's exact steps first (the docstring's delay_warmup); delay_correction's predictions miss most in a run's
+# first steps (the new gradient's share of Adam's v is about 1/k of it at step k; a learning-rate warm-up's change).
+DELAY_WARMUP, CORRECTION_WARMUP = 0, 40
 
 
 class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForward, OffloadLifetime, OffloadGuards, AdamBase):
@@ -123,31 +124,30 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             backward raises. Costs a second gradient staging buffer in host
             memory, as ``delay``. Call ``flush()`` before reading the
             parameters outside training.
-        delay_correction: with ``delay=True``, the next forward runs on
-            weights predicted from this step's gradient instead of one-step
-            old ones (the host's update writes a prediction without that
-            gradient, and the device adds its Adam step as backward hands
-            it over: ``csrc/common/delay_correction_math.h``); the host's
-            master and moments stay exact Adam. The first step, and the
-            first after ``load_state_dict()`` or ``state_dict()`` (a
-            checkpoint holds no prediction: saving and resumed runs take the
-            same steps), are exact; a parameter without a gradient in a step
-            keeps its prediction for its next one. A flush installs the
-            update's own weights (one between backward and ``step()`` makes
-            that step install its own at once), and so does a
-            ``zero_grad()`` that drops an unstepped backward's gradients. With accumulation on
-            the host, buckets not kept by ``device_accumulation`` go up as
-            plain delay's. Costs 2 B/param more up the link per step,
-            4 B/param of pinned host memory (bf16) and host time; the
-            README gives the figures.
+        delay_correction: with ``delay=True``, after ``delay_warmup``'s
+            exact steps (40 by default), the next forward runs on weights
+            predicted from this step's gradient instead of one-step old ones
+            (the host's update writes a prediction without that gradient,
+            and the device adds its Adam step as backward hands it over:
+            ``csrc/common/delay_correction_math.h``); the host's master and
+            moments stay exact Adam. The first step after ``load_state_dict()``
+            or ``state_dict()`` is exact too (a checkpoint holds no
+            prediction: saving and resumed runs take the same steps); a
+            parameter without a gradient in a step keeps its prediction for
+            its next one. A flush installs the update's own weights (one
+            between backward and ``step()`` makes that step install its own
+            at once), and so does a ``zero_grad()`` that drops an unstepped
+            backward's gradients. With accumulation on the host, buckets not
+            kept by ``device_accumulation`` go up as plain delay's. Costs
+            2 B/param more up the link per step, 4 B/param of pinned host
+            memory (bf16) and host time; the README gives the figures.
         delay_warmup: with ``delay=True``, the number of exact steps taken
             first (each installs its weights before returning), counted from
-            the first step or a loaded checkpoint's. Default 0: on a small Llama
-            from scratch no warm-up short of the run closed the loss gap of
-            one-step staleness (bench/bench_delay_warmup.py; figures in the
-            README); ``delay_correction`` closes most of it (over exact: +0.67%
-            to +1.50% on the means of 3 or 5 seeds, one seed +5.5%, the demo
-            +6.8% with two threads).
+            the first step or a loaded checkpoint's. Default: 0 for plain
+            delay (no warm-up short of the run closed its gap on a small Llama),
+            ``CORRECTION_WARMUP`` (40) with ``delay_correction``, whose
+            predictions miss most in a run's first steps (README: figures of
+            bench/bench_delay_warmup.py and ``effmem demo``).
         state_bits: 32 (float32 moments) or 8 (8-bit moments with a float32 scale per 256
             elements, as FusedAdam's: about 6 bytes per parameter on the host with the fp32 master,
             instead of 12; the same bits as FusedAdam(state_bits=8) fed the same gradients).
@@ -174,10 +174,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             except under torch.distributed with more than one rank, where
             DDP reads ``p.grad`` after the hooks would have taken it (FSDP2's
             sharded gradients arrive in ``p.grad`` either way).
-        bucket_size: parameters (elements) per bucket, the unit of host
-            memory and of overlapped work.
-        num_threads: CPU threads for the update (default
-            ``torch.get_num_threads()``).
+        bucket_size: parameters (elements) per bucket, the unit of host memory and of overlapped work.
+        num_threads: CPU threads for the update (default ``torch.get_num_threads()``).
         pin_state: page-lock the master weights and moments too. Default
             False: only what crosses the bus must be page-locked (the staging,
             and the master of fp32 parameters, whose weights go up from it,
@@ -221,7 +219,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         num_threads: Optional[int] = None,
         pin_state: bool = False,
         backend: Optional[str] = None,
-        delay_warmup: int = DELAY_WARMUP,
+        delay_warmup: Optional[int] = None,
         delay_correction: bool = False,
         device_accumulation: int = 0,
         state_bits: int = 32,
@@ -247,6 +245,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._delay = bool(delay) or self._async
         self._forward_hooks = []
         self._attached = None  # the model given to attach() (weakly), re-attached by add_param_group
+        if delay_warmup is None:
+            delay_warmup = CORRECTION_WARMUP if delay_correction is True else DELAY_WARMUP
         self._delay_warmup = _validate.whole(delay_warmup, "delay_warmup", 0, "steps")
         self._delay_correction = delay_correction
         self._device_accumulation = _validate.whole(device_accumulation, "device_accumulation", 0, "bytes")
