@@ -1,4 +1,5 @@
-"""bench/bench_delay_warmup.py and bench/bench_host_update.py run end to end (tiny sizes) and print their rows."""
+"""bench/bench_delay_warmup.py, bench/bench_host_update.py and bench/sim_delay_correction.py run end to end (tiny
+sizes) and print their rows."""
 import importlib.util
 import re
 import sys
@@ -51,3 +52,21 @@ def test_both_write_json_with_the_environment(tmp_path):
         assert abs(row["bw_fraction"] - row["gb_per_s"] / host["copy_gb_per_s"]) < 1e-12
         assert row["gb_per_s"] * row["median_ms"] / 1e3 * 1e9 == pytest.approx(row["bytes_per_element"] * 4096)
     assert len(delay["exact_final_loss"]) == 1 and list(delay["relative_gap_to_exact"]) == ["delay, delay_warmup=0"]
+
+
+def test_the_simulation_of_the_prediction_is_exact_where_it_should_be(capsys, tmp_path):
+    """A warm-up as long as the run, and a prediction given the step's own learning rate, clip factor and v,
+    train on the exact weights (the first bit for bit, the second by another rounding); the engine's prediction
+    does not."""
+    import json
+    sim = load("sim_delay_correction")
+    args = ["--seeds", "1", "--steps", "6", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
+    sim.main(args + ["--variants", "correction", "correction+warmup6", "correction+lr+clip+v",
+                     "--json", str(tmp_path / "s.json")])
+    loss = json.loads((tmp_path / "s.json").read_text())["final_loss"]
+    assert list(loss) == ["exact", "correction", "correction+warmup6", "correction+lr+clip+v"]
+    assert loss["correction+warmup6"] == loss["exact"] and loss["correction"] != loss["exact"]
+    assert loss["correction+lr+clip+v"] == pytest.approx(loss["exact"], rel=1e-4)
+    assert "gap to exact over 1 seeds" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sim.main(args + ["--variants", "correction+lr+warm"])

@@ -26,8 +26,8 @@ from effmem._args import positive_int
 from effmem.compress import compress_activations
 from effmem.demo_measure import ProgressBar, mib, rss_now_and_peak
 from effmem.info import collect_info, format_info
-from effmem.plan import cli as plan_cli
 from effmem.optim.offload_adam import CORRECTION_WARMUP
+from effmem.plan import cli as plan_cli
 from effmem.plan.demo import compare, demo_plan
 
 def cmd_info(args) -> int:

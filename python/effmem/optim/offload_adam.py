@@ -125,7 +125,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             memory, as ``delay``. Call ``flush()`` before reading the
             parameters outside training.
         delay_correction: with ``delay=True``, after ``delay_warmup``'s
-            exact steps (40 by default), the next forward runs on weights
+            exact steps (40 by default; the first always is), the next forward runs on weights
             predicted from this step's gradient instead of one-step old ones
             (the host's update writes a prediction without that gradient,
             and the device adds its Adam step as backward hands it over:
