@@ -1,16 +1,15 @@
-"""OffloadAdam(delay=True, delay_correction=True)'s prediction simulated in float32 torch ops on effmem demo's
-model: what each of its approximations, and each warm-up length, costs in final loss, over seeds, without the
-engine (its bits: tests/test_offload_delay_correction.py).
+"""OffloadAdam(delay=True, delay_correction=True)'s prediction simulated in torch ops on effmem demo's model:
+what two of its approximations, and each warm-up length, cost in final loss, over seeds, without the engine.
 
     python bench/sim_delay_correction.py [--variants exact correction correction+warmup40 ...] [--seeds 4]
                                          [--steps 200] [--layers 4] [--d-model 128] [--json PATH]
 
 Trains `effmem demo`'s byte-level GPT in bf16 with AdamW on float32 masters (the demo's hyper-parameters,
 learning-rate warm-up and cosine, clip 1.0, weight decay on matrices) once per variant and seed. Each forward
-reads weights rounded once from: exact, the master; correction, what the engine predicts (common/
-delay_correction_math.h): the previous update's learning rate and clip factor, and in the momentum's part
-Adam's v without the new gradient's share. `+lr`, `+clip` and `+v` give the prediction the step's own one
-(all three: the exact weights by another rounding), `+warmupN` takes N exact steps first (delay_warmup).
+reads: exact, the master rounded to bf16; correction, what the engine predicts, operation by operation
+(effmem.reference.delay_correction_weights, which the tests hold bit for bit to the engine): the previous
+update's learning rate and clip factor, and in the momentum's part Adam's v without the new gradient's share.
+`+lr` and `+clip` give the prediction the step's own ones, `+warmupN` takes N exact steps first (delay_warmup).
 Prints each variant's final training loss (mean of the last 20 steps), its gap to exact per seed and the
 mean gap over the seeds. One thread: the runs are deterministic.
 """
@@ -25,15 +24,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for common.py
 import common  # noqa: E402
 from effmem import cli, demo_model  # noqa: E402
+from effmem.reference import delay_correction_weights  # noqa: E402
 
-FIXES = ("lr", "clip", "v")
+FIXES = ("lr", "clip")
 
 
 def parse_variant(text: str) -> dict:
     """'correction+lr+warmup40' -> {'predict': True, 'lr': True, 'warmup': 40, ...}; 'exact' predicts nothing."""
     head, *parts = text.split("+")
     if head not in ("exact", "correction") or (head == "exact" and parts):
-        raise ValueError(f"--variants: expected 'exact' or 'correction' with +lr, +clip, +v, +warmupN; "
+        raise ValueError(f"--variants: expected 'exact' or 'correction' with +lr, +clip, +warmupN; "
                          f"got {text!r}")
     v = {"predict": head == "correction", "warmup": 0, **{f: False for f in FIXES}}
     for p in parts:
@@ -42,7 +42,7 @@ def parse_variant(text: str) -> dict:
         elif p.startswith("warmup") and p[6:].isdigit():
             v["warmup"] = int(p[6:])
         else:
-            raise ValueError(f"--variants: {text!r} has an unknown part {p!r} (expected lr, clip, v or warmupN)")
+            raise ValueError(f"--variants: {text!r} has an unknown part {p!r} (expected lr, clip or warmupN)")
     return v
 
 
@@ -50,7 +50,7 @@ def train(variant: dict, seed: int, args, corpus) -> float:
     hp, f = cli.HYPERPARAMETERS, cli.lr_lambda(args.steps)
     torch.manual_seed(seed)
     model = demo_model.ByteGPT(demo_model.GPTConfig(seq_len=args.seq_len, n_layer=args.layers,
-                                                    d_model=args.d_model, n_head=max(1, args.d_model // 32)))
+                                                    d_model=args.d_model, n_head=cli._default_heads(args.d_model)))
     model = model.to(torch.bfloat16)
     params = [(p, g["weight_decay"]) for g in demo_model.decay_groups(model, hp["weight_decay"]) for p in g["params"]]
     master = [p.detach().float() for p, _ in params]
@@ -78,12 +78,9 @@ def train(variant: dict, seed: int, args, corpus) -> float:
             w1 = master[i] * (1 - lr * wd) - lr / bc1 * m1 / ((v1 / bc2).sqrt() + eps)
             if exact:
                 forward = w1
-            else:   # delay_predict from the state before this update, then delay_correct with g
-                gs = g * c_p
-                r2 = b2 * v[i] / bc2
-                rm = (r2 + (1 - b2) / bc2 * gs * gs).sqrt() if variant["v"] else r2.sqrt()
-                pred = master[i] * (1 - lr_p * wd) - lr_p * b1 / bc1 * m[i] / (rm + eps)
-                forward = pred - lr_p * (1 - b1) / bc1 * gs / ((r2 + (1 - b2) / bc2 * gs * gs).sqrt() + eps)
+            else:   # the engine's operations and roundings, from the state before this update and g
+                group = {"betas": (b1, b2), "eps": eps, "weight_decay": wd}
+                forward = delay_correction_weights(master[i], m[i], v[i], g, torch.bfloat16, group, lr_p, t, c_p)
             master[i], m[i], v[i] = w1, m1, v1
             with torch.no_grad():
                 p.copy_(forward)

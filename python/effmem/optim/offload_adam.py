@@ -25,7 +25,7 @@ _local = _validate.local_tensor
 
 
 # delay=True's exact steps first (the docstring's delay_warmup); delay_correction's predictions miss most in a run's
-# first steps (the new gradient's share of Adam's v is about 1/k of it at step k; a learning-rate warm-up's change).
+# first steps (the new gradient's share of Adam's v, (1-beta2)/(1-beta2^k) at step k; a learning-rate warm-up).
 DELAY_WARMUP, CORRECTION_WARMUP = 0, 40
 
 
