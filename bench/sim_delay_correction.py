@@ -4,8 +4,9 @@ what two of its approximations, and each warm-up length, cost in final loss, ove
     python bench/sim_delay_correction.py [--variants exact correction correction+warmup40 ...] [--seeds 4]
                                          [--steps 200] [--layers 4] [--d-model 128] [--json PATH]
 
-Trains `effmem demo`'s byte-level GPT in bf16 with AdamW on float32 masters (the demo's hyper-parameters,
-learning-rate warm-up and cosine, clip 1.0, weight decay on matrices) once per variant and seed. Each forward
+Trains `effmem demo`'s byte-level GPT in bf16 with AdamW on float32 masters (the engine's update, one float32
+operation at a time: effmem.reference.adam_update_f32; the demo's hyper-parameters, learning-rate warm-up and
+cosine, clip 1.0, weight decay on matrices) once per variant and seed. Each forward
 reads: exact, the master rounded to bf16; correction, what the engine predicts, operation by operation
 (effmem.reference.delay_correction_weights, which the tests hold bit for bit to the engine): the previous
 update's learning rate and clip factor, and in the momentum's part Adam's v without the new gradient's share.
@@ -24,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for common.py
 import common  # noqa: E402
 from effmem import cli, demo_model  # noqa: E402
-from effmem.reference import delay_correction_weights  # noqa: E402
+from effmem.optim.clip import clip_coefficient, grad_norm  # noqa: E402
+from effmem.reference import adam_coeffs, adam_update_f32, delay_correction_weights  # noqa: E402
 
 FIXES = ("lr", "clip")
 
@@ -66,16 +68,15 @@ def train(variant: dict, seed: int, args, corpus) -> float:
         loss.backward()
         losses.append(loss.item())
         grads = [p.grad.float() for p, _ in params]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
-        c = min(1.0, hp["max_grad_norm"] / (norm + 1e-6))   # torch's clip_grad_norm_ factor
-        k, lr = t + 1, lrs[t]
-        bc1, bc2 = 1 - b1 ** k, 1 - b2 ** k
+        c = float(clip_coefficient(grad_norm(grads), hp["max_grad_norm"]))   # effmem's clip factor
+        lr = lrs[t]
         exact = not variant["predict"] or t < max(1, variant["warmup"])
         lr_p = lr if variant["lr"] or t == 0 else lrs[t - 1]   # the engine's: the previous update's
         c_p = c if variant["clip"] else prev_c
         for i, ((p, wd), g) in enumerate(zip(params, grads)):
-            m1, v1 = b1 * m[i] + (1 - b1) * g * c, b2 * v[i] + (1 - b2) * (g * c) ** 2
-            w1 = master[i] * (1 - lr * wd) - lr / bc1 * m1 / ((v1 / bc2).sqrt() + eps)
+            # the engine's (and FusedAdam's) update, one float32 operation at a time
+            w1, m1, v1 = adam_update_f32(master[i], m[i], v[i], g, adam_coeffs(lr, b1, b2, eps, wd, True, True,
+                                                                               t + 1.0, c))
             if exact:
                 forward = w1
             else:   # the engine's operations and roundings, from the state before this update and g
