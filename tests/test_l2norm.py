@@ -48,6 +48,21 @@ def test_inf_and_nan_propagate():
     assert ops.l2norm([torch.tensor([1.0, float("nan")])]).isnan().item()
 
 
+@pytest.mark.parametrize("isa", cpu_isas())
+def test_float_overflow_does_not_depend_on_where_the_elements_lie(isa):
+    """Four squares of 1e19 in one float lane overflow (4e38), in four lanes they do not: the same answer in a
+    whole block of 1024 and in the tail after it. The tail summed in double, so its huge gradients had a finite
+    norm where a block's had an infinite one (error_if_nonfinite and the clip's zero factor turned on the
+    tensor's size)."""
+    with cpu_isa(isa):
+        for n, start in [(1224, 0), (1224, 1024), (1000, 0), (2048, 1024)]:
+            same_lane, own_lanes = torch.zeros(n), torch.zeros(n)
+            same_lane[start:start + 128:32] = 1e19
+            own_lanes[start:start + 4] = 1e19
+            assert ops.l2norm([same_lane]).item() == float("inf"), (n, start)
+            assert ops.l2norm([own_lanes]).item() == pytest.approx(2e19, rel=1e-6), (n, start)
+
+
 def test_every_cpu_isa_gives_identical_bits():
     """The lanes were the vector's (16, 8 or 1), so a bf16 norm differed in its last bits between vector units,
     and through the clip every weight of a step (a reviewer's resume across machines); 32 lanes on every unit.
