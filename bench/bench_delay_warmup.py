@@ -2,7 +2,7 @@
 
     python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--correction-warmups 0 40]
                                        [--seeds 1] [--clip 1.0] [--noise] [--torch-stale] [--schedule]
-                                       [--optimizers]
+                                       [--optimizers] [--state-bits-8]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0 (--clip): plain
@@ -12,7 +12,8 @@ one-step-stale gradients, the same math as delay without effmem. --schedule: the
 of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) instead of a constant
 one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
 against one-step-stale: which update rules staleness hurts. --noise: torch's AdamW on exact gradients,
-how far two exact runs drift apart. Prints the mean loss of the last 10 steps of each and its gap to
+how far two exact runs drift apart. --state-bits-8: exact OffloadAdam with 8-bit moments (the bits of
+FusedAdam(state_bits=8)), what the 8-bit format costs against float32 moments. Prints the mean loss of the last 10 steps of each and its gap to
 the exact run, per seed, and with --seeds > 1 each row's mean gap over the seeds.
 """
 import argparse
@@ -59,10 +60,10 @@ def scheduler(opt, s: Setting):
     return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.steps) if s.schedule else (lambda step: 1.0))
 
 
-def run_offload(s: Setting, delay, warmup, correction=False):
+def run_offload(s: Setting, delay, warmup, correction=False, state_bits=32):
     m = model(s.seed)
     opt = OffloadAdam(m.parameters(), lr=3e-3, weight_decay=0.1, delay=delay, delay_warmup=warmup,
-                      delay_correction=correction)
+                      delay_correction=correction, state_bits=state_bits)
     sched = scheduler(opt, s)
     losses = []
     for x in batches(s):
@@ -130,6 +131,8 @@ def main(argv=None):
     parser.add_argument("--schedule", action="store_true", help="effmem demo's warm-up and cosine decay")
     parser.add_argument("--optimizers", action="store_true",
                         help="also torch's AdamW without momentum and SGD, each exact against one-step stale")
+    parser.add_argument("--state-bits-8", action="store_true",
+                        help="also exact OffloadAdam with 8-bit moments, against float32 moments")
     parser.add_argument("--json", help="write metadata, each run's final loss and the gaps to this file")
     args = parser.parse_args(argv)
     if not 0 <= args.clip < float("inf"):   # checked here, not after the exact run has trained for minutes
@@ -155,6 +158,8 @@ def main(argv=None):
             report("torch AdamW, exact gradients (noise floor)", run_torch(s, stale=False))
         if args.torch_stale:
             report("torch AdamW, one-step-stale gradients", run_torch(s))
+        if args.state_bits_8:
+            report("exact, state_bits=8", run_offload(s, False, 0, state_bits=8))
     if args.seeds > 1:
         print(f"gap to exact OffloadAdam over {args.seeds} seeds: mean (min .. max)")
         for name, g in gaps.items():

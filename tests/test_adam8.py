@@ -120,6 +120,29 @@ def test_codes_are_close_and_unbiased_and_v_never_vanishes():
             assert (draws[:, target > 0] > 0).all(), "a positive v must never decode to 0"
 
 
+def test_v_running_average_of_the_small_elements_of_a_block_stays_within_its_measured_bias():
+    """Stochastic rounding keeps v's code unbiased, not its value (k^4 in the code): a decoded v is high on
+    average by up to 6/(4 t^2) of itself, and the running average compounds that step after step. Elements whose
+    gradients are 1/100 and 1/300 of their block's largest end 7.0% and 12.7% high on average after 2000 steps
+    (one element's v is 30-40% off either way; the mean of 32,000 each). Rounding unbiased in the value removes
+    it, at 1.4-1.8x the CPU kernel's time (adam8_math.h says why it is kept); this bounds it where it was
+    measured."""
+    torch.manual_seed(0)
+    n = 256 * 256
+    base = torch.full((n,), 1 / 100)
+    base[n // 2:] = 1 / 300
+    base[::256] = 1.0   # each block's largest, which sets its scale
+    param, st = torch.zeros(n), fresh_state(torch.zeros(n))
+    exact = torch.zeros(n, dtype=torch.float64)
+    for step in range(1, 2001):
+        grad = base * (1 + torch.randn(n))
+        kernel_step(param, grad, None, st, step, salt=0, **HYPER)
+        exact = HYPER["beta2"] * exact + (1 - HYPER["beta2"]) * grad.double() ** 2
+    ratio = _adam8.decode(st["v"], st["vs"], True).double() / exact
+    for part, bound in ((base == 1 / 100, 0.09), (base == 1 / 300, 0.15), (base == 1.0, 1e-5)):
+        assert abs(ratio[part].mean().item() - 1) < bound, (bound, ratio[part].mean().item())
+
+
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
