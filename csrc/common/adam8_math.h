@@ -84,7 +84,7 @@ EFFMEM_HD float adam8_finite(float x) { return x <= kAdam8FiniteMax ? x : 0.0f; 
 
 // The first moment an encoder keeps: 0 where v overflowed (r = sqrt(v) infinite; a NaN r keeps m). Such a v
 // decodes as the block's largest finite one, and the next step divided a first moment of 1e20 (a gradient of
-// 1e21) by its root: a weight of -5.7e19, finite, where float32 moments divide by inf and leave the weight
+// 1e21) by its root: a weight of -1.7e18, finite, where float32 moments divide by inf and leave the weight
 // alone. Dropped, that element's momentum starts afresh from its next gradient, and its block's m scale is the
 // other elements' (a scale of 1e20 sent all of them to code 0).
 EFFMEM_HD float adam8_kept_m(float m, float r) { return r > kAdam8FiniteMax ? 0.0f : m; }

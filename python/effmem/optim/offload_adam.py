@@ -78,8 +78,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             the same backward reads the new weights: use the default or
             ``async_step``), and are whole again only once ``step()`` (or
             ``zero_grad()``) returns: do not read them in between; (3) it
-            rules out clipping by global norm (``clip_grad_norm_`` raises:
-            the norm needs every gradient before any update) and
+            rules out clipping by global norm (``clip_grad_norm_`` raises, as
+            the norm needs every gradient before any update; ``max_norm=inf``
+            returns NaN with a warning) and
             accumulation across backward calls unless all but the last run
             inside ``with opt.accumulating():``; (4) a backward that raises
             midway (a user hook, an out-of-memory error) has already updated
