@@ -13,8 +13,9 @@ of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) inste
 one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
 against one-step-stale: which update rules staleness hurts. --noise: torch's AdamW on exact gradients,
 how far two exact runs drift apart. --state-bits-8: exact OffloadAdam with 8-bit moments (the bits of
-FusedAdam(state_bits=8)), what the 8-bit format costs against float32 moments. Prints the mean loss of the last 10 steps of each and its gap to
-the exact run, per seed, and with --seeds > 1 each row's mean gap over the seeds.
+FusedAdam(state_bits=8)), what the 8-bit format costs against float32 moments. Prints the mean loss of
+the last 10 steps of each and its gap to the exact run, per seed, and with --seeds > 1 each row's mean
+gap over the seeds.
 """
 import argparse
 import dataclasses

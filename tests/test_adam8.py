@@ -139,7 +139,7 @@ def test_v_running_average_of_the_small_elements_of_a_block_stays_within_its_mea
         kernel_step(param, grad, None, st, step, salt=0, **HYPER)
         exact = HYPER["beta2"] * exact + (1 - HYPER["beta2"]) * grad.double() ** 2
     ratio = _adam8.decode(st["v"], st["vs"], True).double() / exact
-    for part, bound in ((base == 1 / 100, 0.09), (base == 1 / 300, 0.15), (base == 1.0, 1e-5)):
+    for part, bound in ((base == 1 / 100, 0.09), (base == 1 / 300, 0.15), (base == 1.0, 1e-4)):
         assert abs(ratio[part].mean().item() - 1) < bound, (bound, ratio[part].mean().item())
 
 
