@@ -14,7 +14,8 @@ from effmem.optim.offload_adam import CORRECTION_WARMUP
 
 TINY = ["--steps", "8", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4"]
 CONFIG_NAMES = ["torch AdamW (fp32)", "FusedAdam (fp32)", "FusedAdam (bf16 + fp32 master)",
-                "FusedAdam (bf16 + fp32 master), 8-bit activations", "OffloadAdam (bf16, master + moments on the host)",
+                "FusedAdam (bf16 + fp32 master), 8-bit activations", "FusedAdam (bf16 + fp32 master), 8-bit moments",
+                "OffloadAdam (bf16, master + moments on the host)",
                 "OffloadAdam async_step (exact, update behind the next forward)",
                 "OffloadAdam delay (one-step-stale gradients)",
                 "OffloadAdam delay + delay_correction (predicted weights)"]
@@ -179,6 +180,15 @@ def test_demo_json(tiny_demo):
     bf16 = runs["FusedAdam (bf16 + fp32 master)"]
     assert bf16["optimizer_state_bytes"] == 12 * n + steps
     assert bf16["param_bytes"] == bf16["grad_bytes"] == 2 * n
+    # 8-bit moments: a byte each per element and a float32 scale each per block of 256 of a tensor, beside the
+    # master; the plan's prediction of the model state is that, byte for byte
+    eight = runs["FusedAdam (bf16 + fp32 master), 8-bit moments"]
+    blocks = sum(-(-p.numel() // 256) for p in model.parameters())
+    assert eight["optimizer_state_bytes"] == 4 * n + 2 * n + 2 * 4 * blocks + steps
+    predicted = {p["name"]: p["model_state_bytes"] for p in result["plan_predictions"]}
+    for name in (eight["name"], bf16["name"], "FusedAdam (fp32)"):
+        assert predicted[name] == runs[name]["model_state_bytes"] - steps, name
+    assert eight["losses"][0] == bf16["losses"][0] and eight["losses"][1:] != bf16["losses"][1:]
     # fp32 params: exp_avg + exp_avg_sq only, for torch's AdamW and for FusedAdam.
     assert runs["torch AdamW (fp32)"]["optimizer_state_bytes"] == 8 * n + steps
     assert runs["FusedAdam (fp32)"]["optimizer_state_bytes"] == 8 * n + steps

@@ -45,7 +45,7 @@ class DemoConfig:
     """One row of the demo's table. Add an entry to DEMO_CONFIGS to compare another setup."""
     name: str
     param_dtype: torch.dtype
-    # (param groups, hyperparameters) -> optimizer; groups carry their own weight_decay.
+    # (param groups, hyperparameters, state_bits=) -> optimizer; groups carry their own weight_decay.
     make_optimizer: Callable[[List[dict], dict], torch.optim.Optimizer]
     # (optimizer, parameters, max_norm) -> total norm; clips by the global norm.
     clip_grad: Callable[[torch.optim.Optimizer, Iterable[torch.Tensor], float], torch.Tensor]
@@ -57,18 +57,22 @@ class DemoConfig:
     compress_bits: Optional[int] = None
     # OffloadAdam(async_step=True): its forward pre-hooks install the new weights (opt.attach(model)).
     attach: bool = False
+    # Adam's moments: 32 (float32) or 8 (effmem's optimizers' state_bits=8); the plan predicts by it too.
+    state_bits: int = 32
 
 
-def _torch_adamw(groups, hp):
+def _torch_adamw(groups, hp, state_bits=32):
+    if state_bits != 32:
+        raise ValueError("torch's AdamW keeps float32 moments only (state_bits=32)")
     return torch.optim.AdamW(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
 
 
-def _fused_adam(groups, hp):
-    return effmem.FusedAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
+def _fused_adam(groups, hp, state_bits=32):
+    return effmem.FusedAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], state_bits=state_bits)
 
 
-def _offload_adam(groups, hp, **mode):
-    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], **mode)
+def _offload_adam(groups, hp, state_bits=32, **mode):
+    return effmem.OffloadAdam(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], state_bits=state_bits, **mode)
 
 
 _offload_adam_async = functools.partial(_offload_adam, async_step=True)
@@ -93,6 +97,8 @@ DEMO_CONFIGS: List[DemoConfig] = [
     DemoConfig("FusedAdam (bf16 + fp32 master)", torch.bfloat16, _fused_adam, _optimizer_clip),
     DemoConfig("FusedAdam (bf16 + fp32 master), 8-bit activations", torch.bfloat16, _fused_adam,
                _optimizer_clip, compress_bits=8),
+    DemoConfig("FusedAdam (bf16 + fp32 master), 8-bit moments", torch.bfloat16, _fused_adam, _optimizer_clip,
+               state_bits=8),
     DemoConfig("OffloadAdam (bf16, master + moments on the host)", torch.bfloat16, _offload_adam,
                _optimizer_clip),
     DemoConfig("OffloadAdam async_step (exact, update behind the next forward)", torch.bfloat16,
@@ -109,7 +115,7 @@ CURVE_CONFIGS = ("FusedAdam (bf16 + fp32 master)", "OffloadAdam (bf16, master + 
                  "OffloadAdam delay + delay_correction (predicted weights)")
 CURVE_POINTS = 8
 
-# Sized so that all eight CPU runs finish in under two minutes on two cores (78 s measured with seven).
+# Sized so that all nine CPU runs finish in under three minutes on two cores (151 s measured, 2026-12-01).
 CPU_DEFAULTS = dict(steps=200, layers=4, d_model=128, seq_len=64, batch_size=12)
 GPU_DEFAULTS = dict(steps=600, layers=6, d_model=384, seq_len=256, batch_size=32)
 HYPERPARAMETERS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
@@ -158,7 +164,7 @@ def train_one(cfg: DemoConfig, s: dict) -> dict:
         # Hooks only: same parameters, same state_dict; model.compress_stats
         # then describes the latest training forward.
         model = compress_activations(model, bits=cfg.compress_bits)
-    opt = cfg.make_optimizer(demo_model.decay_groups(model, hp["weight_decay"]), hp)
+    opt = cfg.make_optimizer(demo_model.decay_groups(model, hp["weight_decay"]), hp, state_bits=cfg.state_bits)
     if cfg.attach:
         opt.attach(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s["steps"]))

@@ -4,7 +4,7 @@ from typing import List, Tuple
 import torch
 
 from effmem.demo_measure import mib
-from effmem.plan.costs import PRECISIONS
+from effmem.plan.costs import PRECISIONS, optimizer_state_bytes
 
 def demo_plan(configs, settings: dict) -> Tuple[str, List[dict]]:
     """The plan for the demo's GPT on this machine, and per demo configuration what it predicts."""
@@ -22,14 +22,15 @@ def demo_plan(configs, settings: dict) -> Tuple[str, List[dict]]:
     for cfg in configs:
         dtype = cfg.param_dtype
         precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-        w_b, g_b, master_b, opt_b = PRECISIONS[precision]
+        w_b, g_b, master_b, _ = PRECISIONS[precision]
         offload = "Offload" in cfg.name
         tr = trace_spec(p.spec, settings["batch_size"], settings["seq_len"], dtype, device)
         saved = tr.saved_bytes("none")
         predictions.append({
             "name": cfg.name,
             # OffloadAdam keeps gradients in its engine, not in p.grad; its state is on the host.
-            "model_state_bytes": n * w_b + (0 if offload else n * g_b) + n * master_b + n * opt_b,
+            "model_state_bytes": n * w_b + (0 if offload else n * g_b) + n * master_b
+            + optimizer_state_bytes(n, cfg.state_bits, p.spec.state_blocks),
             "activation_bytes_before": saved,
             "activation_bytes_after": tr.saved_bytes(f"compress{cfg.compress_bits}") if cfg.compress_bits
             else saved})
