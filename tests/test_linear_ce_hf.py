@@ -286,25 +286,31 @@ def test_a_forward_that_changes_the_logits_is_refused():
 
 def test_the_refusal_of_a_model_that_changes_its_logits_names_the_call_that_gives_its_loss():
     """Gemma2's refusal advised linear_cross_entropy(hidden, lm_head.weight, labels): 16.80 where the model's
-    loss is 8.07. It names its soft-cap now (and Cohere's and Granite's scales), and that call is the loss."""
+    loss is 8.07. It names its soft-cap now (and Cohere's and Granite's scales), and that call is the loss; so
+    does GPT-J's, whose lm_head has a bias that the call left out (a reviewer's: 5.59 against 6.28)."""
     small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1)
     cases = {"Gemma2": (dict(head_dim=16, final_logit_softcapping=3.0), "logit_softcap=3.0"),
              "Cohere": (dict(logit_scale=0.5), "hidden * 0.5, lm_head.weight"),
-             "Granite": (dict(logits_scaling=4.0), "hidden / 4.0, lm_head.weight")}
+             "Granite": (dict(logits_scaling=4.0), "hidden / 4.0, lm_head.weight"),
+             "GPTJ": (dict(n_embd=32, n_layer=1, n_head=2, rotary_dim=8), "lm_head.weight, labels, lm_head.bias)")}
     for family, (extra, call) in cases.items():
         if not hasattr(transformers, f"{family}Config"):
             continue
         torch.manual_seed(0)
-        model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(
-            **small, **extra)).eval()
+        config = dict(vocab_size=128, **extra) if family == "GPTJ" else dict(small, **extra)
+        model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config)).eval()
         with pytest.raises(TypeError, match=re.escape(call)):
             effmem.fuse_linear_cross_entropy(model)
-        if family == "Gemma2":   # the named call gives the model's own loss
+        if family in ("Gemma2", "GPTJ"):   # the named call gives the model's own loss
+            if family == "GPTJ":
+                with torch.no_grad():
+                    model.lm_head.bias.normal_()   # a trained head's (zeros at init)
             x = torch.randint(0, 128, (2, 16))
             out = model(input_ids=x, labels=x, output_hidden_states=True)
             hidden = out.hidden_states[-1][:, :-1].reshape(-1, 32)
-            mine = effmem.linear_cross_entropy(hidden, model.lm_head.weight, x[:, 1:].reshape(-1), logit_softcap=3.0)
+            extra = dict(logit_softcap=3.0) if family == "Gemma2" else dict(bias=model.lm_head.bias)
+            mine = effmem.linear_cross_entropy(hidden, model.lm_head.weight, x[:, 1:].reshape(-1), **extra)
             torch.testing.assert_close(mine, out.loss)
 
 

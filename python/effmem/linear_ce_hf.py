@@ -155,15 +155,18 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
         cap = getattr(config, "final_logit_softcapping", None)
         scale = next(((k, getattr(config, k)) for k in ("logit_scale", "logits_scaling")
                       if getattr(config, k, None) not in (None, 1, 1.0)), None)
+        # a head with a bias (GPT-J's): left out, the call gave another loss (5.59 where the model's was 6.28)
         hidden, extra, why = "hidden", "", ""
+        bias = ", lm_head.bias" if getattr(head, "bias", None) is not None else ""
         if cap:
             extra = f", logit_softcap={cap}"
             why = f" (its config's final_logit_softcapping: {name} soft-caps its logits)"
         elif scale:
-            hidden = f"hidden {'*' if scale[0] == 'logit_scale' else '/'} {scale[1]}"
+            op = f"{'*' if scale[0] == 'logit_scale' else '/'} {scale[1]}"
+            hidden, bias = f"hidden {op}", bias and f"{bias} {op}"
             why = (f" ({name} scales its logits by its config's {scale[0]}: the hidden states scaled so, the loss "
                    "is the model's)")
-        own = f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{extra}){why}"
+        own = f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{bias}{extra}){why}"
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use {own} in your "
                         "own loss, the labels shifted by one against the last hidden states (hidden[:, :-1], "
