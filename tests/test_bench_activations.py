@@ -151,3 +151,16 @@ def test_profile_activations_names_the_kernels_a_policy_adds(tmp_path):
     assert set(rows) == {"plain", "effmem_fast"}
     assert any("_SwiGLU" in k for k in rows["effmem_fast"]) and not any("_SwiGLU" in k for k in rows["plain"])
     assert all(us >= 0 for r in rows.values() for us in r.values())
+
+
+def test_activation_outliers_measures_each_run_against_float32(tmp_path):
+    """bench/activation_outliers.py (the README's figures for outlier channels): a row per outlier size and run,
+    each the worst parameter's gradient error against plain float32, small without outliers; with them the
+    policies' 8-bit saves lose more than plain bf16 does."""
+    bench = load_bench("activation_outliers")
+    out = tmp_path / "o.json"
+    bench.main(["--outliers", "0", "30", "--json", str(out)])   # hidden 512: 4 groups of 128 a token
+    rows = {(r["outlier"], r["run"]): r["relative_error"] for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(o, r) for o in (0, 30) for r in ("plain bf16", '"fast" bf16', '"min" bf16')}
+    assert all(0 < e < 0.1 for (o, _), e in rows.items() if o == 0)
+    assert rows[(30, '"fast" bf16')] > 2 * rows[(30, "plain bf16")]
