@@ -300,7 +300,12 @@ def activation_stats(model: nn.Module):
 
 
 def remove_activation_policy(model: nn.Module) -> nn.Module:
-    """Undo apply_activation_policy: every layer's own forward again."""
+    """Undo apply_activation_policy: every layer's own forward again.
+
+    Remove it between steps, not between a forward and its backward: a layer that "min" checkpoints runs its
+    forward again in backward with its modules as they are then, and a ReLU given back its own class there
+    takes its mask from the 8-bit codes instead of the exact one (a reviewer's OPT: gradients 6.6-8.8% off
+    plain's instead of 1.3%)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     names = {id(m): n for n, m in model.named_modules()}
