@@ -302,6 +302,11 @@ def test_the_refusal_of_a_model_that_changes_its_logits_names_the_call_that_give
         model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config)).eval()
         with pytest.raises(TypeError, match=re.escape(call)):
             effmem.fuse_linear_cross_entropy(model)
+        if family in ("Cohere", "Granite"):   # a head with a bias: scaled as the hidden states are
+            model.lm_head.bias = torch.nn.Parameter(torch.zeros(128))
+            scaled = {"Cohere": "labels, lm_head.bias * 0.5)", "Granite": "labels, lm_head.bias / 4.0)"}[family]
+            with pytest.raises(TypeError, match=re.escape(scaled)):
+                effmem.fuse_linear_cross_entropy(model)
         if family in ("Gemma2", "GPTJ"):   # the named call gives the model's own loss
             if family == "GPTJ":
                 with torch.no_grad():

@@ -45,8 +45,9 @@ class DemoConfig:
     """One row of the demo's table. Add an entry to DEMO_CONFIGS to compare another setup."""
     name: str
     param_dtype: torch.dtype
-    # (param groups, hyperparameters, state_bits=) -> optimizer; groups carry their own weight_decay.
-    make_optimizer: Callable[[List[dict], dict], torch.optim.Optimizer]
+    # (param groups, hyperparameters, state_bits=...) -> optimizer; groups carry their own weight_decay, and
+    # every factory takes state_bits (train_one passes this config's).
+    make_optimizer: Callable[..., torch.optim.Optimizer]
     # (optimizer, parameters, max_norm) -> total norm; clips by the global norm.
     clip_grad: Callable[[torch.optim.Optimizer, Iterable[torch.Tensor], float], torch.Tensor]
     # fp32 models run under bf16 autocast on a GPU (the usual mixed-precision
