@@ -162,9 +162,7 @@ def main(argv=None):
         if args.state_bits_8:
             report("exact, state_bits=8", run_offload(s, False, 0, state_bits=8))
     if args.seeds > 1:
-        print(f"gap to exact OffloadAdam over {args.seeds} seeds: mean (min .. max)")
-        for name, g in gaps.items():
-            print(f"  {name:<48s} {sum(g) / len(g):+.2%}  ({min(g):+.2%} .. {max(g):+.2%})")
+        common.print_seed_gaps("exact OffloadAdam", gaps, width=48)
     if args.optimizers:
         s = Setting(corpus, args.steps, args.schedule, 0, args.clip)
         for name, make in OPTIMIZERS.items():

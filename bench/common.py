@@ -206,6 +206,14 @@ def check_device(ap: argparse.ArgumentParser, device: str) -> None:
         ap.error("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
 
 
+def print_seed_gaps(reference: str, gaps: Dict[str, Sequence[float]], width: int = 32) -> None:
+    """Each row's relative gap to `reference` over the seeds: its mean, min and max (the loss benchmarks' summary)."""
+    seeds = len(next(iter(gaps.values()), []))
+    print(f"gap to {reference} over {seeds} seeds: mean (min .. max)")
+    for name, g in gaps.items():
+        print(f"  {name:<{width}s} {sum(g) / len(g):+.2%}  ({min(g):+.2%} .. {max(g):+.2%})")
+
+
 def write_json(path: str, payload: Dict[str, object]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

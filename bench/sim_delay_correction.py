@@ -17,7 +17,6 @@ mean gap over the seeds. One thread: the runs are deterministic.
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -59,6 +58,8 @@ def train(variant: dict, seed: int, args, corpus) -> float:
     m = [torch.zeros_like(w) for w in master]
     v = [torch.zeros_like(w) for w in master]
     (b1, b2), eps = hp["betas"], hp["eps"]
+    decays = {wd for _, wd in params}
+    groups = {wd: {"betas": (b1, b2), "eps": eps, "weight_decay": wd} for wd in decays}
     lrs = [hp["lr"] * f(i) for i in range(args.steps)]
     gen, losses, prev_c = torch.Generator().manual_seed(seed), [], 1.0
     for t in range(args.steps):   # the update of step k = t + 1
@@ -73,15 +74,16 @@ def train(variant: dict, seed: int, args, corpus) -> float:
         exact = not variant["predict"] or t < max(1, variant["warmup"])
         lr_p = lr if variant["lr"] or t == 0 else lrs[t - 1]   # the engine's: the previous update's
         c_p = c if variant["clip"] else prev_c
+        # the step's constants, once per weight-decay group (not per tensor)
+        coeffs = {wd: adam_coeffs(lr, b1, b2, eps, wd, True, True, t + 1.0, c) for wd in decays}
         for i, ((p, wd), g) in enumerate(zip(params, grads)):
             # the engine's (and FusedAdam's) update, one float32 operation at a time
-            w1, m1, v1 = adam_update_f32(master[i], m[i], v[i], g, adam_coeffs(lr, b1, b2, eps, wd, True, True,
-                                                                               t + 1.0, c))
+            w1, m1, v1 = adam_update_f32(master[i], m[i], v[i], g, coeffs[wd])
             if exact:
                 forward = w1
             else:   # the engine's operations and roundings, from the state before this update and g
-                group = {"betas": (b1, b2), "eps": eps, "weight_decay": wd}
-                forward = delay_correction_weights(master[i], m[i], v[i], g, torch.bfloat16, group, lr_p, t, c_p)
+                forward = delay_correction_weights(master[i], m[i], v[i], g, torch.bfloat16, groups[wd], lr_p, t,
+                                                   c_p)
             master[i], m[i], v[i] = w1, m1, v1
             with torch.no_grad():
                 p.copy_(forward)
@@ -115,10 +117,7 @@ def main(argv=None):
         exact = losses["exact"][-1]
         print(f"seed {seed}: " + ", ".join(f"{t} {losses[t][-1]:.4f} ({losses[t][-1] / exact - 1:+.2%})"
                                            for t in texts), flush=True)
-    print(f"gap to exact over {args.seeds} seeds: mean (min .. max)")
-    for t in texts:
-        gaps = [a / e - 1 for a, e in zip(losses[t], losses["exact"])]
-        print(f"  {t:<32s} {statistics.fmean(gaps):+.2%}  ({min(gaps):+.2%} .. {max(gaps):+.2%})")
+    common.print_seed_gaps("exact", {t: [a / e - 1 for a, e in zip(losses[t], losses["exact"])] for t in texts})
     if args.json:
         common.write_json(args.json, {"benchmark": "sim_delay_correction",
                                       "env": common.environment(torch.device("cpu")),
