@@ -199,3 +199,56 @@ def test_attach_after_a_compiled_call_is_not_skipped_by_the_compiled_code():
         copy_ = torch.load(buf, weights_only=False)
         assert torch.equal(copy_(x), model(x))   # its hooks have no optimizer: inert
     torch._dynamo.reset()
+
+
+def test_a_saved_functional_read_before_the_install_is_refused_at_backward():
+    """A weight read before its module's forward (here its own Linear's weight, multiplied in by hand) got the
+    last step's weights. The install at the module's forward bumps the parameter's version, so autograd's
+    in-place check refuses the backward that would use the stale read (silently wrong weights before)."""
+    class ReadEarly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return self.head(torch.tanh(x @ self.head.weight))
+
+    torch.manual_seed(0)
+    model = ReadEarly()
+    with OffloadAdam(model.parameters(), async_step=True, **HP) as off:
+        off.attach(model)
+        model(torch.randn(4, 8, requires_grad=True)).square().mean().backward()   # nothing to install yet
+        off.step()
+        loss = model(torch.randn(4, 8, requires_grad=True)).square().mean()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm is deprecated")
+@pytest.mark.parametrize("wrap", ["weight_norm", "spectral_norm", "transformer"])
+def test_async_step_installs_before_the_modules_own_pre_hooks_and_for_multihead_attention(wrap):
+    """torch.nn.utils.weight_norm and spectral_norm compute a Linear's weight in forward pre-hooks of their
+    own, registered before attach()'s: those read last step's weights unless the install runs first. torch's
+    MultiheadAttention reads out_proj's weights without calling its forward (refused as never installed).
+    Each trains as FusedAdam does, bit for bit."""
+    def make():   # twice from one seed: a weight_norm'd module refuses deepcopy
+        torch.manual_seed(0)
+        if wrap == "transformer":
+            return torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        getattr(torch.nn.utils, wrap)(m[0])
+        return m
+    ref, model = make(), make()
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(2, 5, 16, generator=gen) for _ in range(4)]
+    fused = FusedAdam(ref.parameters(), **HP)
+    with OffloadAdam(model.parameters(), async_step=True, **HP) as off:
+        off.attach(model)
+        for m, opt in ((ref, fused), (model, off)):
+            for x in data:
+                m(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        off.flush()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)

@@ -87,6 +87,29 @@ def test_delay_warmup_takes_exact_steps_first(warmup):
         assert lc[:1] == lb[:1] and lc[1] != lb[1]  # without it, step 2 already runs on stale weights
 
 
+@pytest.mark.parametrize("mode", [dict(delay=True, delay_warmup=0),
+                                  dict(delay=True, delay_correction=True, delay_warmup=1)])
+def test_a_step_without_a_backward_does_nothing(mode):
+    """A step() with no gradient since the last one (before training, or twice in a row) changes nothing: it
+    neither installed delay's pending weights (a flush) nor counted towards the warm-up, so the run is the
+    same, bit for bit, as the one without it."""
+    data = batches(6)
+
+    def run(empty_at):
+        model = tiny_gpt(torch.float32)
+        with OffloadAdam(model.parameters(), bucket_size=5000, **mode, **HP) as off:
+            for k, (x, y) in enumerate(data):
+                if k in empty_at:
+                    off.step()
+                model(x, y)[1].backward()
+                finish_step(off)
+            off.flush()
+        return [p.detach().clone() for p in model.parameters()]
+    base = run(())
+    for empty_at in ((0,), (3,)):
+        assert all(torch.equal(a, b) for a, b in zip(base, run(empty_at)))
+
+
 def test_delay_warmup_counts_steps_from_a_checkpoint():
     model = tiny_gpt(torch.float32)
     with OffloadAdam(model.parameters(), delay=True, delay_warmup=3, **HP) as off:

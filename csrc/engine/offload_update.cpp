@@ -189,6 +189,10 @@ void OffloadEngine::install(int64_t i, const at::Tensor* grad) {
   if (installable(p, grad)) {
     upload_pending_locked(p, grad);
     ++installed_since_step_;
+    // async_step installs at the owning module's forward. A read of the old weights earlier in this forward
+    // (a functional call) that autograd saved for backward is then refused there by its in-place check, as for
+    // torch's own in-place writes; the copy itself writes the memory behind autograd's back.
+    if (options_.install_in_forward) p.tensor.unsafeGetTensorImpl()->bump_version();
   }
 }
 

@@ -58,9 +58,11 @@ class OffloadForward:
         for module in model.modules():
             if id(module) in inside:
                 continue
-            ids = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
+            ids = [self._index[p] for p in _read_by(module) if p in self._index]
             if ids:
-                self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids)))
+                # prepend: before the module's own pre-hooks (torch.nn.utils.weight_norm's, prune's and
+                # spectral_norm's compute the weight from parameters this one installs)
+                self._forward_hooks.append(module.register_forward_pre_hook(_Installer(self, ids), prepend=True))
         forget_compiled_code("OffloadAdam.attach", "attach()")
         return model
 
@@ -92,6 +94,15 @@ class OffloadForward:
         model = self._attached() if self._attached is not None else None
         if model is not None:
             self.attach(model)
+
+
+def _read_by(module: nn.Module) -> List[nn.Parameter]:
+    """The parameters a module's forward reads: its own, and for torch's MultiheadAttention those of out_proj,
+    which F.multi_head_attention_forward reads without calling out_proj's forward."""
+    own = list(module.parameters(recurse=False))
+    if isinstance(module, nn.MultiheadAttention):
+        own += list(module.out_proj.parameters())
+    return own
 
 
 def _fsdp_units(model: nn.Module) -> Dict[int, nn.Module]:

@@ -3,6 +3,7 @@
 A backward that raised midway under overlap=True has already updated the buckets it completed;
 a parameter given new memory after the optimizer was built would no longer be trained.
 """
+import math
 import sys
 import threading
 import warnings
@@ -336,3 +337,14 @@ class OffloadGuards:
         self.zero_grad()
         raise RuntimeError(message + "This step's gradients were dropped: scaled, any later step would apply "
                                      "them too large.")
+
+    def _unknown_norm(self) -> torch.Tensor:
+        """overlap=True: a call that asks for the norm alone (max_norm=inf: transformers' Trainer makes one at
+        every step to log grad_norm, clipping or not, and was refused, naming a clip it did not ask for). The
+        gradients are gone into their buckets' updates: NaN, with a warning once."""
+        if not self._warned_norm:
+            self._warned_norm = True
+            warnings.warn("OffloadAdam(overlap=True): clip_grad_norm_(max_norm=inf) returns NaN: each bucket's "
+                          "gradients went into its update during backward, so there is no global norm to measure "
+                          "(a logged grad_norm is nan); use overlap=False to see it", stacklevel=4)
+        return torch.tensor(math.nan, dtype=torch.float32)

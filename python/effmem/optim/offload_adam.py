@@ -3,7 +3,6 @@ import contextlib
 import math
 import os
 import threading
-import warnings
 from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -363,17 +362,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._clip_scale = float(clip_coefficient(total, float(max_norm)))
         return total
 
-    def _unknown_norm(self) -> Tensor:
-        """overlap=True: a call that asks for the norm alone (max_norm=inf: transformers' Trainer makes one at
-        every step to log grad_norm, clipping or not, and was refused, naming a clip it did not ask for). The
-        gradients are gone into their buckets' updates: NaN, with a warning once."""
-        if not self._warned_norm:
-            self._warned_norm = True
-            warnings.warn("OffloadAdam(overlap=True): clip_grad_norm_(max_norm=inf) returns NaN: each bucket's "
-                          "gradients went into its update during backward, so there is no global norm to measure "
-                          "(a logged grad_norm is nan); use overlap=False to see it", stacklevel=4)
-        return torch.tensor(math.nan, dtype=torch.float32)
-
     # ------------------------------------------------------------------ step
 
     # torch.amp.GradScaler: _step_supports_amp_scaling and _refuse_grad_scaler (_offload_guards.OffloadGuards)
@@ -399,6 +387,11 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._check_consistent()
         self._check_params()
         self._check_state()
+        if not self._queued and all(p.grad is None for p in self._all_params):
+            # No gradient since the last step: nothing to update, as torch's optimizers skip a parameter without
+            # one; not counted either (delay_warmup's clock), nor are delay's weights installed (its flush)
+            self._clip_scale = 1.0
+            return loss
         self._init_masters()
         self._take_leftover_grads()
         self._sync_groups()
