@@ -72,8 +72,9 @@ def _written(op, args, kwargs):
 def checked_policy():
     """`policy`, also refusing a write into a kept output's memory through another tensor that autograd does not
     track as a view of it (an unsafe_split piece, `.data`), whose writes torch's check of the cache's version
-    counters misses. Writes to the output itself or its views are left to torch (one into the layer's last
-    product, which its recompute never reaches, is exact). The kept outputs come from the policy's context
+    counters misses, or through a view of such a tensor (matmul's _unsafe_view of its product, sliced or
+    permuted: Gemma3n's AltUp). Writes to the output itself or its views are left to torch (one into the layer's
+    last product, which its recompute never reaches, is exact). The kept outputs come from the policy's context
     (op_output, in newer torch); without it, the bases of unsafe views stand for them. Known by storage address
     and tensor identity (_cdata: C++ code, as the GRU cell, drops the Python objects of the tensors it holds)."""
     kept = {}   # storage address -> identities of the kept outputs in it (torch's cache holds them to backward)
@@ -84,8 +85,10 @@ def checked_policy():
             kept.setdefault(p, set()).add(t._cdata)
 
     def untracked_alias(w) -> bool:
+        if w._is_view():   # a write through a view lands in its base, whose version counter torch's check follows
+            w = w._base    # (the root: torch's views of views share it)
         ids = kept.get(_storage(w))
-        return ids is not None and not w._is_view() and w._cdata not in ids
+        return ids is not None and w._cdata not in ids
 
     def check(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         decision = policy(ctx, op, *args, **kwargs)
