@@ -2,7 +2,7 @@
 
     python bench/bench_delay_warmup.py [--steps 400] [--warmups 0 50 100 200] [--correction-warmups 0 40]
                                        [--seeds 1] [--clip 1.0] [--noise] [--torch-stale] [--schedule]
-                                       [--optimizers] [--state-bits-8]
+                                       [--optimizers] [--state-bits-8] [--policies fast min]
 
 Trains a 2-layer transformers LlamaForCausalLM (hidden 128, byte vocabulary) from scratch on
 Python standard-library source, batch 16 x 64, lr 3e-3, weight decay 0.1, clip 1.0 (--clip): plain
@@ -13,7 +13,9 @@ of effmem demo (linear warm-up over 10% of the steps, cosine decay to 10%) inste
 one. --optimizers: torch's AdamW without momentum and SGD (with and without momentum), each exact
 against one-step-stale: which update rules staleness hurts. --noise: torch's AdamW on exact gradients,
 how far two exact runs drift apart. --state-bits-8: exact OffloadAdam with 8-bit moments (the bits of
-FusedAdam(state_bits=8)), what the 8-bit format costs against float32 moments. Prints the mean loss of
+FusedAdam(state_bits=8)), what the 8-bit format costs against float32 moments. --policies: exact OffloadAdam
+on the model under effmem.apply_activation_policy (8-bit saved activations), what each policy costs in loss
+against the exact run's full-precision activations (issue 10's bound: 0.5%). Prints the mean loss of
 the last 10 steps of each and its gap to the exact run, per seed, and with --seeds > 1 each row's mean
 gap over the seeds.
 """
@@ -27,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for common.py
 import common  # noqa: E402
-from effmem import OffloadAdam, demo_model  # noqa: E402
+from effmem import OffloadAdam, apply_activation_policy, demo_model  # noqa: E402
 from effmem.optim.offload_adam import CORRECTION_WARMUP  # noqa: E402
 
 
@@ -61,8 +63,10 @@ def scheduler(opt, s: Setting):
     return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.steps) if s.schedule else (lambda step: 1.0))
 
 
-def run_offload(s: Setting, delay, warmup, correction=False, state_bits=32):
+def run_offload(s: Setting, delay, warmup, correction=False, state_bits=32, policy=None):
     m = model(s.seed)
+    if policy:
+        apply_activation_policy(m, policy)
     opt = OffloadAdam(m.parameters(), lr=3e-3, weight_decay=0.1, delay=delay, delay_warmup=warmup,
                       delay_correction=correction, state_bits=state_bits)
     sched = scheduler(opt, s)
@@ -134,6 +138,8 @@ def main(argv=None):
                         help="also torch's AdamW without momentum and SGD, each exact against one-step stale")
     parser.add_argument("--state-bits-8", action="store_true",
                         help="also exact OffloadAdam with 8-bit moments, against float32 moments")
+    parser.add_argument("--policies", nargs="*", default=[], choices=["fast", "min"],
+                        help="also exact OffloadAdam with each activation policy applied to the model")
     parser.add_argument("--json", help="write metadata, each run's final loss and the gaps to this file")
     args = parser.parse_args(argv)
     if not 0 <= args.clip < float("inf"):   # checked here, not after the exact run has trained for minutes
@@ -161,6 +167,8 @@ def main(argv=None):
             report("torch AdamW, one-step-stale gradients", run_torch(s))
         if args.state_bits_8:
             report("exact, state_bits=8", run_offload(s, False, 0, state_bits=8))
+        for policy in args.policies:
+            report(f'exact, apply_activation_policy "{policy}"', run_offload(s, False, 0, policy=policy))
     if args.seeds > 1:
         common.print_seed_gaps("exact OffloadAdam", gaps, width=48)
     if args.optimizers:

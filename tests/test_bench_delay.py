@@ -20,11 +20,11 @@ def load(name):
 
 def test_delay_warmup_prints_each_row_per_seed_and_the_mean_gaps(capsys):
     load("bench_delay_warmup").main(["--steps", "3", "--seeds", "2", "--warmups", "0", "--correction-warmups", "0",
-                                     "--noise", "--state-bits-8"])
+                                     "--noise", "--state-bits-8", "--policies", "fast", "min"])
     out = capsys.readouterr().out
     assert out.count("final loss (mean of the last 10): exact OffloadAdam") == 2
     rows = ("delay, delay_warmup=0", "delay + delay_correction, delay_warmup=0", "torch AdamW, exact gradients",
-            "exact, state_bits=8")
+            "exact, state_bits=8", 'exact, apply_activation_policy "fast"', 'exact, apply_activation_policy "min"')
     summary = out[out.index("over 2 seeds"):]
     for row in rows:
         assert len(re.findall(re.escape(row) + r".*\(([+-]\d+\.\d+)%\)$", out, re.M)) == 2   # one per seed
