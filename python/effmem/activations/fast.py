@@ -60,6 +60,11 @@ def recompute_output(out: Tensor, fn: Callable[..., Tensor], *inputs, node=None)
     so that saves of autocast's casts of `out` rebuild it too (see FastCompressor._pack)."""
     if torch.compiler.is_compiling():  # a compiled graph decides what it saves; nothing to register
         return
+    if node is not None and not any(node.needs_input_grad):
+        # no graph recorded (a frozen layer no gradient flows into): nothing saves `out`, so its inputs were
+        # quantised for nothing (16 stores per step in a reviewer's frozen-body Llama, and `effmem plan` counted
+        # them as kept)
+        return
     scope = getattr(_LOCAL, "scope", None)
     if scope is not None:
         scope.add_recipe(out, fn, inputs, node)

@@ -305,7 +305,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     head = _output_head(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
     stack: List[nn.Module] = []
-    st = {"block": None, "after_head": False}
+    st = {"block": None, "after_head": False, "graph": True}
     made_by_layers = set()   # storages a decoder layer returned: the next one's input, not a shared one
 
     alive: List[Tensor] = []  # keeps recorded storages from being freed and their addresses reused
@@ -345,7 +345,12 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         if i is not None:
             st["block"] = i
             hidden = a[0] if a else kw.get("hidden_states")
-            for t in _tensors((a, kw)):
+            inputs = list(_tensors((a, kw)))
+            # frozen, and no gradient flows in: autograd records nothing, a checkpoint or SAC keeps nothing
+            st["graph"] = any(t.requires_grad for t in inputs + list(mod.parameters()))
+            if not st["graph"]:
+                return
+            for t in inputs:
                 record(t, boundary=True, block_input=t is hidden,
                        shared=t is not hidden and _storage(t)[0] not in made_by_layers and not _a_slice(t))
 
@@ -359,7 +364,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                 first_block=st["block"])
         stack.pop()
         if id(mod) in block_index:
-            st["block"] = None
+            st["block"], st["graph"] = None, True
             made_by_layers.update(_storage(t)[0] for t in _tensors(out))
         if mod is head:
             st["after_head"] = True
@@ -368,7 +373,8 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-    flops = _Flops(keep=lambda t: record(t, sac_output=True, first_block=st["block"]),
+    # what selective keeps: products' outputs, in a layer autograd records (requires_grad is not seen down here)
+    flops = _Flops(keep=lambda t: st["graph"] and record(t, sac_output=True, first_block=st["block"]),
                    in_block=lambda: st["block"] is not None)
     from effmem import linear_ce
     amp = _MetaAutocast(target) if autocast else None
