@@ -59,7 +59,7 @@ from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.compress import _codec
-from effmem.plan.model import find_blocks
+from effmem.plan.model import _generative_decoder, find_blocks, mixed_layer_classes
 from effmem.plan.trace import _tensors
 
 POLICIES = ("fast", "checkpoint", "min", "selective")
@@ -95,8 +95,13 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     _codec.check_config(bits, group_size)   # every policy: a bad value is a mistake, used or not
     stacks = layer_stacks(model)
     if not stacks:
+        decoder = _generative_decoder(model)
+        mixed = mixed_layer_classes(decoder) if decoder is not None else []
         raise ValueError(f"model: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
-                         "modules of one type) to apply a policy to")
+                         "modules of one type) to apply a policy to"
+                         + (f"; its decoder's layers are of {len(mixed)} classes ({', '.join(mixed)}), which no policy "
+                            "supports yet" if mixed
+                            else ""))
     if policy == "budget" and len(stacks) > 1:
         raise ValueError(f"memory_budget: {type(model).__name__} has {len(stacks)} stacks of layers "
                          f"({', '.join(n for n, _ in stacks)}), unlike each other; a budget chooses among "
@@ -252,7 +257,9 @@ def layer_stacks(model: nn.Module) -> List[Tuple[str, List[nn.Module]]]:
         stacks = []
         for get in ("get_encoder", "get_decoder"):
             part = getattr(model, get, lambda: None)()
-            name, layers = find_blocks(part) if isinstance(part, nn.Module) and id(part) in names else ("", [])
+            # (Florence2's get_decoder() is its whole BART, whose encoder's list came first where as long)
+            found = [layers[0] for _, layers in stacks]
+            name, layers = find_blocks(part, found) if isinstance(part, nn.Module) and id(part) in names else ("", [])
             if layers:
                 stacks.append((".".join(n for n in (names[id(part)], name) if n), layers))
         if len(stacks) == 2:

@@ -262,7 +262,9 @@ class BudgetPolicy:
         link = _link_rate(hidden.device)
         max_offload = hidden_layers(self.layers, layer_s, codes, link)
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)
-        allow_min = self.allow_min and not self.side_outputs
+        # "min"'s codes take float32, bf16 and fp16 hidden states (a float64 model: "fast" keeps what it cannot code)
+        coded = hidden.dtype in _codec.FLOAT_DTYPES
+        allow_min = self.allow_min and not self.side_outputs and coded
         modes = choose(self.layers, nbytes, budget, max_offload, allow_min)
         if modes is None:
             least_mode = "min" if allow_min else "fast"
@@ -271,7 +273,9 @@ class BudgetPolicy:
             how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
                    f"'{least_mode}'" if n_off else f"every layer under '{least_mode}'")
             if not allow_min:
-                how += " ('min' is left out: the model's loss uses tensors a layer makes besides its output)"
+                how += (" ('min' is left out: " + ("the model's loss uses tensors a layer makes besides its output)"
+                        if coded else f"its 8-bit codes take float32, bfloat16 or float16 hidden states, not "
+                        f"{hidden.dtype})"))
             raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
                              f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
                              f"with {how}")

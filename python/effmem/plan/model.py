@@ -139,20 +139,32 @@ def config_layers(cfg: dict) -> int:
                      + (f"; it names its count {other[0]!r}, a family effmem plan does not know" if other else ""))
 
 
-def find_blocks(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
+def find_blocks(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[str, Sequence[nn.Module]]:
     """The decoder layers: the longest ModuleList whose entries are all of one type (and which is not inside an
     entry of another such list: a block's list of heads), in a generative model's
     decoder where transformers names one (get_decoder(): a vision-language model's language model, whose
     vision tower may have more blocks), else in the whole model. Only a model with an output layer
     (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
-    get_decoder() guesses a smaller tower."""
+    get_decoder() guesses a smaller tower. exclude: lists starting with one of these modules are not it (an
+    encoder-decoder's encoder layers, when its get_decoder() returns the whole model)."""
     decoder = _generative_decoder(model)
     if decoder is not None:
+        if mixed_layer_classes(decoder):   # not a list inside one of them, nor the vision tower's (below)
+            return "", []
         names = {id(m): n for n, m in model.named_modules()}
-        name, layers = _longest(decoder)
+        name, layers = _longest(decoder, exclude)
         if layers and id(decoder) in names:
             return ".".join(n for n in (names[id(decoder)], name) if n), layers
-    return _longest(model)
+    return _longest(model, exclude)
+
+
+def mixed_layer_classes(decoder: nn.Module) -> List[str]:
+    """The classes of a decoder's `layers` where they are several (Jamba's, Zamba2's attention and Mamba layers,
+    Mllama's self- and cross-attention ones), else []. The longest list of one class is then no stack of
+    decoder layers: it was a list inside one of them (Zamba2's LoRA adapters) or the vision tower's layers."""
+    layers = getattr(decoder, "layers", None)
+    classes = {type(m).__name__ for m in layers} if isinstance(layers, nn.ModuleList) else set()
+    return sorted(classes) if len(classes) > 1 else []
 
 
 def _generative_decoder(model: nn.Module) -> Optional[nn.Module]:
@@ -163,7 +175,7 @@ def _generative_decoder(model: nn.Module) -> Optional[nn.Module]:
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
-def _longest(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
+def _longest(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[str, Sequence[nn.Module]]:
     lists = [(name, mod) for name, mod in model.named_modules()
              if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1]
     # A list inside an entry of another of two or more (each block's heads, each layer's experts) is not the
@@ -171,7 +183,7 @@ def _longest(model: nn.Module) -> Tuple[str, Sequence[nn.Module]]:
     inner = {n for n, _ in lists for o, om in lists if len(om) >= 2 and o != n and n.startswith(f"{o}." if o else "")}
     best: Tuple[str, Sequence[nn.Module]] = ("", [])
     for name, mod in lists:
-        if name not in inner and len(mod) > len(best[1]):
+        if name not in inner and len(mod) > len(best[1]) and not any(mod[0] is e for e in exclude):
             best = (name, list(mod))
     return best
 
