@@ -20,11 +20,24 @@ def test_a_small_models_chart_fits_its_bars_not_the_budget(tmp_path):
     assert len(bars) >= 10 and max(bars) > 100
     totals = re.findall(r'<text x="[\d.]+" y="\d+">([\d.e+]+)</text>', text)
     assert totals and all(float(t) > 0.1 for t in totals)
-    assert "memory budget 8.0 GB (off this scale)" in text and "predicted peak on the CPU" in text
+    assert "memory budget 8.0 GB less 5% headroom: 7.6 GB (off this scale)" in text
+    assert "predicted peak on the CPU" in text
     assert "(MB = 1e6 bytes)" in text and "GPU" not in text
     big = effmem.plan("llama-7b", batch=8, seq=4096, gpu_memory="80GB", host_memory="128GB")
     text = open(write_chart(big, str(svg))).read()
-    assert "GPU memory 80.0 GB</text>" in text and "<line" in text and "(GB = 1e9 bytes)" in text
+    assert "GPU memory 80.0 GB less 5% headroom: 76.0 GB</text>" in text and "(GB = 1e9 bytes)" in text
+    # the line is where the plan judges a fit (80 GB less 5%): a bar past it is one the plan rejects (a bar
+    # between 76 and 80 GB was drawn inside a line at 80 while the plan said it did not fit, a reviewer's find)
+    line_x = float(re.search(r'<line x1="([\d.]+)"', text).group(1))
+    by_name, checked = {c.name: c for c in big.candidates}, 0
+    for name in re.findall(r'text-anchor="end">([^<]+)</text>', text):
+        c = by_name[name.removesuffix(" (pick)")]
+        bar = re.search(rf'>{re.escape(name)}</text>(?:<rect [^>]*>.*?</rect>)+<text x="([\d.]+)"',
+                        text.replace("\n", ""))
+        if c.fits or c.why.startswith("does not fit: needs"):   # judged by GPU memory (not the host's)
+            assert (float(bar.group(1)) - 5 <= line_x) == c.fits, (name, bar.group(1), line_x)   # label: 5 px on
+            checked += 1
+    assert checked >= 5
 
 
 def test_why_a_candidate_does_not_fit_names_sizes_in_their_unit():

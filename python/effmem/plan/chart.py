@@ -1,4 +1,5 @@
-"""effmem plan --chart: stacked bars of where each candidate's peak goes, with the GPU's memory as a line.
+"""effmem plan --chart: stacked bars of where each candidate's peak goes, with the memory a pick may use (the
+GPU's, less the plan's headroom) as a line.
 
 SVG is written directly (no dependency); PNG needs matplotlib.
 """
@@ -81,10 +82,13 @@ def _axis(plan, rows) -> Tuple[str, float, float, str, bool]:
     budget, a small model's bars were 0 pixels wide and each total read 0.0."""
     tallest = max(sum(v) for _, v in rows)
     unit, per = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if tallest >= s), ("B", 1.0))
-    budget = plan.gpu_memory
+    # the line where a bar fits, as the plan judges it: the memory less its headroom (a bar between the two
+    # was drawn inside a line at the whole memory while the plan said it did not fit)
+    budget = plan.gpu_memory * (1 - plan.headroom)
     drawn = budget <= 2 * tallest
     where = "GPU memory" if plan.device == "cuda" else "memory budget"
-    label = f"{where} {size_text(budget)}" + ("" if drawn else " (off this scale)")
+    label = (f"{where} {size_text(plan.gpu_memory)} less {plan.headroom:.0%} headroom: {size_text(budget)}"
+             + ("" if drawn else " (off this scale)"))
     return unit, per, max(tallest, budget if drawn else 0) * 1.05 / per, label, drawn
 
 
@@ -113,7 +117,7 @@ def _svg(plan, rows) -> str:
         el.append(f'<text x="{x + 5:.1f}" y="{y + bar_h * 0.7:.0f}">{sum(values) / per:.3g}</text>')
     y_end = top + len(rows) * (bar_h + gap)
     if drawn:
-        bx = left + plan.gpu_memory / per * scale
+        bx = left + plan.gpu_memory * (1 - plan.headroom) / per * scale
         el.append(f'<line x1="{bx:.1f}" y1="{top - 8}" x2="{bx:.1f}" y2="{y_end}" stroke="black" '
                   f'stroke-dasharray="4,3"/><text x="{bx + 4:.1f}" y="{top - 10}">{escape(label)}</text>')
     else:
@@ -142,7 +146,7 @@ def _png(plan, rows, out: Path) -> str:
         ax.barh(names, vals, left=left, color=colour, label=series)
         left = [a + b for a, b in zip(left, vals)]
     if drawn:
-        ax.axvline(plan.gpu_memory / per, color="black", linestyle="--", label=label)
+        ax.axvline(plan.gpu_memory * (1 - plan.headroom) / per, color="black", linestyle="--", label=label)
     ax.set_xlim(0, top_units)
     ax.invert_yaxis()
     ax.set_xlabel(unit)

@@ -153,6 +153,7 @@ class Plan:
     spec: ModelSpec = field(repr=False, default=None)
     notes: List[str] = field(default_factory=list)
     formula_check: Optional[dict] = None   # the trace against plan/formula.py, where it applies
+    headroom: float = HEADROOM   # the share of gpu_memory a pick leaves free (fits: peak <= its rest)
 
     @property
     def pick(self) -> Optional[Candidate]:
@@ -440,4 +441,4 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     best = choose.judge(cands, budget, gpu_mem, host_mem, headroom, clipping)
     return Plan(spec.name, spec.num_params, spec.num_trainable, gpu_mem, host_mem, world, device, batch, seq,
                 rates, cands, best.name if best else None, base.method,
-                time.perf_counter() - t0, spec, notes, cross_check)
+                time.perf_counter() - t0, spec, notes, cross_check, headroom)
