@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import effmem
-from effmem.activations import layer_stacks
+from effmem.activations import budget_choice, layer_stacks
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,4 +70,30 @@ def test_memory_budget_leaves_min_out_for_hidden_states_its_codes_cannot_take():
     torch.manual_seed(0)
     model = effmem.apply_activation_policy(transformers.LlamaForCausalLM(cfg).double(), memory_budget=0.5)
     with pytest.raises(ValueError, match="'min' is left out: its 8-bit codes take .* not torch.float64"):
+        model(input_ids=x, labels=x)
+
+
+def test_min_is_refused_and_left_out_of_a_budget_where_later_layers_reuse_keys_and_values():
+    """Gemma3n's last layers attend with keys and values earlier layers made (num_kv_shared_layers): "min", which
+    keeps no graph of a layer's forward, failed in backward blaming outputs the user never asked for, and the
+    budget chose it. Refused at apply now, and the budget leaves it out (a reviewer's find)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = transformers.Gemma3nTextConfig(
+            vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            hidden_size_per_layer_input=16, num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2,
+            sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+            activation_sparsity_pattern=[0.0] * 4, use_cache=False)
+        torch.manual_seed(0)
+        model = transformers.Gemma3nForCausalLM(cfg)
+    with pytest.raises(ValueError, match="last 2 layers reuse keys and values earlier layers make"):
+        effmem.apply_activation_policy(model, "min")
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    effmem.apply_activation_policy(model, memory_budget=0.5)
+    model(input_ids=x, labels=x).loss.backward()
+    assert "min" not in budget_choice(model)["modes"]
+    effmem.remove_activation_policy(model)
+    effmem.apply_activation_policy(model, memory_budget=0.2)   # only "min" would meet it
+    with pytest.raises(ValueError, match="'min' is left out: .*keys and values later layers share"):
         model(input_ids=x, labels=x)

@@ -125,19 +125,27 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                              "checkpointing or another library's wrapper); remove that first")
     config = getattr(model, "config", None)
     side = [f for f in ("output_router_logits", "output_attentions") if getattr(config, f, False) is True]
+    # Gemma3n's last layers reuse the keys and values of earlier ones (passed on beside the hidden state)
+    shared_kv = getattr(getattr(config, "text_config", config), "num_kv_shared_layers", 0)
     if policy == "min":
         if side:
             raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, so a loss "
                              f"on tensors a layer makes besides its output (config.{side[0]}=True: e.g. an MoE "
                              "router's auxiliary loss) cannot backpropagate; use 'fast', 'checkpoint' or "
                              f"memory_budget=, or set config.{side[0]}=False")
+        if isinstance(shared_kv, int) and shared_kv > 0:
+            raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, and this "
+                             f"model's last {shared_kv} layers reuse keys and values earlier layers make "
+                             "(num_kv_shared_layers), whose gradients would need those layers' graphs; use 'fast' "
+                             "or 'checkpoint'")
     no_training_cache(model)
     if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
         setattr(model, _FAST, comp)
         budget = None
         if policy == "budget":
-            budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size, allow_min=not side)
+            budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size,
+                                  allow_min=not side and not (isinstance(shared_kv, int) and shared_kv > 0))
             setattr(model, _BUDGET, budget)
             budget.forward_hook = model.register_forward_pre_hook(budget.new_forward, with_kwargs=True)
         seeds = Seeds()   # the rounding seeds of the layers the budget makes "min" (next_seed)

@@ -273,7 +273,8 @@ class BudgetPolicy:
             how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
                    f"'{least_mode}'" if n_off else f"every layer under '{least_mode}'")
             if not allow_min:
-                how += (" ('min' is left out: " + ("the model's loss uses tensors a layer makes besides its output)"
+                how += (" ('min' is left out: " + ("the model uses tensors a layer makes besides its output: a "
+                                                   "router's loss, keys and values later layers share)"
                         if coded else f"its 8-bit codes take float32, bfloat16 or float16 hidden states, not "
                         f"{hidden.dtype})"))
             raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
