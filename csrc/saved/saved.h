@@ -170,7 +170,7 @@ class SavedTensors {
 
  private:
   enum Reason { kCompressed, kDeduplicated, kParameter, kLayerInput, kSmall, kRowStatistic, kStatistic,
-                kOverlapping, kStridedView, kNoGain, kUnsupported, kReasonCount };
+                kOverlapping, kStridedView, kNoGain, kUnsupported, kExponential, kReasonCount };
   static const char* const kReasons[kReasonCount];
 
   // store's work: the handle, or nothing and in `why` the reason to keep t (an entry made here goes to collect_).

@@ -161,6 +161,9 @@ class FastCompressor(ActivationCompressor):
             return "statistic"
         if t.dim() == 2 and tuple(t.shape) in self._param_shapes and _is_parameter_copy(t):
             return "parameter_copy"
+        fn = (base if base is not None else t).grad_fn
+        if fn is not None and fn.name() == "ExpBackward0":   # the C++ rule's reason (csrc/saved/hooks.cpp)
+            return "exponential"
         return None
 
     # ------------------------------------------------------------ recipes

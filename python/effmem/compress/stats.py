@@ -61,7 +61,8 @@ class CompressionStats:
     elements no group of 32 or more fits), no_gain; and under
     the "fast" activation policy: layer_input (a decoder layer's other
     inputs, rotary tables and masks), statistic (fewer than hidden/8 values
-    per token). Saves of an output that policy rebuilds in backward store
+    per token), exponential (exp's output, whose values span orders of
+    magnitude: Mamba2's decays). Saves of an output that policy rebuilds in backward store
     nothing and are counted in ``deduplicated``.
     """
     total_bytes_before: int = 0
