@@ -166,7 +166,43 @@ class MaskedReLU6(nn.ReLU6):
     forward = MaskedHardtanh.forward   # nn.ReLU6 is a Hardtanh(0, 6), its forward Hardtanh's
 
 
-MASKED = {nn.ReLU: MaskedReLU, nn.LeakyReLU: MaskedLeakyReLU, nn.Hardtanh: MaskedHardtanh, nn.ReLU6: MaskedReLU6}
+class _PReLU(torch.autograd.Function):
+    """F.prelu with its slope-1 region (x > 0) kept as an exact mask; x is saved as any tensor is (8 bits under
+    "fast"), for the slope's gradient alone, which rounding moves no more than any weight's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(mask(x, _positive), x, weight)   # the mask of x: a negative slope flips y's sign
+        return F.prelu(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, x, weight = ctx.saved_tensors
+        on = unpack_bits(packed, grad.shape)
+        # the slope per channel (dim 1; F.prelu takes one slope for a 1-D x), broadcast over the others
+        shape = [1] * grad.dim()
+        if weight.numel() > 1:
+            shape[1] = weight.numel()
+        w = weight.reshape(shape)
+        grad_x = torch.where(on, grad, grad * w) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            off = torch.where(on, torch.zeros((), dtype=grad.dtype), grad * x)
+            keep = [d for d, n in enumerate(shape) if n > 1]
+            grad_w = off.sum(dim=[d for d in range(grad.dim()) if d not in keep]).reshape(weight.shape)
+        return grad_x, grad_w
+
+
+class MaskedPReLU(nn.PReLU):
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+                or torch.compiler.is_compiling():   # no backward, or a compiled graph's own (as relu())
+            return F.prelu(x, self.weight)
+        return _PReLU.apply(x, self.weight)
+
+
+MASKED = {nn.ReLU: MaskedReLU, nn.LeakyReLU: MaskedLeakyReLU, nn.Hardtanh: MaskedHardtanh, nn.ReLU6: MaskedReLU6,
+          nn.PReLU: MaskedPReLU}
 PLAIN = {masked: plain for plain, masked in MASKED.items()}
 
 

@@ -157,8 +157,9 @@ def kinked_activation(m: nn.Module) -> bool:
     """Whether compress_activations(model) gives m a backward from its mask (effmem plan counts it so)."""
     from effmem.activations import relu
     if type(m) in relu.PLAIN:   # masked already (a policy): counted as compress' too (relu.patch)
-        return relu.PLAIN[type(m)] is not nn.ReLU
-    return type(m) is not nn.ReLU and relu.patchable(m)   # nn.ReLU: hooks._masked
+        return relu.PLAIN[type(m)] not in (nn.ReLU, nn.PReLU)
+    # nn.ReLU: hooks._masked; nn.PReLU keeps its input too (its slope's gradient), beside the mask
+    return type(m) not in (nn.ReLU, nn.PReLU) and relu.patchable(m)
 
 
 def remove_compression(module: nn.Module) -> nn.Module:
