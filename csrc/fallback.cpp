@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/linear_ce.h"
 
 namespace effmem {
 namespace {
@@ -89,21 +90,27 @@ at::Tensor dequantize_fallback(const at::Tensor& codes, const at::Tensor& stats,
   no_kernel("dequantize", codes);
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_ce_forward_fallback(const at::Tensor& hidden, const at::Tensor&,
-                                                              const std::optional<at::Tensor>&, const at::Tensor&,
-                                                              int64_t, double, double, int64_t) {
+std::tuple<at::Tensor, at::Tensor> linear_ce_forward_fallback(const at::Tensor& hidden, const at::Tensor& weight,
+                                                              const std::optional<at::Tensor>& bias,
+                                                              const at::Tensor& target, int64_t, double smoothing,
+                                                              double softcap, int64_t) {
+  check_linear_ce_args(hidden, weight, bias, target, smoothing, softcap);   // a sparse bias or target: named
   no_kernel("linear_ce_forward", hidden);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_fallback(
-    const at::Tensor&, const at::Tensor& hidden, const at::Tensor&, const std::optional<at::Tensor>&,
-    const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, std::array<bool, 3>) {
+    const at::Tensor&, const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const at::Tensor&, int64_t, double smoothing, double softcap, int64_t,
+    std::array<bool, 3>) {
+  check_linear_ce_args(hidden, weight, bias, target, smoothing, softcap);
   no_kernel("linear_ce_backward", hidden);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_backward_fallback(
-    const at::Tensor& hidden, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-    const at::Tensor&, int64_t, double, double, int64_t, std::array<bool, 3>) {
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const at::Tensor&, int64_t, double smoothing, double softcap, int64_t,
+    std::array<bool, 3>) {
+  check_linear_ce_args(hidden, weight, bias, target, smoothing, softcap);
   no_kernel("linear_ce_forward_backward", hidden);
 }
 

@@ -120,3 +120,30 @@ def test_a_float32_weight_made_by_an_op_is_not_kept_past_its_cast_under_autocast
     assert alive() is None   # held until backward by the in-place check (512 x 32 float32)
     loss.backward()
     assert param.grad is not None
+
+
+def test_the_ops_check_arguments_before_values_and_keep_ignored_tokens_out():
+    """torch.ops.effmem's linear_ce ops called directly (a fuzzing reviewer's finds): a target of the wrong shape
+    holding an out-of-range index got an internal error ("a Tensor with 2 elements cannot be converted to
+    Scalar"), a sparse bias or target an error describing hidden, linear_ce_backward took an index past the
+    vocabulary, and forward_backward gave an ignored token a gradient where its caller's grad_scale was not 0."""
+    L = torch.ops.effmem
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(4, 8, generator=g), torch.randn(50, 8, generator=g), torch.randn(50, generator=g)
+    with pytest.raises(ValueError, match=r"target must be \[4\] \(one class index per token\), got shape \[4, 2\]"):
+        L.linear_ce_forward(h, w, b, torch.full((4, 2), 5000), -100, 0.0, 0.0, 0)
+    for name, args in (("bias", (h, w, b.to_sparse(), torch.tensor([3, 5, 7, 9]))),
+                       ("target", (h, w, b, torch.tensor([3, 5, 7, 9]).to_sparse()))):
+        with pytest.raises(ValueError, match=f"{name} must be .*layout Sparse"):
+            L.linear_ce_forward(*args, -100, 0.0, 0.0, 0)
+    lse = L.linear_ce_forward(h, w, b, torch.tensor([3, 5, 7, 9]), -100, 0.0, 0.0, 0)[1]
+    with pytest.raises(IndexError, match=r"target\[1\] = 5000 is not a class index in \[0, 50\)"):
+        L.linear_ce_backward(torch.ones(4), h, w, b, torch.tensor([3, 5000, 7, 9]), lse, -100, 0.0, 0.0, 0, [True] * 3)
+    t = torch.tensor([3, -100, 7, 9])
+    loss, gh, gw, gb = L.linear_ce_forward_backward(h, w, b, t, torch.full((4,), 0.25), -100, 0.0, 0.0, 0, [True] * 3)
+    hd, wd, bd = (x.double().requires_grad_() for x in (h, w, b))
+    want = F.cross_entropy(hd @ wd.T + bd, t, ignore_index=-100, reduction="none")
+    (want * 0.25).sum().backward()
+    assert loss[1] == 0 and torch.equal(gh[1], torch.zeros(8))
+    for got, ref in ((gh, hd.grad), (gw, wd.grad), (gb, bd.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)

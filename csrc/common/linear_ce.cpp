@@ -112,41 +112,6 @@ bool addmm_float_(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& 
   }
 }
 
-void check_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                const at::Tensor& target, double label_smoothing, double softcap) {
-  TORCH_CHECK_VALUE(hidden.layout() == at::kStrided && hidden.dim() == 2,
-                    "hidden must be a dense 2-D tensor [tokens, hidden_size], got ", describe(hidden));
-  TORCH_CHECK_VALUE(weight.layout() == at::kStrided && weight.dim() == 2,
-                    "weight must be a dense 2-D tensor [vocab, hidden_size], got ", describe(weight));
-  TORCH_CHECK_VALUE(weight.size(1) == hidden.size(1), "weight has hidden size ", weight.size(1), " but hidden has ",
-                    hidden.size(1));
-  TORCH_CHECK_VALUE(weight.size(0) >= 1, "weight must have at least one vocabulary row, got shape ", weight.sizes());
-  dtype_index(hidden.scalar_type(), "hidden");
-  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight is ", weight.scalar_type(),
-                   " but hidden is ", hidden.scalar_type(), "; give both one dtype (or run under autocast)");
-  TORCH_CHECK_VALUE(weight.device() == hidden.device(), "weight is on ", weight.device(), " but hidden on ",
-                    hidden.device());
-  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "target must be int64, got ", target.scalar_type());
-  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == hidden.size(0), "target must be [", hidden.size(0),
-                    "] (one class index per token), got shape ", target.sizes());
-  TORCH_CHECK_VALUE(target.device() == hidden.device(), "target is on ", target.device(), " but hidden on ",
-                    hidden.device());
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must be [", weight.size(0),
-                      "], got ", describe(*bias));
-    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), "bias is ", bias->scalar_type(), " but weight is ",
-                     weight.scalar_type());
-    TORCH_CHECK_VALUE(bias->device() == hidden.device(), "bias is on ", bias->device(), " but hidden on ",
-                      hidden.device());
-  }
-  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0,
-                    "label_smoothing must be in [0, 1], got ", label_smoothing);
-  // the logits are divided by it in float32: past its range, or below its normal numbers, came NaN
-  TORCH_CHECK_VALUE(softcap == 0.0 || (softcap >= 1.1754943508222875e-38 && softcap <= 3.4028234663852886e38),
-                    "softcap must be 0 (none) or a number in float32's normal range [1.175e-38, 3.403e+38], got ",
-                    softcap);
-}
-
 // The chunk's logits in float32, bias added.
 // rows: the weight's rows v0 .. v0 + rows.size(0), already narrowed (and converted, where a caller reuses them)
 // A CPU's bf16 product (cpu_bf16_products) takes the bias inside, rounding hW + b once to bf16 as the unfused
@@ -221,6 +186,43 @@ at::Tensor gemm_input(const at::Tensor& t) {
 
 }  // namespace
 
+void check_linear_ce_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                const at::Tensor& target, double label_smoothing, double softcap) {
+  TORCH_CHECK_VALUE(hidden.layout() == at::kStrided && hidden.dim() == 2,
+                    "hidden must be a dense 2-D tensor [tokens, hidden_size], got ", describe(hidden));
+  TORCH_CHECK_VALUE(weight.layout() == at::kStrided && weight.dim() == 2,
+                    "weight must be a dense 2-D tensor [vocab, hidden_size], got ", describe(weight));
+  TORCH_CHECK_VALUE(weight.size(1) == hidden.size(1), "weight has hidden size ", weight.size(1), " but hidden has ",
+                    hidden.size(1));
+  TORCH_CHECK_VALUE(weight.size(0) >= 1, "weight must have at least one vocabulary row, got shape ", weight.sizes());
+  dtype_index(hidden.scalar_type(), "hidden");
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight is ", weight.scalar_type(),
+                   " but hidden is ", hidden.scalar_type(), "; give both one dtype (or run under autocast)");
+  TORCH_CHECK_VALUE(weight.device() == hidden.device(), "weight is on ", weight.device(), " but hidden on ",
+                    hidden.device());
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "target must be int64, got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == hidden.size(0), "target must be [", hidden.size(0),
+                    "] (one class index per token), got shape ", target.sizes());
+  TORCH_CHECK_VALUE(target.device() == hidden.device(), "target is on ", target.device(), " but hidden on ",
+                    hidden.device());
+  TORCH_CHECK_VALUE(target.layout() == at::kStrided, "target must be a dense tensor, got ", describe(target));
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->layout() == at::kStrided && bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must be [", weight.size(0),
+                      "], got ", describe(*bias));
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), "bias is ", bias->scalar_type(), " but weight is ",
+                     weight.scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == hidden.device(), "bias is on ", bias->device(), " but hidden on ",
+                      hidden.device());
+  }
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+                    "label_smoothing must be in [0, 1], got ", label_smoothing);
+  // the logits are divided by it in float32: past its range, or below its normal numbers, came NaN
+  TORCH_CHECK_VALUE(softcap == 0.0 || (softcap >= 1.1754943508222875e-38 && softcap <= 3.4028234663852886e38),
+                    "softcap must be 0 (none) or a number in float32's normal range [1.175e-38, 3.403e+38], got ",
+                    softcap);
+}
+
+
 std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias,
                                                           const at::Tensor& target, int64_t ignore_index,
@@ -228,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
                                                           int64_t vocab_chunk, const CeChunkKernels& k) {
   // The products here choose their own precision: autocast must not recast them.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  check_args(hidden, weight, bias, target, label_smoothing, softcap);
+  check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
   CeState st = empty_state(n, hidden.options().dtype(at::kFloat));
   const bool need_sum = label_smoothing > 0.0;
@@ -246,15 +248,18 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_backward_impl(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const at::Tensor& target, const at::Tensor& g, int64_t ignore_index, double label_smoothing, double softcap,
-    int64_t token_chunk, std::array<bool, 3> output_mask, const CeChunkKernels& k) {
+    const at::Tensor& target, const at::Tensor& grad_scale, int64_t ignore_index, double label_smoothing,
+    double softcap, int64_t token_chunk, std::array<bool, 3> output_mask, const CeChunkKernels& k) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  check_args(hidden, weight, bias, target, label_smoothing, softcap);
+  check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
-  TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == n && g.scalar_type() == at::kFloat && g.device() == hidden.device(),
+  TORCH_CHECK_VALUE(grad_scale.dim() == 1 && grad_scale.size(0) == n && grad_scale.scalar_type() == at::kFloat &&
+                        grad_scale.device() == hidden.device(),
                     "grad_scale must be float32 [", n, "] on ", hidden.device(), " (each token's incoming "
-                    "gradient), got ", describe(g));
+                    "gradient), got ", describe(grad_scale));
   TORCH_CHECK_VALUE(token_chunk >= 0, "token_chunk must be >= 0 (0: automatic), got ", token_chunk);
+  // Ignored tokens contribute nothing, whatever the caller's grad_scale says (as linear_ce_backward)
+  const at::Tensor g = grad_scale.masked_fill(target == ignore_index, 0.0);
   const bool want_h = output_mask[0], want_w = output_mask[1], want_b = output_mask[2] && bias.has_value();
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor loss = at::empty({n}, f32);
@@ -268,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   // Every chunk reads the whole weight: a bf16/fp16 one on the CPU is converted to float once, here (the
   // logits' and the hidden gradient's products both read it in float there; CUDA, and the CPU's bf16
   // products, read it as it is).
-  const at::Tensor w = gemm_input(weight);   // hidden's dtype (check_args), so dz_dtype too
+  const at::Tensor w = gemm_input(weight);   // hidden's dtype (check_linear_ce_args), so dz_dtype too
   const bool need_sum = label_smoothing > 0.0;
   const bool sums_in_buffer = want_w && hidden.is_cuda() && weight.scalar_type() != at::kFloat;
   const int64_t tb = token_chunk_size(n, vocab, hidden.size(1), hidden.is_cuda(), sums_in_buffer, token_chunk);
@@ -303,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
     double label_smoothing, double softcap, int64_t vocab_chunk, std::array<bool, 3> output_mask,
     const CeChunkKernels& k) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  check_args(hidden, weight, bias, target, label_smoothing, softcap);
+  check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
   TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n, "grad_loss must be [", n, "], got shape ",
                     grad_loss.sizes());

@@ -36,6 +36,11 @@ struct CeChunkKernels {
                      bool need_sum, CeState& st, at::ScalarType dtype);
 };
 
+// The ops' argument checks (shapes, dtypes, devices, layouts, label_smoothing, softcap), each naming the
+// argument: the device kernels and the fallback for other layouts run them first.
+void check_linear_ce_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const at::Tensor& target, double label_smoothing, double softcap);
+
 std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias,
                                                           const at::Tensor& target, int64_t ignore_index,
