@@ -59,7 +59,8 @@ void adam_check(at::TensorList params, at::TensorList grads, at::TensorList exp_
   const std::vector<int64_t> salts(params.size(), 0);
   const Adam8State eight{exp_avg_scales, exp_avg_sq_scales, salts};
   check_adam_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, 0.0, 0.9, 0.999, 1e-8, 0.0, std::nullopt,
-                  std::nullopt, std::nullopt, std::nullopt, exp_avg_scales.empty() ? nullptr : &eight);
+                  std::nullopt, std::nullopt, std::nullopt,
+                  exp_avg_scales.empty() && exp_avg_sq_scales.empty() ? nullptr : &eight);   // half: refused
 }
 
 // The checkpoint conversions run on the CPU (python/effmem/optim/_adam8.py converts elsewhere in torch ops).

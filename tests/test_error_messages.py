@@ -133,3 +133,19 @@ def test_flags_and_empty_rows_of_the_python_entry_points():
     out = compress.compressed_linear(x, w)
     out.sum().backward()
     assert out.shape == (3, 5) and torch.equal(out, torch.zeros(3, 5)) and w.grad.shape == (5, 0)
+
+
+def test_odd_arguments_are_named_not_misreported():
+    """A fuzzing reviewer's finds: a last_dim too large overflowed into a wrong size ("needs 0" bytes per row);
+    adam_check took block scales for one moment alone and checked float32 moments; the ops wrapper's lr=None or
+    a two-element tensor got float()'s message, which names no argument."""
+    with pytest.raises(ValueError, match=r"last_dim=9223372036854775807 is more elements than 1 rows"):
+        OPS.dequantize(torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 2), 8, 256, 2 ** 63 - 1,
+                       torch.float32)
+    p, g, m, v, s = torch.randn(300), torch.randn(300), torch.zeros(300), torch.zeros(300), torch.tensor(1.0)
+    with pytest.raises(ValueError, match="exp_avg_scales, exp_avg_sq_scales .* got 0, 3"):
+        OPS.adam_check([p], [g], [m], [v], [], [s], [], [torch.zeros(2)] * 3)
+    for lr, got in ((None, "None"), (torch.ones(2), r"a tensor of shape \(2,\)"), ("1e-3x", "'1e-3x'")):
+        with pytest.raises(TypeError, match=f"lr: expected a real number .*, got {got}"):
+            effmem.ops.adam_step_([p], [g], [m], [v], [], [s], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                                  weight_decay=0.0, decoupled=True)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -89,8 +90,9 @@ void check_no_aliases(at::TensorList params, at::TensorList grads, at::TensorLis
     if (reach_written != nullptr && s.lo < reach_written->hi) other = reach_written;
     else if (s.written && reach_any != nullptr && s.lo < reach_any->hi) other = reach_any;
     TORCH_CHECK_VALUE(other == nullptr, other == nullptr ? "" : other->name, "[", other == nullptr ? 0 : other->index,
-                      "] and ", s.name, "[", s.index, "] share memory; each tensor adam_step_ writes must have "
-                      "memory of its own (only grads may share memory, with each other)");
+                      "] and ", s.name, "[", s.index, "] share memory; each tensor the Adam step writes, and "
+                      "each parameter's step count (the optimizer advances it), must have memory of its own (only "
+                      "grads may share memory, with each other)");
     if (s.written && (reach_written == nullptr || s.hi > reach_written->hi)) reach_written = &s;
     if (reach_any == nullptr || s.hi > reach_any->hi) reach_any = &s;
   }
@@ -306,6 +308,9 @@ void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int
                     stats.sizes());
   TORCH_CHECK_VALUE(stats.is_contiguous(), "stats must be contiguous, got strides ", stats.strides(),
                     " for shape ", stats.sizes());
+  // the layout's element count and bits per row in int64 (a huge one overflowed into a size it then refused)
+  TORCH_CHECK_VALUE(last_dim <= std::numeric_limits<int64_t>::max() / 8 / std::max<int64_t>(codes.size(0), 1),
+                    "last_dim=", last_dim, " is more elements than ", codes.size(0), " rows of codes can describe");
   const QuantLayout l = quant_layout(codes.size(0) * last_dim, last_dim, bits, group_size);
   TORCH_CHECK_VALUE(codes.size(1) == l.row_bytes, "codes has ", codes.size(1), " bytes per row but last_dim=",
                     last_dim, " at ", bits, " bits needs ", l.row_bytes);

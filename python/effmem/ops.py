@@ -54,21 +54,33 @@ def adam_step_(
     each) and ``salts`` (one int per tensor, its place in the optimizer);
     exp_avgs and exp_avg_sqs are then uint8 codes laid out as the params.
     """
+    lr, beta1, beta2, eps, weight_decay = (_number(n, v) for n, v in (
+        ("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)))
     if exp_avg_scales is not None or exp_avg_sq_scales is not None or salts is not None:
         if exp_avg_scales is None or exp_avg_sq_scales is None or salts is None:
             raise ValueError("exp_avg_scales, exp_avg_sq_scales and salts: 8-bit moments need all three")
         _lib.adam8_step_(
             list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(exp_avg_scales),
-            list(exp_avg_sq_scales), list(masters), list(steps), [int(s) for s in salts], float(lr), float(beta1),
-            float(beta2), float(eps), float(weight_decay), bool(decoupled), bool(bias_correction), lr_tensor,
+            list(exp_avg_sq_scales), list(masters), list(steps), [int(s) for s in salts], lr, beta1,
+            beta2, eps, weight_decay, bool(decoupled), bool(bias_correction), lr_tensor,
             inv_scale, found_inf, status,
         )
         return
     _lib.adam_step_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps),
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+        lr, beta1, beta2, eps, weight_decay, bool(decoupled),
         bool(bias_correction), lr_tensor, inv_scale, found_inf, status,
     )
+
+
+def _number(name: str, value) -> float:
+    """A hyper-parameter as the op's float, or a TypeError naming it (float() named none: 'could not convert
+    string to float', 'only one element tensors can be converted')."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or (
+            isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex())):
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+        raise TypeError(f"{name}: expected a real number (or a one-element tensor), got {got}")
+    return float(value)
 
 
 def adam_check(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
