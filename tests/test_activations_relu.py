@@ -265,3 +265,23 @@ def test_prelu_gets_an_exact_mask_under_the_policies(policy):
     got = grads(policied)
     assert all(type(layer.mlp.act_fn) is relu.MaskedPReLU for layer in policied.model.layers)
     assert max(((ref[n] - got[n]).norm() / ref[n].norm()).item() for n in ref) < 0.035
+
+
+def test_compress_activations_masks_prelu_too():
+    """compress_activations(model) masked LeakyReLU, ReLU6 and Hardtanh but left nn.PReLU on its 8-bit input: a
+    3-block net's first weight gradient 7.9% off plain's where the policies' mask gives 0.7% (a reviewer's
+    find). Masked now, and remove_compression gives the class back."""
+    import copy
+    from effmem.compress import compress_activations, remove_compression
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(128, 128), torch.nn.PReLU())],
+                                torch.nn.Linear(128, 1))
+    x = torch.randn(256, 128)
+    plain(x).square().mean().backward()
+    model = compress_activations(copy.deepcopy(plain))
+    assert type(model[1]) is relu.MaskedPReLU
+    model(x).square().mean().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert ((a.grad - b.grad).norm() / a.grad.norm()).item() < 0.02
+    remove_compression(model)
+    assert type(model[1]) is torch.nn.PReLU

@@ -1,5 +1,6 @@
 """Undoing activation hooks after a forward that Ctrl-C interrupted past its exit hook: remove_compression, and
 plan.apply's save_on_cpu hooks at the next forward (a reviewer's finds)."""
+import copy
 import gc
 import weakref
 
@@ -128,3 +129,23 @@ def test_remove_compression_finds_the_compressor_an_adapter_hides():
         remove_compression(base[1])
     remove_compression(base)
     assert compressor_of(base[0]).config.bits == 4 and _hooks(base) == 2
+
+
+def test_a_wrapped_model_runs_under_vmap_functional_call():
+    """Model ensembling (torch.func.stack_module_state, vmap of functional_call) over a model given to
+    compress_activations: its pre-hook named the storages of parameters functional_call had swapped for batched
+    tensors, which have none (NotImplementedError; the with-block form ran). The gradients now match plain's."""
+    from torch.func import functional_call, stack_module_state, vmap
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+              for _ in range(3)]
+    x = torch.randn(64, 128)
+
+    def grads(base):
+        params, buffers = stack_module_state(models)
+        out = vmap(lambda p, b, xx: functional_call(base, (p, b), (xx,)), in_dims=(0, 0, None))(params, buffers, x)
+        out.square().mean().backward()
+        return [p.grad for p in params.values()]
+    ref = grads(copy.deepcopy(models[0]).to("meta"))
+    got = grads(compress_activations(copy.deepcopy(models[0]).to("meta")))
+    assert all(((a - b).norm() / a.norm()).item() < 0.05 for a, b in zip(ref, got))

@@ -72,6 +72,11 @@ def _version_error(now: int, saved: int, dtype: torch.dtype, shape, device: torc
         "saved it.")
 
 
+def _has_storage(t: Tensor) -> bool:
+    """Whether t has a storage to name: torch.func's batched and grad-tracking wrappers have none."""
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 class ActivationCompressor:
     """The state behind compress_activations: options, hooks, dedup table, statistics.
 
@@ -159,8 +164,10 @@ class ActivationCompressor:
             if self.records is not None:
                 self.records.clear()
         if self._root is not None:
+            # torch.func's functional_call under vmap or grad swaps in wrappers that have no storage (the model's
+            # own are then not what the forward reads): none to know (a NotImplementedError, a reviewer's run)
             self._model_storages = {storage_key(t) for t in itertools.chain(
-                self._root.parameters(), self._root.buffers()) if t.device.type != "meta"}
+                self._root.parameters(), self._root.buffers()) if t.device.type != "meta" and _has_storage(t)}
         contexts = [torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)]
         if self.config.track_exact:
             contexts.append(OutputTracker())
