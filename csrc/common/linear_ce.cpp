@@ -187,7 +187,7 @@ at::Tensor gemm_input(const at::Tensor& t) {
 }  // namespace
 
 void check_linear_ce_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                const at::Tensor& target, double label_smoothing, double softcap) {
+                          const at::Tensor& target, double label_smoothing, double softcap) {
   TORCH_CHECK_VALUE(hidden.layout() == at::kStrided && hidden.dim() == 2,
                     "hidden must be a dense 2-D tensor [tokens, hidden_size], got ", describe(hidden));
   TORCH_CHECK_VALUE(weight.layout() == at::kStrided && weight.dim() == 2,
@@ -207,8 +207,8 @@ void check_linear_ce_args(const at::Tensor& hidden, const at::Tensor& weight, co
                     hidden.device());
   TORCH_CHECK_VALUE(target.layout() == at::kStrided, "target must be a dense tensor, got ", describe(target));
   if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->layout() == at::kStrided && bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must be [", weight.size(0),
-                      "], got ", describe(*bias));
+    TORCH_CHECK_VALUE(bias->layout() == at::kStrided && bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "bias must be [", weight.size(0), "], got ", describe(*bias));
     TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), "bias is ", bias->scalar_type(), " but weight is ",
                      weight.scalar_type());
     TORCH_CHECK_VALUE(bias->device() == hidden.device(), "bias is on ", bias->device(), " but hidden on ",
@@ -221,7 +221,6 @@ void check_linear_ce_args(const at::Tensor& hidden, const at::Tensor& weight, co
                     "softcap must be 0 (none) or a number in float32's normal range [1.175e-38, 3.403e+38], got ",
                     softcap);
 }
-
 
 std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias,

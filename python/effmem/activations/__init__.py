@@ -59,7 +59,7 @@ from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.compress import _codec
-from effmem.plan.model import _generative_decoder, find_blocks, mixed_layer_classes
+from effmem.plan.model import find_blocks, generative_decoder, mixed_layer_classes
 from effmem.plan.trace import _tensors
 
 POLICIES = ("fast", "checkpoint", "min", "selective")
@@ -95,13 +95,11 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     _codec.check_config(bits, group_size)   # every policy: a bad value is a mistake, used or not
     stacks = layer_stacks(model)
     if not stacks:
-        decoder = _generative_decoder(model)
+        decoder = generative_decoder(model)
         mixed = mixed_layer_classes(decoder) if decoder is not None else []
+        why = f"; its decoder's layers are of {len(mixed)} classes ({', '.join(mixed)})" if mixed else ""
         raise ValueError(f"model: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
-                         "modules of one type) to apply a policy to"
-                         + (f"; its decoder's layers are of {len(mixed)} classes ({', '.join(mixed)}), which no policy "
-                            "supports yet" if mixed
-                            else ""))
+                         f"modules of one type) to apply a policy to{why}")
     if policy == "budget" and len(stacks) > 1:
         raise ValueError(f"memory_budget: {type(model).__name__} has {len(stacks)} stacks of layers "
                          f"({', '.join(n for n, _ in stacks)}), unlike each other; a budget chooses among "
@@ -127,13 +125,14 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     side = [f for f in ("output_router_logits", "output_attentions") if getattr(config, f, False) is True]
     # Gemma3n's last layers reuse the keys and values of earlier ones (passed on beside the hidden state)
     shared_kv = getattr(getattr(config, "text_config", config), "num_kv_shared_layers", 0)
+    shared_kv = shared_kv if isinstance(shared_kv, int) and shared_kv > 0 else 0
     if policy == "min":
         if side:
             raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, so a loss "
                              f"on tensors a layer makes besides its output (config.{side[0]}=True: e.g. an MoE "
                              "router's auxiliary loss) cannot backpropagate; use 'fast', 'checkpoint' or "
                              f"memory_budget=, or set config.{side[0]}=False")
-        if isinstance(shared_kv, int) and shared_kv > 0:
+        if shared_kv:
             raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, and this "
                              f"model's last {shared_kv} layers reuse keys and values earlier layers make "
                              "(num_kv_shared_layers), whose gradients would need those layers' graphs; use 'fast' "
@@ -145,7 +144,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         budget = None
         if policy == "budget":
             budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size,
-                                  allow_min=not side and not (isinstance(shared_kv, int) and shared_kv > 0))
+                                  allow_min=not side and not shared_kv)
             setattr(model, _BUDGET, budget)
             budget.forward_hook = model.register_forward_pre_hook(budget.new_forward, with_kwargs=True)
         seeds = Seeds()   # the rounding seeds of the layers the budget makes "min" (next_seed)

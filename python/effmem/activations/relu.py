@@ -187,7 +187,7 @@ class _PReLU(torch.autograd.Function):
         grad_x = torch.where(on, grad, grad * w) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            off = torch.where(on, torch.zeros((), dtype=grad.dtype), grad * x)
+            off = torch.where(on, grad.new_zeros(()), grad * x)
             keep = [d for d, n in enumerate(shape) if n > 1]
             grad_w = off.sum(dim=[d for d in range(grad.dim()) if d not in keep]).reshape(weight.shape)
         return grad_x, grad_w

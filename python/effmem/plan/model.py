@@ -147,7 +147,7 @@ def find_blocks(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[st
     (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
     get_decoder() guesses a smaller tower. exclude: lists starting with one of these modules are not it (an
     encoder-decoder's encoder layers, when its get_decoder() returns the whole model)."""
-    decoder = _generative_decoder(model)
+    decoder = generative_decoder(model)
     if decoder is not None:
         if mixed_layer_classes(decoder):   # not a list inside one of them, nor the vision tower's (below)
             return "", []
@@ -167,7 +167,7 @@ def mixed_layer_classes(decoder: nn.Module) -> List[str]:
     return sorted(classes) if len(classes) > 1 else []
 
 
-def _generative_decoder(model: nn.Module) -> Optional[nn.Module]:
+def generative_decoder(model: nn.Module) -> Optional[nn.Module]:
     output, decoder = getattr(model, "get_output_embeddings", None), getattr(model, "get_decoder", None)
     if output is None or decoder is None or output() is None:   # not a transformers model, or not generative
         return None
