@@ -355,7 +355,8 @@ def test_op_refuses_aliased_tensors(alias):
         args["grads"] = [args["masters"][0].bfloat16()]   # fine: a copy
         ops.adam_step_(**args, **HYPER)
         args["grads"] = [args["params"][0]]              # the param itself as its gradient
-    with pytest.raises(ValueError, match="share memory; each tensor the Adam step writes, and each parameter.s step count"):
+    with pytest.raises(ValueError, match="share memory; each tensor the Adam step writes, and each parameter.s "
+                                         "step count"):
         ops.adam_step_(**args, **HYPER)
 
 
