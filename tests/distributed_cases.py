@@ -1,7 +1,8 @@
 """More cases of the two-process tests (tests/test_offload_distributed.py), run by distributed_worker.py:
 loads on FSDP2 shards ("fsdp2_load"), 8-bit state through DCP onto another mesh ("dcp_reshard"), the fused loss
 with an FSDP2 lm_head ("fsdp2_fused_ce"),
-ZeroRedundancyOptimizer over OffloadAdam ("zero_offload") and OffloadAdam built before the ranks ("ddp_late")."""
+ZeroRedundancyOptimizer over OffloadAdam ("zero_offload"), OffloadAdam built before the ranks ("ddp_late") and
+delay=True with attach_ddp ("ddp_delay")."""
 import copy
 import os
 import sys
@@ -222,3 +223,29 @@ def run_ddp_late(rank, init):
         assert same_on_all_ranks(p.detach()), name
         assert torch.allclose(p, q, rtol=1e-6, atol=0), name
     off.close()
+
+
+def run_ddp_delay(rank):
+    """delay=True with attach_ddp: step() returns before the engine's copies have read DDP's buckets, and the
+    forward's pre-hook waited for them only while gradients it had streamed were pending, which step() clears:
+    the next backward overwrote buckets still being read (a reviewer's run, with the copies slowed as here:
+    weights 13-38% of a step off, the ranks apart). It waits at every forward now: as plain DDP, bit for bit."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(attach: bool):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4)))
+        opt = OffloadAdam(model.parameters(), lr=1e-2, delay=True, _host_delay_us=3000.0)   # slow copies
+        if attach:
+            opt.attach_ddp(model)
+        for step in range(5):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        opt.close()
+        return [p.detach() for p in model.parameters()]
+    for p, q in zip(train(attach=False), train(attach=True)):
+        assert same_on_all_ranks(q) and torch.equal(p, q), (p - q).abs().max()

@@ -88,19 +88,22 @@ class DdpClearStreamed:
     """Forward pre-hook, for gradient accumulation: DDP copied the reduced gradients it streamed
     into p.grad; drop them, so the next backward does not add them in a second time. And the
     next backward overwrites DDP's buckets in place, which the copies still in flight read:
-    the current stream waits for those copies first."""
+    the current stream waits for those copies first, at every forward (delay's step() returns
+    before its copies are done, and clears what was streamed: waiting only while some was
+    pending let the backward after a step overwrite buckets still being read)."""
 
     def __init__(self, ref: "weakref.ref"):
         self.ref = ref
 
     def __call__(self, module, args):
         opt = self.ref()
-        if opt is not None and not opt._engine.closed and (opt._overlap or opt._delay):
+        if opt is None or opt._engine.closed:
+            return
+        if opt._overlap or opt._delay:
             opt._engine.fence()  # weights uploaded during the last backward, before this forward reads them
-        if opt is not None and opt._streamed and not opt._engine.closed:
-            opt._engine.order_after_downloads()
-            for i in opt._streamed:
-                opt._params[i].grad = None
+        opt._engine.order_after_downloads()
+        for i in opt._streamed:
+            opt._params[i].grad = None
 
 
 def attach_ddp(opt, ddp_module) -> None:
