@@ -36,3 +36,25 @@ def test_fullgraph_names_why_fast_leaves_the_graph():
     with pytest.raises(Exception, match="Compile without fullgraph, or use policy 'selective' or 'checkpoint'"):
         torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=X, labels=X)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("policy", ["fast", "min"])
+def test_compiled_layers_with_dropout_keep_the_gradients_of_their_loss(policy):
+    """A compiled layer's backward drew dropout masks anew where the policy recomputes: a tiny GPT-2 with
+    dropout 0.1 got gradients 10-12% off the loss it computed along their own direction (a reviewer's finite
+    differences), 0.9-1.4 relative norm off eager. Such layers run eagerly now: their gradients are eager's."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    base = transformers.GPT2LMHeadModel(cfg).train()
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        torch.manual_seed(5)   # the same dropout masks in each run
+        model(input_ids=x, labels=x).loss.backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+    eager = grads(apply_activation_policy(copy.deepcopy(base), policy))
+    compiled = grads(torch.compile(apply_activation_policy(copy.deepcopy(base), policy), backend="aot_eager"))
+    worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(eager, compiled))
+    assert worst < 0.05, worst   # "fast" runs as selective checkpointing there: exact where eager is 8-bit
