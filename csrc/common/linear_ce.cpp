@@ -231,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor> linear_ce_forward_impl(const at::Tensor& hidd
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
+  if (k.targets != nullptr) k.targets(target, vocab, ignore_index);
   CeState st = empty_state(n, hidden.options().dtype(at::kFloat));
   const bool need_sum = label_smoothing > 0.0;
   const at::Tensor h = gemm_input(hidden);
@@ -252,6 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
+  if (k.targets != nullptr) k.targets(target, vocab, ignore_index);
   TORCH_CHECK_VALUE(grad_scale.dim() == 1 && grad_scale.size(0) == n && grad_scale.scalar_type() == at::kFloat &&
                         grad_scale.device() == hidden.device(),
                     "grad_scale must be float32 [", n, "] on ", hidden.device(), " (each token's incoming "
@@ -309,6 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
+  if (k.targets != nullptr) k.targets(target, vocab, ignore_index);
   TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n, "grad_loss must be [", n, "], got shape ",
                     grad_loss.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 1 && lse.size(0) == n && lse.scalar_type() == at::kFloat,

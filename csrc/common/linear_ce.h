@@ -34,6 +34,9 @@ struct CeChunkKernels {
   // dtype (in z's memory where that is float32).
   at::Tensor (*rows)(const at::Tensor& z, const at::Tensor& target, const at::Tensor& g, double eps, double cap,
                      bool need_sum, CeState& st, at::ScalarType dtype);
+  // Each class index in [0, vocab) or ignore_index, after the argument checks (the CPU's: reading the
+  // targets there costs no host sync); nullptr where the kernels take care of them.
+  void (*targets)(const at::Tensor& target, int64_t vocab, int64_t ignore_index) = nullptr;
 };
 
 // The ops' argument checks (shapes, dtypes, devices, layouts, label_smoothing, softcap), each naming the

@@ -74,13 +74,14 @@ def adam_step_(
 
 
 def _number(name: str, value) -> float:
-    """A hyper-parameter as the op's float, or a TypeError naming it (float() named none: 'could not convert
-    string to float', 'only one element tensors can be converted')."""
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) or (
-            isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex())):
+    """A hyper-parameter as the op's float; float()'s own error named no argument ('could not convert string to
+    float', 'only one element tensors can be converted'), so it is said again naming it. Nothing is checked on
+    the way that float() does not check: this runs at every step."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
-        raise TypeError(f"{name}: expected a real number (or a one-element tensor), got {got}")
-    return float(value)
+        raise TypeError(f"{name}: expected a real number (or a one-element tensor), got {got}") from None
 
 
 def adam_check(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

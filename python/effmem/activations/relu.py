@@ -179,17 +179,15 @@ class _PReLU(torch.autograd.Function):
     def backward(ctx, grad):
         packed, x, weight = ctx.saved_tensors
         on = unpack_bits(packed, grad.shape)
-        # the slope per channel (dim 1; F.prelu takes one slope for a 1-D x), broadcast over the others
-        shape = [1] * grad.dim()
-        if weight.numel() > 1:
-            shape[1] = weight.numel()
-        w = weight.reshape(shape)
+        # one slope, or one per channel (dim 1; F.prelu takes one slope for a 1-D x), broadcast over the others
+        per_channel = weight.numel() > 1
+        w = weight.reshape([-1 if d == 1 and per_channel else 1 for d in range(grad.dim())])
         grad_x = torch.where(on, grad, grad * w) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
             off = torch.where(on, grad.new_zeros(()), grad * x)
-            keep = [d for d, n in enumerate(shape) if n > 1]
-            grad_w = off.sum(dim=[d for d in range(grad.dim()) if d not in keep]).reshape(weight.shape)
+            summed = [d for d in range(grad.dim()) if not (d == 1 and per_channel)]
+            grad_w = off.sum(dim=summed).reshape(weight.shape)
         return grad_x, grad_w
 
 

@@ -164,8 +164,8 @@ class ActivationCompressor:
             if self.records is not None:
                 self.records.clear()
         if self._root is not None:
-            # torch.func's functional_call under vmap or grad swaps in wrappers that have no storage (the model's
-            # own are then not what the forward reads): none to know (a NotImplementedError, a reviewer's run)
+            # torch.func's functional_call under vmap or grad swaps in wrappers that have no storage, and the
+            # forward reads those, not the module's own: skipped (naming theirs raised NotImplementedError)
             self._model_storages = {storage_key(t) for t in itertools.chain(
                 self._root.parameters(), self._root.buffers()) if t.device.type != "meta" and _has_storage(t)}
         contexts = [torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)]
