@@ -73,6 +73,37 @@ def test_hooks_on_act_fn_keep_running():
     assert len(calls) == 2   # 0: the fused product never called act_fn
 
 
+@pytest.mark.parametrize("policy", ["fast", "min"])
+def test_act_fn_hooks_and_swaps_after_the_policy_are_seen(policy):
+    # the fused product was chosen once, at apply: hooks put on act_fn (activation steering, captures), a
+    # global module hook or another act_fn set since were skipped and the logits silently differed (0.05)
+    x = torch.randint(0, 128, (2, 16))
+    plain, model = llama(), effmem.apply_activation_policy(llama(), policy)
+    calls = []
+
+    def halve(m, i, out):
+        calls.append(1)
+        return out * 0.5
+
+    handles = [layer.mlp.act_fn.register_forward_hook(halve) for net in (plain, model) for layer in net.model.layers]
+    want = plain(x).logits
+    assert torch.equal(model(x).logits, want) and len(calls) == 4
+    for h in handles:
+        h.remove()
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, out: seen.append(type(m).__name__))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    assert seen.count("SiLU") + seen.count("SiLUActivation") == 2
+    for net in (plain, model):
+        for layer in net.model.layers:
+            layer.mlp.act_fn = nn.GELU()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, plain(x).logits)
+
+
 def _wrapper(inner, *args, **kwargs):   # another library's wrapper of a forward (accelerate's hooks)
     return inner(*args, **kwargs)
 

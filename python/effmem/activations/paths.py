@@ -10,7 +10,8 @@ Mistral, Mixtral, Qwen2/Qwen3 and GPT-2 in transformers, and the demo GPT):
   Qwen3): fused.swiglu for the product (its projections nn.Linear, or PEFT's
   LoRA wrappers of them). Only where its class's forward is that and nothing
   else (read from its source: FalconH1's multipliers or a clamp would be
-  dropped), and its act_fn has no hooks (the fused product does not call it).
+  dropped). Its own forward runs instead while its act_fn is not a SiLU or has
+  hooks, or any global module hook is set (the fused product does not call act_fn).
 * GELU modules (torch's nn.GELU, transformers' GELU activations): fused.gelu.
 * nn.ReLU (OPT, T5): activations.relu, its on/off mask kept exactly in 1 bit (by giving the module the
   class relu.MaskedReLU, which a compiled layer keeps: activations.compiled).
@@ -27,6 +28,7 @@ import textwrap
 from typing import Callable, List, Optional
 
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 from effmem.activations import fused, relu
 
@@ -51,7 +53,17 @@ def _layer_norm_forward(m: nn.LayerNorm, x):
     return fused.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
 
 
+def _plain_silu(act) -> bool:
+    """Whether calling `act` is SiLU and nothing else: no hooks on it, none on every module (a global hook
+    would see it called), which the fused product (that never calls it) would skip."""
+    return (type(act).__name__ in SILU and not (act._forward_hooks or act._forward_pre_hooks)
+            and not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks))
+
+
 def _gated_mlp_forward(m: nn.Module, x):
+    # read at each call: a hook put on act_fn, or another act_fn set, after the policy runs as it would
+    if not _plain_silu(m.act_fn):
+        return type(m).forward(m, x)
     return m.down_proj(fused.swiglu(m.gate_proj(x), m.up_proj(x)))
 
 
@@ -82,7 +94,7 @@ def _gated_mlp(m: nn.Module) -> Optional[Callable]:
     act = getattr(m, "act_fn", None)
     if not all(_linear_like(p) for p in parts) or type(act).__name__ not in SILU:
         return None
-    if act._forward_hooks or act._forward_pre_hooks or not _plain_swiglu(type(m).forward):
+    if not _plain_swiglu(type(m).forward):
         return None
     return functools.partial(_gated_mlp_forward, m)
 
