@@ -23,9 +23,11 @@ def test_nn_data_parallel_replication_is_refused_and_allowed_again_once_removed(
     with pytest.raises(RuntimeError, match="cannot be replicated by torch.nn.DataParallel"):
         for module in m.modules():
             module._replicate_for_data_parallel()
-    remove_activation_policy(m)
-    replicas = [module._replicate_for_data_parallel() for module in m.modules()]
-    assert all("forward" not in r.__dict__ for r in replicas)
+    copied = copy.deepcopy(m)   # its refusals are copies: an identity test left them on (a reviewer's repro)
+    for model in (m, copied):
+        remove_activation_policy(model)
+        replicas = [module._replicate_for_data_parallel() for module in model.modules()]
+        assert all("forward" not in r.__dict__ for r in replicas)
 
 
 @pytest.mark.parametrize("policy", ["min", "budget", "checkpoint", "selective"])

@@ -50,7 +50,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from effmem._replicas import refuse_replication
+from effmem._replicas import holds_refusal, refuse_replication
 from effmem.activations import paths, relu
 from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
                                       restore_training_cache)
@@ -338,7 +338,7 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
                     "policy's forward: remove that wrapper first (accelerate: remove_hook_from_module), then the "
                     "policy")
     for layer in every:
-        if layer.__dict__.get("_replicate_for_data_parallel") is _no_replicas:
+        if holds_refusal(layer, _no_replicas):
             del layer._replicate_for_data_parallel
         paths.unpatch(layer.__dict__.pop("_effmem_patched", []))
         relu.unpatch(layer)   # a function it holds (paths.patch)
