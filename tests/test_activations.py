@@ -11,6 +11,8 @@ import copy
 import io
 import inspect
 
+import warnings
+
 import pytest
 import torch
 
@@ -195,6 +197,20 @@ def test_remove_and_stats_reach_through_a_wrapper_either_way():
         remove_activation_policy(m)
         apply_activation_policy(m, "fast")
         assert _effmem_hooks(m) == plain_hooks   # once per module, not once per apply
+
+
+@pytest.mark.parametrize("policy", ["fast", "min", "budget"])
+def test_removed_through_the_model_inside_the_one_applied_to(policy):
+    """Applied to a LlamaForCausalLM, removed through its LlamaModel: the outer model's use_cache hook stayed,
+    and every forward with gradients turned the cache off, warning of a policy no longer there."""
+    m, x = llama(use_cache=True), ids()
+    apply_activation_policy(m, memory_budget=0.5) if policy == "budget" else apply_activation_policy(m, policy)
+    m(input_ids=x, labels=x).loss.backward()
+    remove_activation_policy(m.model)
+    assert _effmem_hooks(m) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert m(input_ids=x, use_cache=True).past_key_values is not None
 
 
 @pytest.mark.parametrize("policy", ["fast", "min"])

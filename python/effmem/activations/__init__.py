@@ -137,7 +137,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
                              f"model's last {shared_kv} layers reuse keys and values earlier layers make "
                              "(num_kv_shared_layers), whose gradients would need those layers' graphs; use 'fast' "
                              "or 'checkpoint'")
-    no_training_cache(model)
+    no_training_cache(model, layers)
     if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
         setattr(model, _FAST, comp)

@@ -81,23 +81,28 @@ def _has_hook(m: nn.Module) -> bool:
     return any(isinstance(h, _NoCache) for h in m._forward_pre_hooks.values())
 
 
-def no_training_cache(model: nn.Module) -> None:
+def no_training_cache(model: nn.Module, layers=()) -> None:
     """Turn the cache off in `model`'s training forwards (once per module; undo with restore_training_cache).
-    Every module is looked at: a list of handles on a wrapper outlives a removal through the model inside."""
+    Every module is looked at: a list of handles on a wrapper outlives a removal through the model inside.
+    `layers` hold the list too: a removal through a model inside `model` (the LlamaModel of a
+    LlamaForCausalLM) reaches them, not `model`, whose hook turned the cache off after it (a reviewer's repro)."""
     handles = model.__dict__.get(_HOOKS, [])
     for m in model.modules():
         position = _position(m)
         if position != -1 and not _has_hook(m):   # a module hooked through a wrapper already: not twice
             handles.append(m.register_forward_pre_hook(_NoCache(position), with_kwargs=True))
-    model.__dict__[_HOOKS] = handles
+    for m in (model, *layers):
+        m.__dict__[_HOOKS] = handles
 
 
 def restore_training_cache(model: nn.Module) -> None:
     """Removes the hooks from every module of `model`, whichever object the policy was applied to: a wrapper
     (PEFT's PeftModel forwards attribute reads to the model inside, not __dict__) held its handles, so the
-    model inside, or the one merge_and_unload() returned, kept its hooks (and use_cache=False) after removal."""
+    model inside, or the one merge_and_unload() returned, kept its hooks (and use_cache=False) after removal.
+    The handles its layers hold remove those of the modules around it."""
     for m in model.modules():
-        m.__dict__.pop(_HOOKS, None)
+        for h in m.__dict__.pop(_HOOKS, ()):
+            h.remove()
         for key in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, _NoCache)]:
             del m._forward_pre_hooks[key]
             m._forward_pre_hooks_with_kwargs.pop(key, None)

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from effmem.plan.model import ModelSpec, find_blocks
+from effmem.plan.model import ModelSpec
 from effmem.plan.trace import _LAYER_KINDS, InputsFn, Trace, trace_module
 
 
@@ -33,8 +33,7 @@ def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target
             fuse_linear_cross_entropy(model, grad_in_forward=grad_in_forward)
         try:
             t = trace_module(model, batch, seq, dtype, target, inputs, autocast=autocast)
-            if fast and getattr(model, "_effmem_fast", None) is None and all(
-                    getattr(b, "_effmem_policy", None) is None for b in find_blocks(model)[1]):
+            if fast and all(getattr(b, "_effmem_policy", None) is None for b in model.modules()):
                 # the same forward under the "fast" activation policy (a module that has a policy of its
                 # own already is traced as it is, without the candidate)
                 t.fast = trace_module(model, batch, seq, dtype, target, inputs, fast=True, autocast=autocast)
