@@ -187,6 +187,12 @@ def test_a_budget_nothing_fits_and_bad_arguments_name_themselves():
     m = apply_activation_policy(llama(2), memory_budget=1000)
     with pytest.raises(ValueError, match=r"memory_budget: 1000 bytes for 2 layers .* every layer under 'min'"):
         loss_of(m)
+    with pytest.raises(ValueError, match=r"a fraction goes as a float: memory_budget=1.0\)"):
+        loss_of(apply_activation_policy(llama(2), memory_budget=1))
+    # float64: "fast" keeps more than plain (its values as they are); the least is every layer plain
+    m = apply_activation_policy(llama(2).double(), memory_budget=0.99)
+    with pytest.raises(ValueError, match=r"with every layer under 'plain' \('min' is left out: .*not torch.float64\)"):
+        loss_of(m)
     with pytest.raises(ValueError, match=r"memory_budget: a fraction .* \(0, 1\], got 1.5"):
         apply_activation_policy(llama(2), memory_budget=1.5)
     with pytest.raises(TypeError, match="memory_budget: expected a fraction"):

@@ -267,7 +267,8 @@ class BudgetPolicy:
         allow_min = self.allow_min and not self.side_outputs and coded
         modes = choose(self.layers, nbytes, budget, max_offload, allow_min)
         if modes is None:
-            least_mode = "min" if allow_min else "fast"
+            # the mode of fewest bytes: "plain" where "fast" keeps more (float64, whose values it keeps)
+            least_mode = min(("plain", "fast", "min") if allow_min else ("plain", "fast"), key=nbytes.get)
             n_off = max_offload if nbytes["offload"] < nbytes[least_mode] else 0
             least = n_off * nbytes["offload"] + (self.layers - n_off) * nbytes[least_mode]
             how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
@@ -279,7 +280,8 @@ class BudgetPolicy:
                         f"{hidden.dtype})"))
             raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
                              f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
-                             f"with {how}")
+                             f"with {how}" + (f" (a fraction goes as a float: memory_budget={budget}.0)"
+                                              if type(self.budget) is int and self.budget in (0, 1) else ""))
         predicted = sum(nbytes[m] for m in modes)
         if "offload" in modes:
             self.offloader.reserve(modes.count("offload") * host_per_layer, hidden.device)
