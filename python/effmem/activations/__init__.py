@@ -59,6 +59,7 @@ from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.budget import BudgetPolicy, check_budget
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.compress import _codec
+from effmem.compress.hooks import torch_checkpoint_on_top
 from effmem.plan.model import find_blocks, generative_decoder, mixed_layer_classes
 from effmem.plan.trace import _tensors
 
@@ -208,6 +209,8 @@ def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first:
         return original(*args, **kwargs)
     refuse_hf_checkpointing(layer)
     _hidden_tensor(layer, args, kwargs, 'the "fast" policy')
+    if not torch.compiler.is_compiling() and torch_checkpoint_on_top():
+        return original(*args, **kwargs)   # in the user's torch checkpoint, which keeps the layer's input alone
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
         # with the hooks around it (see _compiled_layer).
@@ -234,6 +237,8 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
         return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
     _hidden_tensor(layer, args, kwargs, "memory_budget")
     refuse_hf_checkpointing(layer)
+    if not torch.compiler.is_compiling() and torch_checkpoint_on_top():
+        return original(*args, **kwargs)   # in the user's torch checkpoint, which keeps the layer's input alone
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)
     return _run_budget_layer(False, layer, original, budget, index, name, shapes, *args, **kwargs)

@@ -37,6 +37,7 @@ from effmem.activations import relu
 from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.torch_checkpoint import buffers_kept, modes_as, torch_checkpointed
 from effmem.compress import _codec
+from effmem.compress.hooks import torch_checkpoint_on_top
 from effmem.compress.functions import _as_rows, _seed
 
 
@@ -244,6 +245,8 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     if torch.compiler.is_compiling():
         return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
     refuse_hf_checkpointing(layer)
+    if torch_checkpoint_on_top():
+        return original(*args, **kwargs)   # in the user's torch checkpoint: recomputed there once, not twice
     by_name = not args
     if by_name:
         if "hidden_states" not in kwargs:

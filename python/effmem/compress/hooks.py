@@ -77,6 +77,17 @@ def _has_storage(t: Tensor) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def torch_checkpoint_on_top() -> bool:
+    """Whether the saved-tensor hooks a save would use now are torch.utils.checkpoint's (torch 2.14 marks them;
+    2.11's are known by their functions' names)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    pack = top[0]
+    return bool(getattr(pack, "_checkpoint_internal", False)) or getattr(pack, "__qualname__", "").startswith(
+        ("_checkpoint_hook.", "_recomputation_hook."))
+
+
 class ActivationCompressor:
     """The state behind compress_activations: options, hooks, dedup table, statistics.
 
@@ -168,6 +179,12 @@ class ActivationCompressor:
             # forward reads those, not the module's own: skipped (naming theirs raised NotImplementedError)
             self._model_storages = {storage_key(t) for t in itertools.chain(
                 self._root.parameters(), self._root.buffers()) if t.device.type != "meta" and _has_storage(t)}
+        if torch_checkpoint_on_top():
+            # inside torch's non-reentrant checkpoint (its forward keeps nothing but the region's inputs, its
+            # recompute hands its saves to backward): hooks pushed above its own hid them, and the region kept
+            # every save in 8 bits with nothing recomputed (a reviewer's repro)
+            s.contexts = []
+            return
         contexts = [torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)]
         if self.config.track_exact:
             contexts.append(OutputTracker())
