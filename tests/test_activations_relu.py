@@ -285,3 +285,26 @@ def test_compress_activations_masks_prelu_too():
         assert ((a.grad - b.grad).norm() / a.grad.norm()).item() < 0.02
     remove_compression(model)
     assert type(model[1]) is torch.nn.PReLU
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU(), torch.nn.ReLU6(), torch.nn.Hardtanh(-1.0, 1.0)])
+def test_masked_backward_meets_inf_and_nan_as_torch_does(act):
+    """An inf gradient where the activation is flat gives 0, as torch's threshold/hardtanh backward (the product
+    by the mask gave inf * 0 = NaN); a NaN output passes its gradient (the compressed save's mask, t > 0,
+    dropped it)."""
+    from effmem.compress import compress_activations
+    x0 = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 10
+    x0[3, 5] = float("nan")
+    g = torch.ones(64, 128)
+    g[0] = float("inf")
+    grads = []
+    for wrap in (False, True):
+        m = torch.nn.Sequential(act)
+        if wrap:
+            compress_activations(m)
+        x = x0.clone().requires_grad_()
+        m(x * 1.0).backward(g)
+        grads.append(x.grad)
+    plain, ours = grads
+    assert not plain.isnan().any() and plain[0].isinf().any()
+    assert torch.equal(plain, ours)

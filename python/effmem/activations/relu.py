@@ -72,7 +72,9 @@ def _backward(packed: Tensor, grad: Tensor, slope: float = 0.0) -> Tensor:
     """grad where the mask is on; elsewhere grad times the activation's other slope (0: ReLU, ReLU6, Hardtanh;
     LeakyReLU's negative_slope)."""
     on = unpack_bits(packed, grad.shape)
-    return grad * on.to(grad.dtype) if slope == 0.0 else torch.where(on, grad, grad * slope)
+    # where, not a product by the mask: an inf gradient (fp16 overflow) where the slope is 0 gives 0, as in
+    # torch's threshold/hardtanh backward, not inf * 0 = NaN
+    return torch.where(on, grad, 0.0 if slope == 0.0 else grad * slope)
 
 
 class _ReLU(torch.autograd.Function):

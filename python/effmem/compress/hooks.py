@@ -319,11 +319,12 @@ class ActivationCompressor:
 
     def _masked(self, t: Tensor, h, module: str) -> "_MaskedSave":
         """A ReLU's own save of its output (the first of that memory: a layer reading it saves it later), with its
-        exact mask (t > 0, 1 bit per element) beside the codes. ReLU's backward passes a gradient where its
+        exact mask (not t <= 0, 1 bit per element: a NaN passes its gradient, as in threshold_backward) beside
+        the codes. ReLU's backward passes a gradient where its
         output is positive, and a small positive value that rounds to code 0 lost its gradient: in a reviewer's
         Linear-ReLU net, 283 of 65,413 positive outputs came back as 0 and the weight gradients were 9% off
         (38% at 4 bits)."""
-        mask = t > 0
+        mask = ~(t <= 0)
         m = self._saves.store(mask)
         if type(m) is str:   # no gain in packing it: kept as it is
             m = mask
