@@ -257,6 +257,12 @@ def test_bad_arguments():
         ops.dequantize(codes, stats[:, :0], bits=8, group_size=64, shape=x.shape, dtype=x.dtype)
     with pytest.raises(TypeError, match="dtype must be"):
         torch.ops.effmem.dequantize(codes, stats, 8, 64, 64, torch.int32)
+    with pytest.raises(TypeError, match="x: expected a tensor, got list"):
+        ops.quantize([[1.0, 2.0]])   # AttributeError: 'list' object has no attribute 'dtype'
+    with pytest.raises(TypeError, match=r"dtype: expected a torch.dtype .*got 'float32'"):
+        ops.dequantize(codes, stats, bits=8, group_size=64, shape=x.shape, dtype="float32")
+    with pytest.raises(ValueError, match=r"shape: \(2, 4, 64\) holds 512 elements, but the codes hold 4 rows of 64"):
+        ops.dequantize(codes, stats, bits=8, group_size=64, shape=(2, 4, 64), dtype=x.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

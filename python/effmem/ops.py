@@ -3,6 +3,7 @@
 The ops themselves are registered in C++ (csrc/ops.cpp) under torch.ops.effmem;
 the fake kernels here let torch.compile and FakeTensor trace them.
 """
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -195,6 +196,8 @@ def quantize(x: Tensor, *, bits: int = 8, group_size: int = 128, seed: int = 0,
     and CUDA. A group holding NaN, or both -inf and +inf, dequantises to NaN.
     """
     check_quant_config(bits, group_size)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
     # the overload itself, not the packet: resolving the packet costs about 7 us a call, as much as the op's
@@ -215,9 +218,15 @@ def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shap
                dtype: torch.dtype) -> Tensor:
     """Inverse of :func:`quantize`: a contiguous tensor of ``shape`` and ``dtype``."""
     check_quant_config(bits, group_size)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype (torch.float32, torch.bfloat16, torch.float16), got {dtype!r}")
     shape = tuple(shape)
     last_dim = shape[-1] if shape else 1
-    return _lib.dequantize.default(codes, stats, int(bits), int(group_size), int(last_dim), dtype).reshape(shape)
+    out = _lib.dequantize.default(codes, stats, int(bits), int(group_size), int(last_dim), dtype)
+    if out.numel() != math.prod(shape):
+        raise ValueError(f"shape: {shape} holds {math.prod(shape)} elements, but the codes hold {out.shape[0]} "
+                         f"rows of {last_dim} (quantize's input had as many rows as elements / shape[-1])")
+    return out.reshape(shape)
 
 
 @torch.library.register_fake("effmem::quantize")
