@@ -53,11 +53,21 @@ def _layer_norm_forward(m: nn.LayerNorm, x):
     return fused.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
 
 
+# Set on a hook function that only watches modules run (effmem plan's trace): a module the fused product does
+# not call is not run in training either, so such a hook does not keep the fused product from running.
+OBSERVER = "_effmem_observer"
+
+
+def _user_hooks(*dicts) -> bool:
+    return any(not getattr(h, OBSERVER, False) for d in dicts for h in d.values())
+
+
 def _plain_silu(act) -> bool:
     """Whether calling `act` is SiLU and nothing else: no hooks on it, none on every module (a global hook
     would see it called), which the fused product (that never calls it) would skip."""
-    return (type(act).__name__ in SILU and not (act._forward_hooks or act._forward_pre_hooks)
-            and not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks))
+    return type(act).__name__ in SILU and not _user_hooks(
+        act._forward_hooks, act._forward_pre_hooks, _module_hooks._global_forward_hooks,
+        _module_hooks._global_forward_pre_hooks)
 
 
 def _gated_mlp_forward(m: nn.Module, x):

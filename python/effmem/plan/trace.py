@@ -33,7 +33,7 @@ from effmem.compress._codec import memory_row, packed_bytes, saved_groups
 from effmem.compress.api import kinked_activation
 from effmem.compress.hooks import SIGN_READ
 from effmem.compress.policy import CompressConfig, value_reason
-from effmem.activations import relu
+from effmem.activations import paths, relu
 from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
 from effmem.plan.trace_kernels import _Counter, _device_kernels, _Flops, _MetaAutocast, _tensors
@@ -370,6 +370,9 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
             st["after_head"] = True
 
     handles = []
+    # watchers only: a module the fused paths do not call (a gated MLP's act_fn) is not run here either
+    setattr(pre, paths.OBSERVER, True)
+    setattr(post, paths.OBSERVER, True)
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
