@@ -130,3 +130,24 @@ def test_a_delay_flush_between_forward_and_backward_makes_the_backward_refuse(fl
     model(x).square().mean().backward()   # a forward after the flush trains on
     opt.step()
     opt.close()
+
+
+class _ClearInterrupted(set):
+    """opt._queued, whose clear() is interrupted once it returned (where CPython delivers a pending signal)."""
+
+    def clear(self):
+        super().clear()
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_inside_the_steps_bookkeeping_still_counts_the_step():
+    """A real SIGALRM landed just after step()'s bookkeeping cleared its queue (a reviewer's loop of 2,623 tries):
+    the step the engine took went uncounted and the next backward ran as if inside this one."""
+    model, x = model_and_batch()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, delay=True, delay_warmup=10)
+    model(x).sum().backward()
+    opt._queued = _ClearInterrupted(opt._queued)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert opt._step_count == 1 and not opt._in_backward and opt._plain_backwards == 0
+    opt.close()

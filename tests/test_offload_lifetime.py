@@ -90,6 +90,41 @@ def test_a_forked_child_of_a_process_with_an_offload_adam_neither_hangs_nor_cras
         assert "refused" in r.stdout
 
 
+def test_a_forked_child_is_told_how_to_use_an_attached_model():
+    """A child forked to save or evaluate the model: attach()'s hooks refuse, naming the way out (opt.close()
+    here), which then gives the model with the weights installed before the fork."""
+    r = run_child("""
+        import os, sys, torch
+        from effmem import OffloadAdam
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = OffloadAdam(model.parameters(), lr=1e-3, num_threads=1, async_step=True)
+        opt.attach(model)
+        for _ in range(2):
+            model(torch.randn(4, 64)).sum().backward(); opt.step(); opt.zero_grad()
+        opt.flush()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        pid = os.fork()
+        if pid == 0:
+            try:
+                model.state_dict()
+            except RuntimeError as e:
+                assert "call opt.close() in this process" in str(e), e
+                opt.close()
+                got = model.state_dict()
+                assert all(torch.equal(got[k], v) for k, v in want.items())
+                with torch.no_grad():
+                    model.eval()(torch.randn(4, 64))
+                print("closed", flush=True)
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        opt.close()
+        print("done")
+    """, timeout=60)
+    assert r.returncode == 0 and "done" in r.stdout and "closed" in r.stdout, (r.stdout, r.stderr[-2000:])
+
+
 def test_cpu_kernels_run_in_a_forked_dataloader_worker():
     """A DataLoader worker sets one thread; effmem's pool of the parent (two threads) is not there."""
     r = run_child("""

@@ -7,6 +7,7 @@ weights first. So each FSDP unit gets one hook, placed before FSDP's own, for ev
 manages (its subtree, less nested units) and for those of the units it prefetches
 (``set_modules_to_forward_prefetch``): the shards hold the new weights before any all-gather reads them.
 """
+import os
 import types
 import weakref
 from typing import Dict, List
@@ -144,7 +145,15 @@ class _EngineHook:
     def _engine_open(self):
         """The optimizer, or None where it is gone or closed."""
         opt = self.opt()
-        return None if opt is None or opt._engine is None or opt._engine.closed else opt
+        if opt is None or opt._engine is None or opt._engine.closed:
+            return None
+        if os.getpid() != opt._pid:   # the engine's own refusal named neither the model's call nor a way out
+            raise RuntimeError(
+                "OffloadAdam.attach(model)'s hooks ran in a process forked from the one that made the optimizer "
+                "(a child saving or evaluating the model), where its engine has none of its threads: call "
+                "opt.close() in this process to use the model without it (its weights are those installed "
+                "before the fork; opt.flush() in the parent before forking installs every step's)")
+        return opt
 
 
 class _Flush(_EngineHook):

@@ -420,12 +420,13 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             torch.autograd.graph.increment_version([self._local[i] for i in self._queued])
             self._sync_state(self._queued)
         finally:   # the step is taken: counted (delay's warm-up clock) whatever interrupts its bookkeeping
-            self._queued.clear()
+            # the plain stores first: a signal lands as a call returns (clear()), not between these
             self._step_count += 1
             exact, self._exact_next = (self._exact_next or replaced) and self._delay_correction, False
             self._in_backward = False
-            self._streamed.clear()
             self._plain_backwards = 0
+            self._queued.clear()
+            self._streamed.clear()
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._synchronize()
