@@ -267,3 +267,20 @@ def test_a_model_without_learned_positions_to_train_on_is_refused_by_name():
     with pytest.raises(ValueError, match=r"n_positions is 0: a model with learned positions needs at least one"):
         effmem.plan({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256,
                      "n_positions": 0}, device="cpu")
+
+
+def test_selective_is_left_out_where_a_layer_writes_into_a_products_output():
+    """Falcon adds the attention output into the MLP product's in place (mlp_output += attention_output): the
+    "selective" policy refuses it at the first forward, and the plan offered (and could pick) its candidates."""
+    from effmem.plan.verify import model_for
+    falcon = dict(model_type="falcon", vocab_size=128, num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    p = effmem.plan(falcon, batch=2, seq=32, device="cpu")
+    assert not [c for c in p.candidates if "selective" in c.name]
+    assert any("selective: left out" in n for n in p.notes)
+    m = effmem.apply_activation_policy(model_for(p, torch.float32), "selective")
+    ids = torch.randint(0, 128, (2, 32))
+    with pytest.raises(RuntimeError, match="changes the output of a matrix product in place"):
+        m(input_ids=ids, labels=ids).loss.backward()
+    llama = dict(model_type="llama", vocab_size=128, num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                 num_attention_heads=4)
+    assert [c for c in effmem.plan(llama, batch=2, seq=32, device="cpu").candidates if "selective" in c.name]

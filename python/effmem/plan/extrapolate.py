@@ -155,6 +155,10 @@ class Extrapolated:
     def has_fast(self) -> bool:
         return all(t.fast is not None for t in self._traces()) and (self.step is None or self.step.has_fast)
 
+    @property
+    def selective_refused(self) -> bool:
+        return any(t.selective_refused for t in self._traces()) or bool(self.step and self.step.selective_refused)
+
     def block_bytes(self) -> int:
         """The largest decoder layer's internally saved bytes."""
         if self.step is not None:

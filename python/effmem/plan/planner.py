@@ -53,7 +53,10 @@ class _Activity:
         self.method, self.seq = self.one.method, seq
         # traced under the "fast" policy too (not for a module with a policy of its own)
         self.has_fast = fast_from.has_fast if fast_from is not None else self.one.has_fast and self.two.has_fast
-        self.strategies = tuple(a for a in costs.ACTIVATIONS if not a.startswith("fast") or self.has_fast)
+        # a layer writing into a product's output in place: the "selective" policy refuses the model
+        self.selective_refused = self.one.selective_refused or self.two.selective_refused
+        self.strategies = tuple(a for a in costs.ACTIVATIONS if (not a.startswith("fast") or self.has_fast)
+                                and (a != "selective" or not self.selective_refused))
 
     def model(self, spec: ModelSpec, micro: int, trainable_share: float) -> costs.Model:
         def lin(f):
@@ -411,6 +414,9 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         notes.append(f"cross-check: the closed-form count (plan/formula.py) of one sequence's saved activations "
                      f"is {cross_check['formula'] / 1e6:.2f} MB, the trace {cross_check['traced'] / 1e6:.2f} MB "
                      f"({cross_check['relative_difference']:+.2%})")
+    if any(getattr(a, "selective_refused", False) for a in activity.values()):
+        notes.append("selective: left out; a decoder layer writes into a matrix product's output in place (as "
+                     "Falcon's mlp_output += attention_output), which the 'selective' policy refuses")
     if any(p.trainable and p.trainable < p.numel for p in spec.params):
         notes.append("trainable: part of a parameter trains (#a:b): counted as such; apply() cannot do that")
 

@@ -147,6 +147,8 @@ class Trace:
     fast_compressed_bytes: int = 0   # plain bytes of what it quantised (the work of its kernels)
     fast_codes_bytes: int = 0        # what that became: codes and statistics (what "offload" moves to the host)
     selective_recompute_bytes: float = 0.0  # read + written by the layers' ops that selective recomputes
+    # a layer writes into a product's output in place: the "selective" policy refuses such a model
+    selective_refused: bool = False
     elementwise_bytes: float = 0.0  # read + written by every forward op but products and attention
     head_recompute_flops: float = 0.0  # the fused loss's logits product, made again in backward (recompute path)
     backward_flops: float = 0.0   # backward's products: each forward product once per operand taking a gradient
@@ -378,7 +380,8 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
     # what selective keeps: products' outputs, in a layer autograd records (requires_grad is not seen down here)
     flops = _Flops(keep=lambda t: st["graph"] and record(t, sac_output=True, first_block=st["block"]),
-                   in_block=lambda: st["block"] is not None)
+                   in_block=lambda: st["block"] is not None,
+                   in_place_module=lambda: bool(stack) and getattr(stack[-1], "inplace", None) is True)
     from effmem import linear_ce
     amp = _MetaAutocast(target) if autocast else None
     previous, linear_ce._TRACE_TARGET[0] = linear_ce._TRACE_TARGET[0], target
@@ -411,6 +414,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     tr.block_matmul_flops = float(counter.block_flops)
     tr.attention_flops = flops.attention
     tr.selective_recompute_bytes = flops.recompute_bytes
+    tr.selective_refused = flops.kept_written
     tr.elementwise_bytes = flops.elementwise_bytes
     tr.head_recompute_flops = counter.head_recompute_flops
     tr.backward_flops, tr.attention_backward_flops = counter.backward_flops, flops.attention_backward

@@ -13,8 +13,9 @@ inside decoder layers, what selective checkpointing keeps (matmul and attention 
 traffic of what it recomputes.
 """
 import contextlib
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -73,6 +74,12 @@ class _Flops:
     # what every op of the forward but the products and attention reads and writes (the step model's
     # memory-bound time: norms, activations, rotary, casts, residual adds, the loss's softmax)
     elementwise_bytes: float = 0.0
+    # the storages of the outputs keep(t) recorded; whether an op of a layer then wrote into one in place
+    # (Falcon's mlp_output += attention_output), which the "selective" policy refuses at its first forward.
+    # in_place_module: the op runs in a module with inplace=True, which "selective" runs out of place
+    kept: set = field(default_factory=set)
+    kept_written: bool = False
+    in_place_module: Callable[[], bool] = lambda: False
 
 
 class _FusedRmsNorm(torch.autograd.Function):
@@ -234,6 +241,13 @@ class _MetaAutocast(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _writes_first(func) -> bool:
+    """Whether the op writes into its first argument (add_, copy_, an out= form on it)."""
+    a = func._schema.arguments
+    return bool(a) and a[0].alias_info is not None and a[0].alias_info.is_write
+
+
 class _Counter(TorchDispatchMode):
     """Counts matmul FLOPs (torch's own formulas) and makes meta tensors behave like the target device's.
 
@@ -278,6 +292,10 @@ class _Counter(TorchDispatchMode):
             if kept:   # selective checkpointing keeps this op's outputs
                 for t in _tensors(out):
                     self.sel.keep(t)
+                    self.sel.kept.add(t.untyped_storage()._cdata)
+            elif (in_block and self.sel.kept and _writes_first(func) and isinstance(args[0], Tensor)
+                  and args[0].untyped_storage()._cdata in self.sel.kept and not self.sel.in_place_module()):
+                self.sel.kept_written = True
             elif recomputed:   # any other op that makes new memory runs again in the recompute
                 self.sel.recompute_bytes += traffic
             if not matmul:
