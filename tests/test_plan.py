@@ -211,7 +211,10 @@ def test_command_writes_json_chart_and_code(tmp_path, capsys):
     assert svg.read_text().startswith("<svg") and "(pick)" in svg.read_text()
     with pytest.raises(SystemExit):
         main(["plan", "gpt2", "--gpu-memory", "lots"])
-    assert "gpu_memory: expected a size" in capsys.readouterr().err
+    assert "error: --gpu-memory: expected a size" in capsys.readouterr().err   # the flag, not the argument
+    with pytest.raises(SystemExit):
+        main(["plan", "gpt2", "--batch", "0"])
+    assert "error: --batch: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_png_chart_draws_the_progression_and_the_pick(tmp_path):

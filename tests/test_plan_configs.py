@@ -33,6 +33,8 @@ def test_a_model_it_cannot_plan_gets_an_error_that_says_why(tmp_path):
     with pytest.raises(ValueError, match="causal language models .* 't5' has none"):
         effmem.plan(str(tmp_path / "t5"), batch=1, seq=16)
     llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=256)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"):
+        effmem.plan(dict(llama, num_hidden_layers=2, num_key_value_heads=3), batch=1, seq=16)   # planned before
     # BartForCausalLM: a decoder taken out of an encoder-decoder, its count under decoder_layers
     with pytest.raises(ValueError, match="it names its count 'decoder_layers', a family effmem plan does not know"):
         effmem.plan(dict(model_type="bart", d_model=64, decoder_layers=2, encoder_layers=2, vocab_size=256),

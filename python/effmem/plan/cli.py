@@ -75,7 +75,10 @@ def cmd_plan(args) -> int:
                              gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus=args.gpus,
                              trainable=args.trainable, device=args.device, clipping=not args.no_clipping)
     except (ValueError, TypeError, ImportError) as e:
-        args.subparser.error(str(e))
+        # effmem.plan names its Python argument (gpu_memory: ...): here the flag that gave it (--gpu-memory: ...)
+        name, sep, rest = str(e).partition(":")
+        flag = name in ("batch", "seq", "accum", "gpu_memory", "host_memory", "gpus", "trainable", "device")
+        args.subparser.error(f"--{name.replace('_', '-')}:{rest}" if sep and flag else str(e))
     except (RuntimeError, IndexError) as e:   # the model's own forward refusing the trace's inputs
         from effmem.plan.trace import TraceFailed
         why = e if isinstance(e, TraceFailed) else f"{type(e).__name__}: {e}"

@@ -91,6 +91,11 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
                          "knows (a newer transformers, or a typo in config.json?)") from None
     except Exception as e:   # transformers' own validation (hidden size not a multiple of the heads...)
         raise _refused(model_type, e) from None
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and heads > 0 and kv > 0 and heads % kv:
+        # transformers builds it, and its forward fails (each key/value head serves a whole number of queries')
+        raise ValueError(f"model: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}), "
+                         "so the model's forward cannot run")
     config.use_cache = False
     with torch.device("meta"):
         try:
