@@ -213,6 +213,17 @@ def test_removed_through_the_model_inside_the_one_applied_to(policy):
         assert m(input_ids=x, use_cache=True).past_key_values is not None
 
 
+def test_one_layer_of_a_model_under_a_policy_pickles_without_the_models_hooks():
+    """The layers share the list of the model's use_cache hooks (for a removal through the model inside): a
+    pickle or copy of one layer carried every hooked module's hooks, and a user's lambda among them failed it."""
+    m = apply_activation_policy(llama(), "fast")
+    m.register_forward_pre_hook(lambda module, args: None)
+    torch.save(m.model.layers[0], io.BytesIO())   # PicklingError before
+    assert not copy.deepcopy(m.model.layers[0]).__dict__["_effmem_no_cache"].handles
+    remove_activation_policy(copy.deepcopy(m))   # a copy of the whole model removes its own hooks
+    assert _effmem_hooks(m) > 0
+
+
 @pytest.mark.parametrize("policy", ["fast", "min"])
 def test_a_layer_listed_twice_or_transformers_checkpointing_is_refused_before_any_change(policy):
     """A layer used twice (tied, looped) was wrapped twice ("fast") or refused halfway ("min", its first copy

@@ -74,3 +74,19 @@ def test_a_policy_layer_inside_the_users_checkpoint_runs_once_more_in_backward(p
     assert worst < 1e-5   # the fused norms and MLP product, in float32
     assert effmem.activations.activation_stats(ours) is None or \
         effmem.activations.activation_stats(ours).num_compressed == 0
+
+
+@pytest.mark.parametrize("policy", ["fast", "budget"])
+def test_statistics_are_a_forwards_own_with_the_first_layer_inside_the_users_checkpoint(policy):
+    """The first layer resets the statistics; inside the user's checkpoint it returned before, and they grew
+    with every forward (a reviewer's repro: 302080, 422912, 543744 bytes)."""
+    x, m = ids(), llama()
+    apply_activation_policy(m, memory_budget=0.3) if policy == "budget" else apply_activation_policy(m, policy)
+    first = m.model.layers[0]
+    first.forward = functools.partial(
+        lambda forward, *a, **k: checkpoint(forward, *a, use_reentrant=False, **k), first.forward)
+    seen = []
+    for _ in range(3):
+        m(input_ids=x, labels=x).loss.backward()
+        seen.append(effmem.activations.activation_stats(m).total_bytes_after)
+    assert seen[0] > 0 and seen == [seen[0]] * 3

@@ -210,6 +210,8 @@ def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first:
     refuse_hf_checkpointing(layer)
     _hidden_tensor(layer, args, kwargs, 'the "fast" policy')
     if not torch.compiler.is_compiling() and torch_checkpoint_on_top():
+        if first and torch._C._current_graph_task_id() == -1:   # not checkpoint's recompute, in backward
+            comp.reset_stats()   # a new forward: its statistics hold this forward's saves only
         return original(*args, **kwargs)   # in the user's torch checkpoint, which keeps the layer's input alone
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
@@ -238,6 +240,8 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
     _hidden_tensor(layer, args, kwargs, "memory_budget")
     refuse_hf_checkpointing(layer)
     if not torch.compiler.is_compiling() and torch_checkpoint_on_top():
+        if index == 0 and torch._C._current_graph_task_id() == -1:
+            budget.comp.reset_stats()   # a new forward (as in _fast_layer_forward)
         return original(*args, **kwargs)   # in the user's torch checkpoint, which keeps the layer's input alone
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)

@@ -81,18 +81,37 @@ def _has_hook(m: nn.Module) -> bool:
     return any(isinstance(h, _NoCache) for h in m._forward_pre_hooks.values())
 
 
+class _Shared:
+    """The list of handles as the layers hold it: not copied. A copy or pickle of one layer would carry every
+    hooked module's hooks with it (a user's lambda among them refused pickling); a copy of the model keeps
+    its own list on the model it was applied to."""
+    __slots__ = ("handles",)
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def __reduce__(self):
+        return _Shared, ([],)
+
+
+def _handles(m: nn.Module, pop: bool = False) -> list:
+    held = m.__dict__.pop(_HOOKS, None) if pop else m.__dict__.get(_HOOKS)
+    return held.handles if isinstance(held, _Shared) else (held or [])
+
+
 def no_training_cache(model: nn.Module, layers=()) -> None:
     """Turn the cache off in `model`'s training forwards (once per module; undo with restore_training_cache).
     Every module is looked at: a list of handles on a wrapper outlives a removal through the model inside.
     `layers` hold the list too: a removal through a model inside `model` (the LlamaModel of a
     LlamaForCausalLM) reaches them, not `model`, whose hook turned the cache off after it (a reviewer's repro)."""
-    handles = model.__dict__.get(_HOOKS, [])
+    handles = _handles(model)
     for m in model.modules():
         position = _position(m)
         if position != -1 and not _has_hook(m):   # a module hooked through a wrapper already: not twice
             handles.append(m.register_forward_pre_hook(_NoCache(position), with_kwargs=True))
-    for m in (model, *layers):
-        m.__dict__[_HOOKS] = handles
+    model.__dict__[_HOOKS] = handles
+    for layer in layers:
+        layer.__dict__[_HOOKS] = _Shared(handles)
 
 
 def restore_training_cache(model: nn.Module) -> None:
@@ -101,7 +120,7 @@ def restore_training_cache(model: nn.Module) -> None:
     model inside, or the one merge_and_unload() returned, kept its hooks (and use_cache=False) after removal.
     The handles its layers hold remove those of the modules around it."""
     for m in model.modules():
-        for h in m.__dict__.pop(_HOOKS, ()):
+        for h in _handles(m, pop=True):
             h.remove()
         for key in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, _NoCache)]:
             del m._forward_pre_hooks[key]

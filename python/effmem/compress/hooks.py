@@ -165,15 +165,19 @@ class ActivationCompressor:
             self.remove_hooks()
             self._context_hooks = False
 
+    def reset_stats(self) -> None:
+        """A new forward's statistics (and records)."""
+        self.stats.reset()
+        if self.records is not None:
+            self.records.clear()
+
     def _begin(self, reset: bool) -> None:
         s = self._state()
         s.depth += 1
         if s.depth > 1:  # re-entered (a wrapped model called inside itself): one set of hooks is enough
             return
         if reset:
-            self.stats.reset()
-            if self.records is not None:
-                self.records.clear()
+            self.reset_stats()
         if self._root is not None:
             # torch.func's functional_call under vmap or grad swaps in wrappers that have no storage, and the
             # forward reads those, not the module's own: skipped (naming theirs raised NotImplementedError)

@@ -145,15 +145,18 @@ class _EngineHook:
     def _engine_open(self):
         """The optimizer, or None where it is gone or closed."""
         opt = self.opt()
-        if opt is None or opt._engine is None or opt._engine.closed:
-            return None
-        if os.getpid() != opt._pid:   # the engine's own refusal named neither the model's call nor a way out
-            raise RuntimeError(
-                "OffloadAdam.attach(model)'s hooks ran in a process forked from the one that made the optimizer "
-                "(a child saving or evaluating the model), where its engine has none of its threads: call "
-                "opt.close() in this process to use the model without it (its weights are those installed "
-                "before the fork; opt.flush() in the parent before forking installs every step's)")
-        return opt
+        return None if opt is None or opt._engine is None or opt._engine.closed else opt
+
+
+def _same_process(opt) -> None:
+    """Before a hook's call into the engine: in a forked child (a child saving or evaluating the model) the
+    engine's own refusal named neither the model's call nor a way out."""
+    if os.getpid() != opt._pid:
+        raise RuntimeError(
+            "OffloadAdam.attach(model)'s hooks ran in a process forked from the one that made the optimizer, "
+            "where its engine has none of its threads: call opt.close() in this process to use the model "
+            "without it (its weights are those installed before the fork; opt.flush() in the parent before "
+            "forking installs every step's)")
 
 
 class _Flush(_EngineHook):
@@ -174,8 +177,10 @@ class _Flush(_EngineHook):
             # Training: after a backward that raised (its task still open, none running on this thread), the
             # weights its hooks installed are ordered before this forward reads them (delay).
             if opt._open_tasks and _backward_depth() == 0:
+                _same_process(opt)
                 opt._engine.fence()
             return   # evaluation is an eval-mode forward without gradients; training in eval mode keeps its overlap
+        _same_process(opt)
         opt._synchronize()
 
 
@@ -204,6 +209,7 @@ def _attached_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     for hook in module.__dict__.get("_effmem_zero_grad", ()):
         opt = hook._engine_open()
         if opt is not None and opt._in_backward:
+            _same_process(opt)
             opt.zero_grad(set_to_none)
 
 
@@ -228,6 +234,7 @@ class _Installer(_EngineHook):
                                "where its weights cannot be installed (the upload is ordered by events the "
                                "capture cannot see); call opt.flush() and capture the forward without "
                                "opt.attach(model)'s hooks, or use OffloadAdam without async_step")
+        _same_process(opt)
         opt._engine.install_for_forward(self.ids)
         if self.fsdp and opt._local[0].is_cuda:
             order_all_gathers(module, torch.cuda.current_stream())
