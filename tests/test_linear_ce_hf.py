@@ -221,6 +221,14 @@ def test_unknown_model_is_a_clear_error():
         effmem.fuse_linear_cross_entropy(gemma)
     with pytest.raises(TypeError, match="got Linear"):
         effmem.fuse_linear_cross_entropy(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="model: expected an nn.Module, got str"):
+        effmem.fuse_linear_cross_entropy("not a model")   # the long list of families, and a shift, before
+    from transformers import BertConfig, BertForMaskedLM
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64))
+    with pytest.raises(TypeError, match=r"aligned as the model's own loss aligns them") as e:
+        effmem.fuse_linear_cross_entropy(bert)   # a masked LM's labels are not shifted: the advice was wrong
+    assert "shifted by one" not in str(e.value)
 
 
 def test_tiny_llama_trains_the_same_in_bf16():

@@ -122,6 +122,8 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     product); True makes the gradients in forward instead (three products: faster than the unfused
     loss on an H200 at 16k tokens x 128k vocabulary, for a float32 buffer of the head's size while
     the weight gradient is summed)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     check_grad_in_forward(grad_in_forward)   # at fusing, not at the first loss
     base = _peft_base(model)
     if base is not None and knows(base):   # PEFT's PeftModel (a LoRA fine-tune): its model is what runs the loss
@@ -167,10 +169,14 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
             why = (f" ({name} scales its logits by its config's {scale[0]}: the hidden states scaled so, the loss "
                    "is the model's)")
         own = f"effmem.linear_cross_entropy({hidden}, lm_head.weight, labels{bias}{extra}){why}"
+        # a causal LM's loss shifts its labels by one; a masked LM's (BERT's) does not, and has no lm_head
+        causal = name.endswith(("ForCausalLM", "LMHeadModel")) or getattr(config, "is_decoder", False) is True
+        align = ("the labels shifted by one against the last hidden states (hidden[:, :-1], labels[:, 1:]) as the "
+                 "model's loss shifts them" if causal else "the hidden states and labels aligned as the model's "
+                 "own loss aligns them, lm_head being its output layer (model.get_output_embeddings())")
         raise TypeError(f"model: effmem.fuse_linear_cross_entropy knows {', '.join(SUPPORTED)} (a forward that "
                         f"feeds lm_head straight into loss_function), got {name}{hint}; or use {own} in your "
-                        "own loss, the labels shifted by one against the last hidden states (hidden[:, :-1], "
-                        "labels[:, 1:]) as the model's loss shifts them")
+                        f"own loss, {align}")
     _check_head(head, name)
     _check_loss(model, name)
     _check_hooks(head)
