@@ -262,9 +262,12 @@ def test_prelu_gets_an_exact_mask_under_the_policies(policy):
         return {n: p.grad for n, p in m.named_parameters()}
     ref = grads(model)
     policied = apply_activation_policy(copy.deepcopy(model), policy)
-    got = grads(policied)
+    for _ in range(3):   # the mean of 4 backwards: stochastic rounding's noise halves, a wrong mask's bias stays
+        policied(input_ids=x, labels=x).loss.backward()
+    got = {n: g / 4 for n, g in grads(policied).items()}
     assert all(type(layer.mlp.act_fn) is relu.MaskedPReLU for layer in policied.model.layers)
-    assert max(((ref[n] - got[n]).norm() / ref[n].norm()).item() for n in ref) < 0.035
+    # measured: 2.4% ("fast"), 0.8% ("min"); with the mask worked out from the 8-bit input, 5.3% and 3.5%
+    assert max(((ref[n] - got[n]).norm() / ref[n].norm()).item() for n in ref) < 0.03
 
 
 def test_compress_activations_masks_prelu_too():

@@ -378,7 +378,8 @@ def test_fast_offload_moves_the_hidden_layers_codes_to_the_host():
     # 31 of 32 layers: the last one's backward comes first, there is nothing to hide its copies behind
     assert hidden_layers(32, 1.0, 1, 1e9) == 31
     assert act["block"] == off.cost.activation_budget  # the solver may fill its budget: that is counted
-    assert off.cost.activation_budget < 0.1 * fast.cost.parts["activations_by_kind"]["block"]
+    # the codes go; each layer's attention output, kept as it is, stays (0.19 of "fast"'s block bytes here)
+    assert off.cost.activation_budget < 0.25 * fast.cost.parts["activations_by_kind"]["block"]
     assert f"memory_budget={off.cost.activation_budget})" in code_for(off.config, "cuda",
                                                                      off.cost.activation_budget)
     assert not any(c.config.activations == "fast_offload" for c in effmem.plan(

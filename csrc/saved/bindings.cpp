@@ -60,6 +60,8 @@ void bind_saved_hooks(py::module_& m) {
       .def("set_layer", &SavedTensors::set_layer, py::arg("external"), py::arg("token_values"),
            py::arg("param_shapes"))
       .def("take_tallies", &SavedTensors::take_tallies)
+      .def("first_keep", &SavedTensors::first_keep, py::arg("tensor"))
+      .def("clear_kept", &SavedTensors::clear_kept)
       .def_readwrite("min_numel", &SavedTensors::min_numel_)
       .def_readwrite("collect", &SavedTensors::collect_)
       .def_readonly("work_ns", &SavedTensors::work_ns_)

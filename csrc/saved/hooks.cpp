@@ -32,7 +32,7 @@ bool is_parameter(const at::Tensor& t) {
 
 const char* const SavedTensors::kReasons[kReasonCount] = {
     "compressed", "deduplicated", "parameter", "layer_input", "small", "row_statistic", "statistic",
-    "overlapping", "strided_view", "no_gain", "unsupported", "exponential"};
+    "overlapping", "strided_view", "no_gain", "unsupported", "exponential", "attention_output"};
 
 py::object SavedTensors::pack(py::handle obj) {
   PyObject* o = obj.ptr();
@@ -70,6 +70,12 @@ py::object SavedTensors::pack(py::handle obj) {
   // group (Mamba2's decays exp(segsum(A)) run from 1 down to 0), and 8-bit codes of one step per group rounded
   // the small ones to nothing (a Bamba's A_log gradient 14.8% off, 1.0% kept as it is)
   if (fn && fn->name() == "ExpBackward0") return keep(t, kExponential);
+  // a fused attention's output (flash, memory-efficient, cuDNN, the CPU's flash): its backward takes
+  // D = rowsum(dO * O) from it beside a P rebuilt from q, k and the exact log-sum-exp, and a rounded O no
+  // longer matches them. Where the residual stream has outlier channels (trained LLMs) O is nearly one
+  // vector shared by every token, and that mismatch lands on dq at the size of the mean key: a Llama's
+  // q_proj gradient 22.8% off (bench/activation_outliers.py), 8% with O kept as it is (+9% saved bytes)
+  if (fn && fn->name().rfind("ScaledDotProduct", 0) == 0) return keep(t, kAttentionOutput);
   Reason why = kUnsupported;
   std::optional<SavedHandle> h = store_memory(t, why);
   if (!h) return keep(t, why);
@@ -94,8 +100,12 @@ py::object SavedTensors::unpack(py::handle packed) {
   return owner().attr("_unpack_other")(packed);  // a save made while compiling: the tensor itself
 }
 
+bool SavedTensors::first_keep(const at::Tensor& t) {
+  return !t.has_storage() || kept_.insert(t.storage().unsafeGetStorageImpl()).second;
+}
+
 py::object SavedTensors::keep(const at::Tensor& t, Reason r) {
-  tally(r, t.scalar_type(), t.numel() * static_cast<int64_t>(t.element_size()), -1);
+  tally(r, t.scalar_type(), first_keep(t) ? t.numel() * static_cast<int64_t>(t.element_size()) : 0, -1);
   // A detached alias, not t: t may be the op's output, and a packed output holding its own grad_fn would be a
   // reference cycle. The alias shares t's version counter.
   return py::cast(KeptTensor{detached(t), t._version()});
@@ -111,6 +121,7 @@ void SavedTensors::tally(Reason r, at::ScalarType dtype, int64_t before, int64_t
 void SavedTensors::set_layer(const std::vector<int64_t>& external, int64_t token_values,
                              const std::vector<std::pair<int64_t, int64_t>>& param_shapes) {
   external_.clear();
+  kept_.clear();
   for (int64_t k : external) external_.insert(reinterpret_cast<const void*>(k));
   token_values_ = token_values;
   param_shapes_ = std::set<std::pair<int64_t, int64_t>>(param_shapes.begin(), param_shapes.end());

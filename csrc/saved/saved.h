@@ -161,6 +161,10 @@ class SavedTensors {
   void set_layer(const std::vector<int64_t>& external, int64_t token_values,
                  const std::vector<std::pair<int64_t, int64_t>>& param_shapes);
   std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> take_tallies();
+  // Whether t's memory is kept (and counted) for the first time since set_layer or clear_kept: keep() and the
+  // Python rules' _keep count a memory several ops save once, whichever of them keeps it.
+  bool first_keep(const at::Tensor& t);
+  void clear_kept() { kept_.clear(); }
 
   int64_t min_numel_ = 4096;
   py::object collect_ = py::none();  // under FastCompressor.collecting(): the list new entries go to
@@ -170,7 +174,8 @@ class SavedTensors {
 
  private:
   enum Reason { kCompressed, kDeduplicated, kParameter, kLayerInput, kSmall, kRowStatistic, kStatistic,
-                kOverlapping, kStridedView, kNoGain, kUnsupported, kExponential, kReasonCount };
+                kOverlapping, kStridedView, kNoGain, kUnsupported, kExponential, kAttentionOutput,
+                kReasonCount };
   static const char* const kReasons[kReasonCount];
 
   // store's work: the handle, or nothing and in `why` the reason to keep t (an entry made here goes to collect_).
@@ -192,6 +197,9 @@ class SavedTensors {
   // Rebuilt outputs by storage; the compressor holds each recipe while its output lives.
   std::unordered_map<const void*, std::weak_ptr<Recipe>> recipes_;
   std::unordered_set<const void*> external_;
+  // the memories kept in this layer call (first_keep): one kept by several ops (a fused attention's output,
+  // which the output projection saves too) is held once, and counted once
+  std::unordered_set<const void*> kept_;
   int64_t token_values_ = 0;
   std::set<std::pair<int64_t, int64_t>> param_shapes_;
   std::map<std::pair<int, int>, std::array<int64_t, 3>> tallies_;

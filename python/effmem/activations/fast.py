@@ -162,8 +162,12 @@ class FastCompressor(ActivationCompressor):
         if t.dim() == 2 and tuple(t.shape) in self._param_shapes and _is_parameter_copy(t):
             return "parameter_copy"
         fn = (base if base is not None else t).grad_fn
-        if fn is not None and fn.name() == "ExpBackward0":   # the C++ rule's reason (csrc/saved/hooks.cpp)
-            return "exponential"
+        if fn is not None:   # the C++ rules' reasons (csrc/saved/hooks.cpp says why)
+            name = fn.name()
+            if name == "ExpBackward0":
+                return "exponential"
+            if name.startswith("ScaledDotProduct"):
+                return "attention_output"
         return None
 
     # ------------------------------------------------------------ recipes

@@ -168,6 +168,7 @@ class ActivationCompressor:
     def reset_stats(self) -> None:
         """A new forward's statistics (and records)."""
         self.stats.reset()
+        self._saves.clear_kept()   # a memory kept is counted once a forward (the policies': once a layer call)
         if self.records is not None:
             self.records.clear()
 
@@ -273,7 +274,11 @@ class ActivationCompressor:
     # ---------------------------------------------------------------- pack / unpack
 
     def _keep(self, t: Tensor, reason: str, module: str) -> Tensor:
-        self.stats.record_kept(reason, dtype_name(t.dtype), module, t.numel() * t.element_size())
+        # a memory kept by several ops (a fused attention's output, which the output projection saves too) is
+        # held once: counted once, in the C++ store's set of kept memories (its own rules' keeps are there)
+        first = (t.layout is not torch.strided or t.is_nested or not _has_storage(t) or type(t) is not Tensor
+                 or self._saves.first_keep(t))
+        self.stats.record_kept(reason, dtype_name(t.dtype), module, t.numel() * t.element_size() if first else 0)
         if self.records is not None:
             self._note(t, module, reason)
         # A detached alias, not t itself: t may be the op's output, and a

@@ -62,7 +62,8 @@ class CompressionStats:
     the "fast" activation policy: layer_input (a decoder layer's other
     inputs, rotary tables and masks), statistic (fewer than hidden/8 values
     per token), exponential (exp's output, whose values span orders of
-    magnitude: Mamba2's decays). Saves of an output that policy rebuilds in
+    magnitude: Mamba2's decays), attention_output (a fused attention's output,
+    which its backward reads beside the exact log-sum-exp). Saves of an output that policy rebuilds in
     backward store nothing and are counted in ``deduplicated``.
     """
     total_bytes_before: int = 0

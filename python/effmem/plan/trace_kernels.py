@@ -30,9 +30,10 @@ from effmem.activations.selective import SAVED_PACKETS
 from effmem.plan.meta_ops import fast_meta
 
 
-class _FlashSdpa(torch.autograd.Function):
+class ScaledDotProductFlashStandIn(torch.autograd.Function):
     """scaled_dot_product_attention as CUDA's flash kernel holds it: q, k, v, output, fp32 log-sum-exp (and
-    the mask, where one is given: the kernels that take one keep it)."""
+    the mask, where one is given: the kernels that take one keep it). Named as torch's nodes are
+    (ScaledDotProduct...Backward), which the "fast" policy's rule for an attention's output reads."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
@@ -42,7 +43,10 @@ class _FlashSdpa(torch.autograd.Function):
         # contiguous in that order (partial rotary's torch.cat: GPT-NeoX, Phi, StableLM), where it copies.
         shape = q.shape[:-1] + (v.shape[-1],)
         if q.stride(-3) < q.stride(-2):   # heads closer together than positions
-            out = q.new_empty(shape[:-3] + (shape[-2], shape[-3], shape[-1])).transpose(-3, -2)
+            # not a view (as a kernel's output is not, to autograd): the "fast" rule for an attention's output
+            # reads its node, where a view's would be its base's (none)
+            layout = q.new_empty(shape[:-3] + (shape[-2], shape[-3], shape[-1]), device="meta").transpose(-3, -2)
+            out = q.new_empty_strided(shape, layout.stride())
         else:
             out = q.new_empty(shape)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -152,7 +156,7 @@ def _device_kernels(flops: _Flops, target: str, autocast: Optional["_MetaAutocas
         flops.attention += work
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
             flops.attention_backward += 2 * work
-        out = _FlashSdpa.apply(query, key, value, attn_mask)
+        out = ScaledDotProductFlashStandIn.apply(query, key, value, attn_mask)
         if flops.keep is not None and flops.in_block():
             for t in (out, out.grad_fn.saved_tensors[4] if out.grad_fn is not None else None):
                 if t is not None:
