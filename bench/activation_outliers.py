@@ -51,13 +51,13 @@ def worst(got, ref):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=common.count, default=512, help="hidden size (a multiple of 8)")
+    parser.add_argument("--hidden", type=common.count, default=512, help="hidden size (a multiple of 16)")
     parser.add_argument("--outliers", type=common.non_negative, nargs="+", default=[0, 10, 30],
                         help="what the 4 outlier channels add to every token's embedding")
     parser.add_argument("--json", help="write metadata and every row to this file")
     args = parser.parse_args(argv)
-    if args.hidden % 8:
-        parser.error(f"--hidden: expected a multiple of 8 (8 attention heads), got {args.hidden}")
+    if args.hidden % 16:   # 8 attention heads of an even size (rotary halves each head)
+        parser.error(f"--hidden: expected a multiple of 16 (8 attention heads of an even size), got {args.hidden}")
     warnings.simplefilter("ignore")
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
     rows = []

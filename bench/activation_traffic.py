@@ -83,6 +83,7 @@ def count(row: str, args) -> int:
     with cuda_paths(counter) if row.endswith("_cuda_paths") else contextlib.nullcontext():
         model(input_ids=x, labels=x).loss.backward()        # first step: the policies settle
         model.zero_grad()
+        counter.bytes.clear()   # the first step's booked norm backwards too (counted twice before)
         with counter:
             model(input_ids=x, labels=x).loss.backward()
     return sum(counter.bytes.values())
@@ -96,8 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="plain,hf_checkpointing,torch_sac,effmem_fast,effmem_fast_cuda_paths,effmem_min")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.hidden % 64:
-        ap.error(f"--hidden: a multiple of 64 (heads of 64), got {args.hidden}")
+    if args.hidden % 64 or (args.hidden // 64) % max(1, args.hidden // 256):
+        ap.error(f"--hidden: a multiple of 64 (heads of 64) whose heads, hidden / 64, the key/value heads, "
+                 f"hidden / 256, divide, got {args.hidden}")
     if args.tokens % 256:
         ap.error(f"--tokens: a multiple of 256 (sequences of 256), got {args.tokens}")
     names = args.rows.split(",")

@@ -293,6 +293,13 @@ def main(argv=None) -> int:
     ap.add_argument("--candidate", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--anchor", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    from effmem.plan.machine import parse_bytes
+    for flag in ("gpu_memory", "host_memory"):   # a size refused by its flag now, not in a traceback later
+        if getattr(args, flag) is not None:
+            try:
+                parse_bytes(getattr(args, flag), "--" + flag.replace("_", "-"))
+            except ValueError as e:
+                ap.error(str(e))
     if args.smoke:
         defaults = dict(device="cpu", sizes="tiny", batch=4, seq=64)
     else:

@@ -186,6 +186,9 @@ def main(argv=None):
     common.check_device(parser, args.device)
     if args.numel is not None and args.numel < LAST_DIM:
         parser.error(f"--numel: expected at least {LAST_DIM} (whole rows of {LAST_DIM}), got {args.numel}")
+    if args.gpt_d_model % max(1, args.gpt_d_model // 64):   # gpt_step_bench's heads: d_model // 64
+        parser.error(f"--gpt-d-model: expected a multiple of its heads (d_model // 64), such as a multiple of 64, "
+                     f"got {args.gpt_d_model}")
     device = torch.device(args.device)
     numel = (args.numel or DEFAULT_NUMEL[device.type]) // LAST_DIM * LAST_DIM
     rows, copy, nbytes, targets = run(device, numel, args.bits, not args.no_compile, args.repeat, args.warmup)

@@ -23,6 +23,7 @@ tiny size: it measures the engine's own overhead, not a PCIe link.
 """
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -294,6 +295,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     common.check_device(ap, args.device)
+    # refused here, not by every row after minutes of device time
+    if args.clip is not None and not (math.isfinite(args.clip) and args.clip >= 0):
+        ap.error(f"--clip: expected a finite number >= 0, got {args.clip}")
+    if not 0 < args.device_state < 1:
+        ap.error(f"--device-state: expected a fraction in (0, 1), got {args.device_state}")
     cuda = args.device == "cuda"
     defaults = dict(size="1.3b", batch=8, seq=2048, accum=4) if cuda else dict(size="tiny", batch=4, seq=64, accum=2)
     for k, v in defaults.items():

@@ -170,7 +170,13 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
-    rows = measure(args.arch)
+    try:
+        rows = measure(args.arch)
+    except subprocess.CalledProcessError as e:   # nvcc's or cuobjdump's own reason, not a traceback
+        why = (e.stderr or "").strip().splitlines()
+        ap.error(f"--arch {args.arch}: {os.path.basename(e.cmd[0])} failed: {why[-1] if why else e}")
+    except RuntimeError as e:
+        ap.error(str(e))
     print(f"{'kernel':<11}{'dtype':<6}{'bits':>5}{'path':>8}{'values':>7}{'instr/thread':>14}{'instr/element':>15}")
     for r in rows:
         path = ("flat" if r["path"] == "flat" else "16-byte") if r["vector"] else "scalar"

@@ -7,6 +7,7 @@ effmem_fast_compiled and effmem_budget_compiled are left out: the "fast" policy 
 inductor whatever the backend, about 15 s on two cores, which would take this test past a minute
 (tests/test_activations.py compiles both policies).
 """
+import argparse
 import importlib.util
 import json
 import math
@@ -125,6 +126,19 @@ def test_activation_traffic_counts_fewer_bytes_with_the_cuda_kernels(tmp_path):
     for bad in (["--tokens", "128"], ["--hidden", "32"], ["--layers", "0"]):   # a traceback before
         with pytest.raises(SystemExit):
             traffic.main(bad)
+    # the booked norm backwards are the counted step's alone: two a layer (the first step's were booked too)
+    booked = []
+    real = traffic.CountBytes.__exit__
+
+    def leave(self, *exc):
+        booked.append(self.bytes["aten_fused_rms_norm_backward (booked)"])
+        return real(self, *exc)
+    traffic.CountBytes.__exit__ = leave
+    try:
+        traffic.count("effmem_fast_cuda_paths", argparse.Namespace(hidden=128, layers=1, tokens=256))
+    finally:
+        traffic.CountBytes.__exit__ = real
+    assert booked == [2 * 10 * 256 * 128]
 
 
 def test_bench_elementwise_times_each_kernel_against_its_torch_ops(tmp_path):

@@ -9,7 +9,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from effmem import demo_model
 from effmem._args import positive_int
 from effmem.compress import compress_activations
 from effmem.demo_measure import ProgressBar, mib, rss_now_and_peak
-from effmem.info import collect_info, format_info
+from effmem.info import collect_info, cpu_name, format_info, git_commit
 from effmem.optim.offload_adam import CORRECTION_WARMUP
 from effmem.plan import cli as plan_cli
 from effmem.plan.demo import compare, demo_plan
@@ -395,9 +394,10 @@ def cmd_demo(args, parser) -> int:
     print("\n" + compare(runs, predictions))
     if args.json:
         with open(args.json, "w") as f:
-            # What a result is meaningless without: the build, the device, the commit (the GPU
-            # machine gets a copy of the tree without .git: gpu_check.sh passes it in).
-            env = {**collect_info(), "git_commit": os.environ.get("EFFMEM_GIT_COMMIT") or None}
+            # What a result is meaningless without: the build, the device (the CPU's name too), the commit
+            # (git's where this is a checkout; the GPU machine's copy has none: gpu_check.sh passes it in)
+            env = {**collect_info(), "cpu_name": cpu_name(),
+                   **{"git_" + k: v for k, v in git_commit().items()}}
             json.dump({"env": env, "settings": s, "hyperparameters": HYPERPARAMETERS, "wall_s": wall, "runs": runs,
                        "plan_predictions": predictions}, f, indent=2)
     return 0

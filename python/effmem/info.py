@@ -1,10 +1,48 @@
 """``effmem info``: what effmem was built with and what it finds at run time."""
+import os
+import platform
 import re
-from typing import Dict
+import subprocess
+from typing import Dict, Optional
 
 import torch
 
 import effmem
+
+# the checkout this package was imported from, where it is one (an editable install); a wheel's has no .git
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (platform.processor() is empty on most Linux systems)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit(root: Optional[str] = None) -> Dict[str, object]:
+    """HEAD of the checkout at `root` (this package's, by default) and whether its code has local changes;
+    EFFMEM_GIT_COMMIT where a copy of the tree has no .git (the GPU machine: gpu_check.sh passes it in)."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            return subprocess.run(["git", *args], cwd=root or _CHECKOUT, capture_output=True, text=True,
+                                  check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    if os.environ.get("EFFMEM_GIT_COMMIT"):
+        # it wins over git: such a copy may sit inside some other checkout (seen: a stale one)
+        return {"commit": os.environ["EFFMEM_GIT_COMMIT"], "dirty": None, "commit_from": "EFFMEM_GIT_COMMIT"}
+    commit = git("rev-parse", "HEAD")
+    # the code's changes only: a result file a run before this one wrote into bench/results/ is no change to
+    # what is measured (every result of a session's runs read dirty after the first)
+    status = git("status", "--porcelain", "--", ".", ":(exclude)bench/results")
+    return {"commit": commit or "unknown", "dirty": None if status is None else bool(status)}
 
 
 def collect_info() -> Dict[str, object]:
