@@ -311,6 +311,9 @@ class ActivationCompressor:
             return "excluded_predicate"
         if tracker is not None and tracker.is_exact(t):
             return "exact"
+        fn = (t._base if t._base is not None else t).grad_fn
+        if fn is not None and fn.name().startswith("ScaledDotProduct"):
+            return "attention_output"   # as under the "fast" policy (csrc/saved/hooks.cpp says why)
         return value_reason(cfg, t)
 
     def _pack(self, t: Tensor):

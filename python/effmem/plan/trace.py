@@ -79,10 +79,11 @@ class Record:
     sign_read: bool = False              # a ReLU's output: compress_activations stores its exact mask beside it
     kink_read: bool = False              # saved by a LeakyReLU/Hardtanh/ReLU6 module: compress keeps its mask
     read_elsewhere: bool = False         # saved by another op too (compress then stores its codes as well)
+    attention_output: bool = False       # a fused attention's output: compress keeps it as it is
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
-        if self.kind == "grads":  # held outside saved tensors: no saved-tensor hook sees them
+        if self.kind == "grads" or self.attention_output:  # grads: held outside saved tensors, no hook sees them
             return False
         rows = max(1, self.nbytes // self.elem_size // max(self.last_dim, 1))
         probe = torch.empty((rows, self.last_dim), dtype=self.dtype, device="meta")
@@ -332,9 +333,10 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         kinked = bool(stack) and kinked_activation(stack[-1])
+        fn = (t._base if t._base is not None else t).grad_fn
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"],
                sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ, kink_read=kinked,
-               read_elsewhere=not kinked)
+               read_elsewhere=not kinked, attention_output=fn is not None and fn.name().startswith("ScaledDotProduct"))
         # A node keeping its own output held the tensor itself, grad_fn and all: a cycle through C++ that
         # gc cannot free, one meta graph per plan for the life of the process. A detached alias breaks it;
         # made outside the dispatch modes, so the trace's op count (the host time of a step) does not see it.
