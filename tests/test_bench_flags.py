@@ -127,3 +127,19 @@ def test_the_demos_json_names_the_commit_and_the_cpu():
         pytest.skip("not a git checkout")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH.parent, capture_output=True, text=True).stdout
     assert git_commit()["commit"] == head.strip()
+
+
+def test_an_installed_package_inside_another_repository_names_no_commit(tmp_path, monkeypatch):
+    """effmem installed in a venv inside a user's project: git found the project's HEAD and the demo's JSON
+    recorded it as effmem's (a reviewer's repro)."""
+    import subprocess
+    from effmem import info
+    if subprocess.run(["git", "init", "-q", str(tmp_path)], capture_output=True).returncode != 0:
+        pytest.skip("no git")
+    subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@e", "commit", "-q", "--allow-empty", "-m", "x"],
+                   cwd=tmp_path, check=True)
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    monkeypatch.delenv("EFFMEM_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(info, "_CHECKOUT", str(site))
+    assert info.git_commit() == {"commit": "unknown", "dirty": None}

@@ -101,7 +101,15 @@ py::object SavedTensors::unpack(py::handle packed) {
 }
 
 bool SavedTensors::first_keep(const at::Tensor& t) {
-  return !t.has_storage() || kept_.insert(t.storage().unsafeGetStorageImpl()).second;
+  if (!t.has_storage()) return true;
+  const at::Storage& storage = t.storage();
+  auto it = kept_.find(storage.unsafeGetStorageImpl());
+  if (it != kept_.end() && !it->second.expired()) return false;
+  if (kept_.size() >= 4096) {  // a long `with` block: the memories freed since go (their weak references too)
+    for (auto e = kept_.begin(); e != kept_.end();) e = e->second.expired() ? kept_.erase(e) : std::next(e);
+  }
+  kept_.insert_or_assign(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+  return true;
 }
 
 py::object SavedTensors::keep(const at::Tensor& t, Reason r) {

@@ -198,8 +198,9 @@ class SavedTensors {
   std::unordered_map<const void*, std::weak_ptr<Recipe>> recipes_;
   std::unordered_set<const void*> external_;
   // the memories kept in this layer call (first_keep): one kept by several ops (a fused attention's output,
-  // which the output projection saves too) is held once, and counted once
-  std::unordered_set<const void*> kept_;
+  // which the output projection saves too) is held once, and counted once. Held weakly: a memory freed since
+  // (a step's, under one `with compress_activations()` block) may come back at the same address, a new one.
+  std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> kept_;
   int64_t token_values_ = 0;
   std::set<std::pair<int64_t, int64_t>> param_shapes_;
   std::map<std::pair<int, int>, std::array<int64_t, 3>> tallies_;

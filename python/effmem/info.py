@@ -38,6 +38,11 @@ def git_commit(root: Optional[str] = None) -> Dict[str, object]:
     if os.environ.get("EFFMEM_GIT_COMMIT"):
         # it wins over git: such a copy may sit inside some other checkout (seen: a stale one)
         return {"commit": os.environ["EFFMEM_GIT_COMMIT"], "dirty": None, "commit_from": "EFFMEM_GIT_COMMIT"}
+    top = git("rev-parse", "--show-toplevel")
+    if root is None and (top is None or os.path.realpath(top) != os.path.realpath(_CHECKOUT)
+                         or not os.path.isdir(os.path.join(_CHECKOUT, "csrc"))):
+        # an installed package: a repository around it (a user's project holding the venv) is not effmem's
+        return {"commit": "unknown", "dirty": None}
     commit = git("rev-parse", "HEAD")
     # the code's changes only: a result file a run before this one wrote into bench/results/ is no change to
     # what is measured (every result of a session's runs read dirty after the first)

@@ -7,6 +7,7 @@ cache off for checkpointed training itself; for ours, a forward pre-hook on each
 eval-mode forward with gradients, dropout off, is recomputed all the same). Not config.use_cache=False: the
 user's config stays as it was (save_pretrained writes it), and inference or generate() (no gradients) under
 the policy keeps its cache."""
+import copy
 import inspect
 import warnings
 
@@ -82,9 +83,10 @@ def _has_hook(m: nn.Module) -> bool:
 
 
 class _Shared:
-    """The list of handles as the layers hold it: not copied. A copy or pickle of one layer would carry every
-    hooked module's hooks with it (a user's lambda among them refused pickling); a copy of the model keeps
-    its own list on the model it was applied to."""
+    """The list of handles as the layers hold it: not pickled (a pickle of one layer carried every hooked
+    module's hooks with it, and a user's lambda among them failed it). A deep copy copies it, through the
+    copy's memo: the copied layers share the copied model's list, so a removal through the model inside
+    the copy reaches the hooks around it (a reviewer's repro)."""
     __slots__ = ("handles",)
 
     def __init__(self, handles):
@@ -92,6 +94,9 @@ class _Shared:
 
     def __reduce__(self):
         return _Shared, ([],)
+
+    def __deepcopy__(self, memo):
+        return _Shared(copy.deepcopy(self.handles, memo))
 
 
 def _handles(m: nn.Module, pop: bool = False) -> list:
