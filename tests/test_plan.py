@@ -212,9 +212,6 @@ def test_command_writes_json_chart_and_code(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "gpt2", "--gpu-memory", "lots"])
     assert "error: --gpu-memory: expected a size" in capsys.readouterr().err   # the flag, not the argument
-    with pytest.raises(SystemExit):
-        main(["plan", "gpt2", "--batch", "0"])
-    assert "error: --batch: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_png_chart_draws_the_progression_and_the_pick(tmp_path):
@@ -378,8 +375,7 @@ def test_fast_offload_moves_the_hidden_layers_codes_to_the_host():
     # 31 of 32 layers: the last one's backward comes first, there is nothing to hide its copies behind
     assert hidden_layers(32, 1.0, 1, 1e9) == 31
     assert act["block"] == off.cost.activation_budget  # the solver may fill its budget: that is counted
-    # the codes go; each layer's attention output, kept as it is, stays (0.19 of "fast"'s block bytes here)
-    assert off.cost.activation_budget < 0.25 * fast.cost.parts["activations_by_kind"]["block"]
+    assert off.cost.activation_budget < 0.25 * fast.cost.parts["activations_by_kind"]["block"]  # attention out stays
     assert f"memory_budget={off.cost.activation_budget})" in code_for(off.config, "cuda",
                                                                      off.cost.activation_budget)
     assert not any(c.config.activations == "fast_offload" for c in effmem.plan(

@@ -139,7 +139,10 @@ def test_a_size_past_floats_range_is_refused_by_name(capsys, flag):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "llama-7b", flag, "1e400GB"])
     assert exit_.value.code == 2
-    assert f"effmem plan: error: {flag}: expected a size such as 80GB" in capsys.readouterr().err
+    assert f"effmem plan: error: {flag}: expected a size such as 80GB" in capsys.readouterr().err   # the flag
+    with pytest.raises(SystemExit):
+        main(["plan", "gpt2", "--batch", "0"])
+    assert "error: --batch: expected an int >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match=f"{what}: expected a size such as 80GB.*'1e400GB'"):
         effmem.plan("llama-7b", **{what: "1e400GB"})
     with pytest.raises(ValueError, match=f"{what}: expected a positive, finite size"):

@@ -203,16 +203,25 @@ def _layer_inputs(args, kwargs):
     return hidden, list(_tensors((args[1:], {k: v for k, v in kwargs.items() if v is not hidden})))
 
 
+def _in_users_checkpoint(comp: FastCompressor, first: bool) -> bool:
+    """Whether the layer runs inside the user's torch checkpoint (non-reentrant), which keeps its input alone and
+    runs it again in backward: then it runs as it is. The first layer of a forward (not of checkpoint's recompute,
+    in backward) still starts the statistics afresh."""
+    if torch.compiler.is_compiling() or not torch_checkpoint_on_top():
+        return False
+    if first and torch._C._current_graph_task_id() == -1:
+        comp.reset_stats()
+    return True
+
+
 def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first: bool, shapes, *args, **kwargs):
     """A layer's forward with its saves routed through the "fast" policy's compressor."""
     if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
         return original(*args, **kwargs)
     refuse_hf_checkpointing(layer)
     _hidden_tensor(layer, args, kwargs, 'the "fast" policy')
-    if not torch.compiler.is_compiling() and torch_checkpoint_on_top():
-        if first and torch._C._current_graph_task_id() == -1:   # not checkpoint's recompute, in backward
-            comp.reset_stats()   # a new forward: its statistics hold this forward's saves only
-        return original(*args, **kwargs)   # in the user's torch checkpoint, which keeps the layer's input alone
+    if _in_users_checkpoint(comp, first):
+        return original(*args, **kwargs)
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
         # with the hooks around it (see _compiled_layer).
@@ -239,10 +248,8 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
         return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
     _hidden_tensor(layer, args, kwargs, "memory_budget")
     refuse_hf_checkpointing(layer)
-    if not torch.compiler.is_compiling() and torch_checkpoint_on_top():
-        if index == 0 and torch._C._current_graph_task_id() == -1:
-            budget.comp.reset_stats()   # a new forward (as in _fast_layer_forward)
-        return original(*args, **kwargs)   # in the user's torch checkpoint, which keeps the layer's input alone
+    if _in_users_checkpoint(budget.comp, index == 0):
+        return original(*args, **kwargs)
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)
     return _run_budget_layer(False, layer, original, budget, index, name, shapes, *args, **kwargs)

@@ -297,11 +297,11 @@ class _Counter(TorchDispatchMode):
                 for t in _tensors(out):
                     self.sel.keep(t)
                     self.sel.kept.add(t.untyped_storage()._cdata)
-            elif (in_block and self.sel.kept and _writes_first(func) and isinstance(args[0], Tensor)
-                  and args[0].untyped_storage()._cdata in self.sel.kept and not self.sel.in_place_module()):
-                self.sel.kept_written = True
             elif recomputed:   # any other op that makes new memory runs again in the recompute
                 self.sel.recompute_bytes += traffic
+                if (self.sel.kept and _writes_first(func) and isinstance(args[0], Tensor)
+                        and args[0].untyped_storage()._cdata in self.sel.kept and not self.sel.in_place_module()):
+                    self.sel.kept_written = True
             if not matmul:
                 self.sel.elementwise_bytes += traffic
         if (self.target == "cpu" and packet is torch.ops.aten.native_layer_norm
