@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from effmem import _C
 from effmem.compress.hooks import ActivationCompressor, _Kept, dtype_name
 from effmem.compress import _codec
-from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, value_reason
+from effmem.compress.policy import ROW_STAT_MAX_LAST_DIM, CompressConfig, attention_output, value_reason
 from effmem.compress.tracker import storage_key
 
 _LOCAL = threading.local()
@@ -162,13 +162,9 @@ class FastCompressor(ActivationCompressor):
         if t.dim() == 2 and tuple(t.shape) in self._param_shapes and _is_parameter_copy(t):
             return "parameter_copy"
         fn = (base if base is not None else t).grad_fn
-        if fn is not None:   # the C++ rules' reasons (csrc/saved/hooks.cpp says why)
-            name = fn.name()
-            if name == "ExpBackward0":
-                return "exponential"
-            if name.startswith("ScaledDotProduct"):
-                return "attention_output"
-        return None
+        if fn is not None and fn.name() == "ExpBackward0":   # the C++ rules' reasons (csrc/saved/hooks.cpp)
+            return "exponential"
+        return "attention_output" if attention_output(t) else None
 
     # ------------------------------------------------------------ recipes
 

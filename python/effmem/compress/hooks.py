@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from effmem import _C
-from effmem.compress.policy import CompressConfig, early_reason, module_excluded, value_reason
+from effmem.compress.policy import CompressConfig, attention_output, early_reason, module_excluded, value_reason
 from effmem.compress.stats import CompressionStats
 from effmem.compress.tracker import OutputTracker, storage_key
 
@@ -181,7 +181,7 @@ class ActivationCompressor:
             self.reset_stats()
         if self._root is not None:
             # torch.func's functional_call under vmap or grad swaps in wrappers that have no storage, and the
-            # forward reads those, not the module's own: skipped (naming theirs raised NotImplementedError)
+            # forward reads those, not the module's own: skipped (torch refuses to name their storage)
             self._model_storages = {storage_key(t) for t in itertools.chain(
                 self._root.parameters(), self._root.buffers()) if t.device.type != "meta" and _has_storage(t)}
         if torch_checkpoint_on_top():
@@ -311,9 +311,8 @@ class ActivationCompressor:
             return "excluded_predicate"
         if tracker is not None and tracker.is_exact(t):
             return "exact"
-        fn = (t._base if t._base is not None else t).grad_fn
-        if fn is not None and fn.name().startswith("ScaledDotProduct"):
-            return "attention_output"   # as under the "fast" policy (csrc/saved/hooks.cpp says why)
+        if attention_output(t):
+            return "attention_output"   # as under the "fast" policy
         return value_reason(cfg, t)
 
     def _pack(self, t: Tensor):

@@ -65,6 +65,13 @@ def module_excluded(specs: Iterable[ModuleSpec], name: str, module: nn.Module) -
 ROW_STAT_MAX_LAST_DIM = 2
 
 
+def attention_output(t: Tensor) -> bool:
+    """Whether t is (a view of) a fused attention's output, the saved memory the compressors keep as it is:
+    flash, memory-efficient, cuDNN, the CPU's flash (csrc/saved/hooks.cpp's rule, which says why)."""
+    fn = (t._base if t._base is not None else t).grad_fn
+    return fn is not None and fn.name().startswith("ScaledDotProduct")
+
+
 def early_reason(cfg: CompressConfig, t: Tensor) -> Optional[str]:
     """The reason to keep `t` as it is that needs neither the model nor the tracker, or None."""
     if (type(t) not in (Tensor, nn.Parameter) or t.layout != torch.strided or t.is_nested

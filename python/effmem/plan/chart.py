@@ -84,7 +84,7 @@ def _axis(plan, rows) -> Tuple[str, float, float, str, bool]:
     unit, per = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if tallest >= s), ("B", 1.0))
     # the line where a bar fits, as the plan judges it: the memory less its headroom (a bar between the two
     # was drawn inside a line at the whole memory while the plan said it did not fit)
-    budget = plan.gpu_memory * (1 - plan.headroom)
+    budget = plan.usable_memory
     drawn = budget <= 2 * tallest
     where = "GPU memory" if plan.device == "cuda" else "memory budget"
     label = (f"{where} {size_text(plan.gpu_memory)} less {plan.headroom:.0%} headroom: {size_text(budget)}"
@@ -117,7 +117,7 @@ def _svg(plan, rows) -> str:
         el.append(f'<text x="{x + 5:.1f}" y="{y + bar_h * 0.7:.0f}">{sum(values) / per:.3g}</text>')
     y_end = top + len(rows) * (bar_h + gap)
     if drawn:
-        bx = left + plan.gpu_memory * (1 - plan.headroom) / per * scale
+        bx = left + plan.usable_memory / per * scale
         el.append(f'<line x1="{bx:.1f}" y1="{top - 8}" x2="{bx:.1f}" y2="{y_end}" stroke="black" '
                   f'stroke-dasharray="4,3"/><text x="{bx + 4:.1f}" y="{top - 10}">{escape(label)}</text>')
     else:
@@ -146,7 +146,7 @@ def _png(plan, rows, out: Path) -> str:
         ax.barh(names, vals, left=left, color=colour, label=series)
         left = [a + b for a, b in zip(left, vals)]
     if drawn:
-        ax.axvline(plan.gpu_memory * (1 - plan.headroom) / per, color="black", linestyle="--", label=label)
+        ax.axvline(plan.usable_memory / per, color="black", linestyle="--", label=label)
     ax.set_xlim(0, top_units)
     ax.invert_yaxis()
     ax.set_xlabel(unit)

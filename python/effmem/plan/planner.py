@@ -159,6 +159,11 @@ class Plan:
     headroom: float = HEADROOM   # the share of gpu_memory a pick leaves free (fits: peak <= its rest)
 
     @property
+    def usable_memory(self) -> float:
+        """gpu_memory less the headroom: what a candidate's peak must stay under to fit."""
+        return self.gpu_memory * (1 - self.headroom)
+
+    @property
     def pick(self) -> Optional[Candidate]:
         """The chosen candidate (the fastest that fits with headroom), or None where none fits."""
         return next((c for c in self.candidates if c.name == self.best), None)

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from effmem.compress._codec import memory_row, packed_bytes, saved_groups
 from effmem.compress.api import kinked_activation
 from effmem.compress.hooks import SIGN_READ
-from effmem.compress.policy import CompressConfig, value_reason
+from effmem.compress.policy import CompressConfig, attention_output, value_reason
 from effmem.activations import paths, relu
 from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
@@ -333,10 +333,9 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         kinked = bool(stack) and kinked_activation(stack[-1])
-        fn = (t._base if t._base is not None else t).grad_fn
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"],
                sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ, kink_read=kinked,
-               read_elsewhere=not kinked, attention_output=fn is not None and fn.name().startswith("ScaledDotProduct"))
+               read_elsewhere=not kinked, attention_output=attention_output(t))
         # A node keeping its own output held the tensor itself, grad_fn and all: a cycle through C++ that
         # gc cannot free, one meta graph per plan for the life of the process. A detached alias breaks it;
         # made outside the dispatch modes, so the trace's op count (the host time of a step) does not see it.
