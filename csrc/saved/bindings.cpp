@@ -19,7 +19,8 @@ void bind_saved_hooks(py::module_& m) {
       .def_readonly("dtype", &SavedEntry::dtype)
       .def_readonly("saves", &SavedEntry::saves)
       .def_readonly("bytes_before", &SavedEntry::bytes_before)
-      .def_readonly("bytes_after", &SavedEntry::bytes_after);
+      .def_readonly("bytes_after", &SavedEntry::bytes_after)
+      .def_readonly("exact", &SavedEntry::exact);
   py::class_<SavedEntryRef>(m, "SavedEntryRef", "A weak reference to a SavedEntry: call it for the entry or None")
       .def(py::init([](const EntryPtr& e) { return SavedEntryRef{e}; }), py::arg("entry"))
       .def("__call__", [](const SavedEntryRef& r) -> py::object {
@@ -56,6 +57,7 @@ void bind_saved_hooks(py::module_& m) {
       .def("add_recipe", &SavedTensors::add_recipe, py::arg("out"), py::arg("fn"), py::arg("inputs"))
       .def("recipe_save", &SavedTensors::recipe_save, py::arg("tensor"))
       .def("pack", &SavedTensors::pack, py::arg("tensor"))
+      .def("pin_compared", &SavedTensors::pin_compared, py::arg("out"))
       .def("unpack", &SavedTensors::unpack, py::arg("packed"))
       .def("set_layer", &SavedTensors::set_layer, py::arg("external"), py::arg("token_values"),
            py::arg("param_shapes"))
@@ -68,6 +70,8 @@ void bind_saved_hooks(py::module_& m) {
       .def_readonly("quantize_calls", &SavedTensors::quantize_calls_)
       .def_readonly("dequantize_calls", &SavedTensors::dequantize_calls_)
       .def_readonly("rebuild_calls", &SavedTensors::rebuild_calls_);
+  m.def("compares_with_extreme", &compares_with_extreme, py::arg("out"),
+        "Whether out's grad_fn finds its input's extreme by equality with out (amax, max(), ...)");
 }
 
 }  // namespace effmem

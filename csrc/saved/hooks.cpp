@@ -4,7 +4,10 @@
 #include "saved/saved.h"
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <typeinfo>
 
 namespace effmem::saved {
 namespace {
@@ -32,10 +35,18 @@ bool is_parameter(const at::Tensor& t) {
 
 const char* const SavedTensors::kReasons[kReasonCount] = {
     "compressed", "deduplicated", "parameter", "layer_input", "small", "row_statistic", "statistic",
-    "overlapping", "strided_view", "no_gain", "unsupported", "exponential", "attention_output"};
+    "overlapping", "strided_view", "no_gain", "unsupported", "exponential", "attention_output", "compared"};
 
 py::object SavedTensors::pack(py::handle obj) {
   PyObject* o = obj.ptr();
+  if (last_store_ && THPVariable_Check(o)) {
+    const at::Tensor& out = THPVariable_Unpack(o);
+    if (EntryPtr e = pin_compared(out)) {  // its codes were counted as a compressed save: now a kept one
+      tally(kCompressed, e->dtype, -e->bytes_before, -e->bytes_after, -1);
+      const int64_t kept = first_keep(*e->exact) ? e->bytes_before : 0;
+      tally(kCompared, e->dtype, kept, kept);
+    }
+  }
   auto fallback = [&] { return owner().attr("_pack")(obj); };
   if (!THPVariable_CheckExact(o)) return fallback();  // a subclass: fake tensors while compiling...
   const at::Tensor& t = THPVariable_Unpack(o);
@@ -100,6 +111,50 @@ py::object SavedTensors::unpack(py::handle packed) {
   return owner().attr("_unpack_other")(packed);  // a save made while compiling: the tensor itself
 }
 
+// The backwards that divide the gradient by the count of input elements equal to the result: amax and amin
+// (scale_grad_by_count), max(), min(), median() and nanmedian() (evenly_distribute_backward), and a vector
+// norm of infinite order.
+bool compares_with_extreme(const at::Tensor& out) {
+  using namespace torch::autograd::generated;
+  const torch::autograd::Node* fn = out.grad_fn().get();
+  if (!fn || fn->num_outputs() == 0) return false;
+  const std::type_info& type = typeid(*fn);  // exact types: a compare each, where a failed dynamic_cast walks
+  if (type == typeid(LinalgVectorNormBackward0)) {
+    return std::isinf(static_cast<const LinalgVectorNormBackward0*>(fn)->ord.toDouble());
+  }
+  return type == typeid(AmaxBackward0) || type == typeid(AminBackward0) || type == typeid(MaxBackward1) ||
+         type == typeid(MinBackward1) || type == typeid(MedianBackward0) || type == typeid(NanmedianBackward0);
+}
+
+void SavedTensors::note_store(const at::Tensor& t, const at::Tensor& src, int64_t offset, const EntryPtr& e) {
+  last_store_ = LastStore{e, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+                                 src.getIntrusivePtr()), offset, t.grad_fn().get(), t.output_nr()};
+}
+
+EntryPtr SavedTensors::pin_compared(const at::Tensor& out) {
+  if (!last_store_) return nullptr;
+  const LastStore last = std::move(*last_store_);
+  last_store_.reset();
+  // the reduction saves its input, computes, then saves its result: the input's save was the one just made
+  if (!compares_with_extreme(out)) return nullptr;
+  const torch::autograd::Edge& input = out.grad_fn()->next_edge(0);
+  EntryPtr e = last.entry.lock();
+  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> src = last.src.lock();
+  if (!last.fn || input.function.get() != last.fn || input.input_nr != last.output_nr || !e || !src || e->exact) {
+    return nullptr;
+  }
+  e->exact = view_of(at::Tensor(std::move(src)), {e->n}, {1}, last.offset);
+  e->codes.reset();
+  e->stats.reset();
+  return e;
+}
+
+at::Tensor SavedTensors::exact_save(const SavedEntry& e, const SavedHandle& h) {
+  at::Tensor out = view_of(*e.exact, h.shape, h.stride, e.exact->storage_offset() + h.offset);
+  if (e.counter) out.unsafeGetTensorImpl()->set_version_counter(*e.counter);
+  return out;
+}
+
 bool SavedTensors::first_keep(const at::Tensor& t) {
   if (!t.has_storage()) return true;
   const at::Storage& storage = t.storage();
@@ -113,17 +168,18 @@ bool SavedTensors::first_keep(const at::Tensor& t) {
 }
 
 py::object SavedTensors::keep(const at::Tensor& t, Reason r) {
-  tally(r, t.scalar_type(), first_keep(t) ? t.numel() * static_cast<int64_t>(t.element_size()) : 0, -1);
+  const int64_t bytes = first_keep(t) ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  tally(r, t.scalar_type(), bytes, bytes);
   // A detached alias, not t: t may be the op's output, and a packed output holding its own grad_fn would be a
   // reference cycle. The alias shares t's version counter.
   return py::cast(KeptTensor{detached(t), t._version()});
 }
 
-void SavedTensors::tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after) {
+void SavedTensors::tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after, int64_t count) {
   auto& v = tallies_[{static_cast<int>(r), static_cast<int>(dtype)}];
-  v[0] += 1;
+  v[0] += count;
   v[1] += before;
-  v[2] += after < 0 ? before : after;
+  v[2] += after;
 }
 
 void SavedTensors::set_layer(const std::vector<int64_t>& external, int64_t token_values,

@@ -32,6 +32,10 @@
 #include <utility>
 #include <vector>
 
+namespace torch::autograd {
+struct Node;
+}
+
 namespace effmem::saved {
 
 namespace py = pybind11;
@@ -58,6 +62,8 @@ struct SavedEntry {
   int64_t restored_version = 0;
   std::optional<at::Tensor> held;  // kept until every save of the memory has been unpacked
   py::object offload = py::none();  // activations.offload's record while the codes are on the host
+  // The memory itself, codes dropped (pin_compared): a save whose backward compares it with its own maximum
+  std::optional<at::Tensor> exact;
 };
 using EntryPtr = std::shared_ptr<SavedEntry>;
 
@@ -112,6 +118,10 @@ at::Tensor view_of(const at::Tensor& t, at::IntArrayRef shape, at::IntArrayRef s
 // t's version counter, which every view of its memory bumps; none for an inference tensor.
 std::optional<c10::VariableVersion> version_counter(const at::Tensor& t);
 
+// Whether out is a reduction's result whose backward gives the gradient to the input's elements equal to it
+// (pin_compared's test; compress.policy.compared_input asks it too).
+bool compares_with_extreme(const at::Tensor& out);
+
 // Whether o is a T: the Python type looked up once (py::isinstance looks it up by C++ type each call).
 template <typename T>
 bool is_a(py::handle o) {
@@ -165,6 +175,12 @@ class SavedTensors {
   // Python rules' _keep count a memory several ops save once, whichever of them keeps it.
   bool first_keep(const at::Tensor& t);
   void clear_kept() { kept_.clear(); }
+  // hooks.cpp: called with each save before its own rules. When `out` is the result of a reduction whose
+  // backward finds the extreme by equality (amax, amin, max(), min(), median(), an infinity norm) and the
+  // save just stored was that reduction's input, that input's entry keeps the memory as it is instead of its
+  // codes (a float32 group's maximum comes back 1 ulp off, and amax's backward divided 0 by 0): the entry,
+  // else none.
+  EntryPtr pin_compared(const at::Tensor& out);
 
   int64_t min_numel_ = 4096;
   py::object collect_ = py::none();  // under FastCompressor.collecting(): the list new entries go to
@@ -175,14 +191,16 @@ class SavedTensors {
  private:
   enum Reason { kCompressed, kDeduplicated, kParameter, kLayerInput, kSmall, kRowStatistic, kStatistic,
                 kOverlapping, kStridedView, kNoGain, kUnsupported, kExponential, kAttentionOutput,
-                kReasonCount };
+                kCompared, kReasonCount };
   static const char* const kReasons[kReasonCount];
 
   // store's work: the handle, or nothing and in `why` the reason to keep t (an entry made here goes to collect_).
   std::optional<SavedHandle> store_memory(const at::Tensor& t, Reason& why);
 
   py::object keep(const at::Tensor& t, Reason r);
-  void tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after);
+  void note_store(const at::Tensor& t, const at::Tensor& src, int64_t offset, const EntryPtr& e);
+  at::Tensor exact_save(const SavedEntry& e, const SavedHandle& h);
+  void tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after, int64_t count = 1);
   void remember(const Key& key, const EntryPtr& e);
   py::object owner();
   [[noreturn]] void version_error(int64_t now, int64_t saved, at::ScalarType dtype,
@@ -204,6 +222,18 @@ class SavedTensors {
   int64_t token_values_ = 0;
   std::set<std::pair<int64_t, int64_t>> param_shapes_;
   std::map<std::pair<int, int>, std::array<int64_t, 3>> tallies_;
+  // The save store_memory handled last (pin_compared's candidate): its entry, the memory it covers from
+  // `offset`, and the autograd edge that reaches the saved tensor (its grad_fn and output number). The node
+  // by address only (torch 2.11 holds nodes in shared_ptr, 2.14 in intrusive_ptr): it is compared within the
+  // next save, and a node freed and made again at that address would only keep one memory as it is.
+  struct LastStore {
+    std::weak_ptr<SavedEntry> entry;
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> src;
+    int64_t offset = 0;
+    const torch::autograd::Node* fn = nullptr;
+    uint32_t output_nr = 0;
+  };
+  std::optional<LastStore> last_store_;
 };
 
 }  // namespace effmem::saved

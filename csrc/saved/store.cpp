@@ -255,6 +255,7 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
     // takes an entry of its own, which the table remembers from now on
     if (e && e->storage && !e->storage->expired() && (e->dtype == at::kBool || groups_fit(*e, d, aligned))) {
       ++e->saves;
+      note_store(t, src, offset, e);
       h.entry = std::move(e);
       return h;
     }
@@ -293,6 +294,7 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
   }
   remember(key, e);
   if (!collect_.is_none()) collect_.attr("append")(e);  // new here: activations.offload takes it
+  note_store(t, src, offset, e);
   h.entry = std::move(e);
   return h;
 }
@@ -300,10 +302,11 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
 at::Tensor SavedTensors::restore(SavedHandle& h) {
   c10::AutoGradMode no_grad(false);  // a restore must not join a create_graph backward's graph
   SavedEntry& e = *h.entry;
-  if (!e.offload.is_none()) e.offload.attr("bring_back")();  // the codes back from host memory
   if (e.counter && static_cast<int64_t>(e.counter->current_version()) != e.version) {
     version_error(e.counter->current_version(), e.version, e.dtype, h.shape, e.codes ? e.codes->device() : at::Device(at::kCPU));
   }
+  if (e.exact) return exact_save(e, h);
+  if (!e.offload.is_none()) e.offload.attr("bring_back")();  // the codes back from host memory
   if (e.restored) {  // restored already, and some unpacked save of it still lives: the same memory
     if (auto alive = e.restored->lock()) {
       at::Tensor out = over(c10::Storage(std::move(alive)), e.restored_keys, e.dtype, h.shape, h.stride, h.offset);

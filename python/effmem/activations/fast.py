@@ -184,6 +184,7 @@ class FastCompressor(ActivationCompressor):
         # Every rule, in Python: the pack hook with records on, and what the C++ hook leaves otherwise.
         if torch.compiler.is_compiling():
             return t.detach()
+        self._pin_compared(t, self._layer_name)   # called by the C++ hook, which has done it: a no-op
         if type(t) is nn.Parameter:
             # a weight, kept with its version for the in-place check (a leaf has no grad_fn: no cycle to
             # break by detaching, as compress_activations' _keep does for an op's own output)

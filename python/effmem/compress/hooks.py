@@ -320,6 +320,7 @@ class ActivationCompressor:
             return t.detach()
         s = self._state()
         module, excluded = s.stack[-1] if s.stack else (UNKNOWN_MODULE, False)
+        self._pin_compared(t, module)
         reason = self._reason(t, excluded)
         if reason is not None:
             return self._keep(t, reason, module)
@@ -327,6 +328,14 @@ class ActivationCompressor:
         if type(h) is _Handle and h.entry.saves == 1 and t.grad_fn is not None and t.grad_fn.name() in SIGN_READ:
             return self._masked(t, h, module)
         return h
+
+    def _pin_compared(self, t: Tensor, module: str) -> None:
+        """Before t's own rules: where t is amax's (max()'s, an infinity norm's...) result and the save just
+        stored was that reduction's input, the input is kept as it is (csrc/saved/hooks.cpp: the backward
+        looks for elements equal to the maximum, and a float32 group's maximum comes back 1 ulp off)."""
+        e = self._saves.pin_compared(t)
+        if e is not None:
+            self.stats.record_pinned(dtype_name(e.dtype), e, module, self._saves.first_keep(e.exact))
 
     def _masked(self, t: Tensor, h, module: str) -> "_MaskedSave":
         """A ReLU's own save of its output (the first of that memory: a layer reading it saves it later), with its

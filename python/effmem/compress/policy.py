@@ -6,6 +6,7 @@ from typing import Callable, Iterable, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from effmem import _C
 from effmem.compress import _codec
 from effmem.compress.tracker import is_param_like
 
@@ -70,6 +71,13 @@ def attention_output(t: Tensor) -> bool:
     flash, memory-efficient, cuDNN, the CPU's flash (csrc/saved/hooks.cpp's rule, which says why)."""
     fn = (t._base if t._base is not None else t).grad_fn
     return fn is not None and fn.name().startswith("ScaledDotProduct")
+
+
+def compared_input(out: Tensor):
+    """The grad_fn of the input that `out`'s reduction compares with `out`, its own result (amax, max(), an
+    infinity norm...: csrc/saved/hooks.cpp's compares_with_extreme), or None."""
+    fn = out.grad_fn
+    return fn.next_functions[0][0] if fn is not None and _C.compares_with_extreme(out) else None
 
 
 def early_reason(cfg: CompressConfig, t: Tensor) -> Optional[str]:

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from effmem.compress._codec import memory_row, packed_bytes, saved_groups
 from effmem.compress.api import kinked_activation
 from effmem.compress.hooks import SIGN_READ
-from effmem.compress.policy import CompressConfig, attention_output, value_reason
+from effmem.compress.policy import CompressConfig, attention_output, compared_input, value_reason
 from effmem.activations import paths, relu
 from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
@@ -79,11 +79,12 @@ class Record:
     sign_read: bool = False              # a ReLU's output: compress_activations stores its exact mask beside it
     kink_read: bool = False              # saved by a LeakyReLU/Hardtanh/ReLU6 module: compress keeps its mask
     read_elsewhere: bool = False         # saved by another op too (compress then stores its codes as well)
-    attention_output: bool = False       # a fused attention's output: compress keeps it as it is
+    exact: bool = False                  # compress keeps it as it is: a fused attention's output, the input of
+                                         # a reduction that compares it with its result (amax, max(), ...)
 
     def compressible(self, cfg: CompressConfig) -> bool:
         """Whether compress_activations would quantise it (its dtype, size and shape rules)."""
-        if self.kind == "grads" or self.attention_output:  # grads: held outside saved tensors, no hook sees them
+        if self.kind == "grads" or self.exact:  # grads: held outside saved tensors, no hook sees them
             return False
         rows = max(1, self.nbytes // self.elem_size // max(self.last_dim, 1))
         probe = torch.empty((rows, self.last_dim), dtype=self.dtype, device="meta")
@@ -308,7 +309,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     head = _output_head(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
     stack: List[nn.Module] = []
-    st = {"block": None, "after_head": False, "graph": True}
+    st = {"block": None, "after_head": False, "graph": True, "last": None}
     made_by_layers = set()   # storages a decoder layer returned: the next one's input, not a shared one
 
     alive: List[Tensor] = []  # keeps recorded storages from being freed and their addresses reused
@@ -333,9 +334,13 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         kinked = bool(stack) and kinked_activation(stack[-1])
+        last, st["last"] = st["last"], (_storage(t)[0], t.grad_fn, t.output_nr)
+        compared = compared_input(t)   # the reduction's input, saved just before its result (hooks.cpp)
+        if compared is not None and last is not None and last[1] is compared and last[0] in tr.records:
+            tr.records[last[0]].exact = True
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"],
                sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ, kink_read=kinked,
-               read_elsewhere=not kinked, attention_output=attention_output(t))
+               read_elsewhere=not kinked, exact=attention_output(t))
         # A node keeping its own output held the tensor itself, grad_fn and all: a cycle through C++ that
         # gc cannot free, one meta graph per plan for the life of the process. A detached alias breaks it;
         # made outside the dispatch modes, so the trace's op count (the host time of a step) does not see it.

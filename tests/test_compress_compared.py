@@ -1,0 +1,149 @@
+"""Saves that a reduction's backward compares with its own result (amax, amin, max(), min(), median(), an
+infinity norm): their gradient goes to the elements equal to the saved extreme, divided by how many there are.
+Stored in 8 bits, a float32 group's maximum came back 1 ulp off, no element matched, and the gradient was 0/0:
+NaN in every weight before it. Such an input is now kept as it is (reason "compared")."""
+import copy
+import functools
+
+import pytest
+import torch
+
+import effmem
+from effmem.activations import activation_stats, apply_activation_policy
+
+REDUCTIONS = {
+    "amax": lambda h: h.amax(-1, keepdim=True),
+    "amin": lambda h: -h.amin(-1, keepdim=True),
+    "max": lambda h: h.max(),
+    "min": lambda h: -h.min(),
+    "median": lambda h: h.median(),
+    "inf_norm": lambda h: torch.linalg.vector_norm(h, float("inf"), dim=-1, keepdim=True),
+}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, reduce, width: int = 256):
+        super().__init__()
+        self.proj, self.reduce = torch.nn.Linear(width, width), reduce
+
+    def forward(self, x):
+        h = self.proj(x)
+        return x + torch.tanh(h - self.reduce(h) * 0.5)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, reduce, n: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block(reduce) for _ in range(n))
+
+    def forward(self, x):
+        return functools.reduce(lambda h, layer: layer(h), self.layers, x)
+
+
+def _stack(reduce, n: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _Stack(reduce, n)
+
+
+def _grads(model, x):
+    model(x).square().mean().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["compress", "fast"])
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_a_reduction_compared_with_its_input_gets_finite_exact_gradients(name, how, dtype):
+    plain = _stack(REDUCTIONS[name]).to(dtype)
+    ours = copy.deepcopy(plain)
+    if how == "compress":
+        ours = effmem.compress_activations(ours, bits=8)
+    else:
+        apply_activation_policy(ours, "fast")
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want, got = _grads(plain, x), _grads(ours, x)
+    assert torch.isfinite(got).all()
+    # the reduction's gradient is exact; what differs is the other saves' 8-bit rounding
+    assert ((got - want).float().norm() / want.float().norm()).item() < 0.03
+
+
+def _stats(reduce, python_rules=None):
+    """compress_activations' statistics of one block (python_rules None), or the "fast" policy's, with the C++
+    pack hook (False) or the Python rules it stands in for (True)."""
+    model = _stack(reduce, n=1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    if python_rules is None:
+        with effmem.compress_activations(bits=8) as ctx:
+            loss = model(x).sum()
+        loss.backward()
+        return ctx.stats.as_dict()
+    apply_activation_policy(model, "fast")
+    if python_rules:
+        model._effmem_fast._pack_hook = model._effmem_fast._pack
+    model(x).sum().backward()
+    return activation_stats(model).as_dict()
+
+
+def test_the_compared_input_is_counted_as_kept_and_a_two_norm_stays_compressed():
+    inf, two = _stats(REDUCTIONS["inf_norm"]), _stats(lambda h: h.norm(dim=-1, keepdim=True))
+    # h (64 x 256 float32) kept for the infinity norm, one save fewer compressed; a 2-norm reads no extreme
+    assert inf["skipped"]["compared"]["bytes_before"] == 64 * 256 * 4
+    assert inf["num_compressed"] == two["num_compressed"] - 1 and "compared" not in two["skipped"]
+    assert inf["total_bytes_before"] == two["total_bytes_before"]
+    codes = 64 * 256 + 64 * 2 * 2 * 4   # a byte per value and two float32 statistics per group of 128
+    assert inf["total_bytes_after"] - two["total_bytes_after"] == 64 * 256 * 4 - codes
+
+
+@pytest.mark.parametrize("name", ["amax", "max"])
+def test_the_cpp_hook_pins_as_the_python_rules_do(name):
+    cpp, py = _stats(REDUCTIONS[name], python_rules=False), _stats(REDUCTIONS[name], python_rules=True)
+    assert cpp["skipped"]["compared"]["count"] == 1 and cpp == py
+
+
+class _Shared(torch.nn.Module):
+    """h saved by the product (stored first, then deduplicated) and then by amax."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(128, 128)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return (h * h).mean(-1) - h.amax(-1)
+
+
+def test_a_compared_input_saved_by_other_ops_too_is_exact_for_all_and_still_checked_for_changes():
+    torch.manual_seed(0)
+    plain = _Shared()
+    ours = effmem.compress_activations(copy.deepcopy(plain), bits=8)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    plain(x).sum().backward()
+    ours(x).sum().backward()
+    # the Linear's input x is still stored in 8 bits: only its weight gradient differs, the bias's is exact
+    assert torch.equal(ours.proj.bias.grad, plain.proj.bias.grad)
+    assert torch.isfinite(ours.proj.weight.grad).all()
+    h_of = {}
+    ours.proj.register_forward_hook(lambda m, i, o: h_of.setdefault("h", o))
+    y = ours(x).sum()
+    with torch.no_grad():
+        h_of["h"].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_the_plan_counts_a_compared_input_as_compress_activations_keeps_it():
+    """effmem plan's trace (meta tensors) marks the reduction's input kept, as the hook does: the difference
+    between an amax block and a 2-norm block is the same predicted and measured."""
+    from effmem.plan.trace import trace_module
+
+    def inputs(b, s, device):
+        return (torch.zeros(b, s, 256, device=device, requires_grad=True),), {}
+
+    predicted, measured = {}, {}
+    for name, reduce in [("amax", REDUCTIONS["amax"]), ("two_norm", lambda h: h.norm(dim=-1, keepdim=True))]:
+        with torch.device("meta"):
+            meta = _stack(reduce, n=1)
+        predicted[name] = trace_module(meta, 64, 1, torch.float32, "cpu", inputs).saved_bytes("compress8")
+        measured[name] = _stats(reduce)["total_bytes_after"]
+    codes = 64 * 256 + 64 * 2 * 2 * 4
+    assert predicted["amax"] - predicted["two_norm"] == measured["amax"] - measured["two_norm"] == 64 * 256 * 4 - codes
