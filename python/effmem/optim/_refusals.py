@@ -27,18 +27,21 @@ class RefusalMonitor:
         self._landing: Dict[torch.device, Tuple[Tensor, torch.cuda.Event]] = {}
 
     def status(self, device: torch.device) -> Optional[Tensor]:
-        """The status tensor to pass to adam_step_ on `device` (None off CUDA: the CPU op raises)."""
+        """The status tensor to pass to adam_step_ on `device` (None off CUDA: the CPU op raises; None in a
+        compiled step before an eager one made it: refusals then go unreported)."""
         if device.type != "cuda":
             return None
         s = self._status.get(device)
-        if s is None:
+        if s is None and not torch.compiler.is_compiling():
             s = self._status[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return s
 
     def launched(self, device: torch.device) -> None:
         """After a step on `device`: start copying its status to the host."""
         status = self._status.get(device)
-        if status is None or torch.cuda.is_current_stream_capturing():
+        # Compiled steps (torch.compile can trace neither the capture query, nor events and pinned copies)
+        # leave their refusals in the status, which the next eager step reports with its own.
+        if status is None or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return
         host = self._landing.get(device, (None, None))[0]
         if host is None:
@@ -51,7 +54,7 @@ class RefusalMonitor:
     def check(self) -> None:
         """Raises for a refusal whose report has reached the host; never waits for one (nor looks,
         while a CUDA graph is being captured: event queries are not allowed then)."""
-        if self._landing and torch.cuda.is_current_stream_capturing():
+        if self._landing and (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
             return
         for device, (host, event) in list(self._landing.items()):
             if event is None or not event.query():

@@ -443,4 +443,9 @@ def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
 
 
 def _capturing() -> bool:
+    # Not while torch.compile traces: on a GPU machine it folds is_available() to True and cannot trace
+    # is_current_stream_capturing() (a fullgraph step raised); a compiled step captured in a graph
+    # (mode="reduce-overhead") runs what was traced, without these Python checks.
+    if torch.compiler.is_compiling():
+        return False
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
