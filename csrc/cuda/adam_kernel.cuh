@@ -36,7 +36,10 @@ __device__ __forceinline__ float to_float(f16_t x) { return __half2float(__ushor
 __device__ __forceinline__ void from_float(float* p, float x) { *p = x; }
 __device__ __forceinline__ void from_float(bf16_t* p, float x) { p->bits = bf16_from_float(x); }
 // The hardware conversion turns every NaN into 0x7fff; the CPU keeps the
-// sign and gives a quiet 0x7e00, so NaNs take the shared path to match bits.
+// sign and gives a quiet 0x7e00, so NaNs take the shared path. That matches
+// the conversion only: the float NaN reaching it may differ already (an
+// invalid operation gives 0x7fffffff on a GPU, 0xffc00000 on x86), so CPU
+// and CUDA agree bit for bit on finite results; a NaN is a NaN on both.
 __device__ __forceinline__ void from_float(f16_t* p, float x) {
   p->bits = x != x ? f16_from_float(x) : __half_as_ushort(__float2half_rn(x));
 }
