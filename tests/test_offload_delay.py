@@ -323,6 +323,27 @@ def test_reentrant_checkpointing_nests_a_backward_that_is_not_a_failure(mode):
     off.close()
 
 
+def test_backward_depth_counts_the_outer_call_on_a_device_thread():
+    """On a GPU the hooks run on autograd's device thread (made in C++), whose stack lacks the outer
+    backward's frame: depth 0 there made a reentrant checkpoint's inner backward (1) count as a new one,
+    and delay warned of mixed micro-batches at every layer. Such a thread counts the outer call."""
+    import _thread
+    import threading
+    from effmem.optim._offload_guards import _backward_depth
+    seen, done = [], threading.Event()
+
+    def run():
+        seen.append(_backward_depth())
+        done.set()
+    _thread.start_new_thread(run, ())   # a thread threading did not start: Python sees a _DummyThread
+    assert done.wait(10)
+    plain = []
+    t = threading.Thread(target=lambda: plain.append(_backward_depth()))
+    t.start()
+    t.join()
+    assert seen == [1] and plain == [0]
+
+
 @pytest.mark.parametrize("device,copy_delay_us,attached", [
     ("cpu", 0, False), ("cpu", 5000, False), ("cpu", 5000, True),
     pytest.param("cuda", 0, False, marks=pytest.mark.cuda), pytest.param("cuda", 0, True, marks=pytest.mark.cuda)])

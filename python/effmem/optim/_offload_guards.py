@@ -22,8 +22,11 @@ _ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None
 def _backward_depth() -> int:
     """How many backward() / grad() calls are under way on this thread's Python stack. A reentrant backward
     (torch.utils.checkpoint's, a Function whose backward calls backward) runs inside the node of the
-    outer one, on the same thread, one call deeper."""
-    n, frame = 0, sys._getframe(1)
+    outer one, on the same thread, one call deeper. CUDA's gradients reach the hooks on autograd's device
+    thread (made in C++: a threading._DummyThread to Python), whose stack lacks the outer call's frame: it
+    counts as one, so that the outer backward is 1 on every device and a reentrant one inside it 2."""
+    n = 1 if isinstance(threading.current_thread(), threading._DummyThread) else 0
+    frame = sys._getframe(1)
     while frame is not None and _ENGINE_RUN is not None:
         n += frame.f_code is _ENGINE_RUN
         frame = frame.f_back
