@@ -44,10 +44,11 @@ def adam_step_(
     params' device). See csrc/common/adam_math.h for the formula.
 
     A step count that is not a whole number in [1, 2^63), or an ``lr_tensor``
-    that is negative or not finite, is refused: on the CPU with a ValueError;
-    on CUDA (where reading them would cost a host sync) the tensors concerned
-    are left unchanged and ``status`` (int32, one element, when given) gets
-    1 (lr) or 2 (step count) ORed in. Every tensor written must have memory
+    that is negative or not finite, is refused: on the CPU with a ValueError,
+    before anything is written; on CUDA (where reading them would cost a host
+    sync) the tensors concerned are left unchanged (a bad step count: that
+    tensor alone, the others are updated) and ``status`` (int32, one element,
+    when given) gets 1 (lr) or 2 (step count) ORed in. Every tensor written must have memory
     of its own.
 
     8-bit moments (``torch.ops.effmem.adam8_step_``, csrc/common/adam8_math.h):
