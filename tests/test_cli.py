@@ -56,12 +56,18 @@ def test_python_dash_m_runs_info(module):
 
 
 @pytest.mark.parametrize("value, unit", [("avx2", "avx2"), ("AVX2", "avx2"), (" scalar ", "scalar"),
-                                         ("avx-2", None), ("foo", None)])
+                                         ("avx-2", None), ("foo", None), ("", "widest"), (" ", "widest")])
 def test_the_isa_cap_is_a_name_it_knows(value, unit):
     """EFFMEM_CPU_ISA: the core took a name it did not know ('AVX2', 'avx-2') for no cap, silently, and ran
-    AVX-512 where the user asked for AVX2. Case and spaces are forgiven; anything else refused by name."""
+    AVX-512 where the user asked for AVX2. Case and spaces are forgiven; anything else refused by name. Set
+    empty (EFFMEM_CPU_ISA=$ISA with ISA unset) it is no cap, as unset: the widest unit the CPU has."""
     env = dict(os.environ, EFFMEM_CPU_ISA=value)
     code = "import effmem._C as c; print(c.cpu_isa())"
+    if unit == "widest":
+        unset = {k: v for k, v in os.environ.items() if k != "EFFMEM_CPU_ISA"}
+        unit = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env=unset).stdout.strip()
+        assert unit in ("avx2", "avx512")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     if unit is None:
         assert proc.returncode != 0 and "EFFMEM_CPU_ISA: expected one of scalar, avx2, avx512" in proc.stderr

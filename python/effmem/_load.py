@@ -31,6 +31,9 @@ def check_isa_env() -> None:
     value = os.environ.get("EFFMEM_CPU_ISA")
     if value is None:
         return
+    if not value.strip():   # set empty (a script's EFFMEM_CPU_ISA=$ISA with ISA unset): no cap, as unset
+        del os.environ["EFFMEM_CPU_ISA"]
+        return
     name = value.strip().lower()
     if name not in ISAS:
         raise ValueError(f"EFFMEM_CPU_ISA: expected one of {', '.join(ISAS)} (the widest CPU vector unit "

@@ -329,7 +329,8 @@ class OffloadGuards:
         message = (f"OffloadAdam: torch.amp.GradScaler needs the gradients in p.grad at step(), to unscale them "
                    f"and skip the step on an inf; this OffloadAdam took them during backward ({how}). Train in "
                    "bf16, which needs no loss scaling, or pass stream_grads=False (without overlap or attach_ddp), "
-                   "where GradScaler works as with torch's AdamW. ")
+                   "where GradScaler works as with torch's AdamW: with float32 parameters under "
+                   "torch.autocast(dtype=torch.float16) (it refuses to unscale fp16 gradients, for any optimizer). ")
         self._check_consistent()
         self._synchronize()   # overlap's bucket updates run on the workers: all of them counted
         if self._overlap and self._engine.param_updates > self._updates_at_open:
