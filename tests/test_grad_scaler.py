@@ -283,3 +283,24 @@ def test_the_scaled_runs_match_torch_adamw_under_the_same_scaler(clip):
     for name in ("fused", "offload"):
         for a, b, s in zip(runs[name], runs["torch"], start):
             assert not torch.equal(b, s) and torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["noclip", "clip"])
+def test_offload_adam_with_fp16_parameters_takes_the_scale_into_its_update_as_fused_adam(mode, clip):
+    """fp16 parameters: GradScaler refuses to unscale their gradients in place ("Attempting to unscale FP16
+    gradients", for torch's AdamW too), so OffloadAdam had no loss-scaling path at all. Without streaming it now
+    takes grad_scale and found_inf into its update as FusedAdam does (the clip's factor from the unscaled norm,
+    the inf step skipped and not counted): the same weights as FusedAdam under the same scaler, bit for bit."""
+    runs = []
+    for make in (offload(mode, stream_grads=False), lambda m: effmem.FusedAdam(m.parameters(), lr=1e-2)):
+        m = model(torch.float16)
+        opt = make(m)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        train(m, opt, scaler, clip=clip, unscale=False)
+        assert scaler.get_scale() == 2.0 ** 9   # backed off once, at the inf step
+        offloaded = isinstance(opt, effmem.OffloadAdam)
+        runs.append(weights(m, opt) if offloaded else [p.detach().clone() for p in m.parameters()])
+        assert {float(s["step"]) for s in opt.state_dict()["state"].values()} == {STEPS - 1.0}
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0], model(torch.float16).parameters()))

@@ -68,7 +68,7 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
                            "gradients in p.grad but are not stepped by the OffloadAdam holding the others' gradients, "
                            "so one norm over both cannot be applied; clip them apart: opt.clip_grad_norm_(max_norm) "
                            "for the OffloadAdam's, torch.nn.utils.clip_grad_norm_ for the rest")
-    before = opt._clip_scale
+    before, norms = opt._clip_scale, opt._clip_norms
     total = opt.clip_grad_norm_(max_norm)
     if before != 1.0:
         # torch's clip scales p.grad, so a second call in the same step (the user's, then accelerate's) sees
@@ -76,8 +76,10 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
         from effmem.optim.clip import clip_coefficient   # clip.py imports this module
         total = total * before
         opt._clip_scale = before * float(clip_coefficient(total, float(max_norm)))
+        opt._clip_norms = (norms[0], norms[1] + [float(max_norm)])
     if error_if_nonfinite and not math.isfinite(float(total)):
-        opt._clip_scale = before   # nothing clipped, as torch leaves the gradients when it raises
+        # nothing clipped, as torch leaves the gradients when it raises
+        opt._clip_scale, opt._clip_norms = before, norms
         raise RuntimeError(f"The total norm of the gradients is {float(total)}; "
                            "set error_if_nonfinite=False to clip anyway")
     return total

@@ -222,7 +222,7 @@ class OffloadBuild:
         if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
             self._sync_state()
             self._note_unstepped_update()
-        self._clip_scale = 1.0
+        self._clip_scale, self._clip_norms = 1.0, None
         self._in_backward = False
         self._streamed.clear()
         self._clip_held.clear()

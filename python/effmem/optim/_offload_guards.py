@@ -13,6 +13,7 @@ from typing import Tuple
 import torch
 
 from effmem.optim import _validate
+from effmem.optim.clip import clip_coefficient
 
 
 # The Python frame of every backward() and grad() call (torch 2.3 and later); None: nesting not judged.
@@ -313,10 +314,42 @@ class OffloadGuards:
     def _step_supports_amp_scaling(self) -> bool:
         """torch.amp.GradScaler's question. Where the gradients wait in p.grad for step() (stream_grads=False,
         no overlap, no attach_ddp), no: its own path is exact, as for torch's AdamW (it unscales them in place,
-        checks them and skips step() on an inf). Where they left during backward that path found none and
+        checks them and skips step() on an inf). But not for fp16 parameters, whose gradients it refuses to
+        unscale in place (for torch's AdamW too): yes, and step() takes its grad_scale and found_inf as
+        FusedAdam does (_take_grad_scaler). Where they left during backward that path found none and
         failed with "No inf checks were recorded"; yes makes it call step() with its grad_scale and found_inf
         attributes set, refused there with a reason (_refuse_grad_scaler)."""
-        return self._grads_leave_in_backward()
+        return self._grads_leave_in_backward() or any(p.dtype == torch.float16 for p in self._all_params)
+
+    def _take_grad_scaler(self):
+        """GradScaler's attributes at step(): None without them (or after its unscale_), the inverse scale the
+        update applies (a float32 tensor), or False for a step that found_inf skips: the gradients a clip had
+        sent are dropped from the engine, and p.grad keeps them, as torch's skipped step leaves them."""
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if grad_scale is None and found_inf is None:
+            return None
+        if self._grads_leave_in_backward():
+            self._refuse_grad_scaler()
+        if found_inf is not None and float(found_inf) != 0.0:   # the host step waits for the gradients anyway
+            self._check_open()
+            self._drop_pending()
+            return False
+        return None if grad_scale is None else grad_scale.double().reciprocal().float().cpu()
+
+    def _scaled_clip(self, inv_scale) -> float:
+        """The factor step() applies to the gradients: the clip's, and under GradScaler's inv_scale (gradients
+        still scaled) inv_scale times the clip's factor taken from the unscaled norm, in FusedAdam's float32
+        arithmetic (its step with inv_scale after clip_grad_norm_)."""
+        if inv_scale is None:
+            return self._clip_scale
+        factor = inv_scale
+        if self._clip_norms is not None:
+            total, max_norms = self._clip_norms
+            total = total * inv_scale
+            for max_norm in max_norms:   # torch's clip called again in one step: on the clipped gradients
+                coef = clip_coefficient(total, max_norm)
+                factor, total = factor * coef, total * coef
+        return float(factor)
 
     def _grads_leave_in_backward(self) -> bool:
         return self._stream_grads or self._overlap or bool(self._ddp_handles)
@@ -329,8 +362,7 @@ class OffloadGuards:
         message = (f"OffloadAdam: torch.amp.GradScaler needs the gradients in p.grad at step(), to unscale them "
                    f"and skip the step on an inf; this OffloadAdam took them during backward ({how}). Train in "
                    "bf16, which needs no loss scaling, or pass stream_grads=False (without overlap or attach_ddp), "
-                   "where GradScaler works as with torch's AdamW: with float32 parameters under "
-                   "torch.autocast(dtype=torch.float16) (it refuses to unscale fp16 gradients, for any optimizer). ")
+                   "where GradScaler works as with torch's AdamW (and with fp16 parameters as with FusedAdam). ")
         self._check_consistent()
         self._synchronize()   # overlap's bucket updates run on the workers: all of them counted
         if self._overlap and self._engine.param_updates > self._updates_at_open:

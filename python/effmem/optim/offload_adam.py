@@ -60,8 +60,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     loops and Hugging Face's Trainer clip as with any optimizer (a name bound
     before ``import effmem`` keeps torch's function: call
     ``opt.clip_grad_norm_``). ``torch.amp.GradScaler`` (which inspects
-    ``p.grad``) works with ``stream_grads=False`` only; streamed, it is
-    refused at ``step()``: use bf16, which needs no loss scaling.
+    ``p.grad``) works with ``stream_grads=False`` only (fp16 parameters: the
+    update unscales, as FusedAdam's); streamed, it is refused at ``step()``:
+    use bf16, which needs no loss scaling.
 
     Args:
         params, lr, betas, eps, weight_decay, decoupled_weight_decay,
@@ -267,7 +268,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._clip_held = {}  # stream_grads=False: index -> (p.grad the clip sent and left, its norm then)
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
-        self._clip_scale = 1.0
+        self._clip_scale, self._clip_norms = 1.0, None   # the factor, and (norm, [max_norm]) for _scaled_clip
         # backward graph tasks under way (nested ones too), until their end: (thread, backward depth) at open
         self._open_tasks: Dict[int, Tuple[int, int]] = {}
         self._raised_tasks: set = set()   # graph tasks freed without reaching their end (_track_backward)
@@ -360,6 +361,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
         # FusedAdam's float32 arithmetic (a tensor max_norm read here: the host waits for the gradients anyway)
         self._clip_scale = float(clip_coefficient(total, float(max_norm)))
+        self._clip_norms = (total, [float(max_norm)])
         return total
 
     # ------------------------------------------------------------------ step
@@ -374,8 +376,9 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         """Updates every parameter with a pending gradient; returns the closure's loss, if any."""
         # GradScaler's attributes: found_inf too, which is all it sets after unscale_ (accelerate wraps step(),
         # and with fp16 the HF Trainer unscales to clip), where a check of grad_scale alone let inf steps through
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            self._refuse_grad_scaler()
+        inv_scale = self._take_grad_scaler()
+        if inv_scale is False:   # found_inf: skipped
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -390,12 +393,12 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         if not self._queued and all(p.grad is None for p in self._all_params):
             # No gradient since the last step: nothing to update, as torch's optimizers skip a parameter without
             # one; not counted either (delay_warmup's clock), nor are delay's weights installed (its flush)
-            self._clip_scale = 1.0
+            self._clip_scale, self._clip_norms = 1.0, None
             return loss
         self._init_masters()
         self._take_leftover_grads()
         self._sync_groups()
-        scale, self._clip_scale = self._clip_scale, 1.0
+        scale, self._clip_scale, self._clip_norms = self._scaled_clip(inv_scale), 1.0, None
         # device_state's parameters first: their kernel runs on the device while the host updates the rest
         self._step_resident(scale)
         # delay_correction: a flush since backward replaced the prediction, so this step's weights go up at
