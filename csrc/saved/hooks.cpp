@@ -39,13 +39,8 @@ const char* const SavedTensors::kReasons[kReasonCount] = {
 
 py::object SavedTensors::pack(py::handle obj) {
   PyObject* o = obj.ptr();
-  if (last_store_ && THPVariable_Check(o)) {
-    const at::Tensor& out = THPVariable_Unpack(o);
-    if (EntryPtr e = pin_compared(out)) {  // its codes were counted as a compressed save: now a kept one
-      tally(kCompressed, e->dtype, -e->bytes_before, -e->bytes_after, -1);
-      const int64_t kept = first_keep(*e->exact) ? e->bytes_before : 0;
-      tally(kCompared, e->dtype, kept, kept);
-    }
+  if (!recent_.empty() && THPVariable_Check(o)) {
+    for (const Adjust& a : pin(THPVariable_Unpack(o))) tally(a.reason, a.dtype, a.before, a.after, a.count);
   }
   auto fallback = [&] { return owner().attr("_pack")(obj); };
   if (!THPVariable_CheckExact(o)) return fallback();  // a subclass: fake tensors while compiling...
@@ -112,8 +107,9 @@ py::object SavedTensors::unpack(py::handle packed) {
 }
 
 // The backwards that divide the gradient by the count of input elements equal to the result: amax and amin
-// (scale_grad_by_count), max(), min(), median() and nanmedian() (evenly_distribute_backward), and a vector
-// norm of infinite order.
+// (scale_grad_by_count), max(), min(), median(), nanmedian() and aminmax() (evenly_distribute_backward), a
+// vector norm of infinite order; and those that pick the elements whose difference equals it: dist and cdist
+// of infinite p (for cdist, a wrong pick rather than 0/0).
 bool compares_with_extreme(const at::Tensor& out) {
   using namespace torch::autograd::generated;
   const torch::autograd::Node* fn = out.grad_fn().get();
@@ -122,31 +118,78 @@ bool compares_with_extreme(const at::Tensor& out) {
   if (type == typeid(LinalgVectorNormBackward0)) {
     return std::isinf(static_cast<const LinalgVectorNormBackward0*>(fn)->ord.toDouble());
   }
+  if (type == typeid(DistBackward0)) return std::isinf(static_cast<const DistBackward0*>(fn)->p.toDouble());
+  if (type == typeid(CdistBackward0)) return std::isinf(static_cast<const CdistBackward0*>(fn)->p);
   return type == typeid(AmaxBackward0) || type == typeid(AminBackward0) || type == typeid(MaxBackward1) ||
-         type == typeid(MinBackward1) || type == typeid(MedianBackward0) || type == typeid(NanmedianBackward0);
+         type == typeid(MinBackward1) || type == typeid(MedianBackward0) || type == typeid(NanmedianBackward0) ||
+         type == typeid(AminmaxBackward0);
+}
+
+void SavedTensors::remember_recent(Recent r) {
+  if (r.fn == nullptr) return;  // no grad_fn (a leaf, a mask): no reduction's backward reaches it
+  auto& slots = recent_[std::this_thread::get_id()];
+  slots[1] = std::move(slots[0]);
+  slots[0] = std::move(r);
 }
 
 void SavedTensors::note_store(const at::Tensor& t, const at::Tensor& src, int64_t offset, const EntryPtr& e) {
-  last_store_ = LastStore{e, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
-                                 src.getIntrusivePtr()), offset, t.grad_fn().get(), t.output_nr()};
+  Recent r;
+  r.entry = e;
+  r.src = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(src.getIntrusivePtr());
+  r.offset = offset;
+  r.fn = t.grad_fn().get();
+  r.output_nr = t.output_nr();
+  remember_recent(std::move(r));
 }
 
-EntryPtr SavedTensors::pin_compared(const at::Tensor& out) {
-  if (!last_store_) return nullptr;
-  const LastStore last = std::move(*last_store_);
-  last_store_.reset();
-  // the reduction saves its input, computes, then saves its result: the input's save was the one just made
-  if (!compares_with_extreme(out)) return nullptr;
-  const torch::autograd::Edge& input = out.grad_fn()->next_edge(0);
-  EntryPtr e = last.entry.lock();
-  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> src = last.src.lock();
-  if (!last.fn || input.function.get() != last.fn || input.input_nr != last.output_nr || !e || !src || e->exact) {
-    return nullptr;
+void SavedTensors::note_recipe(const at::Tensor& t, const RecipePtr& rec) {
+  Recent r;
+  r.recipe = rec;
+  r.fn = t.grad_fn().get();
+  r.output_nr = t.output_nr();
+  remember_recent(std::move(r));
+}
+
+std::vector<SavedTensors::Adjust> SavedTensors::pin(const at::Tensor& out) {
+  std::vector<Adjust> adjust;
+  // the reduction saves its inputs, computes, then saves its result: its inputs' saves came just before
+  if (!compares_with_extreme(out)) return adjust;
+  auto found = recent_.find(std::this_thread::get_id());
+  if (found == recent_.end()) return adjust;
+  for (const torch::autograd::Edge& input : out.grad_fn()->next_edges()) {
+    for (Recent& r : found->second) {
+      if (r.fn == nullptr || input.function.get() != r.fn || input.input_nr != r.output_nr) continue;
+      if (EntryPtr e = r.entry.lock()) {
+        auto src = r.src->lock();
+        if (src && !e->exact) {
+          e->exact = view_of(at::Tensor(std::move(src)), {e->n}, {1}, r.offset);
+          e->codes.reset();
+          e->stats.reset();
+          // counted as compressed in this round's statistics: now as kept (a round before: kept from now on)
+          if (e->round == round_) adjust.push_back({kCompressed, e->dtype, -1, -e->bytes_before, -e->bytes_after});
+          const int64_t kept = first_keep(*e->exact) ? e->bytes_before : 0;
+          adjust.push_back({kCompared, e->dtype, 1, kept, kept});
+        }
+      } else if (RecipePtr rec = r.recipe.lock()) {
+        // a rebuilt output: rebuilt from 8-bit inputs, its maximum is not the saved one either
+        if (rec->alive() && !rec->exact) {
+          const at::Tensor o(rec->owner->lock());
+          rec->exact = detached(o);  // not o itself: its grad_fn holds this recipe's saves (a cycle)
+          const int64_t kept = first_keep(o) ? o.numel() * static_cast<int64_t>(o.element_size()) : 0;
+          adjust.push_back({kCompared, rec->dtype, 1, kept, kept});
+        }
+      }
+      r = Recent{};
+    }
   }
-  e->exact = view_of(at::Tensor(std::move(src)), {e->n}, {1}, last.offset);
-  e->codes.reset();
-  e->stats.reset();
-  return e;
+  return adjust;
+}
+
+std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> SavedTensors::pin_compared(
+    const at::Tensor& out) {
+  std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> rows;
+  for (const Adjust& a : pin(out)) rows.emplace_back(kReasons[a.reason], a.dtype, a.count, a.before, a.after);
+  return rows;
 }
 
 at::Tensor SavedTensors::exact_save(const SavedEntry& e, const SavedHandle& h) {

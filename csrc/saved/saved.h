@@ -26,6 +26,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -64,6 +65,7 @@ struct SavedEntry {
   py::object offload = py::none();  // activations.offload's record while the codes are on the host
   // The memory itself, codes dropped (pin_compared): a save whose backward compares it with its own maximum
   std::optional<at::Tensor> exact;
+  int64_t round = 0;  // the statistics' round (SavedTensors::clear_kept) that counted it as compressed
 };
 using EntryPtr = std::shared_ptr<SavedEntry>;
 
@@ -99,6 +101,7 @@ struct Recipe {
   std::optional<c10::VariableVersion> counter;
   int64_t version = 0, saves = 0, unpacked = 0;
   std::optional<at::Tensor> held;  // the rebuilt output until its last save is unpacked
+  std::optional<at::Tensor> exact;  // the output itself (a detached alias), not rebuilt: pin_compared
   bool alive() const { return owner && !owner->expired(); }  // a save of its memory must come while it lives
 };
 using RecipePtr = std::shared_ptr<Recipe>;
@@ -174,13 +177,16 @@ class SavedTensors {
   // Whether t's memory is kept (and counted) for the first time since set_layer or clear_kept: keep() and the
   // Python rules' _keep count a memory several ops save once, whichever of them keeps it.
   bool first_keep(const at::Tensor& t);
-  void clear_kept() { kept_.clear(); }
+  void clear_kept() {  // a new forward's statistics (compressor's reset_stats): a new round
+    kept_.clear();
+    ++round_;
+  }
   // hooks.cpp: called with each save before its own rules. When `out` is the result of a reduction whose
-  // backward finds the extreme by equality (amax, amin, max(), min(), median(), an infinity norm) and the
-  // save just stored was that reduction's input, that input's entry keeps the memory as it is instead of its
-  // codes (a float32 group's maximum comes back 1 ulp off, and amax's backward divided 0 by 0): the entry,
-  // else none.
-  EntryPtr pin_compared(const at::Tensor& out);
+  // backward finds the extreme by equality (compares_with_extreme) and one of this thread's two latest
+  // stored or rebuilt saves was that reduction's input, the input is kept as it is: its entry holds the
+  // memory instead of its codes (a float32 group's maximum comes back 1 ulp off, and amax's backward divided
+  // 0 by 0), a rebuilt output the output itself. The changes to the statistics, as take_tallies' rows.
+  std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> pin_compared(const at::Tensor& out);
 
   int64_t min_numel_ = 4096;
   py::object collect_ = py::none();  // under FastCompressor.collecting(): the list new entries go to
@@ -198,7 +204,15 @@ class SavedTensors {
   std::optional<SavedHandle> store_memory(const at::Tensor& t, Reason& why);
 
   py::object keep(const at::Tensor& t, Reason r);
+  struct Adjust {
+    Reason reason;
+    at::ScalarType dtype;
+    int64_t count, before, after;
+  };
+  // A save just stored (its entry, the memory from `offset` of src) or rebuilt (its recipe): pin's candidates
   void note_store(const at::Tensor& t, const at::Tensor& src, int64_t offset, const EntryPtr& e);
+  void note_recipe(const at::Tensor& t, const RecipePtr& r);
+  std::vector<Adjust> pin(const at::Tensor& out);
   at::Tensor exact_save(const SavedEntry& e, const SavedHandle& h);
   void tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after, int64_t count = 1);
   void remember(const Key& key, const EntryPtr& e);
@@ -222,18 +236,23 @@ class SavedTensors {
   int64_t token_values_ = 0;
   std::set<std::pair<int64_t, int64_t>> param_shapes_;
   std::map<std::pair<int, int>, std::array<int64_t, 3>> tallies_;
-  // The save store_memory handled last (pin_compared's candidate): its entry, the memory it covers from
-  // `offset`, and the autograd edge that reaches the saved tensor (its grad_fn and output number). The node
-  // by address only (torch 2.11 holds nodes in shared_ptr, 2.14 in intrusive_ptr): it is compared within the
-  // next save, and a node freed and made again at that address would only keep one memory as it is.
-  struct LastStore {
+  // A recent stored save (its entry, the memory it covers from `offset`) or rebuilt one (its recipe), and the
+  // autograd edge that reaches the saved tensor (its grad_fn and output number). The node by address only
+  // (torch 2.11 holds nodes in shared_ptr, 2.14 in intrusive_ptr): a node freed and made again at that address
+  // would pin a memory only while it lives and is still saved, which costs memory, never a wrong value.
+  struct Recent {
     std::weak_ptr<SavedEntry> entry;
-    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> src;
+    std::weak_ptr<Recipe> recipe;
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> src;
     int64_t offset = 0;
     const torch::autograd::Node* fn = nullptr;
     uint32_t output_nr = 0;
   };
-  std::optional<LastStore> last_store_;
+  void remember_recent(Recent r);
+  // Per thread (two threads may run forwards through one compressor), the two latest: dist and cdist compare
+  // both inputs. The GIL orders every access (the hooks and the store are called from Python).
+  std::unordered_map<std::thread::id, std::array<Recent, 2>> recent_;
+  int64_t round_ = 0;
 };
 
 }  // namespace effmem::saved

@@ -270,6 +270,7 @@ std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reaso
   e->counter = version_counter(src);
   e->version = version;
   e->bytes_before = nbytes;
+  e->round = round_;
   {
     c10::AutoGradMode no_grad(false);
     // the memory covered, in memory order, as the flat run (bool) or the [rows, cols] groups it is
@@ -394,6 +395,7 @@ py::object SavedTensors::recipe_save(const at::Tensor& t) {
   }
   if (t.is_inference() || t._version() != r->version) return py::none();  // changed since: stored as any save
   ++r->saves;
+  note_recipe(t, r);
   RecipeHandle h{r, t.sizes().vec(), t.strides().vec(), t.storage_offset() - r->owner_offset, std::nullopt};
   return py::cast(std::move(h));
 }
@@ -405,8 +407,8 @@ at::Tensor SavedTensors::rebuild(RecipeHandle& h) {
     version_error(r.counter->current_version(), r.version, r.dtype, h.shape, r.device);
   }
   at::Tensor out;
-  if (r.held) {
-    out = *r.held;
+  if (r.exact || r.held) {
+    out = r.exact ? *r.exact : *r.held;
   } else {
     py::tuple args(r.inputs.size());
     for (size_t i = 0; i < r.inputs.size(); ++i) {

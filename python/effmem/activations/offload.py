@@ -139,7 +139,11 @@ class Offloader:
 
 
 def _parts(e) -> List[Tensor]:
-    return [e.codes] if e.stats is None else [e.codes, e.stats]  # packed booleans have no statistics
+    """An entry's codes and statistics (packed booleans have none); none for an entry that keeps its memory as
+    it is (SavedTensors.pin_compared: the input of an amax), which stays where it is."""
+    if e.codes is None:
+        return []
+    return [e.codes] if e.stats is None else [e.codes, e.stats]
 
 
 class _Layer:

@@ -330,12 +330,11 @@ class ActivationCompressor:
         return h
 
     def _pin_compared(self, t: Tensor, module: str) -> None:
-        """Before t's own rules: where t is amax's (max()'s, an infinity norm's...) result and the save just
-        stored was that reduction's input, the input is kept as it is (csrc/saved/hooks.cpp: the backward
-        looks for elements equal to the maximum, and a float32 group's maximum comes back 1 ulp off)."""
-        e = self._saves.pin_compared(t)
-        if e is not None:
-            self.stats.record_pinned(dtype_name(e.dtype), e, module, self._saves.first_keep(e.exact))
+        """Before t's own rules: where t is amax's (max()'s, an infinity norm's...) result and a save just
+        stored or rebuilt was that reduction's input, the input is kept as it is (csrc/saved/hooks.cpp: the
+        backward looks for elements equal to the maximum, and a float32 group's maximum comes back 1 ulp off)."""
+        for reason, dtype, count, before, after in self._saves.pin_compared(t):
+            self.stats.add(reason, dtype_name(dtype), module, count, before, after)
 
     def _masked(self, t: Tensor, h, module: str) -> "_MaskedSave":
         """A ReLU's own save of its output (the first of that memory: a layer reading it saves it later), with its

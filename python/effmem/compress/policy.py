@@ -73,11 +73,10 @@ def attention_output(t: Tensor) -> bool:
     return fn is not None and fn.name().startswith("ScaledDotProduct")
 
 
-def compared_input(out: Tensor):
-    """The grad_fn of the input that `out`'s reduction compares with `out`, its own result (amax, max(), an
-    infinity norm...: csrc/saved/hooks.cpp's compares_with_extreme), or None."""
-    fn = out.grad_fn
-    return fn.next_functions[0][0] if fn is not None and _C.compares_with_extreme(out) else None
+def compared_inputs(out: Tensor) -> list:
+    """The (grad_fn, output number) of each input that `out`'s reduction compares with `out`, its own result
+    (amax, max(), an infinity norm, dist...: csrc/saved/hooks.cpp's compares_with_extreme); none for others."""
+    return list(out.grad_fn.next_functions) if _C.compares_with_extreme(out) else []
 
 
 def early_reason(cfg: CompressConfig, t: Tensor) -> Optional[str]:

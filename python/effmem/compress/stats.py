@@ -64,7 +64,7 @@ class CompressionStats:
     per token), exponential (exp's output, whose values span orders of
     magnitude: Mamba2's decays), attention_output (a fused attention's output,
     which its backward reads beside the exact log-sum-exp); and under both, compared (the input of amax,
-    max(), median() or an infinity norm, whose backward looks for the elements equal to the result). Saves of an output that policy rebuilds in
+    max(), median(), an infinity norm..., whose backward looks for the elements equal to the result). Saves of an output that policy rebuilds in
     backward store nothing and are counted in ``deduplicated``.
     """
     total_bytes_before: int = 0
@@ -103,12 +103,6 @@ class CompressionStats:
 
     def record_kept(self, reason: str, dtype: str, module: str, nbytes: int) -> None:
         self.add(reason, dtype, module, 1, nbytes, nbytes)
-
-    def record_pinned(self, dtype: str, entry, module: str, first: bool) -> None:
-        """A compressed save's entry that now keeps its memory as it is (SavedTensors.pin_compared): counted
-        as kept for the reason "compared" (`first`: that memory counted for the first time)."""
-        self.add("compressed", dtype, module, -1, -entry.bytes_before, -entry.bytes_after)
-        self.record_kept("compared", dtype, module, entry.bytes_before if first else 0)
 
     def _record(self, dtype: str, module: str, before: int, after: int, count: int = 1) -> None:
         self.total_bytes_before += before

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from effmem.compress._codec import memory_row, packed_bytes, saved_groups
 from effmem.compress.api import kinked_activation
 from effmem.compress.hooks import SIGN_READ
-from effmem.compress.policy import CompressConfig, attention_output, compared_input, value_reason
+from effmem.compress.policy import CompressConfig, attention_output, compared_inputs, value_reason
 from effmem.activations import paths, relu
 from effmem.activations.checkpoint import routes_tokens
 from effmem.plan.model import find_blocks
@@ -309,7 +309,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
     head = _output_head(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
     stack: List[nn.Module] = []
-    st = {"block": None, "after_head": False, "graph": True, "last": None}
+    st = {"block": None, "after_head": False, "graph": True, "recent": []}
     made_by_layers = set()   # storages a decoder layer returned: the next one's input, not a shared one
 
     alive: List[Tensor] = []  # keeps recorded storages from being freed and their addresses reused
@@ -334,10 +334,12 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
 
     def pack(t: Tensor):
         kinked = bool(stack) and kinked_activation(stack[-1])
-        last, st["last"] = st["last"], (_storage(t)[0], t.grad_fn, t.output_nr)
-        compared = compared_input(t)   # the reduction's input, saved just before its result (hooks.cpp)
-        if compared is not None and last is not None and last[1] is compared and last[0] in tr.records:
-            tr.records[last[0]].exact = True
+        # a reduction's inputs, saved just before its result: kept as they are (hooks.cpp's pin)
+        for fn, nr in compared_inputs(t):
+            for key, saved_fn, saved_nr in st["recent"]:
+                if saved_fn is fn and saved_nr == nr and key in tr.records:
+                    tr.records[key].exact = True
+        st["recent"] = [(_storage(t)[0], t.grad_fn, t.output_nr)] + st["recent"][:1]
         record(t, saved=True, saved_outside=st["block"] is None, first_block=st["block"],
                sign_read=t.grad_fn is not None and t.grad_fn.name() in SIGN_READ, kink_read=kinked,
                read_elsewhere=not kinked, exact=attention_output(t))
