@@ -216,7 +216,9 @@ class _Layer:
             back, counters["fetched_late"] = self._copy_back(prefetch=False), counters["fetched_late"] + 1
         for (ref, _), dev in zip(self.items, back):
             e = ref()
-            if e is not None:
+            if e is not None and e.exact is not None:   # kept as it is since it was sent (pin_compared)
+                e.offload = None
+            elif e is not None:
                 e.codes = dev[0]
                 e.stats = dev[1] if len(dev) > 1 else None
                 e.offload = None
