@@ -60,7 +60,8 @@ def refuse_cache(layer: nn.Module, args, kwargs) -> None:
         raise TypeError(f"{type(layer).__name__}: got a key/value cache in a forward with gradients; this "
                         "activation policy runs the layer again ('min', 'checkpoint' and 'selective' in backward, "
                         "memory_budget's probes at a new shape), which would add to the cache again. Pass no "
-                        "past_key_values when training (use_cache=False is passed for you), or use 'fast'")
+                        "past_key_values when training (use_cache=False is passed for you), or use 'fast'; some "
+                        "models (transformers' XLM) make a cache in every forward themselves: 'fast' then")
 
 
 HF_CHECKPOINTING = ("transformers' gradient checkpointing is on (gradient_checkpointing_enable() or "

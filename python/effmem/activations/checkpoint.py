@@ -277,6 +277,8 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         replay, tail["ran"] = "ran" in tail, True   # the forward's own run reads what it reads
         with _as_in_forward(layer, held) if replay else nullcontext(), modes_as(modes) if replay else nullcontext():
             out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
+        if isinstance(out, list):   # a list in the tuple's place (OpenAI GPT's Block): given back as a list
+            out, tail["list"] = tuple(out), True
         if not isinstance(out, (Tensor, tuple)) or isinstance(out, tuple) and not (out and isinstance(out[0], Tensor)):
             got = type(out).__name__ if not isinstance(out, tuple) else (
                 "an empty tuple" if not out else f"a tuple whose first entry is {type(out[0]).__name__}")
@@ -301,7 +303,8 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     out_leaves = list(tail.pop("leaves"))
     for i, o in zip(tail["grad_at"], outs[1:]):
         out_leaves[i] = o
-    return (outs[0], *tree_unflatten(out_leaves, tail["spec"]))
+    out = (outs[0], *tree_unflatten(out_leaves, tail["spec"]))
+    return list(out) if tail.get("list") else out
 
 
 def _as_in_forward(layer: nn.Module, held: dict):

@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -148,7 +149,9 @@ def find_blocks(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[st
     """The decoder layers: the longest ModuleList whose entries are all of one type (and which is not inside an
     entry of another such list: a block's list of heads), in a generative model's
     decoder where transformers names one (get_decoder(): a vision-language model's language model, whose
-    vision tower may have more blocks), else in the whole model. Only a model with an output layer
+    vision tower may have more blocks; its own `layers` first, where they are one list of one type: a small
+    Phi-4-multimodal's 2 language layers, not its vision tower's 27 in the same module), else in the whole
+    model. Two such lists of the same length (HRM's H and L modules) warn: only the first is taken. Only a model with an output layer
     (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
     get_decoder() guesses a smaller tower. exclude: lists starting with one of these modules are not it (an
     encoder-decoder's encoder layers, when its get_decoder() returns the whole model)."""
@@ -157,7 +160,11 @@ def find_blocks(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[st
         if mixed_layer_classes(decoder):   # not a list inside one of them, nor the vision tower's (below)
             return "", []
         names = {id(m): n for n, m in model.named_modules()}
-        name, layers = _longest(decoder, exclude)
+        own = getattr(decoder, "layers", None)
+        if isinstance(own, nn.ModuleList) and _one_type(own) and not any(own[0] is e for e in exclude):
+            name, layers = "layers", list(own)
+        else:
+            name, layers = _longest(decoder, exclude)
         if layers and id(decoder) in names:
             return ".".join(n for n in (names[id(decoder)], name) if n), layers
     return _longest(model, exclude)
@@ -180,16 +187,28 @@ def generative_decoder(model: nn.Module) -> Optional[nn.Module]:
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
+def _one_type(mod: nn.ModuleList) -> bool:
+    return len(mod) > 0 and len({type(m) for m in mod}) == 1
+
+
 def _longest(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[str, Sequence[nn.Module]]:
-    lists = [(name, mod) for name, mod in model.named_modules()
-             if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1]
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and _one_type(mod)]
     # A list inside an entry of another of two or more (each block's heads, each layer's experts) is not the
     # blocks, however long: two blocks of four heads each had the policy on block 0's heads alone.
     inner = {n for n, _ in lists for o, om in lists if len(om) >= 2 and o != n and n.startswith(f"{o}." if o else "")}
     best: Tuple[str, Sequence[nn.Module]] = ("", [])
+    ties: List[str] = []
     for name, mod in lists:
-        if name not in inner and len(mod) > len(best[1]) and not any(mod[0] is e for e in exclude):
-            best = (name, list(mod))
+        if name in inner or any(mod[0] is e for e in exclude):
+            continue
+        if len(mod) > len(best[1]):
+            best, ties = (name, list(mod)), []
+        elif len(mod) == len(best[1]) and type(mod[0]) is type(best[1][0]):
+            ties.append(name)
+    if ties:
+        warnings.warn(f"{type(model).__name__}: {len(ties) + 1} lists of {len(best[1])} {type(best[1][0]).__name__} "
+                      f"({', '.join([best[0]] + ties)}); effmem takes {best[0]!r} as the decoder layers, and "
+                      "leaves the others as they are")
     return best
 
 
