@@ -22,6 +22,9 @@ REDUCTIONS = {
     # two inputs compared: both kept (for cdist a wrong pick, 98% off, rather than NaN)
     "dist_inf": lambda h: torch.dist(h, h.flip(0) * 0.5, float("inf")),
     "cdist_inf": lambda h: torch.cdist(h[:32], h[32:], p=float("inf")).mean(-1, keepdim=True)[:1],
+    # the other input without a gradient (no autograd edge to match): compared all the same
+    "dist_inf_detached": lambda h: torch.dist(h, h.detach().flip(0) * 0.5 + 0.1, float("inf")),
+    "cdist_inf_detached": lambda h: torch.cdist(h[:32], h.detach()[32:] * 0.5, p=float("inf")).mean(-1, True)[:1],
 }
 
 
@@ -58,7 +61,7 @@ def _grads(model, x):
 @pytest.mark.parametrize("how", ["compress", "fast"])
 @pytest.mark.parametrize("name", sorted(REDUCTIONS))
 def test_a_reduction_compared_with_its_input_gets_finite_exact_gradients(name, how, dtype):
-    if name == "cdist_inf" and dtype == torch.bfloat16:
+    if name.startswith("cdist") and dtype == torch.bfloat16:
         pytest.skip("torch's cdist has no bfloat16 kernel on the CPU")
     plain = _stack(REDUCTIONS[name]).to(dtype)
     ours = copy.deepcopy(plain)
@@ -236,3 +239,4 @@ def test_a_relu_output_first_saved_by_amax_is_kept_beside_its_mask():
         loss = (h - h.amax(-1, keepdim=True) * 0.5).tanh().square().mean()
     loss.backward()
     assert torch.isfinite(lin.weight.grad).all() and "compared" in ctx.stats.skipped
+

@@ -58,6 +58,8 @@ void bind_saved_hooks(py::module_& m) {
       .def("recipe_save", &SavedTensors::recipe_save, py::arg("tensor"))
       .def("pack", &SavedTensors::pack, py::arg("tensor"))
       .def("pin_compared", &SavedTensors::pin_compared, py::arg("out"))
+      .def("note_recipe", &SavedTensors::note_recipe, py::arg("tensor"), py::arg("recipe"),
+           "A save of `tensor` made from `recipe` in Python (a cast of a rebuilt output): pin_compared's candidate")
       .def("unpack", &SavedTensors::unpack, py::arg("packed"))
       .def("set_layer", &SavedTensors::set_layer, py::arg("external"), py::arg("token_values"),
            py::arg("param_shapes"))

@@ -126,13 +126,13 @@ bool compares_with_extreme(const at::Tensor& out) {
 }
 
 void SavedTensors::remember_recent(Recent r) {
-  if (r.fn == nullptr) return;  // no grad_fn (a leaf, a mask): no reduction's backward reaches it
   auto& slots = recent_[std::this_thread::get_id()];
   slots[1] = std::move(slots[0]);
   slots[0] = std::move(r);
 }
 
 void SavedTensors::note_store(const at::Tensor& t, const at::Tensor& src, int64_t offset, const EntryPtr& e) {
+  if (t.scalar_type() == at::kBool) return;  // a mask (a ReLU's, stored after its output): compared by none
   Recent r;
   r.entry = e;
   r.src = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(src.getIntrusivePtr());
@@ -158,7 +158,10 @@ std::vector<SavedTensors::Adjust> SavedTensors::pin(const at::Tensor& out) {
   if (found == recent_.end()) return adjust;
   for (const torch::autograd::Edge& input : out.grad_fn()->next_edges()) {
     for (Recent& r : found->second) {
-      if (r.fn == nullptr || input.function.get() != r.fn || input.input_nr != r.output_nr) continue;
+      // an input without a gradient (dist's detached `other`) has no edge: the latest save without a grad_fn
+      const bool match = input.function ? input.function.get() == r.fn && input.input_nr == r.output_nr
+                                        : r.fn == nullptr && !r.entry.expired();
+      if (!match) continue;
       if (EntryPtr e = r.entry.lock()) {
         auto src = r.src->lock();
         if (src && !e->exact) {

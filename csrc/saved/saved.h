@@ -187,6 +187,8 @@ class SavedTensors {
   // memory instead of its codes (a float32 group's maximum comes back 1 ulp off, and amax's backward divided
   // 0 by 0), a rebuilt output the output itself. The changes to the statistics, as take_tallies' rows.
   std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> pin_compared(const at::Tensor& out);
+  // A save of t made from the recipe (store.cpp's recipe_save, Python's cast of a rebuilt output): a candidate
+  void note_recipe(const at::Tensor& t, const RecipePtr& r);
 
   int64_t min_numel_ = 4096;
   py::object collect_ = py::none();  // under FastCompressor.collecting(): the list new entries go to
@@ -211,7 +213,6 @@ class SavedTensors {
   };
   // A save just stored (its entry, the memory from `offset` of src) or rebuilt (its recipe): pin's candidates
   void note_store(const at::Tensor& t, const at::Tensor& src, int64_t offset, const EntryPtr& e);
-  void note_recipe(const at::Tensor& t, const RecipePtr& r);
   std::vector<Adjust> pin(const at::Tensor& out);
   at::Tensor exact_save(const SavedEntry& e, const SavedHandle& h);
   void tally(Reason r, at::ScalarType dtype, int64_t before, int64_t after, int64_t count = 1);

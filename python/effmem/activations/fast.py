@@ -234,6 +234,7 @@ class FastCompressor(ActivationCompressor):
         self.stats.deduplicated += 1
         if self.records is not None:
             self._note(t, self._layer_name, "recomputed")
+        self._saves.note_recipe(t, r)   # an amax of the copy keeps the output (SavedTensors.pin_compared)
         return _C.RecipeHandle(r, tuple(t.shape), t.stride(), t.storage_offset() - src.storage_offset(), src.dtype)
 
 
