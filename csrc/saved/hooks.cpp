@@ -178,6 +178,7 @@ std::vector<SavedTensors::Adjust> SavedTensors::pin(const at::Tensor& out) {
         if (rec->alive() && !rec->exact) {
           const at::Tensor o(rec->owner->lock());
           rec->exact = detached(o);  // not o itself: its grad_fn holds this recipe's saves (a cycle)
+          rec->inputs.clear();       // never rebuilt now: its inputs' codes go with their other saves
           const int64_t kept = first_keep(o) ? o.numel() * static_cast<int64_t>(o.element_size()) : 0;
           adjust.push_back({kCompared, rec->dtype, 1, kept, kept});
         }

@@ -122,7 +122,7 @@ at::Tensor view_of(const at::Tensor& t, at::IntArrayRef shape, at::IntArrayRef s
 std::optional<c10::VariableVersion> version_counter(const at::Tensor& t);
 
 // Whether out is a reduction's result whose backward gives the gradient to the input's elements equal to it
-// (pin_compared's test; compress.policy.compared_input asks it too).
+// (pin_compared's test; compress.policy.compared_inputs asks it too).
 bool compares_with_extreme(const at::Tensor& out);
 
 // Whether o is a T: the Python type looked up once (py::isinstance looks it up by C++ type each call).

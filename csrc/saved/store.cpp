@@ -304,7 +304,8 @@ at::Tensor SavedTensors::restore(SavedHandle& h) {
   c10::AutoGradMode no_grad(false);  // a restore must not join a create_graph backward's graph
   SavedEntry& e = *h.entry;
   if (e.counter && static_cast<int64_t>(e.counter->current_version()) != e.version) {
-    version_error(e.counter->current_version(), e.version, e.dtype, h.shape, e.codes ? e.codes->device() : at::Device(at::kCPU));
+    const at::Tensor* where = e.codes ? &*e.codes : e.exact ? &*e.exact : nullptr;   // a kept entry has no codes
+    version_error(e.counter->current_version(), e.version, e.dtype, h.shape, where ? where->device() : at::kCPU);
   }
   if (e.exact) return exact_save(e, h);
   if (!e.offload.is_none()) e.offload.attr("bring_back")();  // the codes back from host memory

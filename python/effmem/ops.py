@@ -48,8 +48,8 @@ def adam_step_(
     before anything is written; on CUDA (where reading them would cost a host
     sync) the tensors concerned are left unchanged (a bad step count: that
     tensor alone, the others are updated) and ``status`` (int32, one element,
-    when given) gets 1 (lr) or 2 (step count) ORed in. Every tensor written must have memory
-    of its own.
+    when given) gets 1 (lr) or 2 (step count) ORed in. Every tensor written
+    must have memory of its own.
 
     8-bit moments (``torch.ops.effmem.adam8_step_``, csrc/common/adam8_math.h):
     give ``exp_avg_scales``, ``exp_avg_sq_scales`` (float32 [ceil(numel/256)]

@@ -64,8 +64,8 @@ class CompressionStats:
     per token), exponential (exp's output, whose values span orders of
     magnitude: Mamba2's decays), attention_output (a fused attention's output,
     which its backward reads beside the exact log-sum-exp); and under both, compared (the input of amax,
-    max(), median(), an infinity norm..., whose backward looks for the elements equal to the result). Saves of an output that policy rebuilds in
-    backward store nothing and are counted in ``deduplicated``.
+    max(), median(), an infinity norm..., whose backward looks for the elements equal to the result). Saves
+    of an output that policy rebuilds in backward store nothing and are counted in ``deduplicated``.
     """
     total_bytes_before: int = 0
     total_bytes_after: int = 0

@@ -151,8 +151,8 @@ def find_blocks(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> Tuple[st
     decoder where transformers names one (get_decoder(): a vision-language model's language model, whose
     vision tower may have more blocks; its own `layers` first, where they are one list of one type: a small
     Phi-4-multimodal's 2 language layers, not its vision tower's 27 in the same module), else in the whole
-    model. Two such lists of the same length (HRM's H and L modules) warn: only the first is taken. Only a model with an output layer
-    (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
+    model. Two such lists of the same length (HRM's H and L modules) warn: only the first is taken. Only a
+    model with an output layer (get_output_embeddings()) counts as generative: a dual encoder's (CLIP's) or a masked autoencoder's
     get_decoder() guesses a smaller tower. exclude: lists starting with one of these modules are not it (an
     encoder-decoder's encoder layers, when its get_decoder() returns the whole model)."""
     decoder = generative_decoder(model)
