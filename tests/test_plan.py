@@ -389,13 +389,13 @@ def test_formula_stands_in_where_the_trace_fails(model, monkeypatch):
     peaks are the trace's (within 1e-4: they count the same tensors), step times within 2% (the formula
     counts 2 FLOPs per matmul weight per token, the trace torch's own formulas). A model the formula
     does not know still fails, with the trace's own error."""
-    from effmem.plan import planner
+    from effmem.plan import activity
     args = dict(batch=8, seq=1024, gpu_memory="80GB", host_memory="128GB")
     traced = effmem.plan(model, **args)
 
     def fail(*a, **k):
         raise RuntimeError("no meta kernel for mylib::op")
-    monkeypatch.setattr(planner, "trace_spec", fail)
+    monkeypatch.setattr(activity, "trace_spec", fail)
     fb = effmem.plan(model, **args)
     assert fb.method.startswith("closed form") and "no meta kernel for mylib::op" in fb.method
     assert any("could not be traced" in n for n in fb.notes)
@@ -426,7 +426,7 @@ def test_fused_loss_made_in_forward_takes_the_fast_counts_of_the_default_fused_l
     """The fused-ce-grad-in-fwd activity is not traced under the "fast" policy (a 70B plan stays under 2 s): its
     "fast" counts are the default fused loss's with its own loss saves put in, the same as tracing it."""
     from effmem.plan.model import model_spec
-    from effmem.plan.planner import _Activity
+    from effmem.plan.activity import Activity as _Activity
     spec = model_spec(cfg)
     standard = _Activity(spec, 64, torch.bfloat16, "cuda", None)
     fused = _Activity(spec, 64, torch.bfloat16, "cuda", None, "fused", layers_from=standard)

@@ -20,6 +20,22 @@ REASONS = {
 }
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream. Not while torch.compile traces: on a GPU
+    machine it folds is_available() to True and cannot trace is_current_stream_capturing() (a fullgraph step
+    raised); a compiled step captured in a graph (mode="reduce-overhead") runs what was traced, without these
+    Python checks."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _hands_off() -> bool:
+    """No host copy, event or query now: a graph being captured, or a compiled step being traced (which leaves
+    its refusals in the status, for the next eager step to report with its own)."""
+    return torch.compiler.is_compiling() or capturing()
+
+
 class RefusalMonitor:
     def __init__(self, owner: str):
         self.owner = owner
@@ -39,9 +55,7 @@ class RefusalMonitor:
     def launched(self, device: torch.device) -> None:
         """After a step on `device`: start copying its status to the host."""
         status = self._status.get(device)
-        # Compiled steps (torch.compile can trace neither the capture query, nor events and pinned copies)
-        # leave their refusals in the status, which the next eager step reports with its own.
-        if status is None or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if status is None or _hands_off():
             return
         host = self._landing.get(device, (None, None))[0]
         if host is None:
@@ -54,7 +68,7 @@ class RefusalMonitor:
     def check(self) -> None:
         """Raises for a refusal whose report has reached the host; never waits for one (nor looks,
         while a CUDA graph is being captured: event queries are not allowed then)."""
-        if self._landing and (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        if self._landing and _hands_off():
             return
         for device, (host, event) in list(self._landing.items()):
             if event is None or not event.query():

@@ -11,7 +11,7 @@ from effmem.optim import _adam8, _adam_checks, _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._adam_entries import (_ENTRY_KEYS, _as_kept, _exact_float32_weights, _laid_out_elsewhere, _local,
                                         _match_layout, _restore_state)
-from effmem.optim._refusals import RefusalMonitor
+from effmem.optim._refusals import RefusalMonitor, capturing as _capturing
 from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
@@ -441,11 +441,3 @@ def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
         return None
     return _to_device(t.to(torch.float32), device).reshape(1)
 
-
-def _capturing() -> bool:
-    # Not while torch.compile traces: on a GPU machine it folds is_available() to True and cannot trace
-    # is_current_stream_capturing() (a fullgraph step raised); a compiled step captured in a graph
-    # (mode="reduce-overhead") runs what was traced, without these Python checks.
-    if torch.compiler.is_compiling():
-        return False
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -25,7 +25,7 @@ def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target
     another loss; then only 1 layer is traced and each further layer adds what it adds there (the loss runs
     after the last layer and changes nothing in them), a quarter fewer traces for effmem plan. fast=False:
     without the trace under the "fast" policy (effmem plan derives it from another loss's, see
-    planner._Activity)."""
+    plan.activity.Activity)."""
     from effmem.linear_ce_hf import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 
     def run(model: nn.Module, fresh: bool) -> Trace:
