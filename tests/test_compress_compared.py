@@ -28,6 +28,11 @@ REDUCTIONS = {
 }
 
 
+def _aminmax_has_backward() -> bool:
+    x = torch.ones(2, requires_grad=True)
+    return type(torch.aminmax(x, dim=-1)[1].grad_fn).__name__ == "AminmaxBackward0"
+
+
 class _Block(torch.nn.Module):
     def __init__(self, reduce, width: int = 256):
         super().__init__()
@@ -63,6 +68,8 @@ def _grads(model, x):
 def test_a_reduction_compared_with_its_input_gets_finite_exact_gradients(name, how, dtype):
     if name.startswith("cdist") and dtype == torch.bfloat16:
         pytest.skip("torch's cdist has no bfloat16 kernel on the CPU")
+    if name == "aminmax" and not _aminmax_has_backward():
+        pytest.skip("this torch has no derivative for aminmax (2.11 has none)")
     plain = _stack(REDUCTIONS[name]).to(dtype)
     ours = copy.deepcopy(plain)
     if how == "compress":

@@ -9,6 +9,10 @@
 
 #include <typeinfo>
 
+namespace torch::autograd::generated {
+struct AminmaxBackward0;  // torch 2.13 and 2.14 define it, 2.11 does not (node_is below)
+}  // namespace torch::autograd::generated
+
 namespace effmem::saved {
 namespace {
 
@@ -106,6 +110,18 @@ py::object SavedTensors::unpack(py::handle packed) {
   return owner().attr("_unpack_other")(packed);  // a save made while compiling: the tensor itself
 }
 
+// Whether an autograd node is of type T, where torch's generated Functions.h may lack T: aminmax has a backward
+// in torch 2.13 and 2.14 (2.11's headers have no AminmaxBackward0, and its aminmax takes no gradient). The type is
+// declared below; one torch never defined stays incomplete, and no node is of it.
+template <class T>
+bool node_is(const std::type_info& type) {
+  if constexpr (requires { sizeof(T); }) {
+    return type == typeid(T);
+  } else {
+    return false;
+  }
+}
+
 // The backwards that divide the gradient by the count of input elements equal to the result: amax and amin
 // (scale_grad_by_count), max(), min(), median(), nanmedian() and aminmax() (evenly_distribute_backward), a
 // vector norm of infinite order; and those that pick the elements whose difference equals it: dist and cdist
@@ -122,7 +138,7 @@ bool compares_with_extreme(const at::Tensor& out) {
   if (type == typeid(CdistBackward0)) return std::isinf(static_cast<const CdistBackward0*>(fn)->p);
   return type == typeid(AmaxBackward0) || type == typeid(AminBackward0) || type == typeid(MaxBackward1) ||
          type == typeid(MinBackward1) || type == typeid(MedianBackward0) || type == typeid(NanmedianBackward0) ||
-         type == typeid(AminmaxBackward0);
+         node_is<AminmaxBackward0>(type);
 }
 
 void SavedTensors::remember_recent(Recent r) {
