@@ -1,8 +1,8 @@
 """More cases of the two-process tests (tests/test_offload_distributed.py), run by distributed_worker.py:
 loads on FSDP2 shards ("fsdp2_load"), 8-bit state through DCP onto another mesh ("dcp_reshard"), the fused loss
 with an FSDP2 lm_head ("fsdp2_fused_ce"),
-ZeroRedundancyOptimizer over OffloadAdam ("zero_offload"), OffloadAdam built before the ranks ("ddp_late") and
-delay=True with attach_ddp ("ddp_delay")."""
+ZeroRedundancyOptimizer over OffloadAdam ("zero_offload"), OffloadAdam built before the ranks ("ddp_late"),
+delay=True with attach_ddp ("ddp_delay") and async_step with a branch one rank skips ("ddp_unused_async")."""
 import copy
 import os
 import sys
@@ -249,3 +249,29 @@ def run_ddp_delay(rank):
         return [p.detach() for p in model.parameters()]
     for p, q in zip(train(attach=False), train(attach=True)):
         assert same_on_all_ranks(q) and torch.equal(p, q), (p - q).abs().max()
+
+
+def run_ddp_unused_async(rank):
+    """async_step under DDP(find_unused_parameters=True), a branch run on rank 0 only: DDP averages rank 0's
+    gradient into rank 1's branch, whose forward installed nothing there. The engine refused it as "never
+    installed" (rank 1 raised, rank 0 lost its peer: a reviewer's run); its weights were not read, so it is
+    installed and taken: both ranks train as FusedAdam does, bit for bit."""
+    from test_offload_async import _Branch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = _Branch()
+    ddp, ref = DDP(copy.deepcopy(base), find_unused_parameters=True), DDP(base, find_unused_parameters=True)
+    off, fused = OffloadAdam(ddp.parameters(), lr=1e-2, async_step=True), FusedAdam(ref.parameters(), lr=1e-2)
+    off.attach(ddp)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        for m, opt in ((ddp, off), (ref, fused)):
+            nn.functional.mse_loss(m(x, use_c=rank == 0), y).backward()
+            opt.step()
+            opt.zero_grad()
+    off.flush()
+    for p, q in zip(ddp.parameters(), ref.parameters()):
+        assert same_on_all_ranks(p.detach()) and torch.equal(p, q), (p - q).abs().max()
+    off.close()

@@ -327,7 +327,8 @@ def main():
             {"ddp": run_ddp, "fsdp2": run_fsdp2, "fsdp2_async": run_fsdp2_async, "plan": run_plan,
              "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": more.run_fsdp2_load,
              "fsdp2_fused_ce": more.run_fsdp2_fused_ce, "zero_offload": more.run_zero_offload,
-             "dcp_reshard": more.run_dcp_reshard, "ddp_delay": more.run_ddp_delay}[mode](rank)
+             "dcp_reshard": more.run_dcp_reshard, "ddp_delay": more.run_ddp_delay,
+             "ddp_unused_async": more.run_ddp_unused_async}[mode](rank)
         # FSDP2's modules and states form reference cycles: collected now, while the process group lives,
         # not at interpreter exit, where gloo work they still hold can abort the process (torch PR 179291).
         gc.collect()

@@ -52,6 +52,47 @@ def test_async_step_needs_attach_and_refuses_weights_read_outside_their_module()
             (h.float() ** 2).mean().backward()
 
 
+class _Branch(torch.nn.Module):
+    """b always runs, c when asked: a branch (an expert) this batch may skip."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, use_c: bool):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+@pytest.mark.parametrize("stream_grads", [True, False])
+def test_a_gradient_autograd_did_not_make_is_taken_after_its_weights_are_installed(stream_grads):
+    """A module that did not run installs nothing, yet may get a gradient: DDP(find_unused_parameters=True)
+    averages the other ranks' into it (tests/test_offload_distributed.py's ddp_unused_async), or one is set by
+    hand. Its weights were not read, so the gradient is exact: they are installed and it is taken (it was
+    refused as "never installed", and under DDP the other rank failed). One that autograd made from weights
+    not installed (a read outside the module's forward) is still refused."""
+    torch.manual_seed(0)
+    ref = _Branch()
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), lr=1e-2)
+    with OffloadAdam(model.parameters(), lr=1e-2, async_step=True, stream_grads=stream_grads) as off:
+        off.attach(model)
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x, y, other = (torch.randn(*shape, generator=g) for shape in ((4, 8), (4, 4), (4, 16)))
+            for m, opt in ((ref, fused), (model, off)):
+                torch.nn.functional.mse_loss(m(x, use_c=step % 3 == 0), y).backward()
+                if step % 3 != 0:   # as DDP's average of another rank's gradient for the branch
+                    m.c.weight.grad, m.c.bias.grad = other.clone(), other[:, 0].clone()
+                opt.step()
+                opt.zero_grad()
+        with pytest.raises(RuntimeError, match="never installed"):   # in backward where the hooks stream
+            torch.nn.functional.linear(torch.randn(4, 16), model.c.weight).square().mean().backward()
+            off.step()
+        off.zero_grad()
+        off.flush()
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+
+
 def test_add_param_group_after_attach_installs_the_new_parameters_too():
     """Parameters added after attach() get installers of their own (attach runs again): training goes
     on as FusedAdam's with the same groups, instead of refusing a weight that was never installed."""

@@ -36,7 +36,7 @@ class OffloadBuild:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._stream_grads:
+        if self._stream_grads or self._async:   # async_step's hooks mark, where they do not stream (GradHook)
             ref = weakref.ref(self)
             for p in self._params:
                 if p.requires_grad:
@@ -196,6 +196,8 @@ class OffloadBuild:
         if not keep:
             self._drop_clip_held()
         taken = []
+        if self._async:
+            self._install_unread()
         for i, p in enumerate(self._params):
             if p.grad is None or i in self._clip_held:
                 continue
@@ -212,6 +214,17 @@ class OffloadBuild:
             grads = [self._params[i].grad for i in taken]
             self._clip_held.update(zip(taken, zip(grads, torch._foreach_norm([_local(g) for g in grads]))))
 
+    def _install_unread(self) -> None:
+        """async_step: the new weights of parameters whose gradient autograd did not make, before it is taken.
+        A module that did not run (installing nothing) may still have one: DDP(find_unused_parameters=True)
+        averages other ranks' gradients into it (an expert or branch this rank's batch skipped), or one set by
+        hand. Its weights were not read, so the gradient is exact. One autograd made for pending weights (a read
+        outside the module's forward) is refused by the engine: it was computed from the old weights."""
+        unread = [i for i, p in enumerate(self._params)
+                  if p.grad is not None and i not in self._autograd_grads and i not in self._streamed]
+        if unread:
+            self._engine.install_for_forward(unread)
+
     def _drop_pending(self) -> None:
         """The engine's pending gradients and this round's bookkeeping, dropped (zero_grad, without p.grad)."""
         self._check_open()
@@ -225,6 +238,7 @@ class OffloadBuild:
         self._clip_scale, self._clip_norms = 1.0, None
         self._in_backward = False
         self._streamed.clear()
+        self._autograd_grads.clear()
         self._clip_held.clear()
         self._queued.clear()
         self._plain_backwards = 0

@@ -115,7 +115,7 @@ def attach_ddp(opt, ddp_module) -> None:
     if opt._resident_opt is not None:
         raise RuntimeError("attach_ddp: not with device_state, whose parameters' gradients must stay in p.grad; "
                            "without attach_ddp, DDP's averaged gradients are taken at step()")
-    if opt._hooks:
+    if opt._stream_grads:
         raise RuntimeError("attach_ddp: this optimizer streams gradients with backward hooks, which take them "
                            "before DDP's all-reduce; construct it with stream_grads=False")
     if ddp_module.find_unused_parameters or getattr(ddp_module, "static_graph", False):
@@ -156,9 +156,11 @@ def keep_streaming(opt) -> bool:
     next ones taken from p.grad at step(), and it warns once."""
     if opt._stream_asked is not None or not _multi_rank():
         return True
-    for h in opt._hooks:
-        h.remove()
-    opt._hooks, opt._stream_grads = [], False
+    if not opt._async:   # async_step's hooks go on marking (GradHook)
+        for h in opt._hooks:
+            h.remove()
+        opt._hooks = []
+    opt._stream_grads = False
     warnings.warn("OffloadAdam: built before torch.distributed.init_process_group, it streamed gradients off in "
                   "backward; with several ranks now (DDP all-reduces after its hooks) it takes them at step() "
                   "instead. Build it after init_process_group, or pass stream_grads=False, to say so.",

@@ -199,6 +199,7 @@ class OffloadGuards:
         self._sync_state()   # the buckets the failed backward completed were updated
         self._in_backward = False
         self._streamed.clear()
+        self._autograd_grads.clear()
         self._queued.clear()
 
     def _note_state(self) -> None:

@@ -22,8 +22,11 @@ class GradHook:
         opt = self.ref()
         if opt is None or p.grad is None or opt._engine is None or opt._engine.closed:
             return
-        if opt._accumulating and opt._index[p] in opt._keep_on_device:
-            return  # device_accumulation: autograd sums this gradient in p.grad until the last micro-batch
+        i = opt._index[p]
+        if opt._async:   # a gradient of autograd's, perhaps taken at step() (_install_unread)
+            opt._autograd_grads.add(i)
+        if not opt._stream_grads or (opt._accumulating and i in opt._keep_on_device):
+            return  # gradients left in p.grad for step(); device_accumulation: summed there until the last one
         if not opt._in_backward and not keep_streaming(opt):
             return  # ranks came after the optimizer: gradients stay in p.grad for step()
         opt._begin_backward()

@@ -265,6 +265,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._lock = threading.Lock()
         self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
+        self._autograd_grads = set()  # async_step, gradients not streamed: params autograd gave one this round
         self._clip_held = {}  # stream_grads=False: index -> (p.grad the clip sent and left, its norm then)
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
@@ -430,6 +431,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._plain_backwards = 0
             self._queued.clear()
             self._streamed.clear()
+            self._autograd_grads.clear()
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._synchronize()
