@@ -4,6 +4,7 @@ OffloadAdam takes each gradient off its parameter during backward, so torch.nn.u
 no p.grad, returned 0 and clipped nothing: under Hugging Face's Trainer (max_grad_norm=1.0 by default)
 OffloadAdam trained unclipped, silently, where FusedAdam and torch's AdamW clipped. Importing effmem routes
 those parameters to the optimizer's own clip (effmem/optim/_clip_route.py)."""
+import contextlib
 import warnings
 
 import pytest
@@ -221,3 +222,32 @@ def test_overlap_gives_a_norm_only_call_nan_and_refuses_a_clip():
         opt.step()
         opt.zero_grad()
     opt.close()
+
+
+@pytest.mark.parametrize("mode", [dict(stream_grads=False), dict(stream_grads=False, delay=True), {}],
+                         ids=["held", "held_delay", "streamed"])
+def test_a_clip_after_each_micro_batch_gives_the_norm_so_far_and_the_step_takes_the_sum(mode):
+    """A norm logged after each micro-batch (or a clip before a step that was not taken): with the gradients
+    held in p.grad (stream_grads=False), the second clip returned the first micro-batch's norm, and step()
+    refused the sum as changed since the clip, dropping both. Now the clip sends them again: FusedAdam's
+    norms and weights, bit for bit."""
+    def run(make):
+        model = tiny_gpt(torch.float32)
+        opt, norms = make(model.parameters()), []
+        for k, (x, y) in enumerate(batches(6)):
+            first = isinstance(opt, OffloadAdam) and k % 2 == 0
+            with opt.accumulating() if first else contextlib.nullcontext():   # (delay: the same weights)
+                (model(x, y)[1] / 2).backward()
+                norms.append(float(opt.clip_grad_norm_(CLIP)))
+            if k % 2:
+                opt.step()
+                opt.zero_grad()
+        if isinstance(opt, OffloadAdam):
+            opt.flush()
+            opt.close()
+        return [p.detach() for p in model.parameters()], norms
+    # delay's reference is delay with its gradients streamed (its stale steps are not FusedAdam's)
+    ref_w, ref_n = run(lambda ps: OffloadAdam(ps, lr=1e-2, delay=True) if "delay" in mode else FusedAdam(ps, lr=1e-2))
+    got_w, got_n = run(lambda ps: OffloadAdam(ps, lr=1e-2, **mode))
+    assert got_n == ref_n and len(set(got_n)) == len(got_n)
+    assert all(torch.equal(p, q) for p, q in zip(got_w, ref_w))

@@ -1,8 +1,10 @@
 """OffloadAdam(delay=True, delay_correction=True) across steps that are not alike: parameters without a
 gradient in some steps (a routed model), a flush between backward and step(), and a checkpoint taken mid-run.
 The reference of test_offload_delay_correction.py is FusedAdam on the predictions' weights, bit for bit."""
+import contextlib
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -239,3 +241,39 @@ def test_accumulating_on_the_host_says_the_correction_is_off():
         said_now = [str(x.message) for x in w if "go up as plain delay's, uncorrected" in str(x.message)]
         assert len(said_now) == (said is not None)
         assert said is None or f"gradients of {said} parameters" in said_now[0]
+
+
+@pytest.mark.parametrize("mode", [dict(delay=True, delay_correction=True, delay_warmup=1), dict(delay=True), {}],
+                         ids=["delay_correction", "delay", "plain"])
+def test_a_backward_that_raised_then_zero_grad_is_a_batch_dropped(mode):
+    """A backward that raises midway, then zero_grad(): the same as a whole backward dropped by zero_grad().
+    Under delay_correction the parameters whose gradients had landed lost their prediction (the failed backward's
+    synchronize installed their update's own weights as not to be predicted), so the next step ran them a step
+    stale and the run went apart (a reviewer's repro: 1e-3 in 5 steps)."""
+    def bad_batch(grad):
+        raise ArithmeticError("a bad batch")
+
+    def run(fail: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                    torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        opt = OffloadAdam(model.parameters(), lr=1e-2, **mode)
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            h = model[:3](x)
+            if step == 3 and fail:   # raises once the last layer and the middle one have their gradients
+                h.register_hook(bad_batch)
+            loss = F.mse_loss(model[3:](h), y)
+            if step == 3:
+                with pytest.raises(ArithmeticError) if fail else contextlib.nullcontext():
+                    loss.backward()
+                opt.zero_grad()
+                continue
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        opt.close()
+        return [p.detach() for p in model.parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(run(fail=True), run(fail=False)))

@@ -195,6 +195,13 @@ class OffloadBuild:
             self._drop_pending()
         if not keep:
             self._drop_clip_held()
+        elif held and self._changed_since_clip(held):
+            # A clip again after another backward summed into p.grad (a norm logged per micro-batch, a step
+            # not taken): the engine's copies are short of it, and the norm was theirs. p.grad holds the
+            # whole of what the engine holds (nothing else reached it): dropped there and sent again below.
+            if not self._queued <= set(held):
+                self._drop_clip_held()   # refuses, naming the change
+            self._drop_pending()
         taken = []
         if self._async:
             self._install_unread()
@@ -228,8 +235,11 @@ class OffloadBuild:
     def _drop_pending(self) -> None:
         """The engine's pending gradients and this round's bookkeeping, dropped (zero_grad, without p.grad)."""
         self._check_open()
-        self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
+        # The engine first: delay_correction's predictions from the dropped gradients give way to the update's
+        # own weights and are made again at the next backward. After a backward that raised, the synchronize
+        # in _note_unfinished_backward installed them unpredictable, and that step ran a step stale.
         self._engine.zero_grad()
+        self._note_unfinished_backward()  # a failed overlap backward stays refused at step()
         if self._resident_opt is not None:   # a clip factor not used goes with the gradients it came from
             self._resident_opt._pending_grad_scale = {}
         if self._overlap:   # buckets updated during backward (the engine has waited for them): their entries
@@ -243,6 +253,20 @@ class OffloadBuild:
         self._queued.clear()
         self._plain_backwards = 0
 
+    def _changed_since_clip(self, held) -> List[int]:
+        """The parameters whose p.grad is not what the clip sent: replaced, or changed in place (their norms,
+        taken again by the same kernel, tell; one host sync for all)."""
+        now = {i: self._params[i].grad for i in held}
+        changed = [i for i in held if now[i] is not held[i][0]]
+        same = [i for i in held if now[i] is held[i][0]]
+        if same:
+            was = torch.stack([held[i][1] for i in same])
+            norms = torch.stack(torch._foreach_norm([_local(now[i]) for i in same]))
+            kept = (norms == was) | (norms.isnan() & was.isnan())
+            if not bool(kept.all()):
+                changed += [i for i, k in zip(same, kept.tolist()) if not k]
+        return changed
+
     def _drop_clip_held(self) -> None:
         """The gradients clip_grad_norm_ sent and left in p.grad, dropped there, once checked unchanged: the
         engine holds what it was sent. GradScaler's unscale_ after the clip changed them in place (so would
@@ -251,15 +275,7 @@ class OffloadBuild:
         held, self._clip_held = self._clip_held, {}
         if not held:
             return
-        now = {i: self._params[i].grad for i in held}
-        changed = [i for i in held if now[i] is not held[i][0]]
-        same = [i for i in held if now[i] is held[i][0]]
-        if same:   # one host sync for all of them
-            was = torch.stack([held[i][1] for i in same])
-            norms = torch.stack(torch._foreach_norm([_local(now[i]) for i in same]))
-            kept = (norms == was) | (norms.isnan() & was.isnan())
-            if not bool(kept.all()):
-                changed += [i for i, k in zip(same, kept.tolist()) if not k]
+        changed = self._changed_since_clip(held)
         if changed:
             self.zero_grad()
             raise RuntimeError(
