@@ -345,7 +345,7 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
     every.update((id(m), m) for m in model.modules() if m.__dict__.get("_effmem_policy") is not None)
     every = list(every.values())
     for layer in every:   # before any change
-        for m in [layer] * (getattr(layer, "_effmem_policy", None) is not None) + layer.__dict__.get(
+        for m in [layer] * (layer.__dict__.get("_effmem_policy") is not None) + layer.__dict__.get(
                 "_effmem_patched", []):
             if "forward" in m.__dict__ and not paths.ours(m):
                 raise RuntimeError(

@@ -374,6 +374,7 @@ def checkpoint_layer(layer: nn.Module, bits: Optional[int] = 8, group_size: int 
 
 def restore_layer(layer: nn.Module) -> None:
     layer.__dict__.pop(SEEDS, None)
-    if getattr(layer, "_effmem_policy", None) is not None:
+    # the layer's own: a wrapper that passes attribute reads on (torch's CheckpointWrapper) holds none
+    if layer.__dict__.get("_effmem_policy") is not None:
         del layer.forward
         del layer._effmem_policy
