@@ -368,9 +368,13 @@ def test_grads_in_another_dtype_or_layout_are_converted():
     off.step()
     fused.step()
     assert torch.equal(p, ref) and p.stride() == (1, 8)
-    # A float32 gradient (allowed by grad_dtype=None) is rounded to the parameter's dtype first.
+    # A float32 gradient (allowed by grad_dtype=None) would be rounded to the parameter's dtype, where FusedAdam
+    # steps it as it is (a float16 one past 65504 made the weights inf, silently: a reviewer's run): refused.
     p.grad_dtype = None
     p.grad = g.clone()
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(8, 16\)\) got a gradient of dtype torch.float32"):
+        off.step()
+    p.grad = g.bfloat16()   # the gradient is left for the caller: cast, it steps as FusedAdam
     ref.grad = g.bfloat16()
     off.step()
     fused.step()

@@ -293,3 +293,32 @@ def test_async_step_installs_before_the_modules_own_pre_hooks_and_for_multihead_
         off.flush()
         for a, b in zip(ref.parameters(), model.parameters()):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["async_step", "delay"])
+def test_opt_state_read_or_changed_right_after_step_waits_for_the_update(mode):
+    """step() returns before the host update ends: opt.state's tensors (views of the engine's memory) read right
+    after it held the state of before the update, and an in-place change landed inside it (a reviewer's run:
+    step 1 where FusedAdam had 2, the zeroed moment overwritten). opt.state waits for the update now, installing
+    no weights: async_step trains as FusedAdam with the same change, bit for bit; delay reads what it wrote."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(512, 512).bfloat16()
+    model = copy.deepcopy(ref)
+    fused = FusedAdam(ref.parameters(), lr=1e-2)
+    with OffloadAdam(model.parameters(), lr=1e-2, _host_delay_us=2000.0, **{mode: True}) as off:
+        if mode == "async_step":
+            off.attach(model)
+        x = torch.randn(8, 512).bfloat16()
+        for k in range(3):
+            for m, opt in ((ref, fused), (model, off)):
+                m(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                assert float(opt.state[m.weight]["step"]) == k + 1
+                if k == 1:
+                    opt.state[m.weight]["exp_avg"].zero_()
+                    assert not opt.state[m.weight]["exp_avg"].any()   # not written over by the update after
+        if mode == "async_step":
+            off.flush()
+            assert torch.equal(ref.weight, model.weight)
+            assert torch.equal(fused.state[ref.weight]["exp_avg"], off.state[model.weight]["exp_avg"])

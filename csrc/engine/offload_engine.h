@@ -135,6 +135,9 @@ class OffloadEngine {
   // Returns the indices of the parameters it wrote (for Python to bump their
   // version counters: a graph saved before then refuses a backward).
   std::vector<int64_t> synchronize();
+  // Waits for the updates in flight and installs nothing (delay's weights stay pending): before opt.state is
+  // read or changed after a step() that returned before its update ended (async_step, delay).
+  void wait_updates();
   // delay_correction: whether a synchronize() since the last step() or zero_grad() put an update's own
   // weights back in place of a prediction made from gradients still pending (a flush between backward and
   // step): the next forward reads them unless that step's weights go up at once.

@@ -350,6 +350,12 @@ void OffloadEngine::zero_grad() {
   for (Bucket& b : buckets_) b.landed = 0;
 }
 
+void OffloadEngine::wait_updates() {
+  check_usable();
+  wait_idle();
+  check_usable();  // a failed update: raised here, as synchronize() raises it
+}
+
 std::vector<int64_t> OffloadEngine::synchronize() {
   check_usable();
   wait_idle();

@@ -117,6 +117,8 @@ void bind_engine(py::module_& m) {
       .def("prediction_replaced", &E::prediction_replaced)
       .def("zero_grad", guarded(&E::zero_grad))
       .def("synchronize", guarded(&E::synchronize))
+      .def("wait_updates", guarded(&E::wait_updates),
+           "Waits for the updates in flight, installing no weights (delay mode's stay pending)")
       .def("discard_pending", guarded(&E::discard_pending),
            "Waits for the worker and every copy, dropping the weights not yet uploaded (delay mode)")
       .def("order_after_downloads", guarded(&E::order_after_downloads),

@@ -158,12 +158,15 @@ class OffloadBuild:
         local_p = self._local[i]
         g = _validate.grad_like(local_p, g)
         if g.dtype != local_p.dtype:   # set by hand (grad_dtype=None), or autograd's under a grad_dtype
-            if local_p.dtype != torch.float32 and getattr(self._params[i], "grad_dtype", None) is not None:
+            if local_p.dtype != torch.float32:   # rounded: FusedAdam steps a float32 one as it is (float16: inf)
+                how = ("has grad_dtype" if getattr(self._params[i], "grad_dtype", None) is not None
+                       else "got a gradient of dtype")
                 raise ValueError(
-                    f"OffloadAdam: parameter {i} (shape {tuple(local_p.shape)}) has grad_dtype {g.dtype}, not its "
-                    f"own {local_p.dtype}: the engine takes gradients in the parameter's dtype and sums "
-                    "micro-batches there, so the gradient would be rounded. Leave grad_dtype unset, or use FusedAdam")
-            g = g.to(local_p.dtype)  # the staging holds the parameter's dtype (float32: exact)
+                    f"OffloadAdam: parameter {i} (shape {tuple(local_p.shape)}) {how} {g.dtype}, not its own "
+                    f"{local_p.dtype}: the engine takes gradients in the parameter's dtype and sums micro-batches "
+                    "there, so the gradient would be rounded (to inf in float16 past 65504). Leave grad_dtype "
+                    "unset, cast the gradient to the parameter's dtype, or use FusedAdam, which steps it as it is")
+            g = g.to(local_p.dtype)  # into a float32 staging: exact
         if self._overlap or self._delay:
             # first: a backward after one that raised (the loop never reached zero_grad) is judged before its
             # gradients land, where the engine refused a parameter the failed one had queued (a message naming

@@ -17,6 +17,7 @@ from effmem.optim._offload_lifetime import OffloadLifetime
 from effmem.optim._offload_guards import OffloadGuards
 from effmem.optim._offload_build import OffloadBuild
 from effmem.optim._offload_resident import OffloadResident
+from effmem.optim._offload_state import update_queued
 from effmem.optim.clip import clip_coefficient
 from effmem.optim.fused_adam import ParamsT
 
@@ -435,6 +436,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._synchronize()
+        update_queued(self)   # opt.state's next use waits for the update (async_step, delay)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks)."""
@@ -443,7 +445,6 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
 
     # ------------------------------------------------------------------ checkpoints
     # _drop_pending (zero_grad's engine half): _offload_build.OffloadBuild
-    # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint
-    # attach() (async_step): _offload_forward.OffloadForward
+    # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint; attach(): _offload_forward
 
     # counters(), close(), the context manager: _offload_lifetime.OffloadLifetime
