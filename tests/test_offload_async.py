@@ -93,6 +93,34 @@ def test_a_gradient_autograd_did_not_make_is_taken_after_its_weights_are_install
         assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
 
 
+@pytest.mark.parametrize("case", ["second_clip", "unfrozen_later"])
+def test_a_gradient_made_from_weights_not_installed_is_refused_however_it_is_taken(case):
+    """The check above, along two more paths (a reviewer's repros): a clip after each micro-batch, whose second
+    one sends the gradients again and had dropped the marks of autograd's; and a parameter frozen when the
+    optimizer was built, which has no hook to mark them (torch takes none on it), unfrozen later."""
+    torch.manual_seed(0)
+    m = _Branch()
+    if case == "unfrozen_later":
+        m.c.requires_grad_(False)
+    opt = OffloadAdam(m.parameters(), lr=1e-2, async_step=True, stream_grads=case != "second_clip")
+    opt.attach(m)
+    x = torch.randn(4, 8)
+    m.c.requires_grad_(True)
+    m(x, use_c=True).square().mean().backward()   # every parameter trains: c's new weights pending after step()
+    opt.step()
+    opt.zero_grad()
+    h = torch.tanh(m.a(x))
+    if case == "second_clip":
+        m(x, use_c=False).square().mean().backward()
+        opt.clip_grad_norm_(1.0)
+    torch.nn.functional.linear(h, m.c.weight).square().mean().backward()   # c read outside its forward
+    with pytest.raises(RuntimeError, match="never installed"):
+        if case == "second_clip":
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+    opt.close()
+
+
 def test_add_param_group_after_attach_installs_the_new_parameters_too():
     """Parameters added after attach() get installers of their own (attach runs again): training goes
     on as FusedAdam's with the same groups, instead of refusing a weight that was never installed."""
@@ -306,6 +334,7 @@ def test_opt_state_read_or_changed_right_after_step_waits_for_the_update(mode):
     model = copy.deepcopy(ref)
     fused = FusedAdam(ref.parameters(), lr=1e-2)
     with OffloadAdam(model.parameters(), lr=1e-2, _host_delay_us=2000.0, **{mode: True}) as off:
+        held = off.state   # the same object all along (Lightning keeps the optimizer's __dict__)
         if mode == "async_step":
             off.attach(model)
         x = torch.randn(8, 512).bfloat16()
@@ -318,6 +347,7 @@ def test_opt_state_read_or_changed_right_after_step_waits_for_the_update(mode):
                 if k == 1:
                     opt.state[m.weight]["exp_avg"].zero_()
                     assert not opt.state[m.weight]["exp_avg"].any()   # not written over by the update after
+        assert off.state is held
         if mode == "async_step":
             off.flush()
             assert torch.equal(ref.weight, model.weight)

@@ -13,6 +13,7 @@ from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _adam8, _validate
 from effmem.optim._offload_layout import GradHook, build_engine, engine_device, keep_on_device
 from effmem.optim._offload_lifetime import claim
+from effmem.optim._offload_state import EngineState
 
 _local = _validate.local_tensor
 
@@ -30,17 +31,21 @@ class OffloadBuild:
         self._steps = self._engine.steps()
         self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
+        if self._delay and not isinstance(self.state, EngineState):   # (async_step's too)
+            self.state = EngineState(self)   # at construction: what a caller holds as opt.state stays it
         self.state.clear()
         self._sync_state()
         claim(self, self._params)
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._hooked = set()   # async_step: whose gradients autograd's are told from (_install_unread)
         if self._stream_grads or self._async:   # async_step's hooks mark, where they do not stream (GradHook)
             ref = weakref.ref(self)
-            for p in self._params:
-                if p.requires_grad:
+            for i, p in enumerate(self._params):
+                if p.requires_grad:   # (torch takes no hook on a frozen one; unfrozen later, it has none)
                     self._hooks.append(p.register_post_accumulate_grad_hook(GradHook(ref)))
+                    self._hooked.add(i)
 
     @torch.no_grad()
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -204,7 +209,9 @@ class OffloadBuild:
             # whole of what the engine holds (nothing else reached it): dropped there and sent again below.
             if not self._queued <= set(held):
                 self._drop_clip_held()   # refuses, naming the change
+            marked, plain = set(self._autograd_grads), self._plain_backwards   # this round's, kept
             self._drop_pending()
+            self._autograd_grads, self._plain_backwards = marked, plain
         taken = []
         if self._async:
             self._install_unread()
@@ -229,9 +236,10 @@ class OffloadBuild:
         A module that did not run (installing nothing) may still have one: DDP(find_unused_parameters=True)
         averages other ranks' gradients into it (an expert or branch this rank's batch skipped), or one set by
         hand. Its weights were not read, so the gradient is exact. One autograd made for pending weights (a read
-        outside the module's forward) is refused by the engine: it was computed from the old weights."""
-        unread = [i for i, p in enumerate(self._params)
-                  if p.grad is not None and i not in self._autograd_grads and i not in self._streamed]
+        outside the module's forward) is refused by the engine: it was computed from the old weights. So is any
+        gradient of a parameter without a hook to tell (frozen when the optimizer was built)."""
+        unread = [i for i, p in enumerate(self._params) if p.grad is not None and i in self._hooked
+                  and i not in self._autograd_grads and i not in self._streamed]
         if unread:
             self._engine.install_for_forward(unread)
 

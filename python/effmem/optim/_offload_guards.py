@@ -107,7 +107,7 @@ class OffloadGuards:
             self._updates_at_open = self._engine.param_updates
             if where[1] <= 1:   # not a reentrant checkpoint's inner backward (one per layer, inside one backward)
                 self._note_mixed_micro_batches()
-        self._open_tasks[task] = where
+        self._open_tasks[task] = (*where, self._accumulating)
         engine, ref, end = self._engine, weakref.ref(self), _TaskEnd()
 
         def finished(end=end):
@@ -159,11 +159,15 @@ class OffloadGuards:
         whole steps, so further steps are refused until the caller chooses (see _check_consistent)."""
         if not self._open_tasks:
             return
+        outside = any(not accumulating for _, _, accumulating in self._open_tasks.values())
         self._open_tasks.clear()
         self._raised_tasks.clear()
-        # Bucket updates run on the engine's workers: wait for those the failed backward queued,
-        # or they would be missed by the count below (seen as a rare flaky test).
-        self._synchronize()
+        if self._overlap or outside:
+            # overlap: bucket updates run on the engine's workers: wait for those the failed backward queued,
+            # or they would be missed by the count below (seen as a rare flaky test). delay (async_step too):
+            # a backward outside accumulating() installs each parameter's weights as its gradient completes, so
+            # one that raised is finished as a whole one would have been; inside it, a whole one installs none
+            self._synchronize()
         updates = self._engine.param_updates - self._updates_at_open
         if self._overlap and updates > 0:
             self._broken = (

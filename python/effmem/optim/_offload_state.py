@@ -5,8 +5,8 @@ right after step() saw the step count, moments or master of before the update (o
 in-place change landed before or inside the update instead of after it (a reviewer's runs: `step` 1 where
 FusedAdam had 2, weights 1e-2 apart after an `exp_avg.zero_()`). A read or change through this dict first waits
 for the update, installing no weights (so delay's training is the same whether or not opt.state is read). The
-optimizer's own uses right after step(), before the update ends, go through dict's methods and wait for
-nothing."""
+optimizer's own uses come before step() marks the update in flight (its bookkeeping) or at the next step(),
+by when backward has waited for it: none waits in a forward or backward."""
 import collections
 import functools
 import weakref
@@ -23,9 +23,9 @@ class EngineState(collections.defaultdict):
         opt = self._opt()
         if opt is None or not getattr(opt, "_update_in_flight", False):
             return
-        opt._update_in_flight = False
         if opt._engine is not None and not opt._engine.closed:
             opt._engine.wait_updates()
+        opt._update_in_flight = False   # after the wait: one a Ctrl-C cut short is waited for again
 
     def copy(self):
         self._wait()
@@ -46,16 +46,16 @@ def _waiting(name: str):
     return call
 
 
-for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__", "__len__", "__repr__",
-              "get", "items", "keys", "values", "pop", "popitem", "setdefault", "clear", "update"):
+for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__", "__reversed__", "__len__",
+              "__repr__", "__eq__", "__ne__", "__or__", "__ior__", "get", "items", "keys", "values", "pop", "popitem",
+              "setdefault", "clear", "update"):
     setattr(EngineState, _name, _waiting(_name))
-
 
 
 def update_queued(opt) -> None:
     """After step(): where the update goes on after it returns (async_step, delay), opt.state's next use
     waits for it. A state torch's load_state_dict (or a user) put in place of the optimizer's is wrapped."""
-    if not opt._delay:
+    if not opt._delay:   # async_step's too (it runs on delay's machinery)
         return
     if not isinstance(opt.state, EngineState):
         opt.state = EngineState(opt, opt.state)

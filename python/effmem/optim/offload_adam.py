@@ -271,8 +271,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
         self._clip_scale, self._clip_norms = 1.0, None   # the factor, and (norm, [max_norm]) for _scaled_clip
-        # backward graph tasks under way (nested ones too), until their end: (thread, backward depth) at open
-        self._open_tasks: Dict[int, Tuple[int, int]] = {}
+        # backward graph tasks under way (nested ones too), until their end: (thread, depth, accumulating) at open
+        self._open_tasks: Dict[int, Tuple[int, int, bool]] = {}
         self._raised_tasks: set = set()   # graph tasks freed without reaching their end (_track_backward)
         self._updates_at_open = 0
         self._broken: Optional[str] = None  # why steps are refused (overlap: a backward failed midway)
