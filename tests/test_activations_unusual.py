@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import effmem
 from effmem.activations.selective import SEES_OUTPUTS, KeptOutputChanged, checked_policy
@@ -91,6 +92,22 @@ def test_without_the_op_output_the_bases_of_unsafe_views_are_watched():
     check(ctx, aten.add_.Tensor, base, torch.randn(4, 6))                 # the base itself: torch sees it
     with pytest.raises(KeptOutputChanged, match="aten.add_.Tensor writes into"):
         check(ctx, aten.add_.Tensor, pieces[1], torch.randn(4, 2))
+    # matmul of 3-D by 2-D: mm, then an _unsafe_view of its kept product, written through a slice (Falcon's
+    # in-place residual add: torch 2.11 gave gradients 51% off, without a word); an _unsafe_view of a tensor no
+    # kept op made (reshape's copy) is not watched, and the recompute is not checked (its addresses are reused)
+    a, b = torch.randn(4, 3), torch.randn(3, 6)
+    product = a @ b
+    check(ctx, aten.mm.default, a, b)
+    viewed = aten._unsafe_view.default(product, [2, 2, 6])
+    check(ctx, aten._unsafe_view.default, product, [2, 2, 6])
+    copied = torch.randn(4, 6)
+    check(ctx, aten.clone.default, copied)
+    check(ctx, aten._unsafe_view.default, copied, [2, 2, 6])
+    check(ctx, aten.add_.Tensor, aten._unsafe_view.default(copied, [2, 2, 6])[..., :2], torch.randn(2, 2, 2))
+    assert check(types.SimpleNamespace(is_recompute=True), aten.add_.Tensor, viewed[..., :2],
+                 torch.randn(2, 2, 2)) is CheckpointPolicy.PREFER_RECOMPUTE
+    with pytest.raises(KeptOutputChanged, match="aten.add_.Tensor writes into"):
+        check(ctx, aten.add_.Tensor, viewed[..., :2], torch.randn(2, 2, 2))
 
 
 class _AddsInPlace(nn.Module):

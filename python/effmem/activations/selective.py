@@ -75,9 +75,14 @@ def checked_policy():
     counters misses, or through a view of such a tensor (matmul's _unsafe_view of its product, sliced or
     permuted: Gemma3n's AltUp). Writes to the output itself or its views are left to torch (one into the layer's
     last product, which its recompute never reaches, is exact). The kept outputs come from the policy's context
-    (op_output, in newer torch); without it, the bases of unsafe views stand for them. Known by storage address
-    and tensor identity (_cdata: C++ code, as the GRU cell, drops the Python objects of the tensors it holds)."""
+    (op_output, in newer torch); without it (torch 2.11), the bases of unsafe views stand for them, and the input
+    of an _unsafe_view right after a kept op (matmul's of its product: Falcon's `mlp_output += attention_output`
+    went unseen there, gradients 51% off). Known by storage address and tensor identity (_cdata: C++ code, as the
+    GRU cell, drops the Python objects of the tensors it holds). Checked in the forward only: the recompute runs
+    the same ops, and releases the kept outputs as it uses them, whose addresses a new tensor may then take
+    (reshape's copy through _unsafe_view, then dropout's mask written in place: refused for nothing)."""
     kept = {}   # storage address -> identities of the kept outputs in it (torch's cache holds them to backward)
+    last = [None]   # the previous op's decision (an older torch: matmul's _unsafe_view follows its product)
 
     def watch(t) -> None:
         p = _storage(t)
@@ -92,14 +97,15 @@ def checked_policy():
 
     def check(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         decision = policy(ctx, op, *args, **kwargs)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or getattr(ctx, "is_recompute", False):
             return decision
         if hasattr(ctx, "op_output"):
             if decision is CheckpointPolicy.MUST_SAVE:
                 for t in tree_flatten(ctx.op_output)[0]:
                     watch(t)
-        elif op in _UNSAFE_VIEWS:   # an older torch
-            watch(args[0])
+        elif op in _UNSAFE_VIEWS or (op is _aten._unsafe_view.default and last[0] is CheckpointPolicy.MUST_SAVE):
+            watch(args[0])   # an older torch
+        last[0] = decision
         schema = getattr(op, "_schema", None)
         if kept and schema is not None and schema.is_mutable and any(
                 untracked_alias(w) for w in _written(op, args, kwargs)):
