@@ -2,7 +2,8 @@
 loads on FSDP2 shards ("fsdp2_load"), 8-bit state through DCP onto another mesh ("dcp_reshard"), the fused loss
 with an FSDP2 lm_head ("fsdp2_fused_ce"),
 ZeroRedundancyOptimizer over OffloadAdam ("zero_offload"), OffloadAdam built before the ranks ("ddp_late"),
-delay=True with attach_ddp ("ddp_delay") and async_step with a branch one rank skips ("ddp_unused_async")."""
+delay=True with attach_ddp ("ddp_delay"), async_step with a branch one rank skips ("ddp_unused_async") and
+"fast" with norms that are FSDP2 units of their own ("fsdp2_norm_units")."""
 import copy
 import os
 import sys
@@ -275,3 +276,35 @@ def run_ddp_unused_async(rank):
     for p, q in zip(ddp.parameters(), ref.parameters()):
         assert same_on_all_ranks(p.detach()) and torch.equal(p, q), (p - q).abs().max()
     off.close()
+
+
+def run_fsdp2_norm_units(rank):
+    """"fast" applied before fully_shard, with each layer's norms FSDP2 units of their own: a norm's gathered
+    weight is freed after its forward and gathered again at its own backward, after the projections reading
+    its output rebuilt it from that weight (SIGSEGV, a reviewer's run). Such a norm runs its own forward now:
+    gradients within "fast"'s 8-bit rounding of plain FSDP2's (LayerNorm: the demo GPT; RMSNorm: a Llama)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from effmem.activations import apply_activation_policy
+    from test_activations import llama
+
+    mesh = init_device_mesh("cpu", (2,))
+    for make, norms, loss in ((lambda: tiny_gpt(torch.float32), ("ln1", "ln2"), lambda m, x: m(*x)[1]),
+                              (llama, ("input_layernorm", "post_attention_layernorm"),
+                               lambda m, x: m(input_ids=x[0], labels=x[0]).loss)):
+        grads = []
+        for policy in (None, "fast"):
+            model = make()
+            if policy:
+                apply_activation_policy(model, policy)
+            blocks = model.blocks if hasattr(model, "blocks") else model.model.layers
+            for block in blocks:
+                for name in norms:
+                    fully_shard(getattr(block, name), mesh=mesh)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            loss(model, batch(rank, 0)).backward()
+            grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
+        assert same_on_all_ranks(grads[1])
+        assert (grads[1] - grads[0]).norm() <= 0.05 * grads[0].norm(), (grads[1] - grads[0]).norm() / grads[0].norm()

@@ -328,7 +328,7 @@ def main():
              "fsdp2_clip": run_fsdp2_clip, "dcp": run_dcp, "fsdp2_load": more.run_fsdp2_load,
              "fsdp2_fused_ce": more.run_fsdp2_fused_ce, "zero_offload": more.run_zero_offload,
              "dcp_reshard": more.run_dcp_reshard, "ddp_delay": more.run_ddp_delay,
-             "ddp_unused_async": more.run_ddp_unused_async}[mode](rank)
+             "ddp_unused_async": more.run_ddp_unused_async, "fsdp2_norm_units": more.run_fsdp2_norm_units}[mode](rank)
         # FSDP2's modules and states form reference cycles: collected now, while the process group lives,
         # not at interpreter exit, where gloo work they still hold can abort the process (torch PR 179291).
         gc.collect()

@@ -121,6 +121,33 @@ class _AddsInPlace(nn.Module):
         return out
 
 
+class _ForeachInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a, b = h * 1.0, h + 1.0
+        torch._foreach_mul_([a, b], 0.5)   # writes a list of tensors (as FSDP2's split_with_sizes_copy does)
+        return x + a * b
+
+
+def test_selective_checks_each_tensor_of_a_written_list():
+    """An op writing into a list of tensors (torch._foreach_mul_; FSDP2's split_with_sizes_copy when a unit
+    sits inside a layer) raised AttributeError in the check ('list' object has no attribute '_is_view': a
+    reviewer's repro); each tensor is checked: gradients plain autograd's, bit for bit."""
+    torch.manual_seed(0)
+    plain = nn.Module()
+    plain.layers = nn.ModuleList([_ForeachInPlace(), _ForeachInPlace()])
+    net = copy.deepcopy(plain)
+    x = torch.randn(4, 16)
+    plain.layers[1](plain.layers[0](x)).sum().backward()
+    effmem.apply_activation_policy(net, "selective")
+    net.layers[1](net.layers[0](x)).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), net.parameters()))
+
+
 def test_selective_leaves_writes_torch_sees_to_torch():
     """The first form of the check refused every write into a kept output's memory, this one too, which torch's
     selective checkpointing computes exactly (a reviewer's find); and tensor subclasses (DTensor, TwoTensor),

@@ -12,6 +12,7 @@ loads on shards of one row or none and across moment formats. "ddp_late": Offloa
 ZeroRedundancyOptimizer over OffloadAdam, resumed bit for bit. "dcp_reshard": 8-bit state saved by DCP on one
 mesh, loaded on another. "ddp_delay": delay=True with attach_ddp trains as without it. "ddp_unused_async":
 async_step with a branch only one rank runs (find_unused_parameters=True) trains as FusedAdam.
+"fsdp2_norm_units": "fast" with norms that are FSDP2 units of their own.
 """
 import os
 import subprocess
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2_async", "plan", "fsdp2_clip", "dcp", "fsdp2_load",
                                   "ddp_late", "fsdp2_fused_ce", "zero_offload", "dcp_reshard", "ddp_delay",
-                                  "ddp_unused_async"])
+                                  "ddp_unused_async", "fsdp2_norm_units"])
 def test_two_ranks(mode, tmp_path):
     store = tmp_path / "store"
     # gloo connects the ranks over the loopback interface: on a machine without a network the

@@ -45,11 +45,26 @@ GELU_FORMS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh":
 # Patched forwards are partials of these functions, not closures: a deep copy of the model (copy.deepcopy
 # copies a partial's arguments) then calls its own modules.
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:   # a torch built without distributed
+    FSDPModule = ()
+
+# A norm that is an FSDP2 unit of its own (fully_shard(layer.input_layernorm)) frees its gathered weight after
+# its forward and gathers it again at its own backward, after the projections that read its output have asked
+# for it: rebuilt from its weight there, the output read freed memory (SIGSEGV, a reviewer's 2-rank run). Such
+# a norm runs its own forward, its output stored in 8 bits, as where fully_shard came first (FSDP's class).
+
+
 def _rms_norm_forward(m: nn.Module, eps: float, x):
+    if isinstance(m, FSDPModule):
+        return type(m).forward(m, x)
     return fused.rms_norm(x, m.weight, eps)
 
 
 def _layer_norm_forward(m: nn.LayerNorm, x):
+    if isinstance(m, FSDPModule):
+        return type(m).forward(m, x)
     return fused.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
 
 

@@ -63,10 +63,12 @@ def _storage(t) -> int:
 
 
 def _written(op, args, kwargs):
-    """The arguments `op` writes into (x.add_(y): x; out= arguments)."""
+    """The tensors `op` writes into (x.add_(y): x; out= arguments; each of a list, as _foreach_mul_'s or FSDP2's
+    split_with_sizes_copy's: a list passed whole raised AttributeError in the check, a reviewer's repro)."""
     for i, a in enumerate(op._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
-            yield args[i] if i < len(args) else kwargs.get(a.name)
+            w = args[i] if i < len(args) else kwargs.get(a.name)
+            yield from (t for t in (w if isinstance(w, (list, tuple)) else (w,)) if isinstance(t, torch.Tensor))
 
 
 def checked_policy():
