@@ -308,3 +308,16 @@ def run_fsdp2_norm_units(rank):
             grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
         assert same_on_all_ranks(grads[1])
         assert (grads[1] - grads[0]).norm() <= 0.05 * grads[0].norm(), (grads[1] - grads[0]).norm() / grads[0].norm()
+    # a norm inside a unit nested in the layer (not the norm itself): its weight is freed before the rebuild,
+    # which is refused by name (it crashed too)
+    model = apply_activation_policy(tiny_gpt(torch.float32), "fast")
+    for block in model.blocks:
+        block.ln1 = nn.Sequential(block.ln1)
+        fully_shard(block.ln1, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        model(*batch(rank, 0))[1].backward()
+        raise AssertionError("the rebuild from a freed weight was not refused")
+    except RuntimeError as e:
+        assert "FSDP2 has freed" in str(e), e

@@ -50,9 +50,24 @@ def _rms_apply_kernel_applies(x: Tensor, weight: Tensor) -> bool:
             and weight.dim() == 1)
 
 
+def _check_present(*weights: Optional[Tensor]) -> None:
+    """A rebuild's weights still in memory. FSDP2 frees a unit's gathered parameters after its forward and
+    gathers them again at its backward: a norm inside a unit nested in the layer (not one of its own, which
+    paths.py runs unfused) had its weight freed before the projections after it rebuilt its output (SIGSEGV
+    in the kernel, a reviewer's two-rank run)."""
+    if any(w is not None and w.untyped_storage().nbytes() == 0 and w.numel() > 0 for w in weights):
+        raise RuntimeError(
+            "apply_activation_policy('fast'): a norm's output is rebuilt in backward from its weight, which FSDP2 "
+            "has freed (the norm is inside a unit nested in the layer, which gathers it again only at its own "
+            "backward, after the layers that read the norm's output): shard the module holding the norm with its "
+            "layer, or make the norm itself the unit (fully_shard(norm)), which 'fast' leaves unfused")
+
+
 def _rms_norm_out(x: Tensor, rstd: Tensor, weight: Tensor, xf: Optional[Tensor] = None) -> Tensor:
     """weight * (x.float() * rstd).to(x.dtype): one pass of effmem::rms_norm_apply, the same bits (4 bytes
     moved per element in bf16 against 24); the forward's end (xf: its float32 x) and backward's rebuild."""
+    if xf is None:   # the rebuild
+        _check_present(weight)
     if _rms_apply_kernel_applies(x, weight):
         return ops.rms_norm_apply(x, rstd, weight)
     return weight * ((x.float() if xf is None else xf) * rstd).to(x.dtype)
@@ -135,6 +150,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _layer_norm_out(x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
+    _check_present(weight, bias)   # (the rebuild's only: the forward runs native_layer_norm)
     y = (x.float() - mean.float()) * rstd.float()
     if weight is not None:
         y = y * weight.float()
