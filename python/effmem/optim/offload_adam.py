@@ -266,7 +266,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._lock = threading.Lock()
         self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
-        self._autograd_grads = set()  # async_step, gradients not streamed: params autograd gave one this round
+        self._autograd_grads = set()  # async_step: params autograd gave a gradient this round (GradHook marks)
         self._clip_held = {}  # stream_grads=False: index -> (p.grad the clip sent and left, its norm then)
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
         self._in_backward = False
