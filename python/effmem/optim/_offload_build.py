@@ -206,12 +206,13 @@ class OffloadBuild:
         elif held and self._changed_since_clip(held):
             # A clip again after another backward summed into p.grad (a norm logged per micro-batch, a step
             # not taken): the engine's copies are short of it, and the norm was theirs. p.grad holds the
-            # whole of what the engine holds (nothing else reached it): dropped there and sent again below.
+            # whole of what the engine holds (nothing else reached it): dropped there and sent again below
+            # (the round's other bookkeeping, autograd's marks among it, stays).
             if not self._queued <= set(held):
                 self._drop_clip_held()   # refuses, naming the change
-            marked, plain = set(self._autograd_grads), self._plain_backwards   # this round's, kept
-            self._drop_pending()
-            self._autograd_grads, self._plain_backwards = marked, plain
+            self._engine.zero_grad()
+            self._clip_held.clear()
+            self._queued.clear()
         taken = []
         if self._async:
             self._install_unread()
