@@ -221,6 +221,17 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
     (dict(SMALL, model_type="gemma3n_text", num_hidden_layers=8, sliding_window=16, hidden_size_per_layer_input=16,
           vocab_size_per_layer_input=256, num_kv_shared_layers=0, layer_types=["full_attention"] * 8,
           activation_sparsity_pattern=[0.0] * 8), None),
+    # a pair as long as the layer count is no per-layer list: the 1-layer copy cut Mamba2's time_step_limit
+    # to (0.0,) and its forward raised an IndexError (Bamba's copy was refused as a config transformers rejects)
+    (dict(model_type="mamba2", hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=1,
+          state_size=8, vocab_size=256, conv_kernel=4, time_step_limit=[0.0, float("inf")]), None),
+    # Bamba's layer_types, an alias of a computed property, was assigned (an AttributeError)
+    (dict(SMALL, model_type="bamba", num_hidden_layers=3, mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
+          attn_layer_indices=[1]), None),
+    # per-layer overrides keyed by layer index: the copies keep their own layers' (layer 5's was refused)
+    (dict(SMALL, model_type="gemma4_text", num_hidden_layers=6, max_position_embeddings=256,
+          hidden_size_per_layer_input=16, vocab_size_per_layer_input=256, sliding_window=16,
+          per_layer_config={"05": {"head_dim": 32}}), None),
 ])
 def test_layers_of_several_attention_kinds_and_shared_tensors_are_counted_as_a_real_forward(cfg, trainable):
     if cfg["model_type"] not in transformers.CONFIG_MAPPING:

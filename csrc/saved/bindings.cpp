@@ -72,6 +72,9 @@ void bind_saved_hooks(py::module_& m) {
       .def_readonly("quantize_calls", &SavedTensors::quantize_calls_)
       .def_readonly("dequantize_calls", &SavedTensors::dequantize_calls_)
       .def_readonly("rebuild_calls", &SavedTensors::rebuild_calls_);
+  m.def("layout_kept", &SavedTensors::layout_kept, py::arg("tensor"), py::arg("group_size"),
+        "The reason the store keeps tensor as it is for its layout alone (overlapping, strided_view, unsupported), "
+        "or None");
   m.def("compares_with_extreme", &compares_with_extreme, py::arg("out"),
         "Whether out's grad_fn finds its input's extreme by equality with out (amax, max(), ...)");
 }

@@ -187,6 +187,9 @@ class SavedTensors {
   // memory instead of its codes (a float32 group's maximum comes back 1 ulp off, and amax's backward divided
   // 0 by 0), a rebuilt output the output itself. The changes to the statistics, as take_tallies' rows.
   std::vector<std::tuple<std::string, at::ScalarType, int64_t, int64_t, int64_t>> pin_compared(const at::Tensor& out);
+  // layout_keeps' reason as store names it ("overlapping", "strided_view", "unsupported"), or None: what
+  // effmem plan's trace asks of each save (meta tensors do: only sizes, strides and views are read).
+  static py::object layout_kept(const at::Tensor& t, int64_t group_size);
   // A save of t made from the recipe (store.cpp's recipe_save, Python's cast of a rebuilt output): a candidate
   void note_recipe(const at::Tensor& t, const RecipePtr& r);
 
@@ -204,6 +207,11 @@ class SavedTensors {
 
   // store's work: the handle, or nothing and in `why` the reason to keep t (an entry made here goes to collect_).
   std::optional<SavedHandle> store_memory(const at::Tensor& t, Reason& why);
+  // Where t's elements lie decides whether they can be compressed (store.cpp's top): the reason to keep t for
+  // that alone, or nothing and the memory to quantise (t, or the dense tensor a view with gaps views) in src and
+  // a view's group size (view_group; 0: the rows' rule) in aligned.
+  static std::optional<Reason> layout_keeps(const at::Tensor& t, int64_t group_size, at::Tensor& src,
+                                            int64_t& aligned);
 
   py::object keep(const at::Tensor& t, Reason r);
   struct Adjust {

@@ -202,28 +202,44 @@ py::object SavedTensors::store(const at::Tensor& t) {
   return h ? py::cast(std::move(*h)) : py::str(kReasons[why]);
 }
 
+std::optional<SavedTensors::Reason> SavedTensors::layout_keeps(const at::Tensor& t, int64_t group_size,
+                                                               at::Tensor& src, int64_t& aligned) {
+  if (t.is_nested() || t.layout() != at::kStrided) return kUnsupported;
+  const Layout layout = classify(t);
+  if (layout == Layout::kOverlapping) return kOverlapping;
+  src = t;
+  aligned = 0;
+  if (layout != Layout::kDense) {
+    if (!t.is_view()) return kStridedView;
+    const at::Tensor base(t._base());
+    if (classify(base) != Layout::kDense || base.numel() > kMaxBaseGrowth * t.numel() ||
+        base.scalar_type() != t.scalar_type()) {
+      return kStridedView;
+    }
+    src = base;
+    if (t.scalar_type() != at::kBool) aligned = view_group(t, src, memory_row(src), group_size);   // bools: exact
+    if (aligned < 0) return kStridedView;
+  }
+  return std::nullopt;
+}
+
+py::object SavedTensors::layout_kept(const at::Tensor& t, int64_t group_size) {
+  at::Tensor src;
+  int64_t aligned = 0;
+  const std::optional<Reason> why = layout_keeps(t, group_size, src, aligned);
+  if (!why) return py::none();
+  return py::str(kReasons[*why]);
+}
+
 std::optional<SavedHandle> SavedTensors::store_memory(const at::Tensor& t, Reason& why) {
   auto keep = [&why](Reason r) {
     why = r;
     return std::nullopt;
   };
-  if (t.is_nested() || t.layout() != at::kStrided) return keep(kUnsupported);
-  const Layout layout = classify(t);
-  if (layout == Layout::kOverlapping) return keep(kOverlapping);
-  at::Tensor src = t;  // the tensor whose memory is compressed: t, or the dense tensor t views
+  at::Tensor src;  // the tensor whose memory is compressed: t, or the dense tensor t views
   int64_t aligned = 0;  // a view's group size (view_group), 0: the rows' rule
+  if (const std::optional<Reason> kept = layout_keeps(t, group_size_, src, aligned)) return keep(*kept);
   const bool is_bool = t.scalar_type() == at::kBool;
-  if (layout != Layout::kDense) {
-    if (!t.is_view()) return keep(kStridedView);
-    const at::Tensor base(t._base());
-    if (classify(base) != Layout::kDense || base.numel() > kMaxBaseGrowth * t.numel() ||
-        base.scalar_type() != t.scalar_type()) {
-      return keep(kStridedView);
-    }
-    src = base;
-    if (!is_bool) aligned = view_group(t, src, memory_row(src), group_size_);   // bools: packed exactly
-    if (aligned < 0) return keep(kStridedView);
-  }
   const int64_t n = src.numel(), nbytes = n * static_cast<int64_t>(src.element_size());
   // Groups within the rows of the memory (memory_row: d): flat groups of g where d is a multiple of g, one
   // group per row where d is a smaller group size (32, 64, 128 dividing g), else rows of d ending in a part

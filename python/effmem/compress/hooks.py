@@ -292,7 +292,9 @@ class ActivationCompressor:
             self.records.append({"shape": None if nested else tuple(t.shape),
                                  "stride": None if nested else tuple(t.stride()), "dtype": t.dtype,
                                  "module": module, "decision": decision,
-                                 "storage": None if decision == "unsupported" else storage_key(t)})
+                                 "storage": None if decision == "unsupported" else storage_key(t),
+                                 # what a save kept as it is holds alive: its whole storage (a view's too)
+                                 "storage_bytes": None if decision == "unsupported" else t.untyped_storage().nbytes()})
 
     def _reason(self, t: Tensor, excluded: bool) -> Optional[str]:
         cfg = self.config

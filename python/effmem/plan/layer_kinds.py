@@ -86,7 +86,9 @@ def keep_layers(model: nn.Module, path: str, keep: List[int]) -> nn.Module:
         # the forward picks layer j's mask by config.layer_types[j]: the kept layers' own, in their new places
         config = getattr(model, "config", None)
         types = getattr(config, "layer_types", None)
+        # (Jamba's is computed: no setter; Bamba's an alias, attribute_map, of a computed one)
+        name = getattr(config, "attribute_map", {}).get("layer_types", "layer_types")
         if isinstance(types, list) and len(types) > max(keep) and not isinstance(
-                getattr(type(config), "layer_types", None), property):   # (Jamba's is computed: no setter)
+                getattr(type(config), name, None), property):
             config.layer_types = [types[i] for i in keep] + types[len(keep):]
     return model

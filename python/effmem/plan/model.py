@@ -77,8 +77,13 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
         # per-layer lists (transformers 5's layer_types: sliding or full attention per layer) follow the
         # count, or the config refuses itself; the copy keeps the first layers' pattern
         for key, value in list(cfg.items()):
-            if isinstance(value, list) and len(value) == full != num_layers:
+            if isinstance(value, (list, tuple)) and len(value) == full != num_layers \
+                    and _per_layer(model_type, key, transformers):
                 cfg[key] = value[:num_layers]
+            elif isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() for k in value):
+                # per-layer overrides keyed by layer index (Gemma4's per_layer_config {"05": {...}}): the
+                # copy's own layers', or transformers refuses an index past its count
+                cfg[key] = {k: v for k, v in value.items() if int(k) < num_layers}
         if model_type == "gpt_neo":   # its pattern, run-length coded: [[["global", "local"], 12]]
             runs = cfg.get("attention_types", transformers.GPTNeoConfig().attention_types)   # or the default's
             cfg.pop("attention_layers", None)   # derived from attention_types by the config
@@ -112,6 +117,26 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
                              ) from None
         except Exception as e:   # a config that builds but not its model (a negative size, a pad id past vocab)
             raise _refused(model_type, e) from None
+
+
+def _per_layer(model_type: str, key: str, transformers) -> bool:
+    """Whether a config list as long as the layer count is one entry per layer, to cut with the count: by the
+    config class's defaults, where they hold that key as a list, whether it is as long as their own count
+    (Mamba2's time_step_limit, a pair, is not; cut at 2 layers, the model failed on an index); else taken
+    as one."""
+    if model_type not in _DEFAULT_LENGTHS:
+        try:
+            defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+            count = config_layers(defaults)
+        except Exception:   # a class without defaults to build, or no count among them
+            defaults, count = {}, None
+        _DEFAULT_LENGTHS[model_type] = {k: len(v) == count for k, v in defaults.items()
+                                        if isinstance(v, (list, tuple)) and v}
+    return _DEFAULT_LENGTHS[model_type].get(key, True)
+
+
+# per model_type: for each list its config class holds by default, whether it is as long as its layer count
+_DEFAULT_LENGTHS: dict = {}
 
 
 def _expand_runs(runs) -> List[str]:
