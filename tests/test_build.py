@@ -95,6 +95,14 @@ _BAD_SETTINGS = [
                  id="compiler"),
     pytest.param({"EFFMEM_CUDA_ARCHITECTURES": "sm_90"}, "EFFMEM_CUDA_ARCHITECTURES=sm_90: expected CMake's form",
                  True, id="architectures"),
+    # built, then the import failed on an undefined symbol (old guides to torch extensions set this flag)
+    pytest.param({"CXXFLAGS": f"-O2 -D_GLIBCXX_USE_CXX11_ABI={1 - int(torch._C._GLIBCXX_USE_CXX11_ABI)}"},
+                 f"the compiler flags hold -D_GLIBCXX_USE_CXX11_ABI={1 - int(torch._C._GLIBCXX_USE_CXX11_ABI)}, "
+                 f"but torch {torch.__version__} was built with _GLIBCXX_USE_CXX11_ABI="
+                 f"{int(torch._C._GLIBCXX_USE_CXX11_ABI)}", False, id="abi"),
+    # built, and `import effmem` flushed denormals to zero in the whole process
+    pytest.param({"CXXFLAGS": "-O3 -ffast-math"}, "the compiler flags hold -ffast-math", False, id="fast-math"),
+    pytest.param({"LDFLAGS": "-Ofast"}, "the compiler flags hold -Ofast", False, id="fast-math-link"),
 ]
 
 
@@ -220,3 +228,59 @@ def test_an_nvcc_on_path_through_a_symlink_builds_cuda(tmp_path):
                       args=(f"-DEFFMEM_DEFAULT_CUDA_ROOT={tmp_path / 'none'}",))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_compiler_settings_changed_on_a_reused_build_folder_are_refused(tmp_path):
+    """CMake reads CXX, CXXFLAGS and LDFLAGS at a folder's first configure only: a -ffast-math unset later stuck
+    to pip's reused build folder ("ninja: no work to do"), as did another CXX, without a word (a reviewer's
+    builds). The same settings configure again; another value stops, naming the variable and the folder."""
+    cmake = _cmake()
+    if cmake is None:
+        pytest.skip("cmake is not installed")
+    first = _configure(tmp_path, cmake, {"EFFMEM_CUDA": "OFF", "CXXFLAGS": "-O2"}, drop=("LDFLAGS",))
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = _configure(tmp_path, cmake, {"EFFMEM_CUDA": "OFF", "CXXFLAGS": "-O2"}, drop=("LDFLAGS",))
+    assert again.returncode == 0, again.stderr[-2000:]
+    changed = _configure(tmp_path, cmake, {"EFFMEM_CUDA": "OFF"}, drop=("CXXFLAGS", "LDFLAGS"))
+    assert changed.returncode != 0
+    assert (f"CXXFLAGS is now '', but this build folder ({tmp_path / 'build'}) was configured with CXXFLAGS='-O2'"
+            in " ".join(changed.stderr.split()))
+
+
+def test_a_visible_gpu_the_toolkit_cannot_build_for_is_left_out_by_name(tmp_path):
+    """A V100 (sm_70) under CUDA 13: the architectures taken from nvidia-smi went to CMake's trial compile, which
+    failed with a long log naming compute_70 (a reviewer's fake nvidia-smi). It is left out with a warning, the
+    kernels built for the others (or the defaults); asked for by "native", it is refused by name."""
+    cmake, _ = _cuda_configure_tools()
+    smi = _script(tmp_path / "bin" / "nvidia-smi", "echo 7.0; echo 9.0")
+    path = {"PATH": f"{smi.parent}:{os.environ['PATH']}"}
+    proc = _configure(tmp_path, cmake, path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the visible GPUs' sm_70, which" in " ".join(proc.stderr.split())
+    assert "CUDA kernels for architectures 90" in proc.stdout
+    _script(smi, "echo 7.0")
+    native = _configure(tmp_path / "native", cmake, {**path, "EFFMEM_CUDA_ARCHITECTURES": "native"})
+    assert native.returncode != 0
+    assert "EFFMEM_CUDA_ARCHITECTURES=native: the visible GPUs' sm_70" in " ".join(native.stderr.split())
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_a_built_library_that_breaks_next_to_torch_is_deleted(tmp_path):
+    """After the link the build loads _C next to torch (cmake/load_check.py): one built for another C++ ABI
+    failed only at import (an undefined symbol), one linked with -ffast-math flushed denormals to zero in the
+    whole process. Whatever flags or wrapper did it, such a library is deleted with the reason."""
+    script = str(ROOT / "cmake" / "load_check.py")
+    def built(name, code, *flags):
+        (tmp_path / f"{name}.cpp").write_text(code)
+        out = tmp_path / f"{name}.so"
+        subprocess.run(["g++", "-shared", "-fPIC", *flags, str(tmp_path / f"{name}.cpp"), "-o", str(out)], check=True)
+        return out
+
+    fast = built("fast", 'extern "C" int plain() { return 1; }', "-ffast-math")
+    unresolved = built("unresolved", 'extern "C" int missing(); extern "C" int uses() { return missing(); }')
+    for lib, why in ((fast, "flushes denormals to zero"), (unresolved, "undefined symbol: missing")):
+        run = subprocess.run([sys.executable, script, str(lib), "--delete-if-bad"], capture_output=True, text=True)
+        assert run.returncode == 1 and why in run.stderr and "(deleted)" in run.stderr, run.stderr
+        assert not lib.exists()
+    ok = subprocess.run([sys.executable, script, effmem._C.__file__], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
