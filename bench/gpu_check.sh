@@ -100,7 +100,8 @@ for part in "${parts[@]}"; do
       # the demo's tests left out: 9 CPU processes that never finished in 150 s on the GPU hosts (4 runs); and
       # 2026-12-01's configures of compiler flags, which the GPU does not change (CI runs them): the call's budget
       OMP_NUM_THREADS=2 limit 150 "$PY" -m pytest -v -rfEs --timeout 120 tests/test_build.py tests/test_cli.py \
-        -k "not demo and not abi and not fast and not refused and not deleted" --junitxml="$OUT/cuda_tests_build_cli.xml" >>"$OUT/cuda_tests.txt" 2>&1
+        -k "not demo and not abi and not fast and not refused and not deleted" \
+        --junitxml="$OUT/cuda_tests_build_cli.xml" >>"$OUT/cuda_tests.txt" 2>&1
       [ $? -eq 0 ] || status=1
       grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/cuda_tests.txt" | tail -40 ;;
     tests)
