@@ -98,12 +98,32 @@ class OffloadForward:
 
 
 def _read_by(module: nn.Module) -> List[nn.Parameter]:
-    """The parameters a module's forward reads: its own, and for torch's MultiheadAttention those of out_proj,
-    which F.multi_head_attention_forward reads without calling out_proj's forward."""
+    """The parameters a module's forward reads: its own, and those of the children it reads without calling
+    them: torch's MultiheadAttention's out_proj (F.multi_head_attention_forward), and those transformers names
+    for accelerate's offload hooks, which have the same need (_read_directly)."""
     own = list(module.parameters(recurse=False))
     if isinstance(module, nn.MultiheadAttention):
         own += list(module.out_proj.parameters())
+    for child in _read_directly(module):
+        own += list(child.parameters())
     return own
+
+
+def _read_directly(module: nn.Module) -> List[nn.Module]:
+    """The children transformers' @force_accelerate_hooks([...]) names on the module's forward: Mamba's, Jamba's
+    and FalconMamba's conv1d and dt_proj (their weights go to causal_conv1d_fn and a matmul), Mamba2's and the
+    hybrids' conv1d, LFM2's conv. Their forward pre-hooks never ran, and async_step refused the second backward
+    of 15 of transformers' state-space and hybrid models as "never installed" (a reviewer's sweep). The names
+    sit in the decorator's closure (a freevar child_module_names), found along the forward's __wrapped__ chain."""
+    fn, seen = type(module).forward, 0
+    while fn is not None and seen < 8:   # (a bound on the chain: a __wrapped__ loop must not hang attach)
+        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+        if code is not None and cells and "child_module_names" in code.co_freevars:
+            names = cells[code.co_freevars.index("child_module_names")].cell_contents
+            names = [names] if isinstance(names, str) else list(names)
+            return [c for c in (getattr(module, n, None) for n in names) if isinstance(c, nn.Module)]
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return []
 
 
 def _fsdp_units(model: nn.Module) -> Dict[int, nn.Module]:
