@@ -185,10 +185,16 @@ class OffloadBuild:
         self._taking = i
         try:
             self._engine.grad_ready(i, g)
-        except Exception:
+        except Exception as e:
             self._taking = None
             if not queued:
                 self._queued.discard(i)   # refused: not taken
+            model = self._attached() if self._attached is not None else None
+            if model is not None and "never installed" in str(e):   # the engine knows indices, the model names
+                name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is self._params[i]),
+                            None)
+                if name is not None:
+                    raise type(e)(f"{e} (parameter {i} is the model's {name})") from None
             raise
 
     def _take_leftover_grads(self, keep: bool = False) -> None:
