@@ -6,8 +6,9 @@ link, before anything is installed).
 Exits 1 with the reason, and with --delete-if-bad removes FILE, unless it loads with every symbol resolved and
 leaves the floating-point environment as it found it. What this catches, whatever flags or compiler wrapper
 the environment gave: a library built for another C++ ABI than torch's (it built, then failed to import on an
-undefined symbol), and one linked with GCC's crtfastmath.o (-ffast-math and the like), which flushes denormals
-to zero in every process that loads it, changing torch's results there too. cmake/flags.cmake refuses the
+undefined symbol), and one whose loading changes the floating-point environment (GCC 12 and older link
+crtfastmath.o into it for -ffast-math and the like), flushing denormals to zero in every process that loads it,
+torch's results there too. cmake/flags.cmake refuses the
 flags it knows of before the build; this checks the result. Only the standard library and torch are used.
 """
 import argparse
@@ -23,8 +24,8 @@ before = struct.pack("d", tiny * float("1.0"))
 ctypes.CDLL(sys.argv[1])      # RTLD_NOW: every undefined symbol resolved here, static constructors run
 after = struct.pack("d", tiny * float("1.0"))
 if after != before:           # as bits: under flushed denormals a comparison of floats takes this one for 0
-    sys.exit("loading it flushes denormals to zero in the whole process (crtfastmath.o: a -ffast-math, -Ofast "
-             "or -funsafe-math-optimizations in CXX, CXXFLAGS or LDFLAGS?)")
+    sys.exit("loading it flushes denormals to zero in the whole process (GCC 12's crtfastmath.o: a -ffast-math, "
+             "-Ofast or -funsafe-math-optimizations in CXX, CXXFLAGS or LDFLAGS?)")
 """
 
 
@@ -33,7 +34,11 @@ def main(argv=None):
     parser.add_argument("file")
     parser.add_argument("--delete-if-bad", action="store_true")
     args = parser.parse_args(argv)
-    run = subprocess.run([sys.executable, "-c", LOADER, os.path.abspath(args.file)], capture_output=True, text=True, timeout=300)
+    try:
+        run = subprocess.run([sys.executable, "-c", LOADER, os.path.abspath(args.file)], capture_output=True,
+                             text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"effmem: loading the built extension {args.file} next to torch did not finish in 300 s")
     if run.returncode == 0:
         print(f"{args.file}: loads next to torch, denormals kept")
         return

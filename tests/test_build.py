@@ -103,6 +103,7 @@ _BAD_SETTINGS = [
     # built, and `import effmem` flushed denormals to zero in the whole process
     pytest.param({"CXXFLAGS": "-O3 -ffast-math"}, "the compiler flags hold -ffast-math", False, id="fast-math"),
     pytest.param({"LDFLAGS": "-Ofast"}, "the compiler flags hold -Ofast", False, id="fast-math-link"),
+    pytest.param({"CUDAFLAGS": "-ftz=true"}, "the compiler flags hold -ftz=true", False, id="fast-math-nvcc"),
 ]
 
 
@@ -230,6 +231,16 @@ def test_an_nvcc_on_path_through_a_symlink_builds_cuda(tmp_path):
     assert "CUDA kernels for architectures" in proc.stdout, proc.stdout[-2000:]
 
 
+def test_a_path_holding_a_fast_math_flag_is_no_flag(tmp_path):
+    """The flags are matched whole: an include folder named my-Ofast was refused as -Ofast (a reviewer's)."""
+    cmake = _cmake()
+    if cmake is None:
+        pytest.skip("cmake is not installed")
+    proc = _configure(tmp_path, cmake, {"EFFMEM_CUDA": "OFF", "CXXFLAGS": "-I/opt/my-Ofast/include -O2"},
+                      drop=("LDFLAGS",))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_compiler_settings_changed_on_a_reused_build_folder_are_refused(tmp_path):
     """CMake reads CXX, CXXFLAGS and LDFLAGS at a folder's first configure only: a -ffast-math unset later stuck
     to pip's reused build folder ("ninja: no work to do"), as did another CXX, without a word (a reviewer's
@@ -256,19 +267,26 @@ def test_a_visible_gpu_the_toolkit_cannot_build_for_is_left_out_by_name(tmp_path
     path = {"PATH": f"{smi.parent}:{os.environ['PATH']}"}
     proc = _configure(tmp_path, cmake, path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "the visible GPUs' sm_70, which" in " ".join(proc.stderr.split())
+    assert "the visible GPUs' sm_70, older than" in " ".join(proc.stderr.split())
     assert "CUDA kernels for architectures 90" in proc.stdout
     _script(smi, "echo 7.0")
     native = _configure(tmp_path / "native", cmake, {**path, "EFFMEM_CUDA_ARCHITECTURES": "native"})
     assert native.returncode != 0
     assert "EFFMEM_CUDA_ARCHITECTURES=native: the visible GPUs' sm_70" in " ".join(native.stderr.split())
+    # one newer than nvcc knows runs the sm_90 PTX (the driver compiles it): no warning that nothing runs
+    _script(smi, "echo 99.0")
+    newer = _configure(tmp_path / "newer", cmake, {**path, "EFFMEM_CUDA_ARCHITECTURES": "native"})
+    assert newer.returncode == 0, newer.stderr[-2000:]
+    assert "newer than" in newer.stdout and "CUDA kernels for architectures 90" in newer.stdout
+    assert "left out" not in newer.stderr
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_a_built_library_that_breaks_next_to_torch_is_deleted(tmp_path):
     """After the link the build loads _C next to torch (cmake/load_check.py): one built for another C++ ABI
-    failed only at import (an undefined symbol), one linked with -ffast-math flushed denormals to zero in the
-    whole process. Whatever flags or wrapper did it, such a library is deleted with the reason."""
+    failed only at import (an undefined symbol), one linked with -ffast-math by GCC 12 flushed denormals to zero
+    in the whole process. Whatever flags or wrapper did it, such a library is deleted with the reason; the
+    build runs the check after every link (a configure, to read the build's commands)."""
     script = str(ROOT / "cmake" / "load_check.py")
     def built(name, code, *flags):
         (tmp_path / f"{name}.cpp").write_text(code)
@@ -276,7 +294,9 @@ def test_a_built_library_that_breaks_next_to_torch_is_deleted(tmp_path):
         subprocess.run(["g++", "-shared", "-fPIC", *flags, str(tmp_path / f"{name}.cpp"), "-o", str(out)], check=True)
         return out
 
-    fast = built("fast", 'extern "C" int plain() { return 1; }', "-ffast-math")
+    # what GCC 12's crtfastmath.o does at load (GCC 13 no longer links it into a shared library): FTZ and DAZ
+    fast = built("fast", '#include <xmmintrin.h>\n__attribute__((constructor)) static void ftz() '
+                         '{ _mm_setcsr(_mm_getcsr() | 0x8040); }\nextern "C" int plain() { return 1; }')
     unresolved = built("unresolved", 'extern "C" int missing(); extern "C" int uses() { return missing(); }')
     for lib, why in ((fast, "flushes denormals to zero"), (unresolved, "undefined symbol: missing")):
         run = subprocess.run([sys.executable, script, str(lib), "--delete-if-bad"], capture_output=True, text=True)
@@ -284,3 +304,11 @@ def test_a_built_library_that_breaks_next_to_torch_is_deleted(tmp_path):
         assert not lib.exists()
     ok = subprocess.run([sys.executable, script, effmem._C.__file__], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+    cmake = _cmake()
+    ninja = shutil.which("ninja", path=os.path.dirname(sys.executable)) or shutil.which("ninja")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja to read the build's commands")
+    proc = _configure(tmp_path, cmake, {"EFFMEM_CUDA": "OFF"}, drop=("CXXFLAGS", "LDFLAGS"),
+                      args=("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cmake/load_check.py" in (tmp_path / "build" / "build.ninja").read_text()

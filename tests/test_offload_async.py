@@ -364,6 +364,8 @@ def test_children_a_transformers_forward_reads_without_calling_are_installed(fam
     hook installs them, as transformers names them for accelerate (@force_accelerate_hooks). Bit for bit with
     FusedAdam."""
     transformers = pytest.importorskip("transformers")
+    if not hasattr(pytest.importorskip("transformers.integrations.accelerate"), "force_accelerate_hooks"):
+        pytest.skip(f"transformers {transformers.__version__} names no children for accelerate's hooks")
     if family == "mamba":
         config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
     else:

@@ -80,7 +80,8 @@ def _hf_model_from_config(cfg: dict, num_layers: Optional[int] = None) -> nn.Mod
             if isinstance(value, (list, tuple)) and len(value) == full != num_layers \
                     and _per_layer(model_type, key, transformers):
                 cfg[key] = value[:num_layers]
-            elif isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() for k in value):
+            elif "layer" in key and isinstance(value, dict) and value and all(
+                    isinstance(k, str) and k.isdecimal() for k in value):
                 # per-layer overrides keyed by layer index (Gemma4's per_layer_config {"05": {...}}): the
                 # copy's own layers', or transformers refuses an index past its count
                 cfg[key] = {k: v for k, v in value.items() if int(k) < num_layers}
