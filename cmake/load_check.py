@@ -7,9 +7,9 @@ Exits 1 with the reason, and with --delete-if-bad removes FILE, unless it loads 
 leaves the floating-point environment as it found it. What this catches, whatever flags or compiler wrapper
 the environment gave: a library built for another C++ ABI than torch's (it built, then failed to import on an
 undefined symbol), and one whose loading changes the floating-point environment (GCC 12 and older link
-crtfastmath.o into it for -ffast-math and the like), flushing denormals to zero in every process that loads it,
-torch's results there too. cmake/flags.cmake refuses the
-flags it knows of before the build; this checks the result. Only the standard library and torch are used.
+crtfastmath.o into it for -ffast-math and the like), flushing denormals to zero in every process that loads
+it, torch's results there too. cmake/flags.cmake refuses the flags it knows of before the build; this checks
+the result. Only the standard library and torch are used.
 """
 import argparse
 import os
