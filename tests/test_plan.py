@@ -12,7 +12,7 @@ import effmem
 from effmem.cli import main
 from effmem.demo_model import ByteGPT, GPTConfig
 from effmem.plan import costs, loss_buffers
-from effmem.plan.model import preset_names
+from effmem.plan.hf_config import preset_names
 from effmem.plan.report import code_for
 
 pytest.importorskip("transformers")

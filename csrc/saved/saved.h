@@ -118,6 +118,8 @@ struct RecipeHandle {
 // (as_strided) costs 2 us in a loop and 10 to 25 us in the middle of a backward. Not a view in autograd's
 // sense, which is what autograd makes of an unpacked save anyway (it detaches it).
 at::Tensor view_of(const at::Tensor& t, at::IntArrayRef shape, at::IntArrayRef stride, int64_t offset);
+// The length of a dense tensor's rows in memory, which its quantisation groups stay within (layout.cpp).
+int64_t memory_row(const at::Tensor& t);
 // t's version counter, which every view of its memory bumps; none for an inference tensor.
 std::optional<c10::VariableVersion> version_counter(const at::Tensor& t);
 

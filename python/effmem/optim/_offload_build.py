@@ -13,7 +13,7 @@ from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _adam8, _validate
 from effmem.optim._offload_layout import GradHook, build_engine, engine_device, keep_on_device
 from effmem.optim._offload_lifetime import claim
-from effmem.optim._offload_state import EngineState
+from effmem.optim._offload_state import own_state
 
 _local = _validate.local_tensor
 
@@ -31,8 +31,8 @@ class OffloadBuild:
         self._steps = self._engine.steps()
         self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
-        if self._delay and not isinstance(self.state, EngineState):   # (async_step's too)
-            self.state = EngineState(self)   # at construction: what a caller holds as opt.state stays it
+        if self._delay:   # (async_step's too)
+            own_state(self)
         self.state.clear()
         self._sync_state()
         claim(self, self._params)
@@ -264,12 +264,17 @@ class OffloadBuild:
             self._sync_state()
             self._note_unstepped_update()
         self._clip_scale, self._clip_norms = 1.0, None
+        self._clip_held.clear()
+        self._end_round()
+
+    def _end_round(self) -> None:
+        """The bookkeeping of a round of gradients handed over, started afresh: a step taken, its gradients
+        dropped, a failed backward's accepted."""
         self._in_backward = False
+        self._plain_backwards = 0
+        self._queued.clear()
         self._streamed.clear()
         self._autograd_grads.clear()
-        self._clip_held.clear()
-        self._queued.clear()
-        self._plain_backwards = 0
 
     def _changed_since_clip(self, held) -> List[int]:
         """The parameters whose p.grad is not what the clip sent: replaced, or changed in place (their norms,

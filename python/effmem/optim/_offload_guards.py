@@ -201,10 +201,7 @@ class OffloadGuards:
         self._raised_tasks.clear()
         self._engine.zero_grad()
         self._sync_state()   # the buckets the failed backward completed were updated
-        self._in_backward = False
-        self._streamed.clear()
-        self._autograd_grads.clear()
-        self._queued.clear()
+        self._end_round()
 
     def _note_state(self) -> None:
         """Remember opt.state's entries as the optimizer made them (views of the engine's memory), for

@@ -52,11 +52,17 @@ for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__it
     setattr(EngineState, _name, _waiting(_name))
 
 
-def update_queued(opt) -> None:
-    """After step(): where the update goes on after it returns (async_step, delay), opt.state's next use
-    waits for it. A state torch's load_state_dict (or a user) put in place of the optimizer's is wrapped."""
-    if not opt._delay:   # async_step's too (it runs on delay's machinery)
-        return
+def own_state(opt) -> None:
+    """opt.state made an EngineState, its entries kept: at construction (what a caller holds as opt.state
+    stays it), and where torch's load_state_dict (or a user) put another dict in its place."""
     if not isinstance(opt.state, EngineState):
         opt.state = EngineState(opt, opt.state)
+
+
+def update_queued(opt) -> None:
+    """After step(): where the update goes on after it returns (async_step, delay), opt.state's next use
+    waits for it."""
+    if not opt._delay:   # async_step's too (it runs on delay's machinery)
+        return
+    own_state(opt)
     opt._update_in_flight = True

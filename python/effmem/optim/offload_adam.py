@@ -428,11 +428,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             # the plain stores first: a signal lands as a call returns (clear()), not between these
             self._step_count += 1
             exact, self._exact_next = (self._exact_next or replaced) and self._delay_correction, False
-            self._in_backward = False
-            self._plain_backwards = 0
-            self._queued.clear()
-            self._streamed.clear()
-            self._autograd_grads.clear()
+            self._end_round()
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._synchronize()

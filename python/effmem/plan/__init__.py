@@ -4,7 +4,7 @@
     print(plan)                       # the pick, its parts, every rejected candidate and why
     model, opt = plan.apply(model)    # the pick, ready for a training loop
 """
-from effmem.plan.model import preset_names
+from effmem.plan.hf_config import preset_names
 from effmem.plan.planner import Candidate, Plan, plan
 from effmem.plan.rates import Rates, calibrate
 

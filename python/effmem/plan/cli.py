@@ -3,7 +3,7 @@ import argparse
 import json
 import sys
 
-from effmem.plan.model import preset_names
+from effmem.plan.hf_config import preset_names
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
