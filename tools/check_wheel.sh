@@ -38,7 +38,7 @@ before = p.detach().clone()
 opt.step()
 assert not torch.equal(before, p.detach())
 assert torch.equal(p.detach(), opt.state[p]["master"].bfloat16())
-from effmem.plan.model import preset_names  # the presets are data files: the wheel must carry them
+from effmem.plan import preset_names  # the presets are data files: the wheel must carry them
 assert {"llama-7b", "llama-70b", "mixtral-8x7b", "gpt2"} <= set(preset_names()), preset_names()
 print("wheel OK:", effmem.__file__, "| torch", torch.__version__, "| isa", effmem._C.cpu_isa(),
       "| CUDA", effmem._C.cuda_compiled, effmem._C.cuda_architectures)
