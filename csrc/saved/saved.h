@@ -13,8 +13,8 @@
 // which use this same store.
 //
 // store.cpp: the dedup store (quantise once per memory, restore once) and the
-// rebuild recipes; hooks.cpp: the "fast" pack rules and the unpack hook;
-// bindings.cpp: the Python classes.
+// rebuild recipes; layout.cpp: which layouts it compresses, and how; hooks.cpp:
+// the "fast" pack rules and the unpack hook; bindings.cpp: the Python classes.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>

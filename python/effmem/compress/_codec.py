@@ -23,7 +23,7 @@ check_config = _ops.check_quant_config
 
 
 def memory_row(t: Tensor) -> int:
-    """The length of a dense tensor's rows in memory (csrc/saved/store.cpp's memory_row): its last dim where it
+    """The length of a dense tensor's rows in memory (csrc/saved/layout.cpp's memory_row): its last dim where it
     is contiguous, else the dim it walks with stride 1 (a transposed key's head_dim)."""
     if t.dim() == 0 or t.numel() == 0:
         return max(t.numel(), 1)

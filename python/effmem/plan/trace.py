@@ -110,7 +110,7 @@ def _compressed_bytes(r: Record, cfg: CompressConfig, bits: int) -> int:
 
 
 def _layout(t: Tensor) -> dict:
-    """Whether compress' store keeps this save as it is for where its elements lie (csrc/saved/store.cpp): a view
+    """Whether compress' store keeps this save as it is for where its elements lie (csrc/saved/layout.cpp): a view
     with gaps it cannot quantise through its base (gpt-oss's gate_up[..., ::2], counted compressed before: 0.54x
     of what a real forward held) keeps the whole storage alive, beside the codes of another save of it that the
     store quantises (gpt-oss's attention with sinks saves its scores and a slice of them)."""
