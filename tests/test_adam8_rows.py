@@ -159,6 +159,21 @@ def test_the_cpu_conversions_match_the_reference_bit_for_bit(n, isa):
         effmem._C.set_cpu_isa(previous)
 
 
+def test_a_block_of_negative_zero_moments_gets_the_same_scale_bits_from_the_kernel_and_the_reference():
+    """_adam8.encode (the conversion of CUDA tensors) kept amax's -0.0 as the scale of a block whose moments are
+    all -0.0 (a checkpoint's), where the kernels' maximum from +0 gives +0.0: torch.equal, which the test above
+    uses, calls them equal, and a checkpoint converted on a GPU differed from the CPU's in a sign bit."""
+    m, v = torch.full((512,), -0.0), torch.full((512,), -0.0)
+    m[300], v[300] = 0.5, 1.0
+    got = torch.ops.effmem.adam8_encode(m, v, 3.0, 7)
+    r = v.double().sqrt().float()
+    want_m = _adam8.encode(_adam8.kept_m(m, r), _adam8.seed(3.0, 7, False), False)
+    want_v = _adam8.encode(r, _adam8.seed(3.0, 7, True), True)
+    for a, b in ((got[2], want_m[1]), (got[3], want_v[1])):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (a, b)
+    assert torch.equal(got[0], want_m[0]) and torch.equal(got[1], want_v[0])
+
+
 def test_the_cpu_conversions_pass_opcheck_and_refuse_bad_tensors_by_name():
     m, v = moments(1000)
     torch.library.opcheck(torch.ops.effmem.adam8_encode.default, (m, v, 5.0, 3))

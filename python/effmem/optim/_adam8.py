@@ -218,7 +218,8 @@ def encode(x: Tensor, rounding_seed: int, second: bool) -> Tuple[Tensor, Tensor]
     a = x if second else x.abs()
     # the finite values' maximum: an infinite or NaN moment saturates its own code (adam8_math.h's adam8_finite)
     finite = torch.where(a <= torch.finfo(torch.float32).max, a, torch.zeros_like(a))
-    scales = torch.nn.functional.pad(finite, (0, (-n) % BLOCK)).view(-1, BLOCK).amax(dim=1)
+    # + 0.0: a block of -0.0 moments (a checkpoint's) has the scale +0.0, as the kernels' maximum from +0 gives
+    scales = torch.nn.functional.pad(finite, (0, (-n) % BLOCK)).view(-1, BLOCK).amax(dim=1) + 0.0
     inv = torch.where(scales >= 2.0 ** -126, torch.tensor(1.0) / scales, torch.zeros_like(scales))
     inv = inv.repeat_interleave(BLOCK)[:n]
     kmax = 255.0 if second else 127.0
