@@ -4,6 +4,7 @@ A config's model is traced with 1 and 2 decoder layers on the meta device,
 and every count is extrapolated linearly to all of them: quick for a 70B
 preset, and exact where every layer saves the same tensors.
 """
+import dataclasses
 from typing import Dict, List, Optional
 
 import torch
@@ -146,6 +147,15 @@ class Extrapolated:
 
     def fast_codes(self) -> int:
         return self._lin(lambda t: t.fast_codes())
+
+    def structure(self) -> List[list]:
+        """Its traces' records (and those under "fast") without their sizes, in order: two batch sizes' agree
+        where each storage of one is a storage of the other scaled (plan/activity.py). last_dim is a size too
+        (the flattened labels' is the batch's tokens)."""
+        def records(t: Optional[Trace]) -> Optional[list]:
+            return None if t is None else [sorted(str(dataclasses.replace(r, nbytes=0, last_dim=0))
+                                                  for r in t.records.values()), records(t.fast)]
+        return [records(t) for t in self._traces()]
 
     @property
     def routed(self) -> bool:

@@ -4,7 +4,7 @@ torch registers Python meta functions (torch._meta_registrations, from the
 _refs decompositions) over the C++ ones for elementwise ops, reductions and
 mm: on the meta device a mul costs about 300 us, against a few for the op
 itself. effmem plan traces a model 32 times (two dtypes, two losses, one
-and two layers, micro-batch 1 and 2, with and without the "fast" policy),
+and two layers, micro-batch 1 and 2 (and 3 where 1 saves other tensors), with and without the "fast" policy),
 about 7,000 ops, and those functions took most of its time: a 70B preset
 planned in 2.6 s on a 2-core machine instead of the 2 s it must.
 
