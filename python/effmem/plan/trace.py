@@ -301,8 +301,10 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
         tr.fast_codes_bytes = st.total_bytes_after - kept
         return tr
     meta = torch.device("meta")
-    state = {k: torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() else v.dtype)
-             .requires_grad_(v.requires_grad and v.is_floating_point())
+    # Parameters, as the model's: "fast" keeps a frozen one saved by a product as it is, where as a plain tensor
+    # it was a copy of a weight, counted (a LoRA model's every frozen weight: 1.6x its measured saves)
+    state = {k: nn.Parameter(torch.empty_like(v, device=meta, dtype=dtype if v.is_floating_point() else v.dtype),
+                             requires_grad=v.requires_grad and v.is_floating_point())
              for k, v in model.named_parameters()}
     # Floating buffers in the model's dtype, as .to(dtype) and from_pretrained(dtype=) leave them: kept float32,
     # XGLM's position table made its bf16 hidden states float32 (every later save twice its size), Gemma's
