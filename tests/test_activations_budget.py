@@ -382,3 +382,32 @@ def test_no_loop_is_seen_across_forwards_or_in_a_layer_that_returns_its_input():
             m(inputs_embeds=e, labels=x).loss.backward()
     finally:
         type(skipped).forward = real
+
+
+def test_layers_no_gradient_flows_into_run_plain_and_the_budget_is_chosen_at_the_first_that_records(monkeypatch):
+    """LoRA on the later layers only: layer 0, frozen with no gradient flowing in, saves nothing. The choice was
+    calibrated there: 0 bytes a layer, a budget of 0 x the layers, every layer plain and over the budget, silently
+    (a reviewer's PEFT run: 3.3x a budget of 200 kB). It is made at the first layer that records, for it and the
+    layers after it; offloaded layers then start there."""
+    base = llama(4)
+    for name, p in base.named_parameters():
+        p.requires_grad_(".layers.2." in name or ".layers.3." in name)
+    m = apply_activation_policy(copy.deepcopy(base), memory_budget=0.3)
+    loss_of(m).backward()
+    c = budget_choice(m)
+    assert c["modes"][:2] == ["plain", "plain"] and c["modes"][2:] != ["plain", "plain"], c
+    assert c["budget_bytes"] == int(0.3 * 2 * c["bytes"]["plain"]) > 0 and c["predicted_bytes"] <= c["budget_bytes"]
+    monkeypatch.setattr(budget_mod, "_link_rate", lambda device: 1e15)
+    fast = apply_activation_policy(copy.deepcopy(base), "fast")
+    off = apply_activation_policy(copy.deepcopy(base), memory_budget=0.245)
+    loss_of(fast).backward()
+    loss_of(off).backward()
+    c = budget_choice(off)
+    assert c["modes"] == ["plain", "plain", "offload", "fast"], c
+    counters = c["offload_counters"]
+    assert (counters["layers_sent"], counters["layers_back"], counters["outside_reserve"]) == (1, 1, 0), counters
+    for p, q in zip(fast.parameters(), off.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
+    loss_of(off).backward()   # the next forward's copies start at the host buffer's beginning again
+    counters = budget_choice(off)["offload_counters"]
+    assert (counters["layers_sent"], counters["layers_back"], counters["outside_reserve"]) == (2, 2, 0), counters

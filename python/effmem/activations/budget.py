@@ -226,7 +226,9 @@ class BudgetPolicy:
         return None if choice is None else dict(choice, offload_counters=dict(self.offloader.counters))
 
     def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
-                   warm: bool) -> dict:
+                   warm: bool, start: int) -> dict:
+        """The modes of this input shape's layers from a run of layer `start`, the first that records a graph:
+        the layers before it, frozen with no gradient flowing in, save nothing and run plain."""
         hidden, others, args, kwargs = _copies(hidden, others, args, kwargs)
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         sync = (lambda: torch.cuda.synchronize(hidden.device)) if devices else (lambda: None)
@@ -260,17 +262,18 @@ class BudgetPolicy:
                           else _codec.packed_bytes(rows, cols, self.bits, g)
                           + sum(packed.numel() for _, packed in masks))}
         link = _link_rate(hidden.device)
-        max_offload = hidden_layers(self.layers, layer_s, codes, link)
-        budget = self.budget if isinstance(self.budget, int) else int(self.budget * self.layers * plain)
+        layers = self.layers - start   # those that save something
+        max_offload = hidden_layers(layers, layer_s, codes, link)
+        budget = self.budget if isinstance(self.budget, int) else int(self.budget * layers * plain)
         # "min"'s codes take float32, bf16 and fp16 hidden states (a float64 model: "fast" keeps what it cannot code)
         coded = hidden.dtype in _codec.FLOAT_DTYPES
         allow_min = self.allow_min and not self.side_outputs and coded
-        modes = choose(self.layers, nbytes, budget, max_offload, allow_min)
+        modes = choose(layers, nbytes, budget, max_offload, allow_min)
         if modes is None:
             # the mode of fewest bytes: "plain" where "fast" keeps more (float64, whose values it keeps)
             least_mode = min(("plain", "fast", "min") if allow_min else ("plain", "fast"), key=nbytes.get)
             n_off = max_offload if nbytes["offload"] < nbytes[least_mode] else 0
-            least = n_off * nbytes["offload"] + (self.layers - n_off) * nbytes[least_mode]
+            least = n_off * nbytes["offload"] + (layers - n_off) * nbytes[least_mode]
             how = (f"the first {n_off} layers offloaded (as many as the host link hides) and the rest under "
                    f"'{least_mode}'" if n_off else f"every layer under '{least_mode}'")
             if not allow_min:
@@ -278,11 +281,12 @@ class BudgetPolicy:
                                                    "router's loss, keys and values later layers share)"
                         if coded else f"its 8-bit codes take float32, bfloat16 or float16 hidden states, not "
                         f"{hidden.dtype})"))
-            raise ValueError(f"memory_budget: {budget} bytes for {self.layers} layers at input shape "
+            raise ValueError(f"memory_budget: {budget} bytes for {layers} layers at input shape "
                              f"{tuple(hidden.shape)} is below the least any choice holds: {least} bytes "
                              f"with {how}" + (f" (a fraction goes as a float: memory_budget={budget}.0)"
                                               if type(self.budget) is int and self.budget in (0, 1) else ""))
         predicted = sum(nbytes[m] for m in modes)
+        modes = ["plain"] * start + modes
         if "offload" in modes:
             self.offloader.reserve(modes.count("offload") * host_per_layer, hidden.device)
         first = next((i for i, m in enumerate(modes) if m in ("fast", "offload")), -1)
@@ -323,18 +327,24 @@ class BudgetPolicy:
         # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs)
         choice = self.choices.get(key)
+        if choice is None and not (hidden.requires_grad or any(t.requires_grad for t in others)
+                                   or any(p.requires_grad for p in layer.parameters())):
+            # Frozen, and no gradient flows in (LoRA on later layers only): it saves nothing. Calibrated here, it
+            # measured 0 bytes, the budget was 0 x the layers and every layer ran plain over it, silently.
+            return plain_fn(*args, **kwargs)
         if choice is None:
             _warn_hooks(layer)
             with _unrecorded(), buffers_kept(layer.buffers()):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
-                                                             kwargs, warm=compiled or hidden.device.type == "cuda")
+                                                             kwargs, warm=compiled or hidden.device.type == "cuda",
+                                                             start=index)
         self.used = key
         mode = choice["modes"][index]
         if mode == "fast":
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
                 out = fast_fn(*args, **kwargs)
         elif mode == "offload":
-            if index == 0:
+            if index == choice["modes"].index("offload"):   # the first offloaded layer (after any frozen ones)
                 self.offloader.begin(hidden.device)
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
                 with self.comp.collecting() as entries:
