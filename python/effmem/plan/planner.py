@@ -99,10 +99,13 @@ class Plan:
 
 
 def _fusable(spec: ModelSpec) -> bool:
-    """Whether effmem.fuse_linear_cross_entropy knows the model's class and computes its loss."""
-    from effmem.linear_ce_hf import knows, own_loss
+    """Whether effmem.fuse_linear_cross_entropy knows the model's class (or, in PEFT's PeftModel, its model's, as
+    fusing takes it) and computes its loss, through a plain output layer (a LoRA on it is refused)."""
+    from effmem.linear_ce_hf import _peft_base, knows, own_loss
     model = spec.module if spec.module is not None else spec.build_layers(1)
-    return knows(model) and own_loss(model)
+    model = _peft_base(model) or model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return knows(model) and own_loss(model) and type(head) is nn.Linear
 
 
 def _attention_dropout(cfg: dict) -> float:
