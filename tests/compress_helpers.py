@@ -43,6 +43,9 @@ class Adapter(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.base_model(*args, **kwargs)
 
+    def get_base_model(self):
+        return self.base_model
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
