@@ -3,6 +3,7 @@ built again over all of them when a group is added (the state carried over exact
 optimizer API hands out, the fp32 masters read from the parameters at their first use, and what the engine takes
 from the optimizer: the gradients the hooks hand over, and at a step the groups' hyper-parameters and gradients
 left in p.grad."""
+import warnings
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -28,6 +29,7 @@ class OffloadBuild:
         self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
         self._local = [_local(p) for p in self._params]
         self._engine = build_engine(self, **self._config)
+        _warn_frozen(self)
         self._steps = self._engine.steps()
         self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
@@ -310,3 +312,24 @@ class OffloadBuild:
         for i in held:
             self._params[i].grad = None
 
+
+def _warn_frozen(opt) -> None:
+    """Once per optimizer: the engine keeps host state for frozen parameters too (laid out once, for every
+    parameter, so that one unfrozen later trains), about 15 B each for bf16: a LoRA fine-tune of a 7B model given
+    model.parameters() took about 100 GB of host memory for its few million trained weights (a reviewer's run)."""
+    frozen = [p for p in opt._params if not p.requires_grad]
+    if not frozen or getattr(opt, "_warned_frozen", False):
+        return
+    opt._warned_frozen = True
+    n, total = sum(p.numel() for p in frozen), sum(p.numel() for p in opt._params)
+    c = opt._engine.counters()
+    held = (c["engine_pageable_bytes"] + c["engine_pinned_bytes"]) * n / max(total, 1)
+    warnings.warn(f"OffloadAdam: {len(frozen)} of the parameters given ({n:,} of {total:,} elements) are frozen "
+                  f"(requires_grad=False); the engine keeps an fp32 master, Adam's moments and a staging buffer for "
+                  f"them as for the others (about {_size(held)} of host memory), so that one unfrozen "
+                  f"later trains. Give it the trained ones alone to save it: "
+                  f"OffloadAdam([p for p in model.parameters() if p.requires_grad], ...)", stacklevel=4)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
