@@ -272,7 +272,7 @@ class OffloadBuild:
     def _end_round(self) -> None:
         """The bookkeeping of a round of gradients handed over, started afresh: a step taken, its gradients
         dropped, a failed backward's accepted."""
-        self._in_backward = False
+        self._in_backward = self._round_stale = False
         self._plain_backwards = 0
         self._queued.clear()
         self._streamed.clear()

@@ -1,5 +1,6 @@
 """OffloadAdam's checkpoints (a mixin of OffloadAdam): torch.optim's layout plus ``master``,
 read from and written into the engine's host memory, interchangeable with FusedAdam's."""
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -19,6 +20,7 @@ class OffloadCheckpoint:
         """
         self._check_open()
         self._check_saved_state()
+        self._mid_step_save()
         self._check_state()
         self._synchronize()
         self._forget_predictions()   # as a run resumed from this checkpoint: both then take the same steps
@@ -31,6 +33,26 @@ class OffloadCheckpoint:
                     sd["state"][k] = dict(sd["state"][k], master=self._local[i].detach().float().clone())
             return _adam8.checkpoint_out(sd, self._all_params)
         return self._hooked_state_dict(finish)
+
+    def _mid_step_save(self) -> None:
+        """A checkpoint between a backward and its step(), warned of (a reviewer's resume fuzz; not refused: a
+        hook may call it inside a backward, which an exception would break). overlap: the backward has updated
+        the parameters already, so the state is the step's while the loop has yet to take it: a run resumed from
+        it takes that step twice. delay (past its warm-up): this step's gradients were taken at weights a step
+        stale, which no checkpoint holds, so a run resumed from it takes them at the installed weights."""
+        if not self._queued:
+            return
+        if self._overlap and self._engine.param_updates > self._updates_at_open:
+            warnings.warn("OffloadAdam(overlap=True).state_dict() between a backward and its step(): the backward "
+                          "has updated the parameters already, so the state is the step's while the loop has yet "
+                          "to take it, and a run resumed from it and taking this step would take it twice. Save "
+                          "after step() (inside opt.accumulating(), before the last micro-batch, works too)",
+                          stacklevel=3)
+        elif self._round_stale:
+            warnings.warn("OffloadAdam(delay=True).state_dict() between a backward and its step(): this step's "
+                          "gradients were taken at weights one step stale, which a checkpoint cannot hold, so a run "
+                          "resumed from it takes them at the updated weights and does not repeat this one bit for "
+                          "bit; save after step() for that", stacklevel=3)
 
     def _forget_predictions(self) -> None:
         """delay_correction, after a synchronize: no prediction (a checkpoint holds none, nor its update's

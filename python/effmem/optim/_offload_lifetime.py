@@ -58,6 +58,7 @@ class OffloadLifetime:
         flush between a forward and its backward (opt.flush(), model.state_dict(), an evaluation forward) made
         the backward use weights other than its forward's, silently (a reviewer's repro)."""
         written = self._engine.synchronize()
+        self._stale_next = False   # the next backward's gradients are exact
         if written:
             torch.autograd.graph.increment_version([self._local[i] for i in written])
 

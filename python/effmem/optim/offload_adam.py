@@ -280,6 +280,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         self._warned_unstepped = False   # overlap: zero_grad() after a backward that updated, with no step()
         self._warned_norm = False        # overlap: clip_grad_norm_(inf) has no norm to give (_unknown_norm)
         self._warned_host = False        # delay_correction: buckets accumulated on the host (_warn_host_accumulation)
+        self._stale_next = self._round_stale = False   # delay: gradients taken at stale weights (_mid_step_save)
         self._state_seen: dict = {}   # opt.state's entries as the optimizer left them (_check_state)
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
         self._stream_asked = stream_grads
@@ -306,6 +307,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             self._init_masters()
             if self._overlap:
                 self._sync_groups()
+            self._round_stale = self._stale_next
             self._in_backward = True
 
     def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
@@ -432,6 +434,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         if self._delay and not self._async and (self._step_count <= self._delay_warmup or exact):
             # warm-up: install the new weights now, so the next step's gradients are exact
             self._synchronize()
+        else:
+            self._stale_next = self._delay and not self._async   # (a flush before the next backward clears it)
         update_queued(self)   # opt.state's next use waits for the update (async_step, delay)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,88 @@
+"""OffloadAdam's state_dict() between a backward and its step() (a reviewer's resume fuzz: every mode resumed bit
+for bit from a checkpoint at a step boundary, and the exact ones from one taken mid-step too). overlap=True has
+updated the parameters during that backward, so the state is the step's while the loop has yet to take it: a run
+resumed from it took that step twice. delay=True past its warm-up took this step's gradients at weights a step
+stale, which no checkpoint holds: a run resumed from it parts from the saving one. Both warned of (a hook may save
+inside a backward, which an exception would break)."""
+import warnings
+
+import pytest
+import torch
+
+from effmem import OffloadAdam
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).bfloat16()
+
+
+def backward(m, s):
+    g = torch.Generator().manual_seed(s)
+    x, y = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(8, 8, generator=g)
+    torch.nn.functional.mse_loss(m(x).float(), y).backward()
+
+
+def test_delay_warns_of_a_checkpoint_whose_gradients_were_taken_at_stale_weights():
+    m = model()
+    opt = OffloadAdam(m.parameters(), lr=1e-3, delay=True, delay_warmup=1, num_threads=1)
+    opt.attach(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.state_dict()                 # before any backward
+        backward(m, 0)
+        opt.state_dict()                 # the first step's gradients: exact weights
+        opt.step()
+        opt.zero_grad()
+        backward(m, 1)
+        opt.state_dict()                 # warm-up: the first step's weights were installed at once
+        opt.step()
+        opt.zero_grad()
+        opt.state_dict()                 # a step boundary (it installs the update: the next gradients are exact)
+        backward(m, 2)
+        opt.state_dict()
+        opt.step()
+        opt.zero_grad()
+    backward(m, 3)                       # past the warm-up: taken at weights a step stale
+    with pytest.warns(UserWarning, match=r"state_dict\(\) between a backward and its step\(\): this step's "
+                                         r"gradients were taken at weights one step stale"):
+        opt.state_dict()
+    opt.step()
+    opt.zero_grad()
+    opt.flush()                          # the update installed before the next backward: its gradients exact
+    backward(m, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.state_dict()
+    opt.close()
+
+
+def test_async_step_saves_mid_step_without_a_word():
+    m = model()
+    opt = OffloadAdam(m.parameters(), lr=1e-3, async_step=True, num_threads=1)
+    opt.attach(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in range(3):
+            backward(m, s)
+            opt.state_dict()
+            opt.step()
+            opt.zero_grad()
+    opt.close()
+
+
+def test_overlap_warns_of_a_checkpoint_between_the_backward_that_updated_and_step():
+    m = model()
+    opt = OffloadAdam(m.parameters(), lr=1e-3, overlap=True, num_threads=1)
+    with opt.accumulating():
+        backward(m, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.state_dict()                 # inside an accumulation round: nothing updated yet
+    backward(m, 1)
+    with pytest.warns(UserWarning, match=r"overlap=True\).state_dict\(\) between a backward and its step\(\): the "
+                                         r"backward has updated the parameters already"):
+        opt.state_dict()
+    opt.step()
+    assert opt.state_dict()["state"][0]["step"] == 1
+    opt.close()
