@@ -105,6 +105,21 @@ def test_bad_scales_by_rows_name_themselves(bad, why):
         _validate.entry(entry, torch.empty(5, 512), "state[0]")
 
 
+@pytest.mark.parametrize("offset,named", [(5.0, r"row 1 starting at 5\.0 after row 0 at 0\.0"),
+                                          (float("nan"), r"row 1 starting at nan")])
+def test_an_offset_in_range_that_does_not_follow_the_row_before_is_refused_by_name(offset, named):
+    """A row's offset in its first block is where the row before it ended, or 0 (the first row of a shard); one
+    in range but neither (5) loaded silently and decoded the row with other blocks' scales (a reviewer's resume
+    fuzz), and a NaN one was refused naming the tensor's dtype and shape, which were right."""
+    whole, _, _ = saved_by(splits(5, 2), torch.randn(5, 300), torch.rand(5, 300))
+    entry = dict(whole, step=torch.tensor(3.0))
+    _validate.entry(dict(entry), torch.empty(5, 300), "state[0]")   # as saved (shards of 3 and 2 rows): loads
+    entry["exp_avg_scale"] = entry["exp_avg_scale"].clone()
+    entry["exp_avg_scale"][1, 0] = offset
+    with pytest.raises(ValueError, match=r"\['exp_avg_scale'\]: expected block scales by rows.*, got " + named):
+        _validate.entry(entry, torch.empty(5, 300), "state[0]")
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
 @pytest.mark.parametrize("form", ["by_rows", "flat"])
 def test_corrupt_scale_values_are_refused(value, form):

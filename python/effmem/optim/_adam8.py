@@ -111,6 +111,20 @@ def rows_in(saved: Tensor, row: int) -> Optional[Tensor]:
     return saved[r, 1 + block - start[r] // BLOCK]
 
 
+def offsets_problem(at: Tensor, row: int) -> Optional[str]:
+    """What is wrong with rows_out's offsets `at` (one per row), or None. Each row after the first starts where the
+    one before it ended, or at 0 (the first row of a shard: the rows of shards concatenate; the first row of this
+    rank's may start anywhere, where it did in the whole): an offset in range but neither decoded its row with
+    other blocks' scales, silently."""
+    follows = torch.cat([torch.ones_like(at[:1], dtype=torch.bool),
+                         (at[1:] == (at[:-1] + row) % BLOCK) | (at[1:] == 0)])
+    ok = (at >= 0) & (at == at.floor()) & (at < BLOCK) & follows
+    if bool(ok.all()):
+        return None
+    i = int((~ok).nonzero()[0, 0])
+    return f"row {i} starting at {float(at[i])!r}" + (f" after row {i - 1} at {float(at[i - 1])!r}" if i else "")
+
+
 def rows_per_element(saved: Tensor, row: int) -> Tensor:
     """rows_out's scales (checked as for rows_in) as the scale of each element, in row-major order: for the
     moments of rows whose blocks moved, decoded element by element."""

@@ -266,13 +266,13 @@ def _scales(saved: Dict[str, Any], key: str, where: str, p: Tensor, codes: Tenso
     from effmem.optim import _adam8
     if isinstance(saved.get(key), Tensor) and saved[key].dim() == 2:
         t, row = local_tensor(saved[key]), int(p.shape[1:].numel())
-        want, offsets = (p.shape[0] if p.dim() else 0, 1 + _adam8.row_width(row)), t[:, :1]
-        if p.dim() == 0 or not t.is_floating_point() or t.is_meta or tuple(t.shape) != want or not bool(
-                ((offsets >= 0) & (offsets == offsets.floor()) & (offsets < _adam8.BLOCK)
-                 & (offsets + row <= max(want[1] - 1, 1) * _adam8.BLOCK)).all()):
+        want = (p.shape[0] if p.dim() else 0, 1 + _adam8.row_width(row))
+        bad = (_adam8.offsets_problem(t[:, 0], row) if p.dim() and t.is_floating_point() and not t.is_meta
+               and tuple(t.shape) == want else f"a {t.dtype} tensor of shape {tuple(t.shape)}")
+        if bad is not None:
             raise ValueError(f"{where}[{key!r}]: expected block scales by rows, float, of shape {want} (each "
-                             "row's offset in its first block, an integer below 256, then the scales of the blocks "
-                             f"it overlaps), got a {t.dtype} tensor of shape {tuple(t.shape)}")
+                             "row's offset in its first block, where the row before it ended or 0, then the scales "
+                             f"of the blocks it overlaps), got {bad}")
         _scale_values(t[:, 1:], where, key)
         own = _adam8.rows_in(t, row)
         if own is None or not codes.is_contiguous():
