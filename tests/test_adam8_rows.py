@@ -118,6 +118,11 @@ def test_an_offset_in_range_that_does_not_follow_the_row_before_is_refused_by_na
     entry["exp_avg_scale"][1, 0] = offset
     with pytest.raises(ValueError, match=r"\['exp_avg_scale'\]: expected block scales by rows.*, got " + named):
         _validate.entry(entry, torch.empty(5, 300), "state[0]")
+    # rows of a multiple of 256 start at 0 (5 on every row follows itself: an out-of-range gather, not an error);
+    # and in integers: float32 rounded (offset + row) past 2^24 elements a row and refused a real checkpoint
+    assert _adam8.offsets_problem(torch.full((5,), 5.0), 512) == "row 0 starting at 5.0"
+    for rows, row in ((2, 2 ** 24 + 1), (3, 2 ** 24 + 3), (2, 20_000_001)):
+        assert _adam8.offsets_problem((torch.arange(rows) * row % 256).float(), row) is None
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])

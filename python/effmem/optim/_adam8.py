@@ -116,9 +116,11 @@ def offsets_problem(at: Tensor, row: int) -> Optional[str]:
     one before it ended, or at 0 (the first row of a shard: the rows of shards concatenate; the first row of this
     rank's may start anywhere, where it did in the whole): an offset in range but neither decoded its row with
     other blocks' scales, silently."""
-    follows = torch.cat([torch.ones_like(at[:1], dtype=torch.bool),
-                         (at[1:] == (at[:-1] + row) % BLOCK) | (at[1:] == 0)])
-    ok = (at >= 0) & (at == at.floor()) & (at < BLOCK) & follows
+    whole = (at >= 0) & (at < BLOCK) & (at == at.floor())
+    a = torch.where(whole, at, torch.zeros_like(at)).long()   # in integers: float32 rounds (at + row) past 2^24
+    fits = a + row <= max(row_width(row), 1) * BLOCK          # a row of a multiple of BLOCK starts at 0
+    follows = torch.cat([torch.ones_like(a[:1], dtype=torch.bool), (a[1:] == (a[:-1] + row) % BLOCK) | (a[1:] == 0)])
+    ok = whole & fits & follows
     if bool(ok.all()):
         return None
     i = int((~ok).nonzero()[0, 0])
