@@ -57,6 +57,32 @@ def test_delay_warns_of_a_checkpoint_whose_gradients_were_taken_at_stale_weights
     opt.close()
 
 
+def test_delay_warns_of_stale_gradients_waiting_in_p_grad_and_not_after_a_load():
+    """stream_grads=False leaves the gradients in p.grad until step(): the engine has none queued, and the save was
+    silent; after load_state_dict() the next backward runs at the loaded weights, and a save warned of stale ones
+    (a reviewer's repros)."""
+    m = model()
+    opt = OffloadAdam(m.parameters(), lr=1e-3, delay=True, delay_warmup=0, stream_grads=False, num_threads=1)
+    opt.attach(m)
+    backward(m, 0)
+    opt.step()
+    opt.zero_grad()
+    checkpoint = opt.state_dict()        # (it installs the update)
+    backward(m, 1)
+    opt.step()
+    opt.zero_grad()
+    backward(m, 2)
+    with pytest.warns(UserWarning, match=r"delay=True\).state_dict\(\) between a backward and its step\(\)"):
+        opt.state_dict()
+    opt.zero_grad()
+    opt.load_state_dict(checkpoint)
+    backward(m, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.state_dict()
+    opt.close()
+
+
 def test_async_step_saves_mid_step_without_a_word():
     m = model()
     opt = OffloadAdam(m.parameters(), lr=1e-3, async_step=True, num_threads=1)

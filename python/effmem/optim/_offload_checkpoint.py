@@ -39,20 +39,26 @@ class OffloadCheckpoint:
         hook may call it inside a backward, which an exception would break). overlap: the backward has updated
         the parameters already, so the state is the step's while the loop has yet to take it: a run resumed from
         it takes that step twice. delay (past its warm-up): this step's gradients were taken at weights a step
-        stale, which no checkpoint holds, so a run resumed from it takes them at the installed weights."""
-        if not self._queued:
+        stale, which no checkpoint holds, so a run resumed from it takes them at the installed weights. The
+        gradients are the engine's (queued) or wait in p.grad (stream_grads=False, FSDP2, a bucket accumulated
+        on the device)."""
+        waiting = any(p.grad is not None for p in self._params)
+        if not self._queued and not waiting:
             return
-        if self._overlap and self._engine.param_updates > self._updates_at_open:
-            warnings.warn("OffloadAdam(overlap=True).state_dict() between a backward and its step(): the backward "
-                          "has updated the parameters already, so the state is the step's while the loop has yet "
-                          "to take it, and a run resumed from it and taking this step would take it twice. Save "
-                          "after step() (inside opt.accumulating(), before the last micro-batch, works too)",
-                          stacklevel=3)
-        elif self._round_stale:
+        if self._overlap:
+            self._synchronize()   # the backward's bucket updates run on the engine's workers: all of them counted
+            if self._engine.param_updates > self._updates_at_open:
+                warnings.warn("OffloadAdam(overlap=True).state_dict() between a backward and its step(): the "
+                              "backward has updated the parameters already (inside it, some of them), so the state "
+                              "holds the step while the loop has yet to take it, and a run resumed from it and "
+                              "taking this step would take it twice. Save after step() (inside opt.accumulating(), "
+                              "before the last micro-batch, works too)", stacklevel=3)
+        elif self._round_stale or (waiting and self._stale_next):
             warnings.warn("OffloadAdam(delay=True).state_dict() between a backward and its step(): this step's "
-                          "gradients were taken at weights one step stale, which a checkpoint cannot hold, so a run "
-                          "resumed from it takes them at the updated weights and does not repeat this one bit for "
-                          "bit; save after step() for that", stacklevel=3)
+                          "gradients were taken at weights one step stale (predicted ones, with delay_correction), "
+                          "which a checkpoint cannot hold, so a run resumed from it takes them at the updated "
+                          "weights and does not repeat this one bit for bit; save after step() for that",
+                          stacklevel=3)
 
     def _forget_predictions(self) -> None:
         """delay_correction, after a synchronize: no prediction (a checkpoint holds none, nor its update's
@@ -80,6 +86,7 @@ class OffloadCheckpoint:
         # delay and async_step: an update not installed yet belongs to the run being replaced; installing it
         # would write over weights the caller may have loaded already (model first, then the optimizer)
         self._engine.discard_pending()
+        self._stale_next = False   # the next backward runs at the weights loaded with this checkpoint
         try:
             self._load_groups(state_dict["param_groups"])
             self._load_resident(state_dict)   # device_state's prefix: FusedAdam's loader
