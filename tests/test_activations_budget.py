@@ -329,7 +329,7 @@ def test_the_users_hooks_in_the_first_layer_are_warned_of():
         quiet(x).backward()
     hooked = apply_activation_policy(_Net(), memory_budget=0.5)
     hooked.layers[0].fc1.register_forward_hook(lambda m, i, o: None)
-    with pytest.warns(UserWarning, match=r"forward hooks inside the first layer \(on fc1\) run again"):
+    with pytest.warns(UserWarning, match=r"forward hooks inside the layer it measures \(on fc1\) run again"):
         hooked(x).backward()
 
 
@@ -397,6 +397,10 @@ def test_layers_no_gradient_flows_into_run_plain_and_the_budget_is_chosen_at_the
     c = budget_choice(m)
     assert c["modes"][:2] == ["plain", "plain"] and c["modes"][2:] != ["plain", "plain"], c
     assert c["budget_bytes"] == int(0.3 * 2 * c["bytes"]["plain"]) > 0 and c["predicted_bytes"] <= c["budget_bytes"]
+    m.requires_grad_(True)   # unfrozen (gradual unfreezing): chosen again, the first layers no longer plain
+    loss_of(m).backward()
+    c = budget_choice(m)
+    assert "plain" not in c["modes"][:2] and c["budget_bytes"] == int(0.3 * 4 * c["bytes"]["plain"]), c
     monkeypatch.setattr(budget_mod, "_link_rate", lambda device: 1e15)
     fast = apply_activation_policy(copy.deepcopy(base), "fast")
     off = apply_activation_policy(copy.deepcopy(base), memory_budget=0.245)

@@ -266,7 +266,7 @@ def _compiled_budget_layer(*args, **kwargs):
 def _run_budget_layer(compiled: bool, layer, original, budget: BudgetPolicy, index: int, name: str, shapes,
                       *args, **kwargs):
     hidden, others = _layer_inputs(args, kwargs)
-    refuse_cache(layer, args, kwargs)   # the first forward of a shape runs layer 0 more times (the probes)
+    refuse_cache(layer, args, kwargs)   # a shape's first forward runs a layer more times (the probes)
     return budget.forward(layer, original, index, name, shapes, hidden, others, args, kwargs, compiled=compiled)
 
 

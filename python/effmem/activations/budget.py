@@ -152,19 +152,19 @@ _LIBRARIES = ("torch.", "transformers.", "accelerate.", "effmem.", "peft.", "dee
 
 
 def _warn_hooks(layer) -> None:
-    """The probes run the first layer's forward twice more, hooks and all (they may be what the forward needs:
-    an input cast, FSDP's or DeepSpeed's gathers): one of the user's that accumulates (an activation
-    regulariser) counts those runs too (loss 1.28 where plain's is 1.19). Said once per calibration."""
+    """The probes run the forward of the first layer that records a graph twice more, hooks and all (they may be
+    what the forward needs: an input cast, FSDP's or DeepSpeed's gathers): one of the user's that accumulates (an
+    activation regulariser) counts those runs too (loss 1.28 where plain's is 1.19). Said once per calibration."""
     for name, m in layer.named_modules():
         if m is layer:   # the probes call the layer's forward, not the layer: its own hooks do not run again
             continue
         for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
             fn = hook.func if isinstance(hook, functools.partial) else hook
             if not (getattr(getattr(fn, "__func__", fn), "__module__", None) or "").startswith(_LIBRARIES):
-                warnings.warn(f"memory_budget: forward hooks inside the first layer (on {name}) run "
+                warnings.warn(f"memory_budget: forward hooks inside the layer it measures (on {name}) run "
                               "again while the budget measures that layer: its forward runs twice more on a copy "
                               "of its inputs at each new input shape. A hook that accumulates (a regulariser, a "
-                              "capture) counts those runs too; keep such hooks off the first layer, or choose a "
+                              "capture) counts those runs too; keep such hooks off that layer, or choose a "
                               "policy", stacklevel=2)
                 return
 
@@ -292,7 +292,7 @@ class BudgetPolicy:
         first = next((i for i, m in enumerate(modes) if m in ("fast", "offload")), -1)
         return {"modes": modes, "bytes": nbytes, "budget_bytes": budget, "predicted_bytes": predicted,
                 "shape": tuple(hidden.shape), "max_offload": max_offload, "layer_forward_s": layer_s,
-                "link_bytes_per_s": link, "first_compressed": first}
+                "link_bytes_per_s": link, "first_compressed": first, "start": start}
 
     def forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
                 args, kwargs, compiled: bool = False):
@@ -327,11 +327,13 @@ class BudgetPolicy:
         # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs)
         choice = self.choices.get(key)
-        if choice is None and not (hidden.requires_grad or any(t.requires_grad for t in others)
-                                   or any(p.requires_grad for p in layer.parameters())):
-            # Frozen, and no gradient flows in (LoRA on later layers only): it saves nothing. Calibrated here, it
-            # measured 0 bytes, the budget was 0 x the layers and every layer ran plain over it, silently.
-            return plain_fn(*args, **kwargs)
+        if choice is None or index < choice["start"]:
+            if not (hidden.requires_grad or any(t.requires_grad for t in others)
+                    or any(p.requires_grad for p in layer.parameters())):
+                # Frozen, and no gradient flows in (LoRA on later layers only): it saves nothing. Calibrated here,
+                # it measured 0 bytes, the budget was 0 x the layers and every layer ran plain over it, silently.
+                return plain_fn(*args, **kwargs)
+            choice = None   # (a layer frozen when the choice was made trains now, gradual unfreezing: made again)
         if choice is None:
             _warn_hooks(layer)
             with _unrecorded(), buffers_kept(layer.buffers()):
