@@ -29,7 +29,6 @@ class OffloadBuild:
         self._index: Dict[Tensor, int] = {p: i for i, p in enumerate(self._params)}
         self._local = [_local(p) for p in self._params]
         self._engine = build_engine(self, **self._config)
-        _warn_frozen(self)
         self._steps = self._engine.steps()
         self._keep_on_device = keep_on_device(self, self._device_accumulation)
         self._views = [self._engine.state(i) for i in range(len(self._params))]
@@ -48,6 +47,7 @@ class OffloadBuild:
                 if p.requires_grad:   # (torch takes no hook on a frozen one; unfrozen later, it has none)
                     self._hooks.append(p.register_post_accumulate_grad_hook(GradHook(ref)))
                     self._hooked.add(i)
+        _warn_frozen(self)
 
     @torch.no_grad()
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -315,21 +315,21 @@ class OffloadBuild:
 
 def _warn_frozen(opt) -> None:
     """Once per optimizer: the engine keeps host state for frozen parameters too (laid out once, for every
-    parameter, so that one unfrozen later trains), about 15 B each for bf16: a LoRA fine-tune of a 7B model given
-    model.parameters() took about 100 GB of host memory for its few million trained weights (a reviewer's run)."""
+    parameter, so that one unfrozen later trains): per element an fp32 master, the moments and a staging copy
+    (two with delay), 14 B for bf16, so a LoRA fine-tune of a 7B model given model.parameters() took about 100 GB
+    of host memory for its few million trained weights (a reviewer's run). Under 16 MiB (a frozen position table):
+    not worth a word."""
     frozen = [p for p in opt._params if not p.requires_grad]
-    if not frozen or getattr(opt, "_warned_frozen", False):
+    if getattr(opt, "_warned_frozen", False):
+        return
+    moments = 8 if opt.state_bits == 32 else 2 + 8 / _adam8.BLOCK
+    held = sum(p.numel() * (4 + moments + p.element_size() * (2 if opt._delay else 1)) for p in frozen)
+    if held < 16 * 2 ** 20:
         return
     opt._warned_frozen = True
     n, total = sum(p.numel() for p in frozen), sum(p.numel() for p in opt._params)
-    c = opt._engine.counters()
-    held = (c["engine_pageable_bytes"] + c["engine_pinned_bytes"]) * n / max(total, 1)
     warnings.warn(f"OffloadAdam: {len(frozen)} of the parameters given ({n:,} of {total:,} elements) are frozen "
                   f"(requires_grad=False); the engine keeps an fp32 master, Adam's moments and a staging buffer for "
-                  f"them as for the others (about {_size(held)} of host memory), so that one unfrozen "
+                  f"them as for the others (at least {held / 2 ** 20:,.0f} MiB of host memory), so that one unfrozen "
                   f"later trains. Give it the trained ones alone to save it: "
                   f"OffloadAdam([p for p in model.parameters() if p.requires_grad], ...)", stacklevel=4)
-
-
-def _size(n: float) -> str:
-    return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
