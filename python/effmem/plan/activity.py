@@ -46,8 +46,9 @@ class Activity:
         # a slope from micro-batches 1 and 2 then carries that difference into every larger one (GPT-2 on the
         # CPU: 0.965x of what it saved at 16). Where their records differ, micro-batch 1 is its own trace and
         # the slope comes from 2 and 3; the models whose records agree (Llama's; GPT-2's on a CUDA target, flash
-        # attention's saves) are not traced again.
-        self.three = traced(3, "three") if self.one.structure() != self.two.structure() else None
+        # attention's saves) are not traced again. With the layers of another loss's activity, as that one does.
+        differ = self.one.structure() != self.two.structure()
+        self.three = traced(3, "three") if differ or getattr(layers_from, "three", None) is not None else None
         self.loss, self.target, self.fast_from = loss, target, fast_from
         self.fused_loss = loss != "standard"
         self.method, self.seq = self.one.method, seq
