@@ -99,7 +99,7 @@ def test_fast_counts_nothing_for_frozen_weights_inside_trained_layers():
 def test_a_peft_wrapped_model_is_offered_the_fused_loss_unless_its_output_layer_is_wrapped():
     """fuse_linear_cross_entropy takes PEFT's PeftModel (its model runs the loss), but the plan asked the wrapper's
     class and offered no fused candidate (0 of 388 where the bare model had 578 of 966, a reviewer's peft run). An
-    output layer wrapped (a LoRA on lm_head), which fusing refuses, is offered none."""
+    output layer wrapped (a LoRA on lm_head) or hooked, which fusing refuses, is offered none."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from compress_helpers import Adapter
     with torch.device("meta"):
@@ -111,5 +111,8 @@ def test_a_peft_wrapped_model_is_offered_the_fused_loss_unless_its_output_layer_
         return sum("fused" in c.name for c in p.candidates), len(p.candidates)
     bare = fused(model)
     assert bare[0] > 0 and fused(Adapter(model)) == bare
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: None)   # fusing refuses a hooked head too
+    assert fused(model)[0] == 0
+    handle.remove()
     model.lm_head = torch.nn.Sequential(model.lm_head)   # a wrapper of the head, as a LoRA's
     assert fused(Adapter(model))[0] == 0

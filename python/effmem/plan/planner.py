@@ -100,12 +100,19 @@ class Plan:
 
 def _fusable(spec: ModelSpec) -> bool:
     """Whether effmem.fuse_linear_cross_entropy knows the model's class (or, in PEFT's PeftModel, its model's, as
-    fusing takes it) and computes its loss, through a plain output layer (a LoRA on it is refused)."""
-    from effmem.linear_ce_hf import _peft_base, knows, own_loss
+    fusing takes it) and computes its loss, through a plain output layer that fusing takes (a LoRA on it, or
+    forward hooks on it, are refused)."""
+    from effmem.linear_ce_hf import _check_hooks, _peft_base, knows, own_loss
     model = spec.module if spec.module is not None else spec.build_layers(1)
     model = _peft_base(model) or model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return knows(model) and own_loss(model) and type(head) is nn.Linear
+    if not (knows(model) and own_loss(model) and type(head) is nn.Linear):
+        return False
+    try:
+        _check_hooks(head)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _attention_dropout(cfg: dict) -> float:
