@@ -319,9 +319,9 @@ def _warn_frozen(opt) -> None:
     (two with delay), 14 B for bf16, so a LoRA fine-tune of a 7B model given model.parameters() took about 100 GB
     of host memory for its few million trained weights (a reviewer's run). Under 16 MiB (a frozen position table):
     not worth a word."""
-    frozen = [p for p in opt._params if not p.requires_grad]
     if getattr(opt, "_warned_frozen", False):
         return
+    frozen = [p for p in opt._params if not p.requires_grad]
     moments = 8 if opt.state_bits == 32 else 2 + 8 / _adam8.BLOCK
     held = sum(p.numel() * (4 + moments + p.element_size() * (2 if opt._delay else 1)) for p in frozen)
     if held < 16 * 2 ** 20:
