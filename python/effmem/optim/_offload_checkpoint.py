@@ -20,9 +20,10 @@ class OffloadCheckpoint:
         """
         self._check_open()
         self._check_saved_state()
-        self._mid_step_save()
         self._check_state()
-        self._synchronize()
+        stale = self._round_stale or self._stale_next   # delay's gradients at stale weights (the sync clears it)
+        self._synchronize()   # (overlap: its workers' bucket updates all counted after it)
+        self._mid_step_save(stale)
         self._forget_predictions()   # as a run resumed from this checkpoint: both then take the same steps
         self._sync_state()
         def finish(sd):
@@ -34,26 +35,23 @@ class OffloadCheckpoint:
             return _adam8.checkpoint_out(sd, self._all_params)
         return self._hooked_state_dict(finish)
 
-    def _mid_step_save(self) -> None:
+    def _mid_step_save(self, stale: bool) -> None:
         """A checkpoint between a backward and its step(), warned of (a reviewer's resume fuzz; not refused: a
         hook may call it inside a backward, which an exception would break). overlap: the backward has updated
         the parameters already, so the state is the step's while the loop has yet to take it: a run resumed from
-        it takes that step twice. delay (past its warm-up): this step's gradients were taken at weights a step
-        stale, which no checkpoint holds, so a run resumed from it takes them at the installed weights. The
+        it takes that step twice. delay (past its warm-up, `stale`): this step's gradients were taken at weights a
+        step stale, which no checkpoint holds, so a run resumed from it takes them at the installed weights. The
         gradients are the engine's (queued) or wait in p.grad (stream_grads=False, FSDP2, a bucket accumulated
         on the device)."""
-        waiting = any(p.grad is not None for p in self._params)
-        if not self._queued and not waiting:
+        if not self._queued and all(p.grad is None for p in self._params):
             return
-        if self._overlap:
-            self._synchronize()   # the backward's bucket updates run on the engine's workers: all of them counted
-            if self._engine.param_updates > self._updates_at_open:
-                warnings.warn("OffloadAdam(overlap=True).state_dict() between a backward and its step(): the "
-                              "backward has updated the parameters already (inside it, some of them), so the state "
-                              "holds the step while the loop has yet to take it, and a run resumed from it and "
-                              "taking this step would take it twice. Save after step() (inside opt.accumulating(), "
-                              "before the last micro-batch, works too)", stacklevel=3)
-        elif self._round_stale or (waiting and self._stale_next):
+        if self._overlap and self._engine.param_updates > self._updates_at_open:
+            warnings.warn("OffloadAdam(overlap=True).state_dict() between a backward and its step(): the "
+                          "backward has updated the parameters already (inside it, some of them), so the state "
+                          "holds the step while the loop has yet to take it, and a run resumed from it and "
+                          "taking this step would take it twice. Save after step() (inside opt.accumulating(), "
+                          "before the last micro-batch, works too)", stacklevel=3)
+        elif stale:
             warnings.warn("OffloadAdam(delay=True).state_dict() between a backward and its step(): this step's "
                           "gradients were taken at weights one step stale (predicted ones, with delay_correction), "
                           "which a checkpoint cannot hold, so a run resumed from it takes them at the updated "
