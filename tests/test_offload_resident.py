@@ -192,3 +192,27 @@ def test_cuda_device_state_with_async_step_matches_fused_adam():
         off.flush()
         assert all(a == pytest.approx(b, rel=1e-5) for a, b in norms)
         assert_same_training(ref, model, fused, off)
+
+
+def test_zeroed_or_stale_gradients_step_no_parameter_whatever_the_budget():
+    """A parameter is stepped when a backward gave it a gradient since the last step, on the device or off it:
+    with zero_grad(set_to_none=False) and a second step() without a backward, the kept parameters were stepped
+    on zeroed or stale gradients (their moments decayed, their step counts ran ahead) and the offloaded ones
+    not, so the result depended on the device_state budget."""
+    def run(device_state):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8).bfloat16()
+        x = torch.randn(4, 8).bfloat16()
+        with OffloadAdam([*a.parameters(), *b.parameters()], device_state=device_state, **HP) as opt:
+            assert opt.counters()["device_state_params"] == (72 if device_state else 0)   # a's weight and bias
+            for s in range(4):
+                (b(x) if s % 2 else a(x) + b(x)).float().sum().backward()   # a gets no gradient on odd steps
+                opt.step()
+                opt.step()   # no backward since the last: nothing to step
+                opt.zero_grad(set_to_none=False)
+            opt.flush()
+            return [p.detach().clone() for p in (*a.parameters(), *b.parameters())], \
+                [float(opt.state[p]["step"]) for p in a.parameters()]
+    (w0, steps0), (w1, steps1) = run(0), run(72 * 14 + 100)
+    assert steps0 == steps1 == [2.0, 2.0]
+    assert all(torch.equal(u, v) for u, v in zip(w0, w1))

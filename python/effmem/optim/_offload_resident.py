@@ -96,6 +96,14 @@ class OffloadResident:
         for p in self._resident:
             if inner.state.get(p):
                 self.state[p] = inner.state[p]
+        self._drop_resident_grads()
+
+    def _drop_resident_grads(self) -> None:
+        """Taken by a step, as the engine takes the offloaded parameters' (_hand_off), and dropped by zero_grad
+        whatever set_to_none says: a second step() without a backward, or one after zero_grad(set_to_none=False),
+        stepped them on a stale or zeroed gradient where the offloaded ones were not stepped."""
+        for p in self._resident:
+            p.grad = None
 
     def _load_resident(self, state_dict: Dict[str, Any]) -> None:
         """A checkpoint's entries for the device-resident prefix, through FusedAdam's loader (checked as a whole

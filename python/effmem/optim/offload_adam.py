@@ -439,12 +439,12 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         update_queued(self)   # opt.state's next use waits for the update (async_step, delay)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks)."""
+        """Drops the pending gradients held by the engine (and in p.grad, where model.zero_grad() looks;
+        device_state's dropped, not zeroed, as the engine drops the others': _drop_resident_grads)."""
         super().zero_grad(set_to_none=set_to_none)
-        self._drop_pending()
+        self._drop_resident_grads()
+        self._drop_pending()   # (the engine's half: _offload_build)
 
     # ------------------------------------------------------------------ checkpoints
-    # _drop_pending (zero_grad's engine half): _offload_build.OffloadBuild
     # state_dict() and load_state_dict(): _offload_checkpoint.OffloadCheckpoint; attach(): _offload_forward
-
     # counters(), close(), the context manager: _offload_lifetime.OffloadLifetime
