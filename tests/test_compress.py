@@ -143,7 +143,8 @@ def test_gpt_bf16_saved_activation_bytes(corpus, bits, bound):
     x, y = batch(corpus)
     _, loss = model(x, y)
     stats = model.compress_stats
-    # Measured at 14c24d3: 0.52 at 8 bits and 0.29 at 4 bits (small int and statistics tensors stay as they are).
+    # Measured at e2a8c4f: 0.545 at 8 bits and 0.324 at 4 bits (small int and statistics tensors, and a fused
+    # attention's output, stay as they are).
     assert stats.ratio <= bound, stats.format()
     assert set(stats.by_dtype) >= {"bfloat16", "float32", "int64"}
     assert stats.by_dtype["bfloat16"].bytes_after < 0.6 * stats.by_dtype["bfloat16"].bytes_before

@@ -34,7 +34,8 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
       No wrapper module is added, so ``state_dict`` keys are unchanged.
       Its nn.LeakyReLU, nn.ReLU6 and nn.Hardtanh modules take a subclass
       whose backward reads their exact slope mask (1 bit per element)
-      instead of their quantised input (_masked_activations).
+      instead of their quantised input, and nn.PReLU one that keeps the
+      mask beside its input (_masked_activations); removal restores them.
       ``model.compress_stats`` describes the latest forward run with grad
       enabled (reset at the start of each; forwards under torch.no_grad()
       enter nothing and leave it alone). ``remove_compression(model)`` takes
@@ -67,13 +68,14 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     Never quantised: parameters and anything sharing their storage (and the
     model's buffers, when the model is known), autocast casts of parameters,
     integer tensors, float64, the statistics above, tensors with a last dim
-    of 1 or 2 (per-row statistics), expanded views. A tensor saved by several
+    of 1 or 2 (per-row statistics), expanded views, a fused attention's
+    output (its backward reads it beside the exact log-sum-exp). A tensor saved by several
     ops is stored once. Tensors come back with their dtype, shape and exact
     strides: dense ones in any dim order, and views with gaps (q, k, v sliced
     from one qkv projection) through the tensor they view, when that is at
     most 4x larger (otherwise they are kept as they are).
 
-    Values: one extreme value per group of 128 (however often it occurs) is
+    Values: one extreme value per group of group_size (however often it occurs) is
     stored exactly and the rest of the group quantised on its own range, so
     masks (-inf, or torch.finfo(dtype).min) among ordinary values cost no
     precision. A group holding NaN, or both -inf and +inf, comes back as NaN:

@@ -62,8 +62,8 @@ class CompressionStats:
     the "fast" activation policy: layer_input (a decoder layer's other
     inputs, rotary tables and masks), statistic (fewer than hidden/8 values
     per token), exponential (exp's output, whose values span orders of
-    magnitude: Mamba2's decays), attention_output (a fused attention's output,
-    which its backward reads beside the exact log-sum-exp); and under both, compared (the input of amax,
+    magnitude: Mamba2's decays); and under both, attention_output (a fused attention's output,
+    which its backward reads beside the exact log-sum-exp) and compared (the input of amax,
     max(), median(), an infinity norm..., whose backward looks for the elements equal to the result). Saves
     of an output that policy rebuilds in backward store nothing and are counted in ``deduplicated``.
     """
