@@ -5,6 +5,7 @@
 // argument checks as the device kernels, so the user gets their message, and
 // otherwise an error naming the device.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -179,6 +180,13 @@ static void bump_written(const c10::OperatorHandle& op, c10::DispatchKeySet keys
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList()) written.push_back(t);
     }
+  }
+  // torch refuses an in-place write to a leaf that requires grad under grad mode (its gradient would be of a
+  // value no longer there); a direct call of the op went through (FusedAdam steps under torch.no_grad())
+  for (const at::Tensor& t : written) {
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.defined() && t.requires_grad() && t.is_leaf()), op.schema().name(),
+                ": writes a leaf tensor that requires grad in place; call it under torch.no_grad(), as torch's "
+                "optimizers step");
   }
   {
     const at::AutoDispatchBelowADInplaceOrView guard;

@@ -26,6 +26,10 @@ int dtype_index(at::ScalarType t, const char* arg) {
   return -1;
 }
 
+void check_defined(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), name, " must be a tensor, got None");
+}
+
 std::string describe(const at::Tensor& t) {
   std::ostringstream out;
   out << "a " << t.scalar_type() << " tensor of shape " << t.sizes();
@@ -243,6 +247,9 @@ void check_norm_args(at::TensorList tensors) {
 }
 
 void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at::Tensor& up) {
+  if (grad != nullptr) check_defined(*grad, "grad");
+  check_defined(gate, "gate");
+  check_defined(up, "up");
   TORCH_CHECK_VALUE(gate.layout() == at::kStrided, "gate must be a dense (strided) tensor, got ", describe(gate));
   TORCH_CHECK_TYPE(gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16 ||
                        gate.scalar_type() == at::kHalf,
@@ -257,6 +264,9 @@ void check_swiglu_args(const at::Tensor* grad, const at::Tensor& gate, const at:
 }
 
 void check_rms_norm_apply_args(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& weight) {
+  check_defined(x, "x");
+  check_defined(rstd, "rstd");
+  check_defined(weight, "weight");
   TORCH_CHECK_VALUE(x.layout() == at::kStrided && x.dim() >= 1 && x.size(-1) >= 1,
                     "x must be a dense (strided) tensor with a last dimension of at least 1, got ", describe(x));
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
@@ -284,6 +294,7 @@ void check_quant_config(int64_t bits, int64_t group_size) {
 
 void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size) {
   check_quant_config(bits, group_size);
+  check_defined(x, "x");
   TORCH_CHECK_VALUE(x.layout() == at::kStrided, "x must be a dense (strided) tensor, got ", describe(x));
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
                    "x must be float32, bfloat16 or float16, got ", x.scalar_type());
@@ -293,6 +304,8 @@ void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size) 
 void check_dequantize_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
                            int64_t last_dim, at::ScalarType dtype) {
   check_quant_config(bits, group_size);
+  check_defined(codes, "codes");
+  check_defined(stats, "stats");
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                    "dtype must be float32, bfloat16 or float16, got ", dtype);
   TORCH_CHECK_VALUE(codes.layout() == at::kStrided && stats.layout() == at::kStrided,

@@ -35,6 +35,10 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
 // "a float64 tensor of shape [3] on cpu", for messages.
 std::string describe(const at::Tensor& t);
 
+// A Tensor argument given None reaches a kernel undefined, where the first read of its device or dtype failed
+// with "tensor does not have a device", naming no argument: each tensor argument is checked by name first.
+void check_defined(const at::Tensor& t, const char* name);
+
 // Values read where they cost no device sync (CPU tensors): a step count
 // after this step must be a whole number in [1, 2^63), an lr finite and >= 0.
 void check_step_value(double step, size_t i);

@@ -188,6 +188,10 @@ at::Tensor gemm_input(const at::Tensor& t) {
 
 void check_linear_ce_args(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& target, double label_smoothing, double softcap) {
+  check_defined(hidden, "hidden");
+  check_defined(weight, "weight");
+  check_defined(target, "target");
+  if (bias.has_value()) check_defined(*bias, "bias");
   TORCH_CHECK_VALUE(hidden.layout() == at::kStrided && hidden.dim() == 2,
                     "hidden must be a dense 2-D tensor [tokens, hidden_size], got ", describe(hidden));
   TORCH_CHECK_VALUE(weight.layout() == at::kStrided && weight.dim() == 2,
@@ -254,6 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_forward_bac
   check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
   if (k.targets != nullptr) k.targets(target, vocab, ignore_index);
+  check_defined(grad_scale, "grad_scale");
   TORCH_CHECK_VALUE(grad_scale.dim() == 1 && grad_scale.size(0) == n && grad_scale.scalar_type() == at::kFloat &&
                         grad_scale.device() == hidden.device(),
                     "grad_scale must be float32 [", n, "] on ", hidden.device(), " (each token's incoming "
@@ -312,8 +317,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_ce_backward_impl(
   check_linear_ce_args(hidden, weight, bias, target, label_smoothing, softcap);
   const int64_t n = hidden.size(0), vocab = weight.size(0);
   if (k.targets != nullptr) k.targets(target, vocab, ignore_index);
-  TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n, "grad_loss must be [", n, "], got shape ",
-                    grad_loss.sizes());
+  check_defined(grad_loss, "grad_loss");
+  check_defined(lse, "lse");
+  // a floating gradient: a complex one lost its imaginary part in the float conversion below, with a warning
+  TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n && at::isFloatingType(grad_loss.scalar_type()),
+                    "grad_loss must be a floating [", n, "] tensor (each token's incoming gradient), got ",
+                    describe(grad_loss));
   TORCH_CHECK_VALUE(lse.dim() == 1 && lse.size(0) == n && lse.scalar_type() == at::kFloat,
                     "lse must be the float32 [", n, "] from linear_ce_forward, got ", describe(lse));
   // the kernels read both through raw pointers: a CPU tensor beside CUDA ones must not reach them

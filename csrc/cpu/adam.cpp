@@ -128,6 +128,7 @@ void adam8_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 // A checkpoint's moments to and from 8-bit ones: what torch ops in python/effmem/optim/_adam8.py compute
 // at about 1.3M elements a second here (a 7B model's moments in an hour and a half), on the pool.
 void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
+  check_defined(t, name);
   TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.device().is_cpu() && t.scalar_type() == dtype &&
                         t.dim() == 1 && t.is_contiguous() && t.numel() == numel,
                     name, " must be a contiguous 1-D ", dtype, " CPU tensor of ", numel, " elements, got ",
@@ -144,6 +145,7 @@ void run_blocks(int64_t n, Fn&& fn) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adam8_encode_cpu(const at::Tensor& m,
                                                                             const at::Tensor& v, double step,
                                                                             int64_t salt) {
+  check_defined(m, "m");
   const int64_t n = m.numel();
   check_flat(m, "m", at::kFloat, n);
   check_flat(v, "v", at::kFloat, n);
@@ -165,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adam8_encode_cpu(cons
 }
 
 at::Tensor adam8_decode_cpu(const at::Tensor& codes, const at::Tensor& scales, bool second) {
+  check_defined(codes, "codes");
   const int64_t n = codes.numel();
   check_flat(codes, "codes", at::kByte, n);
   check_flat(scales, "scales", at::kFloat, adam8_blocks(n));

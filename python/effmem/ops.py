@@ -112,10 +112,29 @@ def _one_device(op: str, named) -> None:
         raise ValueError(f"effmem::{op}: all tensors must be on one device, got {found}")
 
 
-def _adam_fake(op: str, lists, lr_tensor, inv_scale, found_inf, status) -> None:
-    """What both Adam ops' fake kernels check: every tensor on one device. They return nothing."""
+def _adam_fake(op: str, lists, lr_tensor, inv_scale, found_inf, status, hyper=None) -> None:
+    """What both Adam ops' fake kernels check (a few of check_adam_args', csrc/common/checks.cpp, so that a call
+    traced or run on meta tensors is not accepted where the kernel refuses it): every tensor on one device, one
+    of each list per parameter (masters: none or one) of its size, the hyper-parameters' ranges. They return
+    nothing."""
     _one_device(op, [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
                 [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
+    params = lists[0][1]
+    for name, ts in lists[1:]:
+        torch._check(len(ts) == len(params) or (name == "masters" and not ts),
+                     lambda: f"{name} must hold one tensor per parameter ({len(params)}), got {len(ts)}")
+        if name in ("grads", "masters", "exp_avgs", "exp_avg_sqs"):
+            for i, (t, p) in enumerate(zip(ts, params)):
+                torch._check(t.shape == p.shape, lambda: f"{name}[{i}] has shape {tuple(t.shape)} but params[{i}] "
+                                                         f"{tuple(p.shape)}")
+    if hyper is not None:
+        lr, beta1, beta2, eps, weight_decay = hyper
+        torch._check(0 <= lr < math.inf, lambda: f"lr must be a finite number >= 0, got {lr}")
+        torch._check(0 <= beta1 < 1 and 0 <= beta2 < 1, lambda: f"beta1 and beta2 must be in [0, 1), got {beta1}, "
+                                                                f"{beta2}")
+        torch._check(0 < eps < math.inf, lambda: f"eps must be a finite number > 0, got {eps}")
+        torch._check(0 <= weight_decay < math.inf, lambda: f"weight_decay must be a finite number >= 0, got "
+                                                           f"{weight_decay}")
 
 
 @torch.library.register_fake("effmem::adam_step_")
@@ -124,7 +143,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     found_inf=None, status=None) -> None:
     _adam_fake("adam_step_", (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
                               ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps)),
-               lr_tensor, inv_scale, found_inf, status)
+               lr_tensor, inv_scale, found_inf, status, (lr, beta1, beta2, eps, weight_decay))
 
 
 @torch.library.register_fake("effmem::adam8_step_")
@@ -134,7 +153,7 @@ def _adam8_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_a
     _adam_fake("adam8_step_", (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
                                ("exp_avg_sqs", exp_avg_sqs), ("exp_avg_scales", exp_avg_scales),
                                ("exp_avg_sq_scales", exp_avg_sq_scales), ("masters", masters), ("steps", steps)),
-               lr_tensor, inv_scale, found_inf, status)
+               lr_tensor, inv_scale, found_inf, status, (lr, beta1, beta2, eps, weight_decay))
 
 
 @torch.library.register_fake("effmem::adam_check")
@@ -151,19 +170,45 @@ def _adam8_encode_fake(m, v, step, salt):
     from effmem.optim._adam8 import blocks as count_blocks
     _one_device("adam8_encode", [("m", m), ("v", v)])
     n, blocks = m.numel(), count_blocks(m.numel())
+    for name, t in (("m", m), ("v", v)):   # check_flat's (csrc/cpu/adam.cpp)
+        torch._check(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous() and t.numel() == n,
+                     lambda: f"{name} must be a contiguous 1-D float32 tensor of {n} elements, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     return (m.new_empty((n,), dtype=torch.uint8), m.new_empty((n,), dtype=torch.uint8),
             m.new_empty((blocks,), dtype=torch.float32), m.new_empty((blocks,), dtype=torch.float32))
 
 
 @torch.library.register_fake("effmem::adam8_decode")
 def _adam8_decode_fake(codes, scales, second):
+    from effmem.optim._adam8 import blocks as count_blocks
     _one_device("adam8_decode", [("codes", codes), ("scales", scales)])
+    for name, t, dtype, n in (("codes", codes, torch.uint8, codes.numel()),
+                              ("scales", scales, torch.float32, count_blocks(codes.numel()))):
+        torch._check(t.dtype == dtype and t.dim() == 1 and t.is_contiguous() and t.numel() == n,
+                     lambda: f"{name} must be a contiguous 1-D {dtype} tensor of {n} elements, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     return scales.new_empty((codes.numel(),), dtype=torch.float32)
+
+
+def _dense(t: Tensor) -> bool:
+    """C++'s is_non_overlapping_and_dense (no Python method has it): its dims ordered by stride tile its
+    memory exactly, with no gap and no element twice (an expanded view's stride 0)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return t.numel() == 0
+        expected *= size
+    return True
 
 
 @torch.library.register_fake("effmem::l2norm")
 def _l2norm_fake(tensors: List[Tensor]) -> Tensor:
     _one_device("l2norm", [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
+    for i, t in enumerate(tensors):   # check_norm_args' (csrc/common/checks.cpp)
+        torch._check(t.dtype in ELEMENTWISE_DTYPES, lambda: f"tensors[{i}] must be float32, bfloat16 or float16, "
+                                                            f"got {t.dtype}")
+        torch._check(_dense(t), lambda: f"tensors[{i}] must be dense and non-overlapping; "
+                                                               "pass t.contiguous()")
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     return tensors[0].new_empty((), dtype=torch.float32)
@@ -221,6 +266,8 @@ def dequantize(codes: Tensor, stats: Tensor, *, bits: int, group_size: int, shap
     check_quant_config(bits, group_size)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype (torch.float32, torch.bfloat16, torch.float16), got {dtype!r}")
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(isinstance(d, int) for d in shape):
+        raise TypeError(f"shape: expected a sequence of ints (the quantised tensor's shape), got {shape!r}")
     shape = tuple(shape)
     last_dim = shape[-1] if shape else 1
     out = _lib.dequantize.default(codes, stats, int(bits), int(group_size), int(last_dim), dtype)
@@ -254,6 +301,11 @@ def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
     torch._check(codes.dim() == 2, lambda: f"codes must be 2-D [rows, bytes per row], got shape {tuple(codes.shape)}")
     torch._check(stats.dim() == 3 and stats.shape[-1] == 2 and stats.shape[0] == codes.shape[0],
                  lambda: f"stats must be 3-D [rows, groups, 2] with codes' rows, got shape {tuple(stats.shape)}")
+    torch._check(codes.is_contiguous() and stats.is_contiguous(), lambda: "codes and stats must be contiguous")
+    row_bytes, groups = (last_dim * bits + 7) // 8, (last_dim + group_size - 1) // group_size   # quant_layout's
+    torch._check(codes.shape[1] == row_bytes and stats.shape[1] == groups,
+                 lambda: f"codes has {codes.shape[1]} bytes and stats {stats.shape[1]} groups per row, but "
+                         f"last_dim={last_dim} at {bits} bits in groups of {group_size} needs {row_bytes} and {groups}")
     return codes.new_empty((codes.shape[0], last_dim), dtype=dtype)
 
 
@@ -306,6 +358,8 @@ def rms_norm_apply(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
 def _rms_norm_apply_fake(x, rstd, weight):
     _one_device("rms_norm_apply", [("x", x), ("rstd", rstd), ("weight", weight)])
     torch._check(x.dtype in ELEMENTWISE_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    torch._check(x.dim() >= 1 and x.shape[-1] >= 1, lambda: f"x must have a last dimension of at least 1, got shape "
+                                                             f"{tuple(x.shape)}")
     torch._check(x.dim() >= 1 and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.dtype == x.dtype,
                  lambda: f"weight must be a 1-D tensor of x's last size and dtype, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
