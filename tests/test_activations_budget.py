@@ -270,6 +270,12 @@ def test_calibrating_new_shapes_leaves_no_probe_graph_alive():
             first = live()
     assert len(m._effmem_budget.choices) == 8
     tensors, nodes = live()
+    budget_mod.MAX_CHOICES = 3   # (restored below) lengths that vary freely: the oldest choices go
+    try:
+        m(input_ids=X[:2, :40])
+        assert [k[0][1] for k in m._effmem_budget.choices] == [38, 39, 40]
+    finally:
+        budget_mod.MAX_CHOICES = 256
     # others' leftovers in a shared test process count in both: what these 7 calibrations added is compared
     assert nodes <= first[1] and tensors <= first[0] + 5, (first, (tensors, nodes))
 
@@ -415,3 +421,41 @@ def test_layers_no_gradient_flows_into_run_plain_and_the_budget_is_chosen_at_the
     loss_of(off).backward()   # the next forward's copies start at the host buffer's beginning again
     counters = budget_choice(off)["offload_counters"]
     assert (counters["layers_sent"], counters["layers_back"], counters["outside_reserve"]) == (2, 2, 0), counters
+
+
+def _padded(batch, seq):
+    """Ids, and a mask whose second row is left-padded: transformers then passes attention a 4-D mask."""
+    ids = torch.randint(1, 256, (batch, seq), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1:, :seq // 3] = 0
+    return ids, mask
+
+
+def test_a_mask_at_the_same_shape_is_chosen_for_anew_and_holds_the_budget():
+    """The choice was keyed on the hidden state's shape alone: a padded batch after an unpadded one of the same
+    shape took its choice, but with a 4-D mask transformers' attention repeats k and v to every head (grouped
+    without one), and the layers stored 15% over an int budget (a reviewer's repro, 26% over the prediction)."""
+    from effmem.activations import activation_stats
+    ids, mask = _padded(2, 128)
+    budget = 1_000_000   # both "fast" unpadded (962,560 bytes predicted), 1,114,112 padded
+    fresh = apply_activation_policy(llama(2).float(), memory_budget=budget)
+    fresh(input_ids=ids, attention_mask=mask)
+    padded_first = budget_choice(fresh)
+    m = apply_activation_policy(llama(2).float(), memory_budget=budget)
+    m(input_ids=ids)
+    assert budget_choice(m)["modes"] != padded_first["modes"]   # the case: unpadded, the layers hold less
+    m(input_ids=ids, attention_mask=mask)
+    assert budget_choice(m)["modes"] == padded_first["modes"]
+    assert activation_stats(m).total_bytes_after <= budget
+
+
+def test_the_statistics_of_a_forward_with_no_fast_layer_are_its_own():
+    """With no "fast" or offloaded layer in a shape's choice nothing reset them: activation_stats showed the
+    previous forward's figures."""
+    from effmem.activations import activation_stats
+    m = apply_activation_policy(llama(2).float(), memory_budget=300_000)
+    m(input_ids=X[:2, :32])
+    assert "fast" in budget_choice(m)["modes"] and activation_stats(m).total_bytes_after > 0
+    m(input_ids=X[:, :128])
+    assert "fast" not in budget_choice(m)["modes"] and "offload" not in budget_choice(m)["modes"]
+    assert activation_stats(m).total_bytes_after == activation_stats(m).total_bytes_before == 0

@@ -52,6 +52,8 @@ MODES = ("plain", "fast", "offload", "min")
 # launches and bookkeeping of its copies (a small margin, so that "fast" wins where both fit); the copies
 # themselves are hidden, or the layer is not offered offload.
 COST = {"plain": 0.0, "fast": 0.05, "offload": 0.06, "min": 0.36}
+# Choices kept, one per input shape (and mask, dtype, mode...): lengths that vary freely made one each, for good
+MAX_CHOICES = 256
 
 
 def check_budget(budget) -> Union[float, int]:
@@ -324,8 +326,11 @@ class BudgetPolicy:
         dev = hidden.device.type
         # autocast too: under it the layer saves other dtypes, and other bytes
         amp = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) else None
-        # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs)
+        # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training;
+        # and its other inputs': a padded batch's 4-D mask makes transformers' attention repeat k and v to every
+        # head (without one it runs grouped), which a choice made without it held 15% over an int budget
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs,
+               tuple((tuple(t.shape), t.dtype) for t in others))
         choice = self.choices.get(key)
         if choice is None or index < choice["start"]:
             if not (hidden.requires_grad or any(t.requires_grad for t in others)
@@ -336,11 +341,15 @@ class BudgetPolicy:
             choice = None   # (a layer frozen when the choice was made trains now, gradual unfreezing: made again)
         if choice is None:
             _warn_hooks(layer)
+            while len(self.choices) >= MAX_CHOICES:   # lengths that vary freely: the oldest choices go
+                del self.choices[next(iter(self.choices))]
             with _unrecorded(), buffers_kept(layer.buffers()):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda",
                                                              start=index)
         self.used = key
+        if index == choice["start"] and choice["first_compressed"] == -1:
+            self.comp.reset_stats()   # no layer compresses to reset them: else the last forward's showed
         mode = choice["modes"][index]
         if mode == "fast":
             with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
