@@ -112,16 +112,20 @@ def _one_device(op: str, named) -> None:
         raise ValueError(f"effmem::{op}: all tensors must be on one device, got {found}")
 
 
+# masters (float32 parameters have none) and adam_check's block scales (float32 moments have none)
+OPTIONAL_LISTS = ("masters", "exp_avg_scales", "exp_avg_sq_scales")
+
+
 def _adam_fake(op: str, lists, lr_tensor, inv_scale, found_inf, status, hyper=None) -> None:
     """What both Adam ops' fake kernels check (a few of check_adam_args', csrc/common/checks.cpp, so that a call
     traced or run on meta tensors is not accepted where the kernel refuses it): every tensor on one device, one
-    of each list per parameter (masters: none or one) of its size, the hyper-parameters' ranges. They return
-    nothing."""
+    of each list per parameter (OPTIONAL_LISTS: none or one) of its size, the hyper-parameters' ranges. They
+    return nothing."""
     _one_device(op, [(f"{n}[{i}]", t) for n, ts in lists for i, t in enumerate(ts)] +
                 [("lr_tensor", lr_tensor), ("inv_scale", inv_scale), ("found_inf", found_inf), ("status", status)])
     params = lists[0][1]
     for name, ts in lists[1:]:
-        torch._check(len(ts) == len(params) or (name == "masters" and not ts),
+        torch._check(len(ts) == len(params) or (name in OPTIONAL_LISTS and not ts),
                      lambda: f"{name} must hold one tensor per parameter ({len(params)}), got {len(ts)}")
         if name in ("grads", "masters", "exp_avgs", "exp_avg_sqs"):
             for i, (t, p) in enumerate(zip(ts, params)):
