@@ -1,5 +1,7 @@
 """Activation policies inside torch.compile: evaluation without gradients stays in the model's graph, and
 fullgraph=True names why "fast" leaves it."""
+import warnings
+
 import pytest
 import torch
 
@@ -55,6 +57,10 @@ def test_compiled_layers_with_dropout_keep_the_gradients_of_their_loss(policy):
         model(input_ids=x, labels=x).loss.backward()
         return [p.grad for p in model.parameters() if p.grad is not None]
     eager = grads(apply_activation_policy(copy.deepcopy(base), policy))
-    compiled = grads(torch.compile(apply_activation_policy(copy.deepcopy(base), policy), backend="aot_eager"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiled = grads(torch.compile(apply_activation_policy(copy.deepcopy(base), policy), backend="aot_eager"))
+    # torch 2.14: the hooks' saves inside selective checkpointing are kept as they are, by choice, not by default
+    assert not [w for w in seen if "respect_saved_tensors_hooks" in str(w.message)]
     worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(eager, compiled))
     assert worst < 0.05, worst   # "fast" runs as selective checkpointing there: exact where eager is 8-bit

@@ -12,9 +12,11 @@ selective=True wraps the layer in torch's selective checkpointing with the "sele
 rebuilds norms and elementwise ops in backward, as the "fast" policy's fused functions do in eager mode.
 """
 import functools
+import inspect
 from typing import Callable, Dict, Tuple
 
 import torch
+import torch.utils.checkpoint
 
 _GRAPHS: Dict[Tuple[Callable, bool], Callable] = {}
 
@@ -36,6 +38,19 @@ def _selective(forward, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
     from effmem.activations.selective import context
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+def _selective_eager(forward, *args, **kwargs):
+    """_selective run eagerly inside the policy's saved-tensor hooks, whose saves selective checkpointing keeps
+    as they are (exact, as tested): torch 2.14 warns that a later release sends them through the hooks, and
+    takes respect_saved_tensors_hooks=False to keep this (checkpoint's own argument, not the layer's). Without
+    it (older torch) it is so anyway."""
+    return _selective(forward, *args, **_KEEP_SAC_SAVES, **kwargs)
+
+
+_KEEP_SAC_SAVES = ({"respect_saved_tensors_hooks": False}
+                   if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+                   else {})
 
 
 def _drops_out(layer: torch.nn.Module) -> bool:
@@ -62,7 +77,7 @@ def compiled_forward(original, selective: bool) -> Callable:
         # Compiled, the graph's backward drew dropout masks anew where the policy recomputes (selective
         # checkpointing's rebuild, "min"'s recompute): gradients 10-12% off those of the loss computed, in a
         # reviewer's GPT-2 with dropout 0.1. Eager, torch's checkpointing replays the RNG: such a layer runs so.
-        return functools.partial(_selective, original.__func__, layer) if selective else original
+        return functools.partial(_selective_eager, original.__func__, layer) if selective else original
     patched = layer.__dict__.get("_effmem_patched")
     if patched:
         from effmem.activations import paths   # on use: the package is still importing when it imports this
