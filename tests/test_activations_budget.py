@@ -270,10 +270,11 @@ def test_calibrating_new_shapes_leaves_no_probe_graph_alive():
             first = live()
     assert len(m._effmem_budget.choices) == 8
     tensors, nodes = live()
-    budget_mod.MAX_CHOICES = 3   # (restored below) lengths that vary freely: the oldest choices go
+    budget_mod.MAX_CHOICES = 3   # (restored below) lengths that vary freely: those used longest ago go
     try:
-        m(input_ids=X[:2, :40])
-        assert [k[0][1] for k in m._effmem_budget.choices] == [38, 39, 40]
+        for length in (40, 38, 41):   # 38 used again: 39 goes, not 38 (made first: past 256 lengths in a cycle,
+            m(input_ids=X[:2, :length])   # every forward chose anew)
+        assert [k[0][1] for k in m._effmem_budget.choices] == [40, 38, 41]
     finally:
         budget_mod.MAX_CHOICES = 256
     # others' leftovers in a shared test process count in both: what these 7 calibrations added is compared
@@ -447,6 +448,26 @@ def test_a_mask_at_the_same_shape_is_chosen_for_anew_and_holds_the_budget():
     m(input_ids=ids, attention_mask=mask)
     assert budget_choice(m)["modes"] == padded_first["modes"]
     assert activation_stats(m).total_bytes_after <= budget
+
+
+def test_layers_given_other_inputs_than_the_first_share_its_choice():
+    """Sliding-window layers get a mask the full-attention ones do not: keyed on each layer's own inputs, each
+    kind made a choice of its own, each holding the whole budget (1.53x an int budget held, a reviewer's
+    4-layer Qwen2), and the second reset the statistics of the first's layers mid-forward."""
+    import transformers
+    from effmem.activations import activation_stats
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=16, max_window_layers=2, use_cache=False,
+                                   attn_implementation="sdpa")
+    m = apply_activation_policy(transformers.Qwen2ForCausalLM(cfg).train(), memory_budget=0.5)
+    x = X[:2, :64]
+    for _ in range(2):
+        m(input_ids=x, labels=x).loss.backward()
+    assert len(m._effmem_budget.choices) == 1
+    fast = budget_choice(m)["modes"].count("fast")
+    assert fast and activation_stats(m).by_module.keys() >= {f"model.layers.{i}" for i in range(fast)}
 
 
 def test_the_statistics_of_a_forward_with_no_fast_layer_are_its_own():

@@ -202,6 +202,8 @@ class BudgetPolicy:
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
         self.offloader = Offloader()
         self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
+        self._forward_inputs: Optional[tuple] = None   # this forward's first layer's other inputs (_inputs_of_forward)
+        self._last_index = -1
         self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output in this forward
         self.forward_hook = None   # the model's forward pre-hook that forgets them (new_forward)
         # this forward asks the layers for outputs besides their hidden state (output_router_logits=True passed
@@ -318,6 +320,18 @@ class BudgetPolicy:
         self._outputs[index] = weakref.ref(first) if isinstance(first, Tensor) and first is not hidden else None
         return out
 
+    def _inputs_of_forward(self, index: int, others: List[Tensor]) -> tuple:
+        """The shapes and dtypes of the other inputs of this forward's first layer, for its choice's key: a
+        padded batch's 4-D mask makes transformers' attention repeat k and v to every head (grouped without
+        one), and a choice made without it held 15% over an int budget. One per forward, not per layer: layers
+        get different ones (T5's first has no position bias, sliding-window layers a mask the others do not),
+        and a choice for each held the whole budget each. A forward starts at a layer index no later than the
+        last one's (the model's pre-hook does not run compiled)."""
+        if self._forward_inputs is None or index <= self._last_index:
+            self._forward_inputs = tuple((tuple(t.shape), t.dtype) for t in others)
+        self._last_index = index
+        return self._forward_inputs
+
     def _forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
                  args, kwargs, compiled: bool):
         plain_fn = fast_fn = original
@@ -326,12 +340,12 @@ class BudgetPolicy:
         dev = hidden.device.type
         # autocast too: under it the layer saves other dtypes, and other bytes
         amp = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) else None
-        # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training;
-        # and its other inputs': a padded batch's 4-D mask makes transformers' attention repeat k and v to every
-        # head (without one it runs grouped), which a choice made without it held 15% over an int budget
+        # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs,
-               tuple((tuple(t.shape), t.dtype) for t in others))
+               self._inputs_of_forward(index, others))
         choice = self.choices.get(key)
+        if choice is not None and key != self.used:   # used again: the last of the choices to go (MAX_CHOICES)
+            self.choices[key] = self.choices.pop(key)
         if choice is None or index < choice["start"]:
             if not (hidden.requires_grad or any(t.requires_grad for t in others)
                     or any(p.requires_grad for p in layer.parameters())):
