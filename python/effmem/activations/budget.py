@@ -223,6 +223,7 @@ class BudgetPolicy:
         (activations._compiled_budget_layer), where the check still sees a loop inside one forward."""
         if not torch.compiler.is_compiling():
             self._outputs.clear()
+            self._forward_inputs = None   # a new forward (layerdrop may skip the layers its index rule needs)
             self.side_outputs = any(kwargs.get(f) is True for f in ("output_router_logits", "output_attentions"))
 
     def latest(self) -> Optional[dict]:
@@ -293,10 +294,9 @@ class BudgetPolicy:
         modes = ["plain"] * start + modes
         if "offload" in modes:
             self.offloader.reserve(modes.count("offload") * host_per_layer, hidden.device)
-        first = next((i for i, m in enumerate(modes) if m in ("fast", "offload")), -1)
         return {"modes": modes, "bytes": nbytes, "budget_bytes": budget, "predicted_bytes": predicted,
                 "shape": tuple(hidden.shape), "max_offload": max_offload, "layer_forward_s": layer_s,
-                "link_bytes_per_s": link, "first_compressed": first, "start": start}
+                "link_bytes_per_s": link, "start": start}
 
     def forward(self, layer, original, index: int, name: str, shapes, hidden: Tensor, others: List[Tensor],
                 args, kwargs, compiled: bool = False):
@@ -321,14 +321,18 @@ class BudgetPolicy:
         return out
 
     def _inputs_of_forward(self, index: int, others: List[Tensor]) -> tuple:
-        """The shapes and dtypes of the other inputs of this forward's first layer, for its choice's key: a
-        padded batch's 4-D mask makes transformers' attention repeat k and v to every head (grouped without
-        one), and a choice made without it held 15% over an int budget. One per forward, not per layer: layers
-        get different ones (T5's first has no position bias, sliding-window layers a mask the others do not),
-        and a choice for each held the whole budget each. A forward starts at a layer index no later than the
-        last one's (the model's pre-hook does not run compiled)."""
+        """The shapes and dtypes of this forward's first layer's other inputs of 2 dims or more (masks, tables),
+        for its choice's key: a padded batch's 4-D mask makes transformers' attention repeat k and v to every
+        head (grouped without one), and a choice made without it held 15% over an int budget. Not index vectors:
+        a packed batch's cu_seq_lens, one longer per sequence, made a choice per count. One per forward, not per
+        layer: layers get different ones (T5's first has no position bias, sliding-window layers a mask the
+        others do not), and a choice for each held the whole budget each. A forward starts where the model's
+        pre-hook said so, or (compiled: it does not run) at a layer index no later than the last one's. The
+        statistics start there too: a second choice in a forward (layers in eval mode among training ones)
+        reset them midway."""
         if self._forward_inputs is None or index <= self._last_index:
-            self._forward_inputs = tuple((tuple(t.shape), t.dtype) for t in others)
+            self._forward_inputs = tuple((tuple(t.shape), t.dtype) for t in others if t.dim() >= 2)
+            self.comp.reset_stats()
         self._last_index = index
         return self._forward_inputs
 
@@ -362,16 +366,14 @@ class BudgetPolicy:
                                                              kwargs, warm=compiled or hidden.device.type == "cuda",
                                                              start=index)
         self.used = key
-        if index == choice["start"] and choice["first_compressed"] == -1:
-            self.comp.reset_stats()   # no layer compresses to reset them: else the last forward's showed
         mode = choice["modes"][index]
-        if mode == "fast":
-            with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
+        if mode == "fast":   # (the statistics are reset at the forward's start: _inputs_of_forward)
+            with self.comp.layer(name, hidden, others, shapes, False):
                 out = fast_fn(*args, **kwargs)
         elif mode == "offload":
             if index == choice["modes"].index("offload"):   # the first offloaded layer (after any frozen ones)
                 self.offloader.begin(hidden.device)
-            with self.comp.layer(name, hidden, others, shapes, index == choice["first_compressed"]):
+            with self.comp.layer(name, hidden, others, shapes, False):
                 with self.comp.collecting() as entries:
                     out = fast_fn(*args, **kwargs)
             self.offloader.send(entries, hidden.device)

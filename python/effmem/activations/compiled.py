@@ -35,17 +35,14 @@ def leaves_graph(fn: Callable) -> Callable:
 
 
 def _selective(forward, *args, **kwargs):
+    """The layer under torch's selective checkpointing, inside the policy's saved-tensor hooks. Where it runs
+    eagerly (a layer with dropout, or one with a graph break the compiler leaves to eager), selective
+    checkpointing keeps its saves as they are (exact, as tested): torch 2.14 warns that a later release sends
+    them through the hooks, and takes respect_saved_tensors_hooks=False (checkpoint's own argument, not the
+    layer's) to keep this. Without it (older torch) it is so anyway."""
     from torch.utils.checkpoint import checkpoint
     from effmem.activations.selective import context
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
-
-
-def _selective_eager(forward, *args, **kwargs):
-    """_selective run eagerly inside the policy's saved-tensor hooks, whose saves selective checkpointing keeps
-    as they are (exact, as tested): torch 2.14 warns that a later release sends them through the hooks, and
-    takes respect_saved_tensors_hooks=False to keep this (checkpoint's own argument, not the layer's). Without
-    it (older torch) it is so anyway."""
-    return _selective(forward, *args, **_KEEP_SAC_SAVES, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **_KEEP_SAC_SAVES, **kwargs)
 
 
 _KEEP_SAC_SAVES = ({"respect_saved_tensors_hooks": False}
@@ -77,7 +74,7 @@ def compiled_forward(original, selective: bool) -> Callable:
         # Compiled, the graph's backward drew dropout masks anew where the policy recomputes (selective
         # checkpointing's rebuild, "min"'s recompute): gradients 10-12% off those of the loss computed, in a
         # reviewer's GPT-2 with dropout 0.1. Eager, torch's checkpointing replays the RNG: such a layer runs so.
-        return functools.partial(_selective_eager, original.__func__, layer) if selective else original
+        return functools.partial(_selective, original.__func__, layer) if selective else original
     patched = layer.__dict__.get("_effmem_patched")
     if patched:
         from effmem.activations import paths   # on use: the package is still importing when it imports this
