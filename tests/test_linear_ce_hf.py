@@ -286,6 +286,15 @@ def test_a_forward_that_changes_the_logits_is_refused():
         assert not _feeds_head_to_loss(plain.replace("loss = None", line + "\nloss = None")), line
     assert _feeds_head_to_loss(plain.replace("loss = None", "if logits == 0:\n    pass\nloss = None"))  # reads only
     assert not _feeds_head_to_loss("loss = self.loss_function(x)\nlogits = self.lm_head(h)")  # loss first
+    # A change on the head's own line, or the logits read into the loss after it (a reviewer's class of its own
+    # under a listed name: a tanh soft-cap, a z-loss), was taken; a head call over lines and the output are fine
+    for head in ("logits = 5.0 * torch.tanh(self.lm_head(h) / 5.0)", "logits = self.lm_head(h).tanh()",
+                 "logits = self.lm_head(h) * 30.0  # scaled"):
+        assert not _feeds_head_to_loss(plain.replace("logits = self.lm_head(h[:, s, :])", head)), head
+    z_loss = plain + "\n    loss = loss + 1e-2 * logits.logsumexp(-1).pow(2).mean()"
+    assert not _feeds_head_to_loss(z_loss)
+    assert _feeds_head_to_loss(plain.replace("self.lm_head(h[:, s, :])", "self.lm_head(\n    h[:, s, :]  # last\n)")
+                               + "\nreturn Output(loss=loss, logits=logits)\noutput = (logits,) + outputs[1:]")
     for name in ("GraniteForCausalLM", "CohereForCausalLM", "Gemma2ForCausalLM"):
         cls = getattr(transformers, name, None)
         if cls is not None:

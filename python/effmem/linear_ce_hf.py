@@ -39,14 +39,37 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qw
 _CHANGES_LOGITS = re.compile(r"\blogits\s*(=|\*=|/=|\+=|-=)(?!=)|\blogits\.(mul|div|add|sub|clamp|tanh)_?\(")
 
 
+# After the loss: the logits returned (logits=logits, a tuple's logits,) or given to the loss itself, nothing else
+_RETURNS_LOGITS = re.compile(r"self\.loss_function\([^\n]*|\blogits\s*=\s*logits\b|\(logits,\)|^\s*logits,\s*$", re.M)
+
+
 def _feeds_head_to_loss(source: str) -> bool:
-    """Whether a forward's source calls the head, then the loss on what it returned, with nothing
-    changing the logits in between and no soft-capping anywhere."""
+    """Whether a forward's source assigns the head's output to logits as a statement of its own, then calls
+    the loss on them, with nothing changing the logits in between, nothing after reading them but the
+    output, and no soft-capping anywhere. (A class of the user's own under a listed name, with a tanh around
+    the head's call or a z-loss from the logits after the loss, was taken, its loss silently another.)"""
     head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
     if head < 0 or loss < head or "softcap" in source:
         return False
-    between = source[source.find("\n", head) + 1:loss]
-    return _CHANGES_LOGITS.search(between) is None
+    start = source.rfind("\n", 0, head) + 1
+    end = _closing_paren(source, head + len("self.lm_head"))
+    line_end = source.find("\n", end)   # (> 0: the loss comes later)
+    if (end < 0 or line_end < 0 or re.fullmatch(r"\s*logits\s*=\s*", source[start:head]) is None
+            or source[end + 1:line_end].split("#")[0].strip()):   # the call, then only a comment
+        return False
+    between = source[line_end + 1:loss]
+    return (_CHANGES_LOGITS.search(between) is None
+            and re.search(r"\blogits\b", _RETURNS_LOGITS.sub("", source[loss:])) is None)
+
+
+def _closing_paren(source: str, opening: int) -> int:
+    """The index of the parenthesis closing the one at `opening` (-1 if none)."""
+    depth = 0
+    for i in range(opening, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        if depth == 0:
+            return i
+    return -1
 
 
 def knows(model: nn.Module) -> bool:
