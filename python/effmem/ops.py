@@ -211,8 +211,7 @@ def _l2norm_fake(tensors: List[Tensor]) -> Tensor:
     for i, t in enumerate(tensors):   # check_norm_args' (csrc/common/checks.cpp)
         torch._check(t.dtype in ELEMENTWISE_DTYPES, lambda: f"tensors[{i}] must be float32, bfloat16 or float16, "
                                                             f"got {t.dtype}")
-        torch._check(_dense(t), lambda: f"tensors[{i}] must be dense and non-overlapping; "
-                                                               "pass t.contiguous()")
+        torch._check(_dense(t), lambda: f"tensors[{i}] must be dense and non-overlapping; pass t.contiguous()")
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     return tensors[0].new_empty((), dtype=torch.float32)

@@ -40,9 +40,9 @@ def _selective(forward, *args, **kwargs):
     checkpointing keeps its saves as they are (exact, as tested): torch 2.14 warns that a later release sends
     them through the hooks, and takes respect_saved_tensors_hooks=False (checkpoint's own argument, not the
     layer's) to keep this. Without it (older torch) it is so anyway."""
-    from torch.utils.checkpoint import checkpoint
     from effmem.activations.selective import context
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **_KEEP_SAC_SAVES, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=context,
+                                             **_KEEP_SAC_SAVES, **kwargs)
 
 
 _KEEP_SAC_SAVES = ({"respect_saved_tensors_hooks": False}
