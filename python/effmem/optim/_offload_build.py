@@ -14,6 +14,7 @@ from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _adam8, _validate
 from effmem.optim._offload_layout import GradHook, build_engine, engine_device, keep_on_device
 from effmem.optim._offload_lifetime import claim
+from effmem.optim._offload_resident import step_state_bytes
 from effmem.optim._offload_state import own_state
 
 _local = _validate.local_tensor
@@ -322,8 +323,9 @@ def _warn_frozen(opt) -> None:
     if getattr(opt, "_warned_frozen", False):
         return
     frozen = [p for p in opt._params if not p.requires_grad]
-    moments = 8 if opt.state_bits == 32 else 2 + 8 / _adam8.BLOCK
-    held = sum(p.numel() * (4 + moments + p.element_size() * (2 if opt._delay else 1)) for p in frozen)
+    # device_state's count of a step's state, on the host: the staging copy (two with delay) holds the gradient
+    held = sum(step_state_bytes(p.numel(), 4, p.element_size() * (2 if opt._delay else 1), opt.state_bits)
+               for p in frozen)
     if held < 16 * 2 ** 20:
         return
     opt._warned_frozen = True

@@ -1,0 +1,88 @@
+"""memory_budget's choices and statistics per forward: what a choice is keyed on (the first layer's masks and
+tables besides the hidden state's shape), one choice per forward whatever the later layers get, and
+activation_stats covering exactly the latest forward (effmem.activations.budget)."""
+import pytest
+import torch
+
+from effmem.activations import apply_activation_policy, budget_choice
+from test_activations_budget import X, llama
+
+transformers = pytest.importorskip("transformers")
+
+
+def _padded(batch, seq):
+    """Ids, and a mask whose second row is left-padded: transformers then passes attention a 4-D mask."""
+    ids = torch.randint(1, 256, (batch, seq), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1:, :seq // 3] = 0
+    return ids, mask
+
+
+def test_a_mask_at_the_same_shape_is_chosen_for_anew_and_holds_the_budget():
+    """The choice was keyed on the hidden state's shape alone: a padded batch after an unpadded one of the same
+    shape took its choice, but with a 4-D mask transformers' attention repeats k and v to every head (grouped
+    without one), and the layers stored 15% over an int budget (a reviewer's repro, 26% over the prediction)."""
+    from effmem.activations import activation_stats
+    ids, mask = _padded(2, 128)
+    budget = 1_000_000   # both "fast" unpadded (962,560 bytes predicted), 1,114,112 padded
+    fresh = apply_activation_policy(llama(2).float(), memory_budget=budget)
+    fresh(input_ids=ids, attention_mask=mask)
+    padded_first = budget_choice(fresh)
+    m = apply_activation_policy(llama(2).float(), memory_budget=budget)
+    m(input_ids=ids)
+    assert budget_choice(m)["modes"] != padded_first["modes"]   # the case: unpadded, the layers hold less
+    m(input_ids=ids, attention_mask=mask)
+    assert budget_choice(m)["modes"] == padded_first["modes"]
+    assert activation_stats(m).total_bytes_after <= budget
+
+
+def test_layers_given_other_inputs_than_the_first_share_its_choice():
+    """Sliding-window layers get a mask the full-attention ones do not: keyed on each layer's own inputs, each
+    kind made a choice of its own, each holding the whole budget (1.53x an int budget held, a reviewer's
+    4-layer Qwen2), and the second reset the statistics of the first's layers mid-forward."""
+    import transformers
+    from effmem.activations import activation_stats
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=16, max_window_layers=2, use_cache=False,
+                                   attn_implementation="sdpa")
+    m = apply_activation_policy(transformers.Qwen2ForCausalLM(cfg).train(), memory_budget=0.5)
+    x = X[:2, :64]
+    for _ in range(2):
+        m(input_ids=x, labels=x).loss.backward()
+    assert len(m._effmem_budget.choices) == 1
+    fast = budget_choice(m)["modes"].count("fast")
+    assert fast and activation_stats(m).by_module.keys() >= {f"model.layers.{i}" for i in range(fast)}
+
+
+def test_the_statistics_of_a_forward_with_no_fast_layer_are_its_own():
+    """With no "fast" or offloaded layer in a shape's choice nothing reset them: activation_stats showed the
+    previous forward's figures."""
+    from effmem.activations import activation_stats
+    m = apply_activation_policy(llama(2).float(), memory_budget=300_000)
+    m(input_ids=X[:2, :32])
+    assert "fast" in budget_choice(m)["modes"] and activation_stats(m).total_bytes_after > 0
+    m(input_ids=X[:, :128])
+    assert "fast" not in budget_choice(m)["modes"] and "offload" not in budget_choice(m)["modes"]
+    assert activation_stats(m).total_bytes_after == activation_stats(m).total_bytes_before == 0
+
+
+def test_a_forward_s_statistics_cover_all_its_layers_and_its_start_is_seen_through_layerdrop():
+    """Layers in eval mode among training ones make a second choice in a forward: its first layer reset the
+    statistics, and the first layers' vanished. And a forward is told by the model's pre-hook where it runs:
+    layerdrop skipping layer 0 hid the start from the layer indices, and a padded batch took the unpadded
+    one's choice (a reviewer's OPT with layerdrop 0.5: 7 forwards in 100)."""
+    from effmem.activations import activation_stats
+    m = apply_activation_policy(llama(4).float(), memory_budget=0.5)
+    for layer in m.model.layers[2:]:
+        layer.eval()
+    m(input_ids=X[:2, :64], labels=X[:2, :64]).loss.backward()
+    assert len(m._effmem_budget.choices) == 2 and budget_choice(m)["modes"][2:] == ["fast", "fast"]
+    assert activation_stats(m).by_module.keys() >= {f"model.layers.{i}" for i in range(4)}
+    policy, mask = m._effmem_budget, torch.zeros(2, 1, 8, 8)
+    policy._inputs_of_forward(0, [])   # a forward of layer 0 alone, then one of layer 1 alone, with a mask
+    policy.new_forward(m, (), {})
+    assert policy._inputs_of_forward(1, [mask]) == (((2, 1, 8, 8), torch.float32),)
+    # index vectors vary with the count of sequences packed, not the memory: a choice per count was made
+    assert policy._inputs_of_forward(0, [torch.zeros(5, dtype=torch.int32)]) == ()
