@@ -144,7 +144,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         setattr(model, _FAST, comp)
         budget = None
         if policy == "budget":
-            budget = BudgetPolicy(memory_budget, len(layers), comp, bits, group_size,
+            budget = BudgetPolicy(memory_budget, layers, comp, bits, group_size,
                                   allow_min=not side and not shared_kv)
             setattr(model, _BUDGET, budget)
             budget.forward_hook = model.register_forward_pre_hook(budget.new_forward, with_kwargs=True)

@@ -37,7 +37,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from effmem.activations import relu
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept, routes_tokens
@@ -193,11 +193,12 @@ def _count_plain(run, inputs: Sequence[Tensor]) -> int:
 class BudgetPolicy:
     """The per-shape choices of one model under memory_budget; layers call through forward()."""
 
-    def __init__(self, budget, layers: int, comp: FastCompressor, bits: int, group_size: int,
+    def __init__(self, budget, stack: List[nn.Module], comp: FastCompressor, bits: int, group_size: int,
                  allow_min: bool = True):
         # allow_min=False: a model whose loss uses tensors a layer makes besides its output (MoE router
         # logits), which "min" cannot backpropagate
-        self.budget, self.layers, self.comp, self.allow_min = check_budget(budget), layers, comp, allow_min
+        self.budget, self.layers, self.comp, self.allow_min = check_budget(budget), len(stack), comp, allow_min
+        self.stack = list(stack)   # the layers, whose training modes a forward's key holds (_inputs_of_forward)
         self.bits, self.group_size = bits, group_size
         self.choices: Dict[tuple, dict] = {}  # shape key -> {"modes", "bytes", "budget_bytes", "predicted"}
         self.offloader = Offloader()
@@ -327,11 +328,13 @@ class BudgetPolicy:
         a packed batch's cu_seq_lens, one longer per sequence, made a choice per count. One per forward, not per
         layer: layers get different ones (T5's first has no position bias, sliding-window layers a mask the
         others do not), and a choice for each held the whole budget each. A forward starts where the model's
-        pre-hook said so, or (compiled: it does not run) at a layer index no later than the last one's. The
-        statistics start there too: a second choice in a forward (layers in eval mode among training ones)
-        reset them midway."""
+        pre-hook said so, or (compiled: it does not run) at a layer index no later than the last one's, and the
+        statistics start there too. With every layer's train/eval mode (a first forward in eval mode, no dropout
+        masks, measured other bytes than training), once per forward too: keyed on each layer's own, layers in
+        eval mode among training ones made a second choice in a forward, each holding the whole budget."""
         if self._forward_inputs is None or index <= self._last_index:
-            self._forward_inputs = tuple((tuple(t.shape), t.dtype) for t in others if t.dim() >= 2)
+            self._forward_inputs = (tuple((tuple(t.shape), t.dtype) for t in others if t.dim() >= 2),
+                                    tuple(layer.training for layer in self.stack))
             self.comp.reset_stats()
         self._last_index = index
         return self._forward_inputs
@@ -344,8 +347,7 @@ class BudgetPolicy:
         dev = hidden.device.type
         # autocast too: under it the layer saves other dtypes, and other bytes
         amp = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) else None
-        # and the layer's mode: a first forward in eval mode (no dropout masks) measured other bytes than training
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, layer.training, self.side_outputs,
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, self.side_outputs,
                self._inputs_of_forward(index, others))
         choice = self.choices.get(key)
         if choice is not None and key != self.used:   # used again: the last of the choices to go (MAX_CHOICES)
