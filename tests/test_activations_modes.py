@@ -1,5 +1,6 @@
 """Activation policies across what changes between calls: the model replicated by nn.DataParallel, its train/eval
 mode between forward and backward, and what a forward asks its layers for (a budget's choice per shape)."""
+import contextlib
 import copy
 
 import pytest
@@ -73,3 +74,27 @@ def test_a_budget_chooses_again_for_router_logits_asked_at_the_forward_and_for_e
     g.train()
     g(input_ids=x, labels=x).loss.backward()
     assert len(g._effmem_budget.choices) == 2
+
+
+@pytest.mark.parametrize("outer", ["user", "compress"])
+def test_selective_under_saved_tensor_hooks_keeps_its_saves_by_choice(outer):
+    """Under the user's saved-tensor hooks or compress_activations, torch 2.14 warned at every kept output (16 a
+    step here) that a later release routes them through the hooks: torch sets checkpoint's choice only on a
+    caching mode handed to it as it is, and the eager "selective" policy hands it wrapped. The choice is now the
+    policy's (kept as they are, as before); the gradients stay exactly the plain model's under the user's hooks."""
+    import warnings
+    plain, x = llama(), ids(seq=32)
+    ours = apply_activation_policy(copy.deepcopy(plain), "selective")
+    packed = []
+    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t)
+             if outer == "user" else contextlib.nullcontext())
+    model = ours if outer == "user" else effmem.compress_activations(ours)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with hooks:
+            model(input_ids=x, labels=x).loss.backward()
+    assert not [w for w in seen if "respect_saved_tensors_hooks" in str(w.message)]
+    if outer == "user":
+        assert packed   # the hooks were active around the layers
+        plain(input_ids=x, labels=x).loss.backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))

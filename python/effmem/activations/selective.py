@@ -118,5 +118,13 @@ def checked_policy():
 
 
 def context():
-    """The context_fn of torch.utils.checkpoint for this policy (a fresh cache per checkpointed call)."""
-    return create_selective_checkpoint_contexts(checked_policy())
+    """The context_fn of torch.utils.checkpoint for this policy (a fresh cache per checkpointed call). What it
+    keeps bypasses saved-tensor hooks around it (the user's save_on_cpu, compress_activations), as in every
+    torch so far: torch 2.14 warns at each kept output that a later release routes them through, and sets
+    its choice (checkpoint's respect_saved_tensors_hooks) only on a caching mode handed to it as it is, where
+    the eager policy hands it wrapped (torch_checkpoint._Reentrant). Set here; checkpoint() called with this
+    context_fn itself overrides it with its argument."""
+    forward, recompute = create_selective_checkpoint_contexts(checked_policy())
+    if hasattr(forward, "respect_saved_tensors_hooks"):
+        forward.respect_saved_tensors_hooks = False
+    return forward, recompute
