@@ -149,3 +149,36 @@ def test_odd_arguments_are_named_not_misreported():
         with pytest.raises(TypeError, match=f"lr: expected a real number .*, got {got}"):
             effmem.ops.adam_step_([p], [g], [m], [v], [], [s], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
                                   weight_decay=0.0, decoupled=True)
+
+
+def test_public_entry_points_name_a_wrong_model_pattern_or_scale():
+    """A reviewer's fuzz of the public API: None for the model was an AttributeError from inside (activation_stats,
+    budget_choice, restore_training_cache, remove_compression), a number for compressed_checkpoint's run failed
+    calling it, exclude_modules=None was "'NoneType' object is not iterable" and a pattern matching no module
+    (a typo) excluded nothing, silently; an inv_scale of -1 was gradient ascent and NaN every weight NaN."""
+    from effmem import activations, compress
+    from effmem.activations.cache import restore_training_cache
+    for fn in (activations.activation_stats, activations.budget_choice, restore_training_cache):
+        with pytest.raises(TypeError, match="model: expected an nn.Module, got NoneType"):
+            fn(None)
+    with pytest.raises(TypeError, match="module: expected an nn.Module, got str"):
+        compress.remove_compression("model")
+    with pytest.raises(TypeError, match="run: expected a callable taking x, got int"):
+        activations.compressed_checkpoint(5, torch.randn(4, 32))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    compress.remove_compression(effmem.compress_activations(net, exclude_modules=None))
+    with pytest.raises(ValueError, match="exclude_modules: '1' matches no module of Sequential .*named as .*: 0"):
+        effmem.compress_activations(net, exclude_modules="1")
+    with pytest.raises(ValueError, match="exclude_modules: 'nett' matches no module"):
+        effmem.compress_activations(exclude_modules=["nett"], names_from=net)
+    with pytest.raises(ValueError, match="exclude_modules must be module names"):
+        effmem.compress_activations(net, exclude_modules=5)
+    assert not hasattr(net, "compress_stats")   # refused before any change
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    opt = effmem.FusedAdam([p], lr=0.1)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="inv_scale: expected a finite number >= 0"):
+            opt.step(inv_scale=bad)
+    opt.step(inv_scale=0.5)
+    assert torch.allclose(p.detach(), torch.full((3,), -0.1))

@@ -213,8 +213,11 @@ def test_apply_refuses_a_model_other_than_the_planned_one():
     same = llama()
     for q in same.model.embed_tokens.parameters():
         q.requires_grad_(False)   # frozen by the user: still the planned model
-    model, opt = p.apply(same)
-    assert isinstance(opt, torch.optim.Optimizer)
+    # an optimizer argument the candidate sets was "got multiple values for keyword argument 'state_bits'"
+    with pytest.raises(ValueError, match=r"optimizer_kwargs: state_bits is the candidate's to choose"):
+        p.apply(llama(), state_bits=8)
+    model, opt = p.apply(same, betas=(0.8, 0.9))
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["betas"] == (0.8, 0.9)
 
 
 def test_numpy_integers_are_taken_as_ints():

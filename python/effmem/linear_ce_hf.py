@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effmem import _checks
 from effmem._replicas import refuse_replication
 from effmem.linear_ce import check_grad_in_forward, linear_cross_entropy
 from effmem.optim._validate import is_dtensor
@@ -145,8 +146,7 @@ def fuse_linear_cross_entropy(model: nn.Module, *, grad_in_forward: Optional[boo
     product); True makes the gradients in forward instead (three products: faster than the unfused
     loss on an H200 at 16k tokens x 128k vocabulary, for a float32 buffer of the head's size while
     the weight gradient is summed)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _checks.module(model)
     check_grad_in_forward(grad_in_forward)   # at fusing, not at the first loss
     base = _peft_base(model)
     if base is not None and knows(base):   # PEFT's PeftModel (a LoRA fine-tune): its model is what runs the loss
@@ -397,8 +397,7 @@ def _fused_forward(original, head: nn.Module, *args, **kwargs):
 
 def unfuse_linear_cross_entropy(model: nn.Module) -> nn.Module:
     """Undo fuse_linear_cross_entropy (in place; returns the model)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _checks.module(model)
     base = _peft_base(model)
     if base is not None:
         unfuse_linear_cross_entropy(base)

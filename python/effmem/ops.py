@@ -313,8 +313,9 @@ def _dequantize_fake(codes, stats, bits, group_size, last_dim, dtype):
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up in one pass, rounded as ``F.silu(gate) * up`` rounds (csrc/common/swiglu_math.h):
-    float32, bfloat16 or float16 tensors of one shape, dtype and device; the same bits on CPU and CUDA."""
+    """silu(gate) * up in one pass, rounded as ``F.silu(gate) * up`` rounds, within a unit in the last place
+    (csrc/common/swiglu_math.h): float32, bfloat16 or float16 tensors of one shape, dtype and device; the same
+    bits on CPU and CUDA."""
     return _lib.swiglu.default(gate, up)
 
 

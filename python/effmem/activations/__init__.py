@@ -50,6 +50,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from effmem import _checks
 from effmem._replicas import holds_refusal, refuse_replication
 from effmem.activations import paths, relu
 from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
@@ -79,8 +80,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
     bits (8 or 4) and group_size (elements per scale: 32, 64, 128 or 256): the codes the lossy
     policies ("fast", "min", a budget) keep saves in; checked for every policy.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _checks.module(model)
     if memory_budget is not None:
         if policy is not None:
             raise ValueError(f"policy: memory_budget chooses the policy of each layer; leave policy unset "
@@ -311,6 +311,7 @@ def _record(model: nn.Module, key: str):
     whether the model given wraps the one it was applied to, as PEFT's PeftModel does, or is the one
     merge_and_unload() returned. Not from the model's own attribute, which a removal through the model
     inside a wrapper leaves stale on the wrapper."""
+    _checks.module(model)
     return next((m.__dict__[key] for m in model.modules()
                  if getattr(m, "_effmem_policy", None) is not None and m.__dict__.get(key) is not None), None)
 
@@ -336,8 +337,7 @@ def remove_activation_policy(model: nn.Module) -> nn.Module:
     forward again in backward with its modules as they are then, and a ReLU given back its own class there
     takes its mask from the 8-bit codes instead of the exact one (a reviewer's OPT: gradients 6.6-8.8% off
     plain's instead of 1.3%)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _checks.module(model)
     names = {id(m): n for n, m in model.named_modules()}
     # the layers of the model's stacks and every module a policy is on: a layer given alone (a copy of one), or
     # layers a wrapper's longer stack hides from layer_stacks (both were left on, silently: a reviewer's repro)

@@ -14,6 +14,8 @@ import warnings
 import torch
 from torch import nn
 
+from effmem import _checks
+
 _HOOKS = "_effmem_no_cache"
 
 
@@ -121,10 +123,13 @@ def no_training_cache(model: nn.Module, layers=()) -> None:
 
 
 def restore_training_cache(model: nn.Module) -> None:
-    """Removes the hooks from every module of `model`, whichever object the policy was applied to: a wrapper
+    """Turns the key/value cache back on in forwards with gradients: removes the use_cache=False pre-hooks
+    that apply_activation_policy and plan.apply put on (an activation policy stays on; under one, a layer
+    run again refuses a cache). From every module of `model`, whichever object the hooks were put on: a wrapper
     (PEFT's PeftModel forwards attribute reads to the model inside, not __dict__) held its handles, so the
     model inside, or the one merge_and_unload() returned, kept its hooks (and use_cache=False) after removal.
     The handles its layers hold remove those of the modules around it."""
+    _checks.module(model)
     for m in model.modules():
         for h in _handles(m, pop=True):
             h.remove()

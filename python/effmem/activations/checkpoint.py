@@ -225,6 +225,8 @@ def compressed_checkpoint(run: Callable[[Tensor], Tensor], x: Tensor, *, bits: i
     group_size (elements per scale: 32, 64, 128 or 256): x's codes. seed: their stochastic rounding's seed
     (default: the next of a per-process counter, so that two calls round independently)."""
     _codec.check_config(bits, group_size)
+    if not callable(run):
+        raise TypeError(f"run: expected a callable taking x, got {type(run).__name__}")
     if not isinstance(x, Tensor) or x.dtype not in _codec.FLOAT_DTYPES:
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got "
                         f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")

@@ -5,9 +5,10 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from effmem import _checks
 from effmem._dynamo import forget_compiled_code
 from effmem.compress.hooks import ActivationCompressor
-from effmem.compress.policy import CompressConfig, ModuleSpec
+from effmem.compress.policy import CompressConfig, ModuleSpec, check_patterns
 
 _ATTR = "_effmem_compressor"
 
@@ -108,13 +109,14 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     if names_from is not None and not isinstance(names_from, nn.Module):
         raise TypeError(f"names_from: expected the model (an nn.Module) whose modules name the statistics, got "
                         f"{type(names_from).__name__}")
+    if names_from is not None or isinstance(module, nn.Module):
+        check_patterns(config.exclude_modules, names_from if names_from is not None else module)
     if module is None:
         if names_from is None and config.exclude_modules:
             raise ValueError("exclude_modules needs to know the modules: pass names_from=model, "
                              "or wrap the model with compress_activations(model, ...)")
         return ActivationCompressor(config, names_from=names_from)
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"compress_activations: expected an nn.Module, got {type(module).__name__}")
+    _checks.module(module, "module")
     if names_from is not None:
         raise ValueError("names_from is for the context-manager form; a wrapped module names its own submodules")
     if getattr(module, _ATTR, None) is not None:
@@ -172,6 +174,7 @@ def remove_compression(module: nn.Module) -> nn.Module:
     get_peft_model: removal through the PeftModel read the base's compressor and failed with a KeyError, its
     hooks gone and its attribute left). Unwrap a wrapped PeftModel before merge_and_unload(): the merged model
     keeps the hooks of a wrapper it no longer has (inert, but removable only through the PeftModel)."""
+    _checks.module(module, "module")
     compressor = _compressor_in(module)
     if compressor is None:
         raise ValueError("remove_compression: this module was not wrapped by compress_activations")

@@ -41,12 +41,25 @@ class CompressConfig:
         # one name or type alone is one entry (a string would otherwise be taken a character at a time, and
         # a lone "*" among them excludes every module)
         one = isinstance(self.exclude_modules, (str, type))
-        specs = (self.exclude_modules,) if one else tuple(self.exclude_modules)
+        if not one and not isinstance(self.exclude_modules, Iterable):   # None: nothing excluded
+            if self.exclude_modules is not None:
+                raise ValueError(f"exclude_modules must be module names (glob patterns) or nn.Module subclasses, "
+                                 f"got {self.exclude_modules!r}")
+        specs = (self.exclude_modules,) if one else tuple(self.exclude_modules or ())
         for spec in specs:
             if not isinstance(spec, str) and not (isinstance(spec, type) and issubclass(spec, nn.Module)):
                 raise ValueError(f"exclude_modules entries must be module names (glob patterns) or nn.Module "
                                  f"subclasses, got {spec!r}")
         object.__setattr__(self, "exclude_modules", specs)
+
+
+def check_patterns(specs: Iterable[ModuleSpec], root: nn.Module) -> None:
+    """A name pattern matching none of root's modules excluded nothing, silently (a typo: 'nett' for 'net')."""
+    names = [n for n, _ in root.named_modules() if n]
+    for spec in specs:
+        if isinstance(spec, str) and not any(fnmatch.fnmatchcase(n, spec) for n in names):
+            raise ValueError(f"exclude_modules: {spec!r} matches no module of {type(root).__name__} (named as "
+                             f"model.named_modules() names them: {', '.join(names[:4]) or 'it has none'}...)")
 
 
 def module_excluded(specs: Iterable[ModuleSpec], name: str, module: nn.Module) -> bool:

@@ -15,6 +15,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from effmem import _checks
 from effmem._dynamo import forget_compiled_code
 from effmem.optim._offload_guards import _backward_depth
 from effmem.optim._validate import is_dtensor
@@ -32,8 +33,7 @@ class OffloadForward:
         (``flush()``), and so does a forward in eval mode without gradients (evaluation), which with
         ``delay=True`` would otherwise read weights one step old. Without it, a loop that does not call
         ``flush()`` itself saved weights that missed the last update (async_step, delay)."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        _checks.module(model)
         self._check_open()
         if not any(p in self._index for p in model.parameters()):   # refused before the hooks it had go
             raise ValueError("model: none of its modules owns a parameter of this optimizer")

@@ -1,4 +1,5 @@
 """FusedAdam: Adam/AdamW with fp32 master weights in one fused kernel."""
+import math
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -213,7 +214,8 @@ class FusedAdam(AdamBase):
             closure: re-evaluates the model and returns the loss (optional).
             inv_scale: float32 one-element tensor multiplying every gradient (a
                 Python number is taken as one); its value is not read on the
-                host (no sync), so a negative or NaN one is the caller's. A
+                host (no sync), so a negative or NaN one is the caller's (a
+                number's is checked). A
                 clip from ``clip_grad_norm_`` pending for this step takes its
                 factor from the norm times inv_scale (the norm of the gradients
                 this step applies).
@@ -427,10 +429,14 @@ def _lr_and_advance(lr, device: torch.device, inf: Optional[Tensor]):
 
 
 def _one_value(t, name: str) -> Optional[Tensor]:
-    """inv_scale / found_inf as step() takes them: None, a number, or a one-element floating tensor."""
+    """inv_scale / found_inf as step() takes them: None, a number, or a one-element floating tensor. A number's
+    value is read here at no cost (a tensor's is the caller's: a read would sync): an inv_scale of -1 was
+    gradient ascent, NaN every weight NaN, silently."""
     if t is None or isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point():
         return t
     if isinstance(t, (int, float)) and not isinstance(t, bool):
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"{name}: expected a finite number >= 0, got {t!r}")
         return torch.tensor(float(t), dtype=torch.float32)
     got = f"a {tuple(t.shape)} {t.dtype} tensor" if isinstance(t, Tensor) else repr(t)
     raise TypeError(f"{name}: expected a one-element floating tensor (or a number), got {got}")

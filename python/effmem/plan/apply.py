@@ -1,10 +1,11 @@
 """plan.apply(model): the chosen configuration, ready for a training loop."""
 import contextlib
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
+from effmem import _checks
 from effmem.activations import apply_activation_policy
 from effmem.activations.cache import no_training_cache
 from effmem.compress import compress_activations
@@ -12,7 +13,7 @@ from effmem.compress.api import _module_call_frame, _on_stack
 from effmem.linear_ce_hf import fuse_linear_cross_entropy
 from effmem.optim import FusedAdam, OffloadAdam
 from effmem.optim._validate import whole
-from effmem.plan.model import Trainable, find_blocks
+from effmem.plan.model import Trainable, find_blocks, techniques_on
 from effmem.plan.report import plan_code
 
 
@@ -53,7 +54,7 @@ def _check_runnable(plan, model: nn.Module, cfg) -> None:
     if meta is not None:
         raise ValueError(f"model: {meta} is on the meta device (no values: a model built to be planned); build "
                          "it with its weights (from_pretrained, or to_empty() and load them) to apply the plan")
-    on = _prepared(model, cfg)
+    on = techniques_on(model, fused_loss=cfg.loss != "standard")
     if on:
         # kept, the model would not be the one whose memory and time the candidate predicts (a policy left on
         # under an "activations: none" pick), or refused by the step that applies the candidate's own, after
@@ -62,26 +63,6 @@ def _check_runnable(plan, model: nn.Module, cfg) -> None:
                          f"with {cfg.name}'s techniques only: undo that first")
     _check_attention(plan, model)
     check_device(plan)
-
-
-def _prepared(model: nn.Module, cfg) -> List[str]:
-    """The memory techniques already on `model`, each with its undo."""
-    modules = list(model.modules())
-    found = []
-    # by its layers: a wrapper keeps the policy's attributes after a removal through the model inside it (a
-    # PeftModel's get_base_model()), which then made apply() refuse a policy no longer on (a reviewer's run)
-    if any(getattr(m, "_effmem_policy", None) is not None for m in modules):
-        found.append("an activation policy (remove_activation_policy(model))")
-    if any(m.__dict__.get("_effmem_compressor") is not None for m in modules):
-        found.append("compress_activations (remove_compression(model))")
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):   # transformers' flag
-        found.append("transformers' gradient checkpointing (model.gradient_checkpointing_disable())")
-    if model.__dict__.get("_effmem_save_on_cpu") is not None:
-        found.append("an earlier apply()'s save_on_cpu hooks (build the model again)")
-    if cfg.loss == "standard" and model.__dict__.get("_effmem_fused_forward") is not None:
-        found.append("fuse_linear_cross_entropy, where the candidate computes the standard loss "
-                     "(unfuse_linear_cross_entropy(model))")
-    return found
 
 
 def _check_attention(plan, model: nn.Module) -> None:
@@ -105,6 +86,11 @@ def check_device(plan) -> None:
                            "none; plan with device='cpu' to train on the CPU")
 
 
+# the optimizer's arguments a candidate sets itself
+_CANDIDATE_KWARGS = {"params", "state_bits", "overlap", "async_step", "device_accumulation", "device_state",
+                     "optimizer_class"}
+
+
 def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3e-4,
           **optimizer_kwargs) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """Prepare `model` as the pick (or the named candidate) of `plan` says; returns (model, optimizer).
@@ -125,8 +111,11 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
         raise RuntimeError(f"plan: nothing fits {plan.gpu_memory / 1e9:.1f} GB, so there is nothing to apply "
                            f"(see str(plan) for how far each candidate is over)")
     cfg = c.config
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _checks.module(model)
+    chosen = sorted(optimizer_kwargs.keys() & _CANDIDATE_KWARGS)
+    if chosen:   # passed on, they met the candidate's own: "got multiple values for keyword argument"
+        raise ValueError(f"optimizer_kwargs: {', '.join(chosen)} is the candidate's to choose ({c.name}); plan "
+                         "with the option you want among the candidates, or apply one that has it")
     _check_same_model(plan, model)
     if cfg.sharding != "none":
         _check_distributed(plan, c.name)

@@ -16,8 +16,8 @@ PICK_TOLERANCE = 0.03
 
 @dataclass
 class Candidate:
-    """One configuration a plan considered: what it is (config), its predicted memory (cost: peak, parts,
-    host bytes), its predicted step time by part (time_parts, seconds), whether it fits and, if not, why."""
+    """One configuration a plan considered: what it is (config), its predicted memory (cost: peak_bytes,
+    parts, host bytes), its predicted step time by part (time_parts, seconds), whether it fits and, if not, why."""
     config: costs.Config
     cost: costs.Cost
     time_parts: Dict[str, float]

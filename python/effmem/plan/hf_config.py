@@ -57,6 +57,7 @@ def build_model(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
                           "(pip install transformers)") from None
     cfg = dict(cfg)
     model_type = cfg.pop("model_type")
+    _check_architectures(cfg.get("architectures"))
     if num_layers is not None:
         full = config_layers(cfg)
         for key in _LAYER_KEYS:
@@ -106,6 +107,21 @@ def build_model(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
                              ) from None
         except Exception as e:   # a config that builds but not its model (a negative size, a pad id past vocab)
             raise _refused(model_type, e) from None
+
+
+def _check_architectures(names) -> None:
+    """A config naming another head (BertForSequenceClassification) was planned as the causal LM that
+    AutoModelForCausalLM builds from its model_type, without a word: another parameter count, and 4 GB of
+    logits for a two-label classifier. Only heads of another kind are refused (XForY with Y neither CausalLM
+    nor ConditionalGeneration); a bare backbone's name (BertModel) says nothing of the head to train."""
+    if not (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names)):
+        return
+    heads = [n.rsplit("For", 1)[1] for n in names if "For" in n[1:]]
+    if heads and len(heads) == len(names) and not any(h in ("CausalLM", "ConditionalGeneration") for h in heads):
+        raise ValueError(f"model: the config's architectures name {', '.join(names)}, not a causal language model; "
+                         "effmem plan builds a config's AutoModelForCausalLM, whose head and loss are others. "
+                         "Build the model (on the meta device) and plan it, with inputs=callable(batch, seq, "
+                         "device) -> (args, kwargs) for its training forward")
 
 
 def _per_layer(model_type: str, key: str, transformers) -> bool:

@@ -306,3 +306,23 @@ def _mixed_layers(model: nn.Module, name: str, num_layers: int, found: int) -> s
                 f"are of {len(classes)} classes ({', '.join(classes)}), which it does not support")
     return (f"model: effmem plan found {found} decoder layers in {name} where its config counts {num_layers}, "
             "and cannot model it")
+
+
+def techniques_on(model: nn.Module, fused_loss: bool) -> List[str]:
+    """The memory techniques already on `model`, each with its undo (fused_loss: but the fused loss, which the
+    caller makes itself)."""
+    modules = list(model.modules())
+    found = []
+    # by its layers: a wrapper keeps the policy's attributes after a removal through the model inside it (a
+    # PeftModel's get_base_model()), which then made apply() refuse a policy no longer on (a reviewer's run)
+    if any(getattr(m, "_effmem_policy", None) is not None for m in modules):
+        found.append("an activation policy (remove_activation_policy(model))")
+    if any(m.__dict__.get("_effmem_compressor") is not None for m in modules):
+        found.append("compress_activations (remove_compression(model))")
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):   # transformers' flag
+        found.append("transformers' gradient checkpointing (model.gradient_checkpointing_disable())")
+    if model.__dict__.get("_effmem_save_on_cpu") is not None:
+        found.append("an earlier apply()'s save_on_cpu hooks (build the model again)")
+    if not fused_loss and model.__dict__.get("_effmem_fused_forward") is not None:
+        found.append("fuse_linear_cross_entropy (unfuse_linear_cross_entropy(model))")
+    return found

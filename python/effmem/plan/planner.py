@@ -14,10 +14,10 @@ from effmem.optim._validate import whole
 from effmem.plan import choose, costs, offload_room, step_model
 from effmem.plan.activity import Activity, FormulaActivity, hf_config
 from effmem.plan.choose import GB, Candidate
-from effmem.plan.model import ModelArg, ModelSpec, model_spec
+from effmem.plan.model import ModelArg, ModelSpec, model_spec, techniques_on
 from effmem.plan.rates import Rates, rates_for
 from effmem.plan.machine import machine, parse_bytes
-from effmem.plan.trace import InputsFn
+from effmem.plan.trace import InputsFn, TraceFailed
 
 HEADROOM = 0.05  # a pick must fit in 95% of the GPU's memory
 
@@ -60,7 +60,9 @@ class Plan:
 
     @property
     def pick(self) -> Optional[Candidate]:
-        """The chosen candidate (the fastest that fits with headroom), or None where none fits."""
+        """The chosen candidate, or None where none fits: among those that fit with headroom and are predicted
+        within 3% of the fastest (closer than the step model can tell), exact math first (no 8-bit activations
+        or moments), then no host memory, then the fastest; ``pick.why`` says how far it is from the fastest."""
         return next((c for c in self.candidates if c.name == self.best), None)
 
     def candidate(self, name: str) -> Candidate:
@@ -81,7 +83,8 @@ class Plan:
 
     def apply(self, model, candidate: Optional[str] = None, **optimizer_kwargs):
         """(model, optimizer): the model prepared as the pick (or the candidate named `candidate`) says, and
-        its optimizer, made with ``optimizer_kwargs`` (lr defaults to 3e-4; the others to the optimizer's own).
+        its optimizer, made with ``optimizer_kwargs`` (lr defaults to 3e-4; the others to the optimizer's own;
+        those the candidate sets, state_bits and OffloadAdam's modes, are refused).
         See effmem.plan.apply.apply for what each part of a candidate does to the model."""
         from effmem.plan.apply import apply
         return apply(self, model, candidate, **optimizer_kwargs)
@@ -165,7 +168,7 @@ def plan(model: ModelArg, batch: int = 8, seq: Optional[int] = None, accum: Opti
          gpus: Optional[int] = None, trainable: Optional[str] = None, device: Optional[str] = None,
          clipping: bool = True, headroom: float = HEADROOM, inputs: Optional[InputsFn] = None,
          rates: Optional[Rates] = None) -> Plan:
-    """Predict every candidate configuration's peak memory and step time; pick the fastest that fits.
+    """Predict every candidate configuration's peak memory and step time; pick one that fits (Plan.pick).
 
     model: a preset name (``from effmem.plan import preset_names``: ``effmem.plan`` is this function, which
     hides the package's modules from attribute access), a config.json path, a Hugging Face config or
@@ -216,6 +219,37 @@ def _check_options(headroom, clipping, inputs, rates) -> None:
                         f"makes one), got {type(rates).__name__}")
 
 
+class InputsFailed(ValueError):
+    """The user's inputs callable raised, or returned no (args, kwargs): taken for a model that cannot be
+    traced, the plan fell back on the closed form, silently."""
+
+
+def checked_inputs(inputs: Optional[InputsFn]) -> Optional[InputsFn]:
+    def call(batch, seq, device):
+        try:
+            got = inputs(batch, seq, device)
+        except Exception as e:  # noqa: BLE001
+            raise InputsFailed(f"inputs: the callable raised {type(e).__name__}: {e}") from e
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], (tuple, list))
+                and isinstance(got[1], dict)):
+            raise InputsFailed(f"inputs: expected the callable to return (args, kwargs), a tuple and a dict, got "
+                               f"{type(got).__name__}")
+        return tuple(got[0]), got[1]
+    return None if inputs is None else call
+
+
+def _hinted(e: Exception, spec: ModelSpec, inputs) -> Exception:
+    """A module's trace failed on the default inputs: they are a causal LM's (token ids and labels), and a
+    classifier or a speech model failed deep inside transformers, the error naming neither the inputs nor
+    the way out (a reviewer's Whisper: "'NoneType' object has no attribute 'shape'")."""
+    if inputs is not None or spec.module is None:
+        return e
+    why = e if isinstance(e, TraceFailed) else f"{type(e).__name__}: {e}"
+    return TraceFailed(f"{why} (traced on effmem plan's default inputs, input_ids and labels of [batch, seq] as a "
+                       "causal LM trains on; for another model pass inputs=callable(batch, seq, device) -> (args, "
+                       "kwargs) giving its training forward)")
+
+
 def _cpu_share(gpu_mem: Optional[int], host_mem: int, world: int) -> Tuple[int, Optional[str]]:
     """A CPU rank's memory: gpu_memory where given, at most the host's share per rank; and a note where the
     share cut gpu_memory down (the plan said '1 x cpu with 25.3 GB' for --gpu-memory 80GB, without a word)."""
@@ -236,6 +270,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     if accum is not None:
         accum = whole(accum, "accum", 1)
     _check_options(headroom, clipping, inputs, rates)
+    inputs = checked_inputs(inputs)
     here = machine()
     gpu_mem = parse_bytes(gpu_memory, "gpu_memory")
     if device is None:   # GPU memory or a GPU count asks for GPUs, also on a machine without one
@@ -260,6 +295,11 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
         raise ValueError(f"batch: {batch} sequences do not split evenly over {world} GPUs")
     rates = rates or rates_for("cpu" if device == "cpu" else (here["gpu_name"] or "NVIDIA H100 80GB HBM3"))
 
+    if isinstance(model, nn.Module):
+        on = techniques_on(model, fused_loss=False)
+        if on:   # traced with it, every candidate counted it on top of its own (a "fast" model's: 1/18 kept)
+            raise ValueError(f"model: {'; '.join(on)} already on it; plan() traces the model as it was built "
+                             "and counts each candidate's techniques itself: undo that first")
     spec = model_spec(model, trainable)
     share = _trainable_share(spec)
     notes = [capped] if capped else []
@@ -286,13 +326,15 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
                 spec, seq, torch.bfloat16 if precision == "bf16" else torch.float32, device, inputs, loss,
                 layers_from=standard if isinstance(standard, Activity) else None,
                 fast_from=fused if loss == "fused_gif" and isinstance(fused, Activity) else None)
+        except InputsFailed:   # the user's own callable: no model's trace to fall back from
+            raise
         except Exception as e:  # noqa: BLE001  (a model that cannot run in this dtype: say so, plan the rest)
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             if (precision, loss) == ("bf16", "standard"):
                 from effmem.plan.formula import counts
                 found = counts(hf_config(spec))
                 if found is None:
-                    raise
+                    raise _hinted(e, spec, inputs) from e
                 activity[precision, loss] = FormulaActivity(found, spec, seq, why)
                 notes.append(f"the model could not be traced ({why}): activations from the closed form "
                              "(plan/formula.py), bf16 with the standard loss, kept, checkpointed or saved on the "
@@ -300,7 +342,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
             elif isinstance(activity.get(("bf16", "standard")), FormulaActivity):
                 continue  # every trace fails alike; the formula speaks for bf16 only
             elif precision == "bf16":
-                raise
+                raise _hinted(e, spec, inputs) from e
             else:
                 notes.append(f"{precision} ({loss} loss): the model could not be traced in this dtype "
                              f"({why}); no such candidates")

@@ -1,24 +1,18 @@
 """What autograd saves for backward, recorded from the model itself on meta tensors.
 
-The model's forward runs on the meta device (shapes and dtypes, no memory)
-with a saved_tensors_hooks pack hook that records every saved tensor's
-storage: its bytes, which storage it is (a tensor saved by three ops is held
-once), whether it is a parameter (costs nothing extra), which module was
-running (for the per-kind breakdown) and whether that was inside a decoder
-layer. Pre-hooks on the decoder layers record their inputs: what a
-checkpointed layer keeps. The forward's outputs (loss, logits) are recorded
-too: the training loop holds them until backward.
+The model's forward runs on the meta device (shapes and dtypes, no memory) with a saved_tensors_hooks pack hook that
+records every saved tensor's storage: its bytes, which storage it is (a tensor saved by three ops is held once),
+whether it is a parameter (costs nothing extra), which module was running (for the per-kind breakdown) and whether
+that was inside a decoder layer. Pre-hooks on the decoder layers record their inputs: what a checkpointed layer
+keeps. The forward's outputs (loss, logits) are recorded too: the training loop holds them until backward.
 
-From those records every activation strategy's bytes follow without
-another run (``Trace.activations``): all saved (none), the outside of the
-layers plus their inputs (checkpointing), those plus the outputs of the
-layers' matmuls and attention (selective checkpointing, whose recompute
-traffic is counted too), the saved tensors at effmem's compressed sizes
-(compress), or nothing but the outputs (save_on_cpu).
+From those records every activation strategy's bytes follow without another run (``Trace.activations``): all saved
+(none), the outside of the layers plus their inputs (checkpointing), those plus the outputs of the layers' matmuls
+and attention (selective checkpointing, whose recompute traffic is counted too), the saved tensors at effmem's
+compressed sizes (compress), or nothing but the outputs (save_on_cpu).
 
-Device kernels are modelled as the target device runs them
-(plan/trace_kernels.py: flash attention's saves, CUDA's fused rms_norm, the
-CPU's layer-norm statistics).
+Device kernels are modelled as the target device runs them (plan/trace_kernels.py: flash attention's saves, CUDA's
+fused rms_norm, the CPU's layer-norm statistics).
 """
 import contextlib
 import dataclasses
@@ -28,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
+from torch.utils._pytree import tree_map_only
 
 from effmem import _C
 from effmem.compress._codec import memory_row, packed_bytes, saved_groups
@@ -36,7 +31,6 @@ from effmem.compress.hooks import SIGN_READ
 from effmem.compress.policy import CompressConfig, attention_output, compared_inputs, value_reason
 from effmem.activations import paths, relu
 from effmem.activations.checkpoint import routes_tokens
-from effmem.plan.model import find_blocks
 from effmem.plan.trace_kernels import _Counter, _device_kernels, _Flops, _MetaAutocast, _tensors
 
 # "grads": gradients a loss makes in its forward pass (linear_cross_entropy's grad_in_forward), alive from
@@ -51,11 +45,14 @@ _KIND_WORDS = (("logits", ("lm_head", "head", "output")), ("embedding", ("emb", 
 
 
 def kind_of(module_path: str, in_block: bool, after_head: bool) -> str:
-    """The layer kind a saved tensor is charged to, from the running modules' names (innermost first)."""
+    """The layer kind a saved tensor is charged to, from the running modules' names (innermost first); not
+    "logits" in a layer (BERT's layer.N.output: a classifier's layers were charged 4.2 GB of logits)."""
     if after_head:
         return "logits"  # the loss, computed after the output projection
     for part in reversed(module_path.lower().split(".")) if module_path else ():
         for kind, words in _KIND_WORDS:
+            if kind == "logits" and in_block:
+                continue
             if any(part == w or part.startswith(w) or part.endswith(w) for w in words):
                 return kind
     return "block" if in_block else "other"
@@ -315,9 +312,13 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                for k, v in model.named_buffers()}
     owned = {_storage(t)[0] for t in list(state.values()) + list(buffers.values())}
     args, kwargs = (inputs or (lambda b, s, d: default_inputs(model, b, s, d)))(batch, seq, meta)
+    # float inputs (pixels, audio features) in the traced dtype, as a loop training in it passes them
+    args, kwargs = tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
 
     tr = Trace()
-    blocks = find_blocks(model)[1]
+    # every stack a policy covers: the decoder's alone left a T5's encoder kept under checkpointing (3.8x measured)
+    from effmem.activations import layer_stacks   # (a cycle at import time)
+    blocks = [layer for _, layers in layer_stacks(model) for layer in layers]
     tr.num_blocks = len(blocks)
     tr.routed = bool(blocks) and routes_tokens(blocks[0])
     block_index = {id(m): i for i, m in enumerate(blocks)}
