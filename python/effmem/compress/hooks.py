@@ -267,6 +267,7 @@ class ActivationCompressor:
             self._handles.append(m.register_forward_hook(self._pop_module, always_call=True))
 
     def remove_hooks(self) -> None:
+        """Removes the module hooks track_modules() registered (naming and exclusion end there)."""
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -14,6 +14,7 @@ class Tally:
     bytes_after: int = 0
 
     def add(self, before: int, after: int, count: int = 1) -> None:
+        """`count` saves of `before` bytes stored in `after`."""
         self.count += count
         self.bytes_before += before
         self.bytes_after += after
@@ -82,19 +83,23 @@ class CompressionStats:
 
     @property
     def bytes_saved(self) -> int:
+        """Bytes the compression saved in the latest forward (before less after)."""
         return self.total_bytes_before - self.total_bytes_after
 
     @property
     def num_skipped(self) -> int:
+        """Saves kept as they are, whatever the reason (the reasons: ``skipped``)."""
         return sum(t.count for t in self.skipped.values())
 
     def reset(self) -> None:
+        """Every count back to zero (a new forward's)."""
         self.total_bytes_before = self.total_bytes_after = self.num_compressed = self.deduplicated = 0
         self.by_dtype.clear()
         self.by_module.clear()
         self.skipped.clear()
 
     def record_compressed(self, dtype: str, module: str, before: int, after: int) -> None:
+        """One save of `before` bytes stored compressed in `after`."""
         self.add("compressed", dtype, module, 1, before, after)
 
     def record_extra(self, dtype: str, module: str, nbytes: int) -> None:
@@ -102,6 +107,7 @@ class CompressionStats:
         self._record(dtype, module, 0, nbytes, count=0)
 
     def record_kept(self, reason: str, dtype: str, module: str, nbytes: int) -> None:
+        """One save of `nbytes` kept as it is, for `reason`."""
         self.add(reason, dtype, module, 1, nbytes, nbytes)
 
     def _record(self, dtype: str, module: str, before: int, after: int, count: int = 1) -> None:

@@ -44,6 +44,7 @@ class Rates:
     host_op_s: float = 0.0
 
     def as_dict(self) -> dict:
+        """The rates as plain JSON values (the plan's JSON "rates")."""
         return asdict(self)
 
 
