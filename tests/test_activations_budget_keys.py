@@ -97,8 +97,40 @@ def test_a_forward_s_start_is_seen_through_layerdrop():
     forwards in 100)."""
     m = apply_activation_policy(llama(2).float(), memory_budget=0.5)
     policy, mask = m._effmem_budget, torch.zeros(2, 1, 8, 8)
-    policy._inputs_of_forward(0, [])   # a forward of layer 0 alone, then one of layer 1 alone, with a mask
+    hidden = torch.zeros(2, 8, 64)
+    policy._inputs_of_forward(0, hidden, [])   # a forward of layer 0 alone, then one of layer 1 alone, with a mask
     policy.new_forward(m, (), {})
-    assert policy._inputs_of_forward(1, [mask])[0] == (((2, 1, 8, 8), torch.float32),)
+    assert policy._inputs_of_forward(1, hidden, [mask])[0] == (((2, 1, 8, 8), torch.float32),)
     # index vectors vary with the count of sequences packed, not the memory: a choice per count was made
-    assert policy._inputs_of_forward(0, [torch.zeros(5, dtype=torch.int32)])[0] == ()
+    assert policy._inputs_of_forward(0, hidden, [torch.zeros(5, dtype=torch.int32)])[0] == ()
+
+
+def test_a_stack_whose_hidden_state_changes_shape_is_refused():
+    """Blocks of one class whose width grows along the stack (a CNN's stages) made a choice per shape in one
+    forward, each measuring one layer for the rest and holding the whole budget: every layer plain at 1.62x an
+    int budget, and budget_choice showed the last choice only (a reviewer's repro)."""
+    class Block(torch.nn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.conv1, self.act = torch.nn.Conv2d(cin, cout, 3, 1, 1), torch.nn.GELU()
+
+        def forward(self, x):
+            return self.act(self.conv1(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self, widths):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block(a, b) for a, b in zip(widths, widths[1:]))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum()
+    x = torch.randn(2, 4, 16, 16)
+    m = apply_activation_policy(Net([4, 4, 8, 16]), memory_budget=200_000)
+    with pytest.raises(ValueError, match=r"memory_budget: the layers' hidden state changes along the stack \(layer 0 "
+                                         r"got \(2, 4, 16, 16\) torch.float32, layer 2 \(2, 8, 16, 16\)"):
+        m(x)
+    m = apply_activation_policy(Net([4, 4, 4, 4]), memory_budget=200_000)   # alike layers: one choice
+    m(x).backward()
+    assert len(m._effmem_budget.choices) == 1

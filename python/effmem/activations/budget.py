@@ -204,6 +204,7 @@ class BudgetPolicy:
         self.offloader = Offloader()
         self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
         self._forward_inputs: Optional[tuple] = None   # this forward's first layer's other inputs (_inputs_of_forward)
+        self._forward_hidden: Optional[tuple] = None   # and its index, hidden shape and dtype
         self._last_index = -1
         self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output in this forward
         self.forward_hook = None   # the model's forward pre-hook that forgets them (new_forward)
@@ -321,7 +322,7 @@ class BudgetPolicy:
         self._outputs[index] = weakref.ref(first) if isinstance(first, Tensor) and first is not hidden else None
         return out
 
-    def _inputs_of_forward(self, index: int, others: List[Tensor]) -> tuple:
+    def _inputs_of_forward(self, index: int, hidden: Tensor, others: List[Tensor]) -> tuple:
         """The shapes and dtypes of this forward's first layer's other inputs of 2 dims or more (masks, tables),
         for its choice's key: a padded batch's 4-D mask makes transformers' attention repeat k and v to every
         head (grouped without one), and a choice made without it held 15% over an int budget. Not index vectors:
@@ -335,7 +336,16 @@ class BudgetPolicy:
         if self._forward_inputs is None or index <= self._last_index:
             self._forward_inputs = (tuple((tuple(t.shape), t.dtype) for t in others if t.dim() >= 2),
                                     tuple(layer.training for layer in self.stack))
+            self._forward_hidden = (index, tuple(hidden.shape), hidden.dtype)
             self.comp.reset_stats()
+        elif self._forward_hidden[1:] != (tuple(hidden.shape), hidden.dtype):
+            # one layer measured for all: a stack whose blocks widen (a CNN's stages) made a choice per shape in
+            # one forward, each holding the whole budget (1.62x an int budget, every layer plain)
+            first, shape, dtype = self._forward_hidden
+            raise ValueError(f"memory_budget: the layers' hidden state changes along the stack (layer {first} got "
+                             f"{shape} {dtype}, layer {index} {tuple(hidden.shape)} {hidden.dtype}): the budget "
+                             "measures one layer and counts it for all, so it chooses among alike layers only. "
+                             "Give a policy instead (apply_activation_policy(model, policy='fast' or 'min'))")
         self._last_index = index
         return self._forward_inputs
 
@@ -348,7 +358,7 @@ class BudgetPolicy:
         # autocast too: under it the layer saves other dtypes, and other bytes
         amp = torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) else None
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, compiled, amp, self.side_outputs,
-               self._inputs_of_forward(index, others))
+               self._inputs_of_forward(index, hidden, others))
         choice = self.choices.get(key)
         if choice is not None and key != self.used:   # used again: the last of the choices to go (MAX_CHOICES)
             self.choices[key] = self.choices.pop(key)

@@ -222,8 +222,11 @@ class _RootEnter:
     """Forward pre-hook of a wrapped module: enter the saved-tensor hooks, reset the statistics.
 
     A forward run without grad mode (evaluation) saves nothing, so it enters
-    nothing, costs nothing and leaves the statistics of the last training
-    forward as they were.
+    nothing and leaves the statistics of the last training forward as they
+    were. The module hooks stay, though, and torch's nn.TransformerEncoder
+    takes its inference fast path only for modules without hooks: wrapped, it
+    runs the regular path (other bits, within rounding) until
+    remove_compression().
     """
 
     def __init__(self, compressor: ActivationCompressor):
