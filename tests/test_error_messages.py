@@ -170,14 +170,22 @@ def test_public_entry_points_name_a_wrong_model_pattern_or_scale():
     with pytest.raises(ValueError, match="exclude_modules: '1' matches no module of Sequential .*named as .*: 0"):
         effmem.compress_activations(net, exclude_modules="1")
     with pytest.raises(ValueError, match="exclude_modules: 'nett' matches no module"):
-        effmem.compress_activations(exclude_modules=["nett"], names_from=net)
+        with effmem.compress_activations(exclude_modules=["nett"], names_from=net):   # named at the entry
+            pass
+    later = effmem.compress_activations(exclude_modules=["adapter"], names_from=net)   # a module added before entry
+    net.adapter = torch.nn.Linear(8, 8)
+    with later:
+        pass
+    del net.adapter
+    with pytest.warns(UserWarning, match="exclude_modules: 'lm_head' matches no module .* the other patterns"):
+        compress.remove_compression(effmem.compress_activations(net, exclude_modules=["0", "lm_head"]))
     with pytest.raises(ValueError, match="exclude_modules must be module names"):
         effmem.compress_activations(net, exclude_modules=5)
     assert not hasattr(net, "compress_stats")   # refused before any change
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
     opt = effmem.FusedAdam([p], lr=0.1)
-    for bad in (-1.0, float("nan"), float("inf")):
+    for bad in (-1.0, float("nan"), float("inf"), 10 ** 400):   # (an int past float's range: OverflowError)
         with pytest.raises(ValueError, match="inv_scale: expected a finite number >= 0"):
             opt.step(inv_scale=bad)
     opt.step(inv_scale=0.5)

@@ -92,14 +92,24 @@ def test_the_user_s_inputs_callable_failing_is_named():
                     inputs=lambda b, s, d: torch.zeros(b, s, dtype=torch.long, device=d))
     with pytest.raises(ValueError, match="inputs: the callable raised KeyError"):
         effmem.plan(m, batch=2, seq=32, device="cpu", inputs=lambda b, s, d: {}["boom"])
+    with pytest.raises(ValueError, match=r"got \(tuple, list\)"):
+        effmem.plan(m, batch=2, seq=32, device="cpu", inputs=lambda b, s, d: ((), []))
+    # a tokenizer's BatchEncoding is a mapping, not a dict; args in a list
+    encoded = lambda b, s, d: ([], transformers.BatchEncoding(_classifier_inputs(b, s, d)[1]))
+    assert effmem.plan(m, batch=2, seq=32, device="cpu", inputs=encoded).pick is not None
 
 
 def test_a_module_the_default_inputs_do_not_fit_is_told_to_pass_inputs():
     """A classifier's labels are not token-shaped: the trace failed inside transformers, naming neither the
     inputs nor the way out."""
     from effmem.plan.trace import TraceFailed
-    with pytest.raises(TraceFailed, match=r"Expected input batch_size.*default inputs.*pass inputs=callable"):
+    with pytest.raises(TraceFailed, match=r"Expected input batch_size.*default inputs.*pass inputs=callable") as e:
         effmem.plan(_bert_classifier(), batch=2, seq=32, device="cpu")
+    assert isinstance(e.value.__cause__, TraceFailed) and "Expected input" in str(e.value.__cause__)
+    # a module without a vocabulary gets default_inputs' own refusal, as it was (no hint about token ids)
+    with pytest.raises(TypeError, match="does not know how to call Sequential; pass inputs=") as e:
+        effmem.plan(nn.Sequential(nn.ModuleList([nn.Linear(4, 4)])), batch=2, seq=8, device="cpu")
+    assert e.value.__cause__ is not e.value
 
 
 def test_a_config_naming_another_head_is_refused(tmp_path):
@@ -111,8 +121,10 @@ def test_a_config_naming_another_head_is_refused(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="BertForSequenceClassification, not a causal language model"):
         effmem.plan(str(path), batch=2, seq=32, device="cpu")
-    path.write_text(json.dumps(dict(cfg, architectures=["BertLMHeadModel"], is_decoder=True)))
-    assert effmem.plan(str(path), batch=2, seq=32, device="cpu").pick is not None
+    # a masked LM's head is the vocabulary's logits and loss, planned alike; a draft model's name is no head
+    for names in (["BertLMHeadModel"], ["BertForMaskedLM"], ["LlamaForCausalLMEagle3"], ["TransFormerModel"]):
+        path.write_text(json.dumps(dict(cfg, architectures=names, is_decoder=True)))
+        assert effmem.plan(str(path), batch=2, seq=32, device="cpu").pick is not None
 
 
 @pytest.mark.parametrize("technique", ["policy", "compress"])

@@ -204,7 +204,7 @@ class BudgetPolicy:
         self.offloader = Offloader()
         self.used: Optional[tuple] = None  # the key of the last forward's choice (not the last one made)
         self._forward_inputs: Optional[tuple] = None   # this forward's first layer's other inputs (_inputs_of_forward)
-        self._forward_hidden: Optional[tuple] = None   # and its index, hidden shape and dtype
+        self._forward_hidden: Optional[tuple] = None   # and its index and hidden shape
         self._last_index = -1
         self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output in this forward
         self.forward_hook = None   # the model's forward pre-hook that forgets them (new_forward)
@@ -334,18 +334,20 @@ class BudgetPolicy:
         masks, measured other bytes than training), once per forward too: keyed on each layer's own, layers in
         eval mode among training ones made a second choice in a forward, each holding the whole budget."""
         if self._forward_inputs is None or index <= self._last_index:
+            # (the modes as bytes: a key hashed at every layer call, whose hash bytes keep)
             self._forward_inputs = (tuple((tuple(t.shape), t.dtype) for t in others if t.dim() >= 2),
-                                    tuple(layer.training for layer in self.stack))
-            self._forward_hidden = (index, tuple(hidden.shape), hidden.dtype)
+                                    bytes(layer.training for layer in self.stack))
+            self._forward_hidden = (index, tuple(hidden.shape))
             self.comp.reset_stats()
-        elif self._forward_hidden[1:] != (tuple(hidden.shape), hidden.dtype):
+        elif self._forward_hidden[1] != tuple(hidden.shape):
             # one layer measured for all: a stack whose blocks widen (a CNN's stages) made a choice per shape in
-            # one forward, each holding the whole budget (1.62x an int budget, every layer plain)
-            first, shape, dtype = self._forward_hidden
-            raise ValueError(f"memory_budget: the layers' hidden state changes along the stack (layer {first} got "
-                             f"{shape} {dtype}, layer {index} {tuple(hidden.shape)} {hidden.dtype}): the budget "
-                             "measures one layer and counts it for all, so it chooses among alike layers only. "
-                             "Give a policy instead (apply_activation_policy(model, policy='fast' or 'min'))")
+            # one forward, each holding the whole budget (1.62x an int budget, every layer plain). A dtype that
+            # changes is let be (T5 loaded in fp16 keeps its wo in fp32: a choice for layer 0, one for the rest)
+            first, shape = self._forward_hidden
+            raise ValueError(f"memory_budget: the layers' hidden state changes shape along the stack (layer {first} "
+                             f"got {shape}, layer {index} {tuple(hidden.shape)}): the budget measures one layer and "
+                             "counts it for all, so it chooses among alike layers only. Give a policy instead "
+                             "(apply_activation_policy(model, policy='fast' or 'min'))")
         self._last_index = index
         return self._forward_inputs
 

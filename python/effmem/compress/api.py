@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from effmem import _checks
 from effmem._dynamo import forget_compiled_code
 from effmem.compress.hooks import ActivationCompressor
-from effmem.compress.policy import CompressConfig, ModuleSpec, check_patterns
+from effmem.compress.policy import CompressConfig, ModuleSpec
 
 _ATTR = "_effmem_compressor"
 
@@ -109,8 +109,6 @@ def compress_activations(module: Optional[nn.Module] = None, *, bits: int = 8, g
     if names_from is not None and not isinstance(names_from, nn.Module):
         raise TypeError(f"names_from: expected the model (an nn.Module) whose modules name the statistics, got "
                         f"{type(names_from).__name__}")
-    if names_from is not None or isinstance(module, nn.Module):
-        check_patterns(config.exclude_modules, names_from if names_from is not None else module)
     if module is None:
         if names_from is None and config.exclude_modules:
             raise ValueError("exclude_modules needs to know the modules: pass names_from=model, "

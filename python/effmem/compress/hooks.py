@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from effmem import _C
-from effmem.compress.policy import CompressConfig, attention_output, early_reason, module_excluded, value_reason
+from effmem.compress.policy import (CompressConfig, attention_output, check_patterns, early_reason, module_excluded,
+                                    value_reason)
 from effmem.compress.stats import CompressionStats
 from effmem.compress.tracker import OutputTracker, storage_key
 
@@ -258,6 +259,9 @@ class ActivationCompressor:
 
     def track_modules(self, root: nn.Module, include_root: bool = True) -> None:
         """Name saved tensors after root's submodules (and honour exclude_modules) from now on."""
+        if self.__dict__.get("_checked_root") is not root:   # once per model (the `with` form: at every entry)
+            check_patterns(self.config.exclude_modules, root)
+            self._checked_root = root
         self._root = root
         self._names = {}
         for _, m in root.named_modules():

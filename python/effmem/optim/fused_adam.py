@@ -435,9 +435,10 @@ def _one_value(t, name: str) -> Optional[Tensor]:
     if t is None or isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point():
         return t
     if isinstance(t, (int, float)) and not isinstance(t, bool):
-        if not (math.isfinite(t) and t >= 0):
+        v = float(t) if isinstance(t, float) or abs(t) < 2 ** 1000 else math.inf   # an int past float's range
+        if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name}: expected a finite number >= 0, got {t!r}")
-        return torch.tensor(float(t), dtype=torch.float32)
+        return torch.tensor(v, dtype=torch.float32)
     got = f"a {tuple(t.shape)} {t.dtype} tensor" if isinstance(t, Tensor) else repr(t)
     raise TypeError(f"{name}: expected a one-element floating tensor (or a number), got {got}")
 

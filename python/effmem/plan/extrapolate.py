@@ -34,9 +34,7 @@ def trace_spec(spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, target
             fuse_linear_cross_entropy(model, grad_in_forward=grad_in_forward)
         try:
             t = trace_module(model, batch, seq, dtype, target, inputs, autocast=autocast)
-            if fast and all(getattr(b, "_effmem_policy", None) is None for b in model.modules()):
-                # the same forward under the "fast" activation policy (a module that has a policy of its
-                # own already is traced as it is, without the candidate)
+            if fast:   # the same forward under the "fast" activation policy (plan() refuses a model under one)
                 t.fast = trace_module(model, batch, seq, dtype, target, inputs, fast=True, autocast=autocast)
             return t
         finally:

@@ -2,6 +2,7 @@
 the meta device, whole or cut to its first n decoder layers (the trace's 1- and 2-layer copies)."""
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -109,15 +110,19 @@ def build_model(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
             raise _refused(model_type, e) from None
 
 
+# heads whose outputs are a few numbers per sequence or token, not a vocabulary's logits
+_OTHER_HEADS = re.compile(r"For(Sequence|Token|Image|Audio|Video|AudioFrame)?(Classification|Regression)\w*$|"
+                          r"For(QuestionAnswering|MultipleChoice|NextSentencePrediction|CTC|XVector|RewardModel)\w*$")
+
+
 def _check_architectures(names) -> None:
-    """A config naming another head (BertForSequenceClassification) was planned as the causal LM that
+    """A config naming a classifier's head (BertForSequenceClassification) was planned as the causal LM that
     AutoModelForCausalLM builds from its model_type, without a word: another parameter count, and 4 GB of
-    logits for a two-label classifier. Only heads of another kind are refused (XForY with Y neither CausalLM
-    nor ConditionalGeneration); a bare backbone's name (BertModel) says nothing of the head to train."""
+    logits for a two-label classifier. Refused where every name is such a head; a masked LM's (the same
+    vocabulary logits and loss, planned alike), a draft model's or a backbone's name passes."""
     if not (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names)):
         return
-    heads = [n.rsplit("For", 1)[1] for n in names if "For" in n[1:]]
-    if heads and len(heads) == len(names) and not any(h in ("CausalLM", "ConditionalGeneration") for h in heads):
+    if all(_OTHER_HEADS.search(n) for n in names):
         raise ValueError(f"model: the config's architectures name {', '.join(names)}, not a causal language model; "
                          "effmem plan builds a config's AutoModelForCausalLM, whose head and loss are others. "
                          "Build the model (on the meta device) and plan it, with inputs=callable(batch, seq, "

@@ -4,6 +4,7 @@ import gc
 import itertools
 import numbers
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -230,24 +231,27 @@ def checked_inputs(inputs: Optional[InputsFn]) -> Optional[InputsFn]:
             got = inputs(batch, seq, device)
         except Exception as e:  # noqa: BLE001
             raise InputsFailed(f"inputs: the callable raised {type(e).__name__}: {e}") from e
-        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], (tuple, list))
-                and isinstance(got[1], dict)):
-            raise InputsFailed(f"inputs: expected the callable to return (args, kwargs), a tuple and a dict, got "
-                               f"{type(got).__name__}")
-        return tuple(got[0]), got[1]
+        pair = isinstance(got, (tuple, list)) and len(got) == 2
+        if not (pair and isinstance(got[0], (tuple, list)) and isinstance(got[1], Mapping)):
+            what = (f"({type(got[0]).__name__}, {type(got[1]).__name__})" if pair else
+                    f"{type(got).__name__}" + (f" of {len(got)}" if isinstance(got, (tuple, list)) else ""))
+            raise InputsFailed(f"inputs: expected the callable to return (args, kwargs), a tuple and a mapping "
+                               f"(a dict, a tokenizer's BatchEncoding), got {what}")
+        return tuple(got[0]), dict(got[1])
     return None if inputs is None else call
 
 
-def _hinted(e: Exception, spec: ModelSpec, inputs) -> Exception:
-    """A module's trace failed on the default inputs: they are a causal LM's (token ids and labels), and a
-    classifier or a speech model failed deep inside transformers, the error naming neither the inputs nor
-    the way out (a reviewer's Whisper: "'NoneType' object has no attribute 'shape'")."""
-    if inputs is not None or spec.module is None:
-        return e
+def _raise_hinted(e: Exception, spec: ModelSpec, inputs) -> None:
+    """The trace's error, raised (in an except block); for a module traced on the default token ids and labels
+    (trace.default_inputs: a config with a vocabulary), with the way out: a classifier or a speech model failed
+    deep inside transformers, naming neither (a reviewer's Whisper: "'NoneType' object has no attribute
+    'shape'")."""
+    if inputs is not None or not hasattr(getattr(spec.module, "config", None), "vocab_size"):
+        raise
     why = e if isinstance(e, TraceFailed) else f"{type(e).__name__}: {e}"
-    return TraceFailed(f"{why} (traced on effmem plan's default inputs, input_ids and labels of [batch, seq] as a "
-                       "causal LM trains on; for another model pass inputs=callable(batch, seq, device) -> (args, "
-                       "kwargs) giving its training forward)")
+    raise TraceFailed(f"{why} (traced on effmem plan's default inputs, input_ids and labels of [batch, seq] as a "
+                      "causal LM trains on; for another model pass inputs=callable(batch, seq, device) -> (args, "
+                      "kwargs) giving its training forward)") from e
 
 
 def _cpu_share(gpu_mem: Optional[int], host_mem: int, world: int) -> Tuple[int, Optional[str]]:
@@ -334,7 +338,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
                 from effmem.plan.formula import counts
                 found = counts(hf_config(spec))
                 if found is None:
-                    raise _hinted(e, spec, inputs) from e
+                    _raise_hinted(e, spec, inputs)
                 activity[precision, loss] = FormulaActivity(found, spec, seq, why)
                 notes.append(f"the model could not be traced ({why}): activations from the closed form "
                              "(plan/formula.py), bf16 with the standard loss, kept, checkpointed or saved on the "
@@ -342,7 +346,7 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
             elif isinstance(activity.get(("bf16", "standard")), FormulaActivity):
                 continue  # every trace fails alike; the formula speaks for bf16 only
             elif precision == "bf16":
-                raise _hinted(e, spec, inputs) from e
+                _raise_hinted(e, spec, inputs)
             else:
                 notes.append(f"{precision} ({loss} loss): the model could not be traced in this dtype "
                              f"({why}); no such candidates")
