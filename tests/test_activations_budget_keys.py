@@ -83,7 +83,7 @@ def test_layers_in_eval_mode_among_training_ones_share_the_forward_s_choice():
     m(input_ids=X[:2, :64], labels=X[:2, :64]).loss.backward()
     choice = budget_choice(m)
     assert len(m._effmem_budget.choices) == 1 and choice["start"] == 0
-    assert "fast" in choice["modes"]
+    assert choice["predicted_bytes"] <= int(2.2 * plain) and "fast" in choice["modes"]
     assert activation_stats(m).by_module.keys() >= {f"model.layers.{i}" for i, mode in enumerate(choice["modes"])
                                                     if mode == "fast"}
     m.train()

@@ -109,7 +109,7 @@ def test_a_module_the_default_inputs_do_not_fit_is_told_to_pass_inputs():
     # a module without a vocabulary gets default_inputs' own refusal, as it was (no hint about token ids)
     with pytest.raises(TypeError, match="does not know how to call Sequential; pass inputs=") as e:
         effmem.plan(nn.Sequential(nn.ModuleList([nn.Linear(4, 4)])), batch=2, seq=8, device="cpu")
-    assert e.value.__cause__ is not e.value
+    assert "default inputs" not in str(e.value)
 
 
 def test_a_config_naming_another_head_is_refused(tmp_path):

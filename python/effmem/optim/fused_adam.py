@@ -436,7 +436,7 @@ def _one_value(t, name: str) -> Optional[Tensor]:
         return t
     if isinstance(t, (int, float)) and not isinstance(t, bool):
         v = float(t) if isinstance(t, float) or abs(t) < 2 ** 1000 else math.inf   # an int past float's range
-        if not (math.isfinite(v) and v >= 0):
+        if not 0 <= v <= torch.finfo(torch.float32).max:   # (NaN fails too; float32's range: it is stored so)
             raise ValueError(f"{name}: expected a finite number >= 0, got {t!r}")
         return torch.tensor(v, dtype=torch.float32)
     got = f"a {tuple(t.shape)} {t.dtype} tensor" if isinstance(t, Tensor) else repr(t)
