@@ -226,6 +226,7 @@ class InputsFailed(ValueError):
 
 
 def checked_inputs(inputs: Optional[InputsFn]) -> Optional[InputsFn]:
+    """The user's inputs callable, its failures raised as InputsFailed (which the planner does not fall back on)."""
     def call(batch, seq, device):
         try:
             got = inputs(batch, seq, device)
