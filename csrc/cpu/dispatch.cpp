@@ -17,7 +17,11 @@ bool cpu_has(const std::string& isa) {
            __builtin_cpu_supports("f16c");
   }
   if (isa == "avx512") {
-    return cpu_has("avx2") && __builtin_cpu_supports("avx512f");
+    // BW/VL/DQ too: the unit is built with them, so that the compiler's byte and word loops (8-bit codes)
+    // use 512-bit vectors: on a Zen 4 core adam8's step took 0.89x the time, 8-bit and 4-bit dequantize
+    // 0.80x and 0.85x (quantize the same). Every AVX-512 x86 CPU since Skylake-SP has them.
+    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   }
 #endif
   return false;

@@ -1,5 +1,5 @@
-// AVX-512F kernels (16 float lanes). Built with -mavx512f for this file only;
-// used only when the CPU reports avx512f (plus the AVX2 set).
+// AVX-512 kernels (16 float lanes). Built with -mavx512f/bw/vl/dq for this file only;
+// used only when the CPU reports all four (plus the AVX2 set).
 #include <cstdint>
 #include <type_traits>
 
