@@ -140,3 +140,43 @@ def test_a_stack_whose_hidden_state_changes_shape_is_refused():
     m.layers[0].register_forward_hook(lambda mod, args, out: out.float())
     m = apply_activation_policy(m, memory_budget=0.5)
     m(x.half()).backward()
+
+
+def test_a_choice_made_later_in_a_forward_has_the_rest_of_the_budget():
+    """A hidden dtype that changes along the stack makes a second choice in the forward (allowed: T5 in fp16);
+    it took the whole budget again, on top of what the layers before it held under the first: 1.07x an int
+    budget (a reviewer's repro, layer 0 in fp16)."""
+    class Block(torch.nn.Module):
+        def __init__(self, c=16):
+            super().__init__()
+            self.conv1, self.act = torch.nn.Conv2d(c, c, 3, 1, 1), torch.nn.GELU()
+            self.conv2 = torch.nn.Conv2d(c, c, 3, 1, 1)
+
+        def forward(self, x):
+            return x + self.conv2(self.act(self.conv1(x)))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(6))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.float().pow(2).mean()
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 32, 32)
+    m = apply_activation_policy(Net(), memory_budget=1.0)
+    m(x).backward()
+    nbytes = budget_choice(m)["bytes"]   # a float32 layer's under each mode
+    budget = 4 * nbytes["fast"] + nbytes["plain"]   # what the float32 layers' choice filled, the budget whole
+    torch.manual_seed(0)
+    m = Net()
+    m.layers[0].half()
+    m.layers[0].register_forward_hook(lambda mod, args, out: out.float())
+    m = apply_activation_policy(m, memory_budget=budget)
+    m(x.half()).backward()
+    first, second = m._effmem_budget.choices.values()   # layer 0's (fp16 input), the others' (fp32)
+    assert (first["start"], second["start"]) == (0, 1)
+    held = first["bytes"][first["modes"][0]] + sum(second["bytes"][mode] for mode in second["modes"][1:])
+    assert held <= budget and second["budget_bytes"] == budget - first["bytes"][first["modes"][0]]

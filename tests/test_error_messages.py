@@ -182,11 +182,14 @@ def test_public_entry_points_name_a_wrong_model_pattern_or_scale():
     with pytest.raises(ValueError, match="exclude_modules must be module names"):
         effmem.compress_activations(net, exclude_modules=5)
     assert not hasattr(net, "compress_stats")   # refused before any change
-    p = torch.nn.Parameter(torch.zeros(3))
-    p.grad = torch.ones(3)
-    opt = effmem.FusedAdam([p], lr=0.1)
-    for bad in (-1.0, float("nan"), float("inf"), 1e39, 10 ** 400):   # 1e39: inf in float32, NaN weights
+    import numpy as np
+    p, ref = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    p.grad, ref.grad = torch.ones(3), torch.full((3,), 0.5)
+    # eps=1: the step depends on the gradient's scale (with a small eps Adam's first step does not)
+    opt, opt_ref = effmem.FusedAdam([p], lr=0.1, eps=1.0), effmem.FusedAdam([ref], lr=0.1, eps=1.0)
+    for bad in (-1.0, float("nan"), float("inf"), 1e39, 10 ** 400, np.float32("nan")):   # 1e39: inf in float32
         with pytest.raises(ValueError, match="inv_scale: expected a finite number >= 0"):
             opt.step(inv_scale=bad)
-    opt.step(inv_scale=0.5)
-    assert torch.allclose(p.detach(), torch.full((3,), -0.1))
+    opt.step(inv_scale=np.float32(0.5))   # numpy's float32, no Python float, was "expected ... a number"
+    opt_ref.step()
+    assert torch.equal(p.detach(), ref.detach()) and not torch.equal(p.detach(), torch.full((3,), -0.1))

@@ -214,8 +214,12 @@ def test_apply_refuses_a_model_other_than_the_planned_one():
     for q in same.model.embed_tokens.parameters():
         q.requires_grad_(False)   # frozen by the user: still the planned model
     # an optimizer argument the candidate sets was "got multiple values for keyword argument 'state_bits'"
-    with pytest.raises(ValueError, match=r"optimizer_kwargs: state_bits is the candidate's to choose"):
+    with pytest.raises(ValueError, match=r"state_bits: the candidate's to choose"):
         p.apply(llama(), state_bits=8)
+    assert p.pick.config.optimizer == "gpu"   # FusedAdam: OffloadAdam's modes are none of its options
+    with pytest.raises(ValueError, match=r"async_step, device_state: OffloadAdam's, not options of the candidate's "
+                                         r"FusedAdam"):
+        p.apply(llama(), device_state=0, async_step=True)
     model, opt = p.apply(same, betas=(0.8, 0.9))
     assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["betas"] == (0.8, 0.9)
 

@@ -54,7 +54,7 @@ def test_a_classifier_s_layers_are_not_charged_as_logits():
     assert parts["logits"] < 1024 < parts["activations"]
 
 
-def test_float_inputs_are_traced_in_the_candidate_s_dtype():
+def test_float_inputs_are_traced_and_verified_in_the_candidate_s_dtype():
     """The inputs callable is not told the dtype: a CNN's float32 images met bf16 weights in the bf16 trace,
     which raised ("Input type (float) and bias type (c10::BFloat16) should be the same")."""
     class Block(nn.Module):
@@ -80,7 +80,12 @@ def test_float_inputs_are_traced_in_the_candidate_s_dtype():
     def images(batch, seq, device):
         return (torch.randn(batch, 3, 16, 16, device=device), torch.zeros(batch, dtype=torch.long, device=device)), {}
     p = effmem.plan(CNN(), batch=2, seq=8, device="cpu", inputs=images)
-    assert any(c.name.startswith("bf16") for c in p.candidates) and p.pick is not None
+    bf16 = [c.name for c in p.candidates if c.name.startswith("bf16") and c.fits]
+    assert bf16 and p.pick is not None
+    # verify's steps take them so too (a reviewer's run: they raised as the trace had)
+    from effmem.plan.verify import verify
+    row, = verify(p, candidates=bf16[:1], steps=1, warmup=0, inputs=images)
+    assert row["measured_activation_bytes"] > 0
 
 
 def test_the_user_s_inputs_callable_failing_is_named():
@@ -121,6 +126,10 @@ def test_a_config_naming_another_head_is_refused(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="BertForSequenceClassification, not a causal language model"):
         effmem.plan(str(path), batch=2, seq=32, device="cpu")
+    for name in ("Qwen2ForProcessRewardModel", "Wav2Vec2ForCTC", "LlamaForQuestionAnswering"):   # any other head
+        path.write_text(json.dumps(dict(cfg, architectures=[name])))
+        with pytest.raises(ValueError, match=f"{name}, not a causal language model"):
+            effmem.plan(str(path), batch=2, seq=32, device="cpu")
     # a masked LM's head is the vocabulary's logits and loss, planned alike; a draft model's name is no head
     for names in (["BertLMHeadModel"], ["BertForMaskedLM"], ["LlamaForCausalLMEagle3"], ["TransFormerModel"]):
         path.write_text(json.dumps(dict(cfg, architectures=names, is_decoder=True)))

@@ -206,6 +206,9 @@ class BudgetPolicy:
         self._forward_inputs: Optional[tuple] = None   # this forward's first layer's other inputs (_inputs_of_forward)
         self._forward_hidden: Optional[tuple] = None   # and its index and hidden shape
         self._last_index = -1
+        # what this forward's layers so far hold, and would hold plain, under their choices: a choice made later
+        # in the forward (the hidden dtype changed: T5 in fp16 keeps wo in fp32) has the rest of the budget
+        self._forward_held = self._forward_plain = 0
         self._outputs: Dict[int, Optional[weakref.ref]] = {}   # each layer's last output in this forward
         self.forward_hook = None   # the model's forward pre-hook that forgets them (new_forward)
         # this forward asks the layers for outputs besides their hidden state (output_router_logits=True passed
@@ -271,7 +274,11 @@ class BudgetPolicy:
         link = _link_rate(hidden.device)
         layers = self.layers - start   # those that save something
         max_offload = hidden_layers(layers, layer_s, codes, link)
-        budget = self.budget if isinstance(self.budget, int) else int(self.budget * layers * plain)
+        # less what the layers before it in this forward hold under the choices they ran by (a second choice
+        # in one forward took the whole budget again: 1.07x an int budget, a reviewer's fp16 layer 0)
+        whole = (self.budget if isinstance(self.budget, int)
+                 else int(self.budget * (self._forward_plain + layers * plain)))
+        budget = max(whole - self._forward_held, 0)
         # "min"'s codes take float32, bf16 and fp16 hidden states (a float64 model: "fast" keeps what it cannot code)
         coded = hidden.dtype in _codec.FLOAT_DTYPES
         allow_min = self.allow_min and not self.side_outputs and coded
@@ -338,6 +345,7 @@ class BudgetPolicy:
             self._forward_inputs = (tuple((tuple(t.shape), t.dtype) for t in others if t.dim() >= 2),
                                     bytes(layer.training for layer in self.stack))
             self._forward_hidden = (index, tuple(hidden.shape))
+            self._forward_held = self._forward_plain = 0
             self.comp.reset_stats()
         elif self._forward_hidden[1] != tuple(hidden.shape):
             # one layer measured for all: a stack whose blocks widen (a CNN's stages) made a choice per shape in
@@ -381,6 +389,8 @@ class BudgetPolicy:
                                                              start=index)
         self.used = key
         mode = choice["modes"][index]
+        self._forward_held += choice["bytes"][mode]
+        self._forward_plain += choice["bytes"]["plain"]
         if mode == "fast":   # (the statistics are reset at the forward's start: _inputs_of_forward)
             with self.comp.layer(name, hidden, others, shapes, False):
                 out = fast_fn(*args, **kwargs)

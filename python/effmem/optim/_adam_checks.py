@@ -1,6 +1,8 @@
 """FusedAdam's checks of what changed in place since the last step, run over every group's buckets before any
 is stepped: a refused step changes nothing (the kernel refuses these too, but only after the buckets before its
-own were updated and their step counts advanced)."""
+own were updated and their step counts advanced); and step()'s inv_scale and found_inf numbers (one_value)."""
+import math
+import numbers
 import re
 from typing import List, Optional, Tuple
 
@@ -89,3 +91,18 @@ def named(err: Exception, first: int, group, key, bits: int) -> Exception:
 # The kernel's lists, named in its messages as exp_avgs[i]
 _LIST_ENTRY = re.compile(r"\b(params|grads|exp_avg_sq_scales|exp_avg_scales|exp_avg_sqs|exp_avgs|masters|steps)"
                          r"\[(\d+)\]")
+
+
+def one_value(t, name: str) -> Optional[Tensor]:
+    """inv_scale / found_inf as step() takes them: None, a number, or a one-element floating tensor. A number's
+    value is read here at no cost (a tensor's is the caller's: a read would sync): an inv_scale of -1 was
+    gradient ascent, NaN every weight NaN, silently."""
+    if t is None or isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point():
+        return t
+    if isinstance(t, numbers.Real) and not isinstance(t, bool):   # numpy's scalars too (np.float32 is no float)
+        v = float(t) if isinstance(t, float) or abs(t) < 2 ** 1000 else math.inf   # an int past float's range
+        if not 0 <= v <= torch.finfo(torch.float32).max:   # (NaN fails too; float32's range: it is stored so)
+            raise ValueError(f"{name}: expected a finite number >= 0, got {t!r}")
+        return torch.tensor(v, dtype=torch.float32)
+    got = f"a {tuple(t.shape)} {t.dtype} tensor" if isinstance(t, Tensor) else repr(t)
+    raise TypeError(f"{name}: expected a one-element floating tensor (or a number), got {got}")

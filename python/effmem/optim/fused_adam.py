@@ -1,5 +1,4 @@
 """FusedAdam: Adam/AdamW with fp32 master weights in one fused kernel."""
-import math
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -237,7 +236,8 @@ class FusedAdam(AdamBase):
             inv_scale = self.grad_scale.double().reciprocal().float()
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        inv_scale, found_inf = _one_value(inv_scale, "inv_scale"), _one_value(found_inf, "found_inf")
+        inv_scale = _adam_checks.one_value(inv_scale, "inv_scale")
+        found_inf = _adam_checks.one_value(found_inf, "found_inf")
         if self._pending_grad_scale and self._pending_outside_capture and _capturing():
             raise RuntimeError("FusedAdam.step is being captured in a CUDA graph while a clip from "
                                "clip_grad_norm_() called outside the graph is pending; the graph would keep "
@@ -426,21 +426,6 @@ def _lr_and_advance(lr, device: torch.device, inf: Optional[Tensor]):
         lr_ok = torch.isfinite(lr_tensor) & (lr_tensor >= 0)
         advance = lr_ok if advance is None else advance & lr_ok
     return lr, lr_tensor, None if advance is None else advance.to(torch.float32).reshape(())
-
-
-def _one_value(t, name: str) -> Optional[Tensor]:
-    """inv_scale / found_inf as step() takes them: None, a number, or a one-element floating tensor. A number's
-    value is read here at no cost (a tensor's is the caller's: a read would sync): an inv_scale of -1 was
-    gradient ascent, NaN every weight NaN, silently."""
-    if t is None or isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point():
-        return t
-    if isinstance(t, (int, float)) and not isinstance(t, bool):
-        v = float(t) if isinstance(t, float) or abs(t) < 2 ** 1000 else math.inf   # an int past float's range
-        if not 0 <= v <= torch.finfo(torch.float32).max:   # (NaN fails too; float32's range: it is stored so)
-            raise ValueError(f"{name}: expected a finite number >= 0, got {t!r}")
-        return torch.tensor(v, dtype=torch.float32)
-    got = f"a {tuple(t.shape)} {t.dtype} tensor" if isinstance(t, Tensor) else repr(t)
-    raise TypeError(f"{name}: expected a one-element floating tensor (or a number), got {got}")
 
 
 def _per_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:

@@ -52,7 +52,7 @@ class Activity:
         self.loss, self.target, self.fast_from = loss, target, fast_from
         self.fused_loss = loss != "standard"
         self.method, self.seq = self.one.method, seq
-        # traced under the "fast" policy too (not for a module with a policy of its own)
+        # traced under the "fast" policy too
         self.has_fast = fast_from.has_fast if fast_from is not None else self.one.has_fast and self.two.has_fast
         # a layer writing into a product's output in place: the "selective" policy refuses the model
         self.selective_refused = self.one.selective_refused or self.two.selective_refused

@@ -86,9 +86,9 @@ def check_device(plan) -> None:
                            "none; plan with device='cpu' to train on the CPU")
 
 
-# the optimizer's arguments a candidate sets itself
-_CANDIDATE_KWARGS = {"params", "state_bits", "overlap", "async_step", "device_accumulation", "device_state",
-                     "optimizer_class"}
+# the optimizer's arguments a candidate sets itself, and OffloadAdam's modes (a FusedAdam candidate has none)
+_CANDIDATE_KWARGS = {"params", "state_bits", "optimizer_class"}
+_OFFLOAD_MODES = {"overlap", "async_step", "device_accumulation", "device_state"}
 
 
 def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3e-4,
@@ -104,7 +104,8 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
     activation policy (under one, a layer run again refuses a cache: remove_activation_policy(model) undoes
     both). Run ``accumulation`` micro-batches of
     ``micro_batch`` sequences per optimizer step (``plan.pick.config``), each inside
-    ``plan.micro_batch(opt, j, accumulation)``.
+    ``plan.micro_batch(opt, j, accumulation)``, float inputs (pixels, audio features) in the weights' dtype,
+    as plan() traced them and verify() passes them (a bf16 candidate's convolution refuses float32 images).
     """
     c = plan.pick if candidate is None else plan.candidate(candidate)
     if c is None:
@@ -112,10 +113,12 @@ def apply(plan, model: nn.Module, candidate: Optional[str] = None, lr: float = 3
                            f"(see str(plan) for how far each candidate is over)")
     cfg = c.config
     _checks.module(model)
-    chosen = sorted(optimizer_kwargs.keys() & _CANDIDATE_KWARGS)
+    chosen = sorted(optimizer_kwargs.keys() & (_CANDIDATE_KWARGS | _OFFLOAD_MODES))
     if chosen:   # passed on, they met the candidate's own: "got multiple values for keyword argument"
-        raise ValueError(f"optimizer_kwargs: {', '.join(chosen)} is the candidate's to choose ({c.name}); plan "
-                         "with the option you want among the candidates, or apply one that has it")
+        which = ("OffloadAdam's, not options of the candidate's FusedAdam" if cfg.optimizer == "gpu"
+                 and set(chosen) <= _OFFLOAD_MODES else "the candidate's to choose")
+        raise ValueError(f"{', '.join(chosen)}: {which} ({c.name}); plan with the option you want among the "
+                         "candidates, or apply one that has it")
     _check_same_model(plan, model)
     if cfg.sharding != "none":
         _check_distributed(plan, c.name)

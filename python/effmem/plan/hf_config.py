@@ -110,9 +110,16 @@ def build_model(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
             raise _refused(model_type, e) from None
 
 
-# heads whose outputs are a few numbers per sequence or token, not a vocabulary's logits
-_OTHER_HEADS = re.compile(r"For(Sequence|Token|Image|Audio|Video|AudioFrame)?(Classification|Regression)\w*$|"
-                          r"For(QuestionAnswering|MultipleChoice|NextSentencePrediction|CTC|XVector|RewardModel)\w*$")
+# the heads of a vocabulary's logits (LlamaForCausalLMEagle3's too); any other For<Head> gives a few numbers per
+# sequence or token (a classifier, QA, CTC, a reward model: Qwen2ForProcessRewardModel passed a list of those)
+_LM_HEADS = ("CausalLM", "MaskedLM", "ConditionalGeneration", "PreTraining")
+
+
+def _another_head(name: str) -> bool:
+    """Whether the architecture's name is For<Head> of a head not a language model's; a name without For and a
+    capital is a backbone's or an LM head's (BertModel, GPT2LMHeadModel, TransFormerModel)."""
+    heads = re.findall(r"For([A-Z]\w*)", name)
+    return bool(heads) and not heads[-1].startswith(_LM_HEADS)
 
 
 def _check_architectures(names) -> None:
@@ -122,7 +129,7 @@ def _check_architectures(names) -> None:
     vocabulary logits and loss, planned alike), a draft model's or a backbone's name passes."""
     if not (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names)):
         return
-    if all(_OTHER_HEADS.search(n) for n in names):
+    if all(_another_head(n) for n in names):
         raise ValueError(f"model: the config's architectures name {', '.join(names)}, not a causal language model; "
                          "effmem plan builds a config's AutoModelForCausalLM, whose head and loss are others. "
                          "Build the model (on the meta device) and plan it, with inputs=callable(batch, seq, "

@@ -324,6 +324,5 @@ def techniques_on(model: nn.Module, fused_loss: bool) -> List[str]:
     if model.__dict__.get("_effmem_save_on_cpu") is not None:
         found.append("an earlier apply()'s save_on_cpu hooks (build the model again)")
     if not fused_loss and model.__dict__.get("_effmem_fused_forward") is not None:
-        found.append("fuse_linear_cross_entropy, where the standard loss is counted (unfuse_linear_cross_entropy("
-                     "model))")
+        found.append("fuse_linear_cross_entropy (unfuse_linear_cross_entropy(model))")
     return found

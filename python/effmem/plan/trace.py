@@ -12,8 +12,7 @@ and attention (selective checkpointing, whose recompute traffic is counted too),
 compressed sizes (compress), or nothing but the outputs (save_on_cpu).
 
 Device kernels are modelled as the target device runs them (plan/trace_kernels.py: flash attention's saves, CUDA's
-fused rms_norm, the CPU's layer-norm statistics).
-"""
+fused rms_norm, the CPU's layer-norm statistics)."""
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
@@ -269,6 +268,13 @@ def default_inputs(model: nn.Module, batch: int, seq: int, device) -> Tuple[tupl
 InputsFn = Callable[[int, int, torch.device], Tuple[tuple, dict]]
 
 
+def model_inputs(model: nn.Module, inputs: Optional[InputsFn], batch: int, seq: int, device, dtype):
+    """inputs' (else default_inputs') (args, kwargs), float tensors (pixels, audio features) in `dtype`, the
+    weights', as a loop training in it passes them: the trace and verify's steps take the same."""
+    args, kwargs = (inputs or (lambda b, s, d: default_inputs(model, b, s, d)))(batch, seq, device)
+    return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+
+
 class TraceFailed(RuntimeError):
     """The model's own forward raised on the trace's inputs (a config it cannot run as given: DeepSeek-V2's
     defaults, X-MOD without a default language): its message is the error's type and text."""
@@ -311,9 +317,7 @@ def trace_module(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, tar
                                    or k.rsplit(".", 1)[-1].endswith("inv_freq") else dtype)
                for k, v in model.named_buffers()}
     owned = {_storage(t)[0] for t in list(state.values()) + list(buffers.values())}
-    args, kwargs = (inputs or (lambda b, s, d: default_inputs(model, b, s, d)))(batch, seq, meta)
-    # float inputs (pixels, audio features) in the traced dtype, as a loop training in it passes them
-    args, kwargs = tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+    args, kwargs = model_inputs(model, inputs, batch, seq, meta, dtype)
 
     tr = Trace()
     # every stack a policy covers: the decoder's alone left a T5's encoder kept under checkpointing (3.8x measured)

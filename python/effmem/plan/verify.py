@@ -21,7 +21,7 @@ from effmem.optim._validate import whole
 from effmem.plan.apply import check_device, micro_batch
 from effmem.plan.costs import under_autocast
 from effmem.plan.report import size_text
-from effmem.plan.trace import default_inputs
+from effmem.plan.trace import model_inputs
 
 
 class _MallInfo2(ctypes.Structure):
@@ -124,7 +124,7 @@ def _measure(c, m: nn.Module, opt, steps: int, seq: int, inputs, warmup: int = 0
     held: bytes the GPU held before the candidate's model was made, left out of its peak."""
     device = next(m.parameters()).device
     cfg = c.config
-    args, kwargs = (inputs or (lambda b, s, d: default_inputs(m, b, s, d)))(cfg.micro_batch, seq, device)
+    args, kwargs = model_inputs(m, inputs, cfg.micro_batch, seq, device, next(m.parameters()).dtype)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=under_autocast(cfg.precision, device.type))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
