@@ -292,6 +292,23 @@ def test_a_cache_with_gradients_is_turned_off_or_refused(policy, training):
         assert m(input_ids=x).past_key_values.get_seq_length() == x.shape[1]
 
 
+def test_a_cache_handed_in_with_gradients_under_fast_is_filled_and_returned():
+    """'fast' runs each layer once, so a cache the caller hands in (scoring a continuation with gradients) is
+    theirs to fill: use_cache was turned off all the same, the layers filled the cache while GPT-2's forward
+    returned none, and a call chained on its past_key_values ran without the prefix (logits 0.54 off, a
+    reviewer's repro)."""
+    m, plain = gpt2().eval(), gpt2().eval()
+    apply_activation_policy(m, "fast")
+    x = ids(seq=10)
+    name = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
+    logits = []
+    for model in (m, plain):
+        first = model(input_ids=x[:, :8], use_cache=True, **{name: transformers.DynamicCache(config=model.config)})
+        assert first.past_key_values is not None and first.past_key_values.get_seq_length() == 8
+        logits.append(model(input_ids=x[:, 8:], **{name: first.past_key_values}).logits)
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("policy", ["fast", "min", "selective", "budget"])
 def test_a_model_under_a_policy_pickles(policy):
     """torch.save(model) of a model under a policy (its hooks were a local closure: "Can't pickle local

@@ -40,7 +40,10 @@ class _NoCache:
         self.position = position
 
     def __call__(self, module, args, kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _holds_cache(args, kwargs):
+            # A cache handed in is the caller's to fill ("fast" runs each layer once; the policies that run one
+            # again refuse it: refuse_cache). Turned off, the layers filled it all the same but GPT-2's and
+            # Qwen2's forwards returned none, and a call chained on that ran without its prefix (a reviewer's)
             return None
         position = self.position
         positional = position is not None and position < len(args)
@@ -54,11 +57,16 @@ class _NoCache:
         return args, {**kwargs, "use_cache": False}
 
 
+def _holds_cache(args, kwargs) -> bool:
+    """Whether a key/value cache object (transformers' DynamicCache, MambaCache, ...) is among the arguments."""
+    return any(type(a).__name__.endswith("Cache") for a in (*args, *kwargs.values()))
+
+
 def refuse_cache(layer: nn.Module, args, kwargs) -> None:
     """A cache object given to a layer that will run again, in a forward with gradients: refused (a recomputed
     layer, or the budget's probes, would add its keys and values again; use_cache=False alone does not stop a
     layer from updating a cache it is handed)."""
-    if any(type(a).__name__.endswith("Cache") for a in (*args, *kwargs.values())):
+    if _holds_cache(args, kwargs):
         raise TypeError(f"{type(layer).__name__}: got a key/value cache in a forward with gradients; this "
                         "activation policy runs the layer again ('min', 'checkpoint' and 'selective' in backward, "
                         "memory_budget's probes at a new shape), which would add to the cache again. Pass no "
