@@ -195,11 +195,11 @@ def grad(p: Tensor) -> Tensor:
 
 
 def grad_like(p: Tensor, g: Tensor) -> Tensor:
-    """g checked as a gradient of p, in p's memory layout."""
-    if g.is_sparse:
-        raise TypeError("grad: sparse gradients are not supported; use a dense embedding or torch.optim.SparseAdam")
-    if g.is_complex() or g.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"grad: expected float32, bfloat16 or float16 gradients, got {g.dtype}")
+    """g checked as a gradient of p (named by its shape: which of a model's parameters), in p's memory layout."""
+    if g.is_sparse or g.is_complex() or g.dtype not in SUPPORTED_DTYPES:
+        got = "a sparse one (use a dense embedding or torch.optim.SparseAdam)" if g.is_sparse else str(g.dtype)
+        raise TypeError(f"grad of the parameter of shape {tuple(p.shape)}: expected a dense float32, bfloat16 or "
+                        f"float16 gradient, got {got}")
     if g.stride() != p.stride():
         g = torch.empty_like(p, dtype=g.dtype).copy_(g)
     return g
