@@ -180,3 +180,25 @@ def test_a_choice_made_later_in_a_forward_has_the_rest_of_the_budget():
     assert (first["start"], second["start"]) == (0, 1)
     held = first["bytes"][first["modes"][0]] + sum(second["bytes"][mode] for mode in second["modes"][1:])
     assert held <= budget and second["budget_bytes"] == budget - first["bytes"][first["modes"][0]]
+
+
+@pytest.mark.parametrize("budget", [0.5, 400_000])
+def test_a_first_layer_fed_frozen_embeddings_measures_the_later_layers(budget):
+    """The layer measured stands for the others: its input, the frozen embeddings' output, needed no gradient,
+    so it saved less than every later layer, whose input comes from a layer with weights to train. A LoRA-style
+    stack (down_proj trained) then stored 2.1x its budget under "fast" (a reviewer's run)."""
+    from effmem.activations import activation_stats
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False)).train()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    for layer in m.model.layers:
+        layer.mlp.down_proj.weight.requires_grad_(True)
+    m = apply_activation_policy(m, memory_budget=budget)
+    x = X[:2, :64] % 128
+    m(input_ids=x, labels=x).loss.backward()
+    choice = budget_choice(m)
+    assert "fast" in choice["modes"]
+    assert activation_stats(m).total_bytes_after <= choice["predicted_bytes"] <= choice["budget_bytes"]

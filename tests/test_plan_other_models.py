@@ -131,7 +131,8 @@ def test_a_config_naming_another_head_is_refused(tmp_path):
         with pytest.raises(ValueError, match=f"{name}, not a causal language model"):
             effmem.plan(str(path), batch=2, seq=32, device="cpu")
     # a masked LM's head is the vocabulary's logits and loss, planned alike; a draft model's name is no head
-    for names in (["BertLMHeadModel"], ["BertForMaskedLM"], ["LlamaForCausalLMEagle3"], ["TransFormerModel"]):
+    for names in (["BertLMHeadModel"], ["BertForMaskedLM"], ["LlamaForCausalLMEagle3"], ["TransFormerModel"],
+                  ["XForYForCausalLM"]):   # the last For<Head> counts
         path.write_text(json.dumps(dict(cfg, architectures=names, is_decoder=True)))
         assert effmem.plan(str(path), batch=2, seq=32, device="cpu").pick is not None
 

@@ -135,9 +135,14 @@ def _unrecorded():
 def _copies(hidden: Tensor, others: List[Tensor], args, kwargs):
     """The layer's inputs for the probes, each tensor a copy (with its graph, so that what needs a gradient
     still does): a layer that changes its input in place (x.mul_, an in-place ReLU) changed the real one once
-    per probe, three times in all, and the forward's values with it. Parameters are passed as they are."""
+    per probe, three times in all, and the forward's values with it. Parameters are passed as they are.
+    The hidden state's copy needs a gradient whatever the real one does: the layer measured stands for the
+    later ones, whose input comes from a layer with weights to train. Measured on a first layer fed frozen
+    embeddings, a LoRA-style stack (down_proj trained) stored 2.1x its budget (a reviewer's run)."""
     from torch.utils._pytree import tree_map
     made: Dict[int, Tensor] = {}
+    if hidden.is_floating_point() and not hidden.requires_grad:   # (not a leaf: no parameter to the counts)
+        made[id(hidden)] = hidden.detach().requires_grad_(True).clone()
 
     def copy(x):
         if not isinstance(x, Tensor) or isinstance(x, torch.nn.Parameter):

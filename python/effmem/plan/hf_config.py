@@ -110,16 +110,18 @@ def build_model(cfg: dict, num_layers: Optional[int] = None) -> nn.Module:
             raise _refused(model_type, e) from None
 
 
-# the heads of a vocabulary's logits (LlamaForCausalLMEagle3's too); any other For<Head> gives a few numbers per
-# sequence or token (a classifier, QA, CTC, a reward model: Qwen2ForProcessRewardModel passed a list of those)
-_LM_HEADS = ("CausalLM", "MaskedLM", "ConditionalGeneration", "PreTraining")
+# the heads of a vocabulary's logits (LlamaForCausalLMEagle3's too; the text generators plan has no causal LM of,
+# refused with their model_type); any other For<Head> gives a few numbers per sequence or token (a classifier, QA,
+# CTC, a reward model: Qwen2ForProcessRewardModel passed a list of those)
+_LM_HEADS = ("CausalLM", "MaskedLM", "ConditionalGeneration", "PreTraining", "VisionText2Text", "TextToText",
+             "SpeechToText", "CausalImageModeling")
 
 
 def _another_head(name: str) -> bool:
-    """Whether the architecture's name is For<Head> of a head not a language model's; a name without For and a
-    capital is a backbone's or an LM head's (BertModel, GPT2LMHeadModel, TransFormerModel)."""
-    heads = re.findall(r"For([A-Z]\w*)", name)
-    return bool(heads) and not heads[-1].startswith(_LM_HEADS)
+    """Whether the architecture's name is For<Head> of a head not a language model's, by its last For and a
+    capital; a name without one is a backbone's or an LM head's (BertModel, GPT2LMHeadModel, TransFormerModel)."""
+    heads = [m.end() for m in re.finditer(r"For(?=[A-Z])", name)]
+    return bool(heads) and not name[heads[-1]:].startswith(_LM_HEADS)
 
 
 def _check_architectures(names) -> None:
