@@ -100,7 +100,8 @@ def one_value(t, name: str) -> Optional[Tensor]:
     if t is None or isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point():
         return t
     if isinstance(t, numbers.Real) and not isinstance(t, bool):   # numpy's scalars too (np.float32 is no float)
-        v = float(t) if isinstance(t, float) or abs(t) < 2 ** 1000 else math.inf   # an int past float's range
+        # an int past float's range is inf (numpy's floats not compared with 2**1000: it overflowed, with a warning)
+        v = float(t) if not isinstance(t, numbers.Integral) or abs(t) < 2 ** 1000 else math.inf
         if not 0 <= v <= torch.finfo(torch.float32).max:   # (NaN fails too; float32's range: it is stored so)
             raise ValueError(f"{name}: expected a finite number >= 0, got {t!r}")
         return torch.tensor(v, dtype=torch.float32)
