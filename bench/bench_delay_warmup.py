@@ -36,7 +36,7 @@ from effmem.optim.offload_adam import CORRECTION_WARMUP  # noqa: E402
 @dataclasses.dataclass
 class Setting:
     """What the runs of one comparison share. seed: the model's initialisation and the batches' order (0: the
-    README's single-seed figures); clip: the global norm clipped to (0: none)."""
+    single-seed figures of docs/offload_adam.md); clip: the global norm clipped to (0: none)."""
     corpus: torch.Tensor
     steps: int
     schedule: bool = False

@@ -60,7 +60,7 @@ def _fence_unless_reached(state, engine, raised: set, task: int) -> None:
 class OffloadGuards:
     def _warn_host_accumulation(self) -> None:
         """accumulating() under delay_correction with buckets that device_accumulation does not keep: those go
-        up as plain delay's (the device holds only the last micro-batch's gradient), as README says; said once,
+        up as plain delay's (the device holds only the last micro-batch's gradient), as docs/offload_adam.md says; said once,
         since nothing else shows that the correction is off for them (a reviewer measured plain delay's loss
         with it on)."""
         # cheap tests first (accumulating() runs per micro-batch); stream_grads=False: every gradient adds up in

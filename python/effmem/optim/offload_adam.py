@@ -142,13 +142,13 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             backward's gradients. With accumulation on the host, buckets not
             kept by ``device_accumulation`` go up as plain delay's. Costs
             2 B/param more up the link per step, 4 B/param of pinned host
-            memory (bf16) and host time; the README gives the figures.
+            memory (bf16) and host time; docs/offload_adam.md gives the figures.
         delay_warmup: with ``delay=True``, the number of exact steps taken
             first (each installs its weights before returning), counted from
             the first step or a loaded checkpoint's. Default: 0 for plain
             delay (no warm-up short of the run closed its gap on a small Llama),
             ``CORRECTION_WARMUP`` (40) with ``delay_correction``, whose
-            predictions miss most in a run's first steps (README: figures of
+            predictions miss most in a run's first steps (docs/offload_adam.md: figures of
             bench/bench_delay_warmup.py and ``effmem demo``).
         state_bits: 32 (float32 moments) or 8 (8-bit moments with a float32 scale per 256
             elements, as FusedAdam's: about 6 bytes per parameter on the host with the fp32 master,
