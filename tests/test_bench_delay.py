@@ -39,7 +39,7 @@ def test_host_update_prints_a_ratio_per_moment_format(capsys):
 
 
 def test_both_write_json_with_the_environment(tmp_path):
-    """The README quotes both scripts' figures: their runs are kept as JSON with device, torch and commit, the
+    """docs/offload_adam.md quotes both scripts' figures: their runs are kept as JSON with device, torch and commit, the
     host update's rows with their bandwidth against a copy timed in the same rounds."""
     import json
     load("bench_host_update").main(["--numel", "4096", "--repeat", "2", "--json", str(tmp_path / "h.json")])

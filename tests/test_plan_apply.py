@@ -317,7 +317,7 @@ def test_apply_takes_a_wrapper_whose_policy_was_removed_through_the_model_inside
 
 def test_apply_turns_the_training_cache_off_and_restore_training_cache_turns_it_back_on():
     """apply() turns the key/value cache off in forwards with gradients for every candidate (as its prediction
-    has it), where no undo a README names took it off for candidates without an activation policy (a
+    has it), where no undo the docs name took it off for candidates without an activation policy (a
     reviewer's repro): effmem.activations.restore_training_cache, public now, does; the warning names plan.apply."""
     p = effmem.plan(TINY, batch=2, seq=32, device="cpu", host_memory="8GB")
     c = pick_of(p, precision="fp32", activations="none", micro_batch=2, loss="standard")
