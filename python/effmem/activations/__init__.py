@@ -53,8 +53,8 @@ from torch import Tensor, nn
 from effmem import _checks
 from effmem._replicas import holds_refusal, refuse_replication
 from effmem.activations import paths, relu
-from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_hf_checkpointing,
-                                      restore_training_cache)
+from effmem.activations.cache import (HF_CHECKPOINTING, no_training_cache, refuse_cache, refuse_func_transforms,
+                                      refuse_hf_checkpointing, restore_training_cache)
 from effmem.activations.checkpoint import SEEDS, Seeds, checkpoint_layer, compressed_checkpoint, restore_layer
 from effmem.activations.compiled import compiled_forward, leaves_graph
 from effmem.activations.budget import BudgetPolicy, check_budget
@@ -219,6 +219,7 @@ def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first:
     if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
         return original(*args, **kwargs)
     refuse_hf_checkpointing(layer)
+    refuse_func_transforms(layer)
     _hidden_tensor(layer, args, kwargs, 'the "fast" policy')
     if _in_users_checkpoint(comp, first):
         return original(*args, **kwargs)
@@ -248,6 +249,7 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
         return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
     _hidden_tensor(layer, args, kwargs, "memory_budget")
     refuse_hf_checkpointing(layer)
+    refuse_func_transforms(layer)
     if _in_users_checkpoint(budget.comp, index == 0):
         return original(*args, **kwargs)
     if torch.compiler.is_compiling():

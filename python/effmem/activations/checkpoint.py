@@ -22,7 +22,6 @@ accumulated into existing ones.
 """
 import contextlib
 import functools
-import itertools
 import re
 import weakref
 from contextlib import nullcontext
@@ -32,10 +31,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
+from effmem.activations.cache import refuse_cache, refuse_func_transforms, refuse_hf_checkpointing
 from effmem.activations import relu
 from effmem.activations.compiled import compiled_forward, leaves_graph
-from effmem.activations.torch_checkpoint import buffers_kept, modes_as, torch_checkpointed
+from effmem.activations.torch_checkpoint import as_in_forward, buffers_kept, modes_as, tensors_read, torch_checkpointed
 from effmem.compress import _codec
 from effmem.compress.hooks import torch_checkpoint_on_top
 from effmem.compress.functions import _as_rows, _seed
@@ -247,6 +246,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     if torch.compiler.is_compiling():
         return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
     refuse_hf_checkpointing(layer)
+    refuse_func_transforms(layer)
     if torch_checkpoint_on_top():
         return original(*args, **kwargs)   # in the user's torch checkpoint: recomputed there once, not twice
     by_name = not args
@@ -267,7 +267,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     leaves, spec = tree_flatten((rest, kwargs))
     grad_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
     params = [p for p in layer.parameters() if p.requires_grad]
-    held = dict(itertools.chain(layer.named_parameters(), layer.named_buffers()))   # what this forward reads
+    held = tensors_read(layer)   # what this forward reads
     modes = [(m, m.training) for m in layer.modules()]   # and in which modes (dropout on or off)
     tail = {}
 
@@ -277,7 +277,7 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
             args_[i] = e
         rest_, kwargs_ = tree_unflatten(args_, spec)
         replay, tail["ran"] = "ran" in tail, True   # the forward's own run reads what it reads
-        with _as_in_forward(layer, held) if replay else nullcontext(), modes_as(modes) if replay else nullcontext():
+        with as_in_forward(layer, held) if replay else nullcontext(), modes_as(modes) if replay else nullcontext():
             out = original(*rest_, hidden_states=x_, **kwargs_) if by_name else original(x_, *rest_, **kwargs_)
         if isinstance(out, list):   # a list in the tuple's place (OpenAI GPT's Block): given back as a list
             out, tail["list"] = tuple(out), True
@@ -307,19 +307,6 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
         out_leaves[i] = o
     out = (outs[0], *tree_unflatten(out_leaves, tail["spec"]))
     return list(out) if tail.get("list") else out
-
-
-def _as_in_forward(layer: nn.Module, held: dict):
-    """The recompute reads the tensors the forward read. Under torch.func.functional_call (MAML, an EMA's
-    weights) those were the call's, put back by the time backward recomputes: the recompute read the module's
-    own, and the call's tensors got no gradient while the module's parameters got one from other weights,
-    silently."""
-    now = dict(itertools.chain(layer.named_parameters(), layer.named_buffers()))
-    changed = {name: t for name, t in held.items() if now.get(name) is not t}
-    if not changed:
-        return nullcontext()
-    from torch.nn.utils.stateless import _reparametrize_module   # what functional_call itself runs
-    return _reparametrize_module(layer, changed)
 
 
 @leaves_graph

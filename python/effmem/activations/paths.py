@@ -27,6 +27,7 @@ import inspect
 import textwrap
 from typing import Callable, List, Optional
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
@@ -56,14 +57,22 @@ except ImportError:   # a torch built without distributed
 # a norm runs its own forward, its output stored in 8 bits, as where fully_shard came first (FSDP's class).
 
 
+def _own_forward(m: nn.Module) -> bool:
+    """Whether the module runs its own forward: an FSDP2 unit (above), or inside a torch.func transform (vmap
+    evaluating the model without gradients; with them the policy refuses at the layer), where the fused
+    autograd functions, which have no vmap rule, raised."""
+    return isinstance(m, FSDPModule) or (not torch.compiler.is_compiling()
+                                         and torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 def _rms_norm_forward(m: nn.Module, eps: float, x):
-    if isinstance(m, FSDPModule):
+    if _own_forward(m):
         return type(m).forward(m, x)
     return fused.rms_norm(x, m.weight, eps)
 
 
 def _layer_norm_forward(m: nn.LayerNorm, x):
-    if isinstance(m, FSDPModule):
+    if _own_forward(m):
         return type(m).forward(m, x)
     return fused.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
 
@@ -87,13 +96,15 @@ def _plain_silu(act) -> bool:
 
 def _gated_mlp_forward(m: nn.Module, x):
     # read at each call: a hook put on act_fn, or another act_fn set, after the policy runs as it would
-    if not _plain_silu(m.act_fn):
+    if not _plain_silu(m.act_fn) or _own_forward(m):
         return type(m).forward(m, x)
     return m.down_proj(fused.swiglu(m.gate_proj(x), m.up_proj(x)))
 
 
 def _gelu_forward(m: nn.Module, form: str, x):
     # the module's own GELU computes the forward, so its bits stay
+    if _own_forward(m):
+        return type(m).forward(m, x)
     return fused.gelu(x, functools.partial(type(m).forward, m), form)
 
 

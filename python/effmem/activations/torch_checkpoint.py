@@ -4,13 +4,14 @@ buffers as the forward left them, and torch's refusals named with the policy and
 import contextlib
 import functools
 import inspect
+import itertools
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from effmem.activations.cache import refuse_cache, refuse_hf_checkpointing
+from effmem.activations.cache import refuse_cache, refuse_func_transforms, refuse_hf_checkpointing
 from effmem.activations.selective import KeptOutputChanged, context as selective_context
 
 
@@ -25,6 +26,24 @@ def buffers_kept(buffers):
         with torch.no_grad():
             for b, value in kept:
                 b.copy_(value)
+
+
+def tensors_read(layer: nn.Module) -> dict:
+    """The parameters and buffers a forward of the layer reads, by name (as_in_forward's `held`)."""
+    return dict(itertools.chain(layer.named_parameters(), layer.named_buffers()))
+
+
+def as_in_forward(layer: nn.Module, held: dict):
+    """The recompute reads the tensors the forward read. Under torch.func.functional_call (MAML, an EMA's
+    weights) those were the call's, put back by the time backward recomputes: the recompute read the module's
+    own, and the call's tensors got no gradient while the module's parameters got one from other weights,
+    silently (34% and 48% off under "selective" and "checkpoint" on a tiny Llama, a reviewer's run; torch's
+    own checkpointing and transformers' do the same)."""
+    changed = {name: t for name, t in held.items() if tensors_read(layer).get(name) is not t}
+    if not changed:
+        return nullcontext()
+    from torch.nn.utils.stateless import _reparametrize_module   # what functional_call itself runs
+    return _reparametrize_module(layer, changed)
 
 
 @contextlib.contextmanager
@@ -53,6 +72,7 @@ def torch_checkpointed(layer: nn.Module, original, selective: bool, *args, **kwa
         if torch.is_grad_enabled():
             refuse_cache(layer, args, kwargs)
             refuse_hf_checkpointing(layer)
+            refuse_func_transforms(layer)
         context = {"context_fn": functools.partial(_eager_contexts, layer, selective)}
         if not _FORWARD_ERRORS_SEEN:   # eager only: the compiler traces torch's checkpoint as its own operator
             return _checkpoint_seeing_errors(original, context["context_fn"], *args, **kwargs)
@@ -105,8 +125,9 @@ def _eager_contexts(layer: nn.Module, selective: bool):
     forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
     flip = [m for m in layer.modules() if getattr(m, "inplace", None) is True] if selective else []
     modes = [(m, m.training) for m in layer.modules()]   # the forward's (made as it starts)
+    held = tensors_read(layer)   # the forward's parameters: functional_call's where it runs under one
     return (_Reentrant(functools.partial(_forward, layer, flip, forward)),
-            _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective, modes)))
+            _Reentrant(functools.partial(_recompute, layer, flip, recompute, selective, modes, held)))
 
 
 class _Reentrant:
@@ -137,9 +158,12 @@ def _out_of_place(modules, inner):
 
 
 @contextlib.contextmanager
-def _recompute(layer: nn.Module, flip, inner, selective: bool, modes):
-    buffers = list(layer.buffers())
-    with buffers_kept(buffers) if buffers else nullcontext(), modes_as(modes):
+def _recompute(layer: nn.Module, flip, inner, selective: bool, modes, held):
+    with as_in_forward(layer, held), contextlib.ExitStack() as stack:
+        buffers = list(layer.buffers())   # the forward's, as_in_forward put back
+        if buffers:
+            stack.enter_context(buffers_kept(buffers))
+        stack.enter_context(modes_as(modes))
         try:
             with _out_of_place(flip, inner):
                 yield
