@@ -228,3 +228,35 @@ def test_zero_grad_of_an_attached_model_drops_the_gradients_handed_over(mode):
         assert all(p.grad is None for p in other.parameters())
     opt.close()
     assert "zero_grad" not in model.__dict__   # close() takes it off
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_copies_and_pickles_of_an_attached_model_hold_the_last_update(mode):
+    """torch.save(model) and copy.deepcopy(model) (an EMA or teacher copy) right after step() read the
+    parameters without state_dict(): they held the weights from before that step (a reviewer's repro).
+    Pickling or copying the model, or a module of it, now waits for the update first; the copy trains apart."""
+    import copy
+    import io
+    model = tiny_gpt(torch.float32)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **MODES[mode])
+    opt.attach(model)
+    _one_step(model, opt)
+    ema = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    layer_copy = copy.deepcopy(layer)
+    opt.flush()
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for copied in (ema, loaded):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), copied.parameters()))
+    assert torch.equal(layer.weight, layer_copy.weight)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    ema(x, y)[1].backward()
+    ema.zero_grad()   # the copy's hooks act for no optimizer: the original's weights stay
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    opt.close()
+    assert "__reduce_ex__" not in model.__dict__ and "__reduce_ex__" not in layer.__dict__
+    copy.deepcopy(model)

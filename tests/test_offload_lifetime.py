@@ -220,3 +220,42 @@ def test_a_forked_child_exits_after_the_parent_ran_the_cpu_kernels_on_two_thread
         print("child", os.waitstatus_to_exitcode(status))
     """, timeout=60)
     assert r.returncode == 0 and "child 0" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_a_forked_child_is_told_to_close_before_it_builds_its_own_optimizer():
+    """In a forked child a step() with nothing pending returned quietly, and the engine's refusal said to build a
+    new optimizer here, which was refused (the parameters still the parent's optimizer's) with advice that named
+    no fork (a reviewer's run). Both now name close() here, after which a new optimizer trains."""
+    r = run_child("""
+        import os, sys, torch
+        from effmem import OffloadAdam
+        w = torch.nn.Parameter(torch.randn(1 << 12))
+        loss = lambda: (w * torch.randn(1 << 12)).square().sum()
+        opt = OffloadAdam([w], lr=1e-3, num_threads=1)
+        loss().backward(); opt.step(); opt.zero_grad()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                opt.step()
+                sys.exit(3)
+            except RuntimeError as e:
+                assert "forked" in str(e) and "opt.close() here" in str(e), e
+            try:
+                OffloadAdam([w], lr=1e-3)
+                sys.exit(4)
+            except ValueError as e:
+                assert "forked from" in str(e) and "close() here" in str(e), e
+            opt.close()
+            mine = OffloadAdam([w], lr=1e-3, num_threads=1)
+            before = w.detach().clone()
+            loss().backward(); mine.step(); mine.close()
+            assert not torch.equal(before, w.detach())
+            print("trained", flush=True)
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        opt.close()
+        print("done")
+    """, timeout=60)
+    assert r.returncode == 0 and "done" in r.stdout and "trained" in r.stdout, (r.returncode, r.stdout,
+                                                                                r.stderr[-2000:])

@@ -183,7 +183,8 @@ void OffloadEngine::close() {
 void OffloadEngine::check_usable() {
   TORCH_CHECK(!closed_, "OffloadAdam: the offload engine is closed (close() was called)");
   TORCH_CHECK(!forked(), "OffloadAdam: this optimizer's engine belongs to the process that made it; "
-              "this process was forked from it and has none of its threads. Build a new optimizer here");
+              "this process was forked from it and has none of its threads. Call opt.close() here to use the model "
+              "without it, then build a new optimizer if this process trains");
   std::exception_ptr err;
   {
     std::lock_guard<std::mutex> lock(qmu_);

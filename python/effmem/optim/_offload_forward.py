@@ -69,10 +69,12 @@ class OffloadForward:
 
     def _hook_flushes(self, model: nn.Module) -> None:
         """state_dict pre-hooks on the model and on every module owning a parameter of this optimizer (a
-        state_dict of any module above one reaches it), and the eval-mode forward pre-hook on the model."""
+        state_dict of any module above one reaches it), a flush before pickling or copying any of them, and the
+        eval-mode forward pre-hook on the model."""
         owners = [m for m in model.modules() if any(p in self._index for p in m.parameters(recurse=False))]
         for module in [model] + [m for m in owners if m is not model]:
             self._forward_hooks.append(module.register_state_dict_pre_hook(_Flush(self)))
+            self._forward_hooks.append(_CopyFlush(self, module))
         self._forward_hooks.append(model.register_forward_pre_hook(_Flush(self, eval_forward=True)))
         self._forward_hooks.append(_ZeroGrad(self, model))
 
@@ -204,37 +206,68 @@ class _Flush(_EngineHook):
         opt._synchronize()
 
 
-class _ZeroGrad(_EngineHook):
-    """attach()'s model.zero_grad(): also drops the gradients a backward handed to the engine since the last
-    step. They left p.grad as they were handed over, so torch's zero_grad found none to drop (skipping a bad
-    batch sent it into the next step). After step() none is pending: nothing waits (async_step's update runs
-    on). Bound on the model itself (its __dict__): torch.save(model) pickles it as the model's own method."""
+class _BoundMethod(_EngineHook):
+    """A method of the module bound in its own __dict__ (one hook per optimizer attached, listed under LIST),
+    which calls the class's and then acts for each optimizer: torch.save(model) pickles a bound method as
+    getattr(model, its name), so a loaded model gets the class's."""
+    LIST: str
+    NAME: str
 
-    def __init__(self, opt, model: nn.Module):
-        self.opt, self.model = weakref.ref(opt), weakref.ref(model)
-        model.__dict__.setdefault("_effmem_zero_grad", []).append(self)   # one per optimizer attached
-        model.__dict__["zero_grad"] = types.MethodType(_attached_zero_grad, model)
+    def __init__(self, opt, module: nn.Module):
+        self.opt, self.module = weakref.ref(opt), weakref.ref(module)
+        module.__dict__.setdefault(self.LIST, []).append(self)
+        module.__dict__[self.NAME] = types.MethodType(self.method, module)
 
     def remove(self) -> None:
-        model = self.model()
-        hooks = model.__dict__.get("_effmem_zero_grad", []) if model is not None else []
+        module = self.module()
+        hooks = module.__dict__.get(self.LIST, []) if module is not None else []
         if any(h is self for h in hooks):
             hooks[:] = [h for h in hooks if h is not self]
             if not hooks:
-                del model.__dict__["_effmem_zero_grad"], model.__dict__["zero_grad"]
+                del module.__dict__[self.LIST], module.__dict__[self.NAME]
+
+    @classmethod
+    def open_optimizers(cls, module: nn.Module):
+        for hook in module.__dict__.get(cls.LIST, ()):
+            opt = hook._engine_open()
+            if opt is not None:
+                yield opt
 
 
 def _attached_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     type(module).zero_grad(module, set_to_none)
-    for hook in module.__dict__.get("_effmem_zero_grad", ()):
-        opt = hook._engine_open()
-        if opt is not None and opt._in_backward:
+    for opt in _ZeroGrad.open_optimizers(module):
+        if opt._in_backward:
             _same_process(opt)
             opt.zero_grad(set_to_none)
 
 
-# A bound method pickles as getattr(model, its name): torch.save(model) then loads the class's zero_grad
+def _attached_reduce_ex(module: nn.Module, protocol):
+    for opt in _CopyFlush.open_optimizers(module):
+        _same_process(opt)
+        opt._synchronize()
+    return type(module).__reduce_ex__(module, protocol)
+
+
+class _ZeroGrad(_BoundMethod):
+    """attach()'s model.zero_grad(): also drops the gradients a backward handed to the engine since the last
+    step. They left p.grad as they were handed over, so torch's zero_grad found none to drop (skipping a bad
+    batch sent it into the next step). After step() none is pending: nothing waits (async_step's update runs
+    on)."""
+    LIST, NAME, method = "_effmem_zero_grad", "zero_grad", staticmethod(_attached_zero_grad)
+
+
+class _CopyFlush(_BoundMethod):
+    """attach()'s flush before the module is pickled or deep-copied: torch.save(model) and copy.deepcopy(model)
+    (an EMA or teacher copy) read the parameters without state_dict(), and right after an async_step or delay
+    step() they held the weights from before it (a reviewer's repro). pickle and copy.deepcopy both take
+    __reduce_ex__ from the instance."""
+    LIST, NAME, method = "_effmem_copy_flush", "__reduce_ex__", staticmethod(_attached_reduce_ex)
+
+
+# A bound method pickles as getattr(model, its name): the names the functions are bound under
 _attached_zero_grad.__name__ = "zero_grad"
+_attached_reduce_ex.__name__ = "__reduce_ex__"
 
 
 class _Installer(_EngineHook):

@@ -12,6 +12,13 @@ from torch import Tensor
 # (FusedAdam, or an OffloadAdam built while the first is still referenced) would silently never train.
 _OWNERS: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
+# In a process forked from the one that made an OffloadAdam: its engine has none of its threads there, and its
+# gradient hooks stay on the parameters until close() (the engine's own message said to build a new optimizer,
+# which was refused until then: a reviewer's run).
+FORKED = ("OffloadAdam: this optimizer's engine belongs to the process that made it; this process was forked "
+          "from it and has none of its threads. Call opt.close() here to use the model without it (it keeps the "
+          "weights installed before the fork), then build a new optimizer if this process trains")
+
 
 def _owner(p: Tensor):
     entry = _OWNERS.get(id(p))
@@ -29,6 +36,10 @@ def check_unowned(params: Iterable[Tensor], who: str, me=None) -> None:
     for i, p in enumerate(params):
         other = _owner(p)
         if other is not None and other is not me:
+            if os.getpid() != other._pid:
+                raise ValueError(f"params: parameter {i} (shape {tuple(p.shape)}) is stepped by an OffloadAdam "
+                                 "made in the process this one was forked from, whose gradient hooks are still on "
+                                 "it: call that optimizer's close() here first")
             raise ValueError(f"params: parameter {i} (shape {tuple(p.shape)}) is stepped by another OffloadAdam, "
                              f"still open, whose gradient hooks take its gradients, so this {who} would never "
                              "see them; close() the other one first (or del it)")
@@ -110,6 +121,8 @@ class OffloadLifetime:
     def _check_open(self) -> None:
         if self._engine is None or self._engine.closed:
             raise RuntimeError("OffloadAdam: this optimizer was closed")
+        if os.getpid() != getattr(self, "_pid", os.getpid()):   # a step() with nothing pending returned quietly
+            raise RuntimeError(FORKED)
         err = getattr(self, "_ddp_error", None)
         if err is not None:
             raise RuntimeError(f"OffloadAdam: handing DDP's gradients to the engine failed: {err}") from err
