@@ -219,9 +219,8 @@ def _fast_layer_forward(layer, original, comp: FastCompressor, name: str, first:
     if not torch.is_grad_enabled():   # nothing saved: the layer as it is (traced into a compiled model's graph)
         return original(*args, **kwargs)
     refuse_hf_checkpointing(layer)
-    refuse_func_transforms(layer)
     _hidden_tensor(layer, args, kwargs, 'the "fast" policy')
-    if _in_users_checkpoint(comp, first):
+    if refuse_func_transforms(layer) or _in_users_checkpoint(comp, first):
         return original(*args, **kwargs)
     if torch.compiler.is_compiling():
         # Inside a compiled model: leave the graph here and run the layer as its own compiled graph,
@@ -249,8 +248,7 @@ def _budget_layer_forward(layer, original, budget: BudgetPolicy, index: int, nam
         return original(*args, **kwargs)   # nothing saved (traced into a compiled model's graph)
     _hidden_tensor(layer, args, kwargs, "memory_budget")
     refuse_hf_checkpointing(layer)
-    refuse_func_transforms(layer)
-    if _in_users_checkpoint(budget.comp, index == 0):
+    if refuse_func_transforms(layer) or _in_users_checkpoint(budget.comp, index == 0):
         return original(*args, **kwargs)
     if torch.compiler.is_compiling():
         return _compiled_budget_layer(layer, original, budget, index, name, shapes, *args, **kwargs)

@@ -89,17 +89,22 @@ def refuse_hf_checkpointing(layer: nn.Module) -> None:
         raise ValueError(f"{type(layer).__name__}: {HF_CHECKPOINTING}")
 
 
-def refuse_func_transforms(layer: nn.Module) -> None:
-    """A training forward inside a torch.func transform (grad, vjp, jacrev, vmap, jvp): every policy keeps what
-    autograd saves through saved-tensor hooks or autograd functions of its own, which those transforms do not
-    run. Each failed with torch's or an internal message that named no policy ("fast" under torch.func.grad:
-    "Cannot access storage of TensorWrapper", a reviewer's run)."""
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
-        raise RuntimeError(
-            f"{type(layer).__name__} is under an effmem activation policy, which cannot run inside a torch.func "
-            "transform (grad, vjp, jacrev, vmap, jvp) with gradients enabled: it keeps what autograd saves through "
-            "saved-tensor hooks and autograd functions of its own, which the transforms do not run. Call "
-            "effmem.remove_activation_policy(model) for this computation, or take the gradients with backward()")
+def refuse_func_transforms(layer: nn.Module) -> bool:
+    """A training forward inside torch.func transforms: whether vmap alone runs (then "fast", "min" and the
+    budget run the layer's own forward, as their hooks and autograd functions have no vmap rule, and torch's
+    checkpointing runs as before: model ensembling evaluates so without no_grad, a reviewer's run); a grad, vjp,
+    jacrev or jvp among them is refused, naming the policy (each failed with torch's or an internal message:
+    "fast" under torch.func.grad, "Cannot access storage of TensorWrapper")."""
+    if torch.compiler.is_compiling():
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    if all(i.key() == torch._C._functorch.TransformType.Vmap for i in stack):
+        return bool(stack)
+    raise RuntimeError(
+        f"{type(layer).__name__} is under an effmem activation policy, which cannot run inside a torch.func "
+        "transform that differentiates (grad, vjp, jacrev, jvp): it keeps what autograd saves through saved-tensor "
+        "hooks and autograd functions of its own, which those transforms do not run. Call "
+        "effmem.remove_activation_policy(model) for this computation, or take the gradients with backward()")
 
 
 def _has_hook(m: nn.Module) -> bool:

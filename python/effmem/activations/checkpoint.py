@@ -246,7 +246,8 @@ def _layer_forward(layer: nn.Module, original, bits: int, group_size: int, *args
     if torch.compiler.is_compiling():
         return _compiled_layer_forward(layer, original, bits, group_size, *args, **kwargs)
     refuse_hf_checkpointing(layer)
-    refuse_func_transforms(layer)
+    if refuse_func_transforms(layer):   # vmap alone: the layer's own forward
+        return original(*args, **kwargs)
     if torch_checkpoint_on_top():
         return original(*args, **kwargs)   # in the user's torch checkpoint: recomputed there once, not twice
     by_name = not args
