@@ -257,6 +257,18 @@ def test_copies_and_pickles_of_an_attached_model_hold_the_last_update(mode):
     ema(x, y)[1].backward()
     ema.zero_grad()   # the copy's hooks act for no optimizer: the original's weights stay
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    # a copy or a loaded model carries none of attach()'s bound methods: a copy of the loaded model, changed,
+    # pickled the loaded model instead (its __reduce_ex__ was bound there, a reviewer's run)
+    for copied in (ema, loaded, layer_copy, copy.copy(model)):
+        assert not {"__reduce_ex__", "zero_grad"} & set(copied.__dict__)
+    second = copy.deepcopy(loaded)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.zero_()
+    buf = io.BytesIO()
+    torch.save(second, buf)
+    buf.seek(0)
+    assert all(not p.any() for p in torch.load(buf, weights_only=False).parameters())
     opt.close()
     assert "__reduce_ex__" not in model.__dict__ and "__reduce_ex__" not in layer.__dict__
     copy.deepcopy(model)

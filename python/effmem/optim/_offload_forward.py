@@ -246,7 +246,13 @@ def _attached_reduce_ex(module: nn.Module, protocol):
     for opt in _CopyFlush.open_optimizers(module):
         _same_process(opt)
         opt._synchronize()
-    return type(module).__reduce_ex__(module, protocol)
+    reduced = type(module).__reduce_ex__(module, protocol)
+    if len(reduced) > 2 and isinstance(reduced[2], dict):
+        # the copy (or the loaded model) carries none of attach()'s entries: a method bound to this module would
+        # act for it (a copy of a loaded copy pickled the loaded model, a reviewer's run); its hooks stay, inert
+        state = {k: v for k, v in reduced[2].items() if k not in _BOUND_KEYS}
+        reduced = (*reduced[:2], state, *reduced[3:])
+    return reduced
 
 
 class _ZeroGrad(_BoundMethod):
@@ -268,6 +274,7 @@ class _CopyFlush(_BoundMethod):
 # A bound method pickles as getattr(model, its name): the names the functions are bound under
 _attached_zero_grad.__name__ = "zero_grad"
 _attached_reduce_ex.__name__ = "__reduce_ex__"
+_BOUND_KEYS = {key for cls in (_ZeroGrad, _CopyFlush) for key in (cls.LIST, cls.NAME)}
 
 
 class _Installer(_EngineHook):
