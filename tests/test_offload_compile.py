@@ -49,3 +49,30 @@ def test_a_compiled_training_step_does_not_compile_the_gradient_hook():
     seen = list(counters["resumes"]) + list(counters["graph_break"])
     assert not [k for k in seen if "_hand_off" in k or "_send" in k or "grad_ready" in k], seen
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+def test_a_model_of_the_same_class_compiled_after_attach_does_not_lend_its_code():
+    """A teacher of the student's class, compiled and run after the student was attached (async_step): dynamo does
+    not guard on module hooks by default, so the student ran the teacher's code, without the hooks that install
+    its new weights, and backward refused (a reviewer's run). Code compiled after effmem adds hooks now guards
+    on them; the compiled student steps as the eager one."""
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for compiled in (False, True):
+        student, teacher = net(0), net(1)
+        opt = OffloadAdam(student.parameters(), lr=1e-2, async_step=True)
+        opt.attach(student)
+        run_student = torch.compile(student, backend="aot_eager") if compiled else student
+        run_teacher = torch.compile(teacher, backend="aot_eager") if compiled else teacher
+        run_teacher(x).square().mean().backward()
+        for _ in range(3):
+            run_student(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        runs.append([p.detach().clone() for p in student.parameters()])
+        _close(opt)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -149,3 +149,28 @@ def test_a_model_under_a_technique_is_refused(technique):
         effmem.compress_activations(m)
     with pytest.raises(ValueError, match="already on it; plan\\(\\) traces the model as it was built"):
         effmem.plan(m, batch=2, seq=32, device="cpu")
+
+
+def test_min_is_left_out_where_the_policy_refuses_the_model():
+    """A Mixtral trained with its router's auxiliary loss (output_router_logits=True): the plan listed 'min'
+    (checkpoint8) candidates as fitting, which apply() then refused, after it had fused the loss into the model (a
+    reviewer's run). The plan now leaves them out and says why; apply() of such a candidate planned without the
+    router's loss refuses before it changes the model."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def mixtral(router_loss):
+        torch.manual_seed(0)
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            output_router_logits=router_loss)).train()
+    plan = effmem.plan(mixtral(True), batch=4, seq=32, device="cpu")
+    assert plan.candidates and not [c for c in plan.candidates if "checkpoint8" in c.name]
+    assert any("checkpoint8" in n and "output_router_logits" in n for n in plan.notes), plan.notes
+    planned = effmem.plan(mixtral(False), batch=4, seq=32, device="cpu")
+    name = next(c.name for c in planned.candidates if "checkpoint8" in c.name and "fused" in c.name)
+    model = mixtral(True)
+    with pytest.raises(ValueError, match="'min' policy, and for this model 'min' keeps nothing"):
+        planned.apply(model, candidate=name)
+    from effmem.plan.model import techniques_on
+    assert techniques_on(model, fused_loss=False) == []   # the loss was fused before the refusal

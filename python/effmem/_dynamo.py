@@ -14,6 +14,9 @@ def forget_compiled_code(who: str, call: str) -> None:
         from torch._dynamo.utils import counters
     except ImportError:
         return
+    # And guard on hooks from now on: a model of the same classes compiled later without them (a teacher beside an
+    # attached student) made code that the hooked model then ran without its hooks (a reviewer's run)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     if counters["frames"].get("ok", 0):
         warnings.warn(f"{who}: code compiled by torch.compile before {call} would not run the hooks as they "
                       "are now; torch._dynamo.reset() drops it, so the next compiled call compiles again. Call "

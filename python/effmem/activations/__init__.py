@@ -122,22 +122,9 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         if "forward" in layer.__dict__:
             raise ValueError(f"{type(layer).__name__} ({name}): its forward is already replaced (by "
                              "checkpointing or another library's wrapper); remove that first")
-    config = getattr(model, "config", None)
-    side = [f for f in ("output_router_logits", "output_attentions") if getattr(config, f, False) is True]
-    # Gemma3n's last layers reuse the keys and values of earlier ones (passed on beside the hidden state)
-    shared_kv = getattr(getattr(config, "text_config", config), "num_kv_shared_layers", 0)
-    shared_kv = shared_kv if isinstance(shared_kv, int) and shared_kv > 0 else 0
-    if policy == "min":
-        if side:
-            raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, so a loss "
-                             f"on tensors a layer makes besides its output (config.{side[0]}=True: e.g. an MoE "
-                             "router's auxiliary loss) cannot backpropagate; use 'fast', 'checkpoint' or "
-                             f"memory_budget=, or set config.{side[0]}=False")
-        if shared_kv:
-            raise ValueError(f"policy: 'min' keeps nothing of a layer's forward but its input's codes, and this "
-                             f"model's last {shared_kv} layers reuse keys and values earlier layers make "
-                             "(num_kv_shared_layers), whose gradients would need those layers' graphs; use 'fast' "
-                             "or 'checkpoint'")
+    refused_min = min_refusal(getattr(model, "config", None))
+    if policy == "min" and refused_min:
+        raise ValueError(f"policy: {refused_min}")
     no_training_cache(model, layers)
     if policy in ("fast", "budget"):
         comp = FastCompressor(bits=bits, group_size=group_size)
@@ -145,7 +132,7 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
         budget = None
         if policy == "budget":
             budget = BudgetPolicy(memory_budget, layers, comp, bits, group_size,
-                                  allow_min=not side and not shared_kv)
+                                  allow_min=not refused_min)
             setattr(model, _BUDGET, budget)
             budget.forward_hook = model.register_forward_pre_hook(budget.new_forward, with_kwargs=True)
         seeds = Seeds()   # the rounding seeds of the layers the budget makes "min" (next_seed)
@@ -179,6 +166,25 @@ def apply_activation_policy(model: nn.Module, policy: Optional[str] = None, *, m
 # nn.DataParallel's replicas would run each layer's policy forward, bound to the original layer (_replicas)
 _no_replicas = functools.partial(refuse_replication, "apply_activation_policy: a model under an activation policy",
                                  "remove_activation_policy(model)")
+
+
+def min_refusal(config) -> Optional[str]:
+    """Why "min" cannot train a model of this config (a transformers config, or its dict), or None: "min" keeps
+    nothing of a layer's forward but its input's codes (effmem plan leaves it out for the same reasons)."""
+    def get(c, key):
+        return c.get(key) if isinstance(c, dict) else getattr(c, key, None)
+    side = [f for f in ("output_router_logits", "output_attentions") if get(config, f) is True]
+    if side:
+        return (f"'min' keeps nothing of a layer's forward but its input's codes, so a loss on tensors a layer makes "
+                f"besides its output (config.{side[0]}=True: e.g. an MoE router's auxiliary loss) cannot "
+                f"backpropagate; use 'fast', 'checkpoint' or memory_budget=, or set config.{side[0]}=False")
+    # Gemma3n's last layers reuse the keys and values of earlier ones (passed on beside the hidden state)
+    shared_kv = get(get(config, "text_config") or config, "num_kv_shared_layers")
+    if isinstance(shared_kv, int) and shared_kv > 0:
+        return (f"'min' keeps nothing of a layer's forward but its input's codes, and this model's last {shared_kv} "
+                "layers reuse keys and values earlier layers make (num_kv_shared_layers), whose gradients would "
+                "need those layers' graphs; use 'fast' or 'checkpoint'")
+    return None
 
 
 def _hidden(args, kwargs):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from effmem import _checks
-from effmem.activations import apply_activation_policy
+from effmem.activations import apply_activation_policy, min_refusal
 from effmem.activations.cache import no_training_cache
 from effmem.compress import compress_activations
 from effmem.compress.api import _module_call_frame, _on_stack
@@ -61,6 +61,9 @@ def _check_runnable(plan, model: nn.Module, cfg) -> None:
         # the cast and the freezing had changed the model
         raise ValueError(f"model: {'; '.join(on)} already on it; apply() prepares the model as it was built, "
                          f"with {cfg.name}'s techniques only: undo that first")
+    refused = min_refusal(getattr(model, "config", None)) if cfg.activations == "checkpoint8" else None
+    if refused:   # refused by apply_activation_policy after the fused loss had gone on (a reviewer's run)
+        raise ValueError(f"candidate: {cfg.name} puts the layers under the 'min' policy, and for this model {refused}")
     _check_attention(plan, model)
     check_device(plan)
 

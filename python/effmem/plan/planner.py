@@ -371,6 +371,11 @@ def _plan(model, batch, seq, accum, gpu_memory, host_memory, gpus, trainable, de
     optimizers = ["gpu"] if device == "cpu" else list(costs.OPTIMIZERS)
     acts = [a for a in costs.ACTIVATIONS if (device == "cuda" or a not in ("save_on_cpu", "fast_offload"))
             and (not a.startswith("fast") or all(t.has_fast for t in activity.values()))]
+    from effmem.activations import min_refusal   # effmem.activations imports effmem.plan.model
+    refused_min = min_refusal(hf_config(spec))
+    if refused_min:   # listed as fitting, and apply() refused it (a Mixtral with its router's loss, a reviewer's run)
+        acts.remove("checkpoint8")
+        notes.append(f"checkpoint8 (the 'min' policy): left out; {refused_min}")
     for (precision, loss), micro in itertools.product(activity, _micro_batches(batch // world, accum)):
         m = activity[precision, loss].model(spec, micro, share)
         m.fast_offloaded = step_model.offloaded_codes(m, rates, precision)
