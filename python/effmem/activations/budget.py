@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from effmem.activations import relu
 from effmem.activations.checkpoint import _layer_forward as compressed_layer_forward, buffers_kept, routes_tokens
-from effmem.activations.compiled import compiled_forward
+from effmem.activations.compiled import compiled_forward, drops_out
 from effmem.activations.fast import FastCompressor, param_shapes
 from effmem.activations.offload import Offloader, _parts, aligned_bytes
 from effmem.compress import _codec
@@ -105,6 +105,12 @@ def hidden_layers(layers: int, layer_s: float, nbytes: int, link: float) -> int:
     if c > 2 * layer_s:
         return 0
     return min(layers - 1, int((layers - 1) * layer_s / c))
+
+
+def _splits_graph(layer: nn.Module) -> bool:
+    """Whether a module of the layer has a forward pre-hook that runs between compiled graphs (attach()'s)."""
+    return any(getattr(h, "splits_compiled_graph", False)
+               for m in layer.modules() for h in m._forward_pre_hooks.values())
 
 
 def _link_rate(device: torch.device) -> float:
@@ -241,7 +247,7 @@ class BudgetPolicy:
         return None if choice is None else dict(choice, offload_counters=dict(self.offloader.counters))
 
     def _calibrate(self, layer, plain_fn, fast_fn, hidden: Tensor, others: List[Tensor], args, kwargs,
-                   warm: bool, start: int) -> dict:
+                   warm: bool, start: int, compiled: bool = False) -> dict:
         """The modes of this input shape's layers from a run of layer `start`, the first that records a graph:
         the layers before it, frozen with no gradient flowing in, save nothing and run plain."""
         hidden, others, args, kwargs = _copies(hidden, others, args, kwargs)
@@ -271,8 +277,14 @@ class BudgetPolicy:
         g = self.group_size
         cols = hidden.shape[-1] if hidden.dim() and hidden.shape[-1] else 1
         rows = hidden.numel() // cols   # "min" keeps the layer input as quantize's rows (checkpoint.py)
-        nbytes = {"plain": plain, "fast": probe.stats.total_bytes_after,
-                  "offload": probe.stats.total_bytes_after - codes,
+        fast = probe.stats.total_bytes_after
+        if compiled and (drops_out(layer) or _splits_graph(layer)):
+            # compiled with dropout, "fast" runs torch's selective checkpointing eagerly, which keeps what it saves
+            # out of the hooks the probe counts with (activations.compiled), and so do the pieces of a layer whose
+            # graph OffloadAdam.attach's hooks split: counted as plain's, an upper bound (a 0.2 budget held 2.2x
+            # and 4.7x, 'min' never chosen, a reviewer's run)
+            fast = codes = plain
+        nbytes = {"plain": plain, "fast": fast, "offload": fast - codes,
                   "min": (hidden.numel() * hidden.element_size() if routes_tokens(layer)   # kept as it is
                           else _codec.packed_bytes(rows, cols, self.bits, g)
                           + sum(packed.numel() for _, packed in masks))}
@@ -391,7 +403,7 @@ class BudgetPolicy:
             with _unrecorded(), buffers_kept(layer.buffers()):
                 choice = self.choices[key] = self._calibrate(layer, plain_fn, fast_fn, hidden, others, args,
                                                              kwargs, warm=compiled or hidden.device.type == "cuda",
-                                                             start=index)
+                                                             start=index, compiled=compiled)
         self.used = key
         mode = choice["modes"][index]
         self._forward_held += choice["bytes"][mode]

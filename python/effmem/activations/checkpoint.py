@@ -322,7 +322,8 @@ SEEDS = "_effmem_seeds"
 
 class Seeds:
     """A counter of rounding seeds, 0, 1, 2, ...: itertools.count, but one that copy.deepcopy and pickle take on
-    every Python (they stop taking itertools' from 3.14; a model under "min" pickles, as docs/activation_policies.md says)."""
+    every Python (they stop taking itertools' from 3.14; a model under "min" pickles, as
+    docs/activation_policies.md says)."""
 
     def __init__(self) -> None:
         self.next = 0

@@ -50,7 +50,7 @@ _KEEP_SAC_SAVES = ({"respect_saved_tensors_hooks": False}
                    else {})
 
 
-def _drops_out(layer: torch.nn.Module) -> bool:
+def drops_out(layer: torch.nn.Module) -> bool:
     """Whether the layer, in training, applies dropout: a dropout module with p > 0, or an attention's rate
     (transformers keep it as a float, attention_dropout, and pass it to the attention kernel)."""
     return layer.training and any(
@@ -70,7 +70,7 @@ def compiled_forward(original, selective: bool) -> Callable:
     an eager fallback's recompute meets the modules its forward met. The ReLUs stay: their class is what
     was changed (activations.relu), one for every layer, and their exact masks are correctness, not speed."""
     layer = original.__self__
-    if _drops_out(layer):
+    if drops_out(layer):
         # Compiled, the graph's backward drew dropout masks anew where the policy recomputes (selective
         # checkpointing's rebuild, "min"'s recompute): gradients 10-12% off those of the loss computed, in a
         # reviewer's GPT-2 with dropout 0.1. Eager, torch's checkpointing replays the RNG: such a layer runs so.

@@ -280,6 +280,7 @@ _BOUND_KEYS = {key for cls in (_ZeroGrad, _CopyFlush) for key in (cls.LIST, cls.
 class _Installer(_EngineHook):
     """The forward pre-hook of async_step: the module's parameters' new weights up before it runs."""
     _KEEP = ("ids", "fsdp")
+    splits_compiled_graph = True   # run between graphs (torch.compiler.disable): memory_budget reads this
 
     def __init__(self, opt, ids, fsdp: bool = False):
         self.opt, self.ids, self.fsdp = weakref.ref(opt), ids, fsdp
