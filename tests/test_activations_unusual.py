@@ -212,7 +212,8 @@ def test_selective_knows_the_kept_output_by_identity(how):
     """By address and layout, a write through `.data` passed (wrong gradients, silently, as torch's own selective
     checkpointing gives) and an in-place reshape of the output itself was refused (a reviewer's finds)."""
     if how == "data" and not SEES_OUTPUTS:
-        pytest.skip("this torch hands the policy no op_output: a write through .data goes unseen (docs/activation_policies.md)")
+        pytest.skip("this torch hands the policy no op_output: a write through .data goes unseen "
+                    "(docs/activation_policies.md)")
     torch.manual_seed(0)
     plain = nn.Module()
     plain.layers = nn.ModuleList([_WritesThroughData(how), _WritesThroughData(how)])

@@ -168,9 +168,9 @@ def test_profile_activations_names_the_kernels_a_policy_adds(tmp_path):
 
 
 def test_activation_outliers_measures_each_run_against_float32(tmp_path):
-    """bench/activation_outliers.py (docs/activation_policies.md's figures for outlier channels): a row per outlier size and run,
-    each the worst parameter's gradient error against plain float32, small without outliers; with them the
-    policies' 8-bit saves lose more than plain bf16 does."""
+    """bench/activation_outliers.py (docs/activation_policies.md's figures for outlier channels): a row per
+    outlier size and run, each the worst parameter's gradient error against plain float32, small without
+    outliers; with them the policies' 8-bit saves lose more than plain bf16 does."""
     bench = load_bench("activation_outliers")
     out = tmp_path / "o.json"
     bench.main(["--outliers", "0", "30", "--json", str(out)])   # hidden 512: 4 groups of 128 a token

@@ -436,7 +436,7 @@ def test_a_model_wrapped_after_another_was_compiled_is_compressed():
     for an earlier model of the same classes, without the hooks, and compressed nothing, silently. Wrapping
     drops compiled code (with a warning), so the next call compiles with the hooks; unwrapping too."""
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
-        pytest.skip("torch 2.11 compiles a wrapped nn.Sequential to run outside the hooks (docs/compress_activations.md)")
+        pytest.skip("torch 2.11 compiles a wrapped nn.Sequential outside the hooks (docs/compress_activations.md)")
     def make():   # (what is compressed does not depend on the weights)
         return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
     x = torch.randn(64, 128)

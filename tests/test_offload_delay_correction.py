@@ -227,8 +227,8 @@ def test_delay_correction_after_a_warm_up_predicts_only_for_the_steps_after_it()
 
 def test_the_default_warm_up_is_correction_warmup_exact_steps_and_none_without_the_correction():
     """delay_warmup's default: CORRECTION_WARMUP exact steps with delay_correction, whose predictions miss most
-    in a run's first steps (docs/offload_adam.md), and none for plain delay, whose second forward reads the weights before the
-    first update."""
+    in a run's first steps (docs/offload_adam.md), and none for plain delay, whose second forward reads the
+    weights before the first update."""
     data = batches(CORRECTION_WARMUP + 3)
     ref = tiny_gpt(torch.bfloat16)
     model, exact, stale = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)

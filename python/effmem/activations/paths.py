@@ -58,9 +58,9 @@ except ImportError:   # a torch built without distributed
 
 
 def _own_forward(m: nn.Module) -> bool:
-    """Whether the module runs its own forward: an FSDP2 unit (above), or inside a torch.func transform (vmap
-    evaluating the model without gradients; with them the policy refuses at the layer), where the fused
-    autograd functions, which have no vmap rule, raised."""
+    """Whether the module runs its own forward: an FSDP2 unit (above), or inside a torch.func transform (vmap,
+    under which the layers run as plain ones; one that differentiates the policy refuses at the layer), where
+    the fused autograd functions, which have no vmap rule, raised."""
     return isinstance(m, FSDPModule) or (not torch.compiler.is_compiling()
                                          and torch._C._functorch.peek_interpreter_stack() is not None)
 

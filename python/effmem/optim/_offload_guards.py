@@ -60,9 +60,9 @@ def _fence_unless_reached(state, engine, raised: set, task: int) -> None:
 class OffloadGuards:
     def _warn_host_accumulation(self) -> None:
         """accumulating() under delay_correction with buckets that device_accumulation does not keep: those go
-        up as plain delay's (the device holds only the last micro-batch's gradient), as docs/offload_adam.md says; said once,
-        since nothing else shows that the correction is off for them (a reviewer measured plain delay's loss
-        with it on)."""
+        up as plain delay's (the device holds only the last micro-batch's gradient), as docs/offload_adam.md says;
+        said once, since nothing else shows that the correction is off for them (a reviewer measured plain delay's
+        loss with it on)."""
         # cheap tests first (accumulating() runs per micro-batch); stream_grads=False: every gradient adds up in
         # p.grad on the device; frozen parameters have no gradient to lose
         if (not self._delay_correction or self._warned_host or not self._grads_leave_in_backward()
