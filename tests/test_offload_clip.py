@@ -251,3 +251,49 @@ def test_a_clip_after_each_micro_batch_gives_the_norm_so_far_and_the_step_takes_
     got_w, got_n = run(lambda ps: OffloadAdam(ps, lr=1e-2, **mode))
     assert got_n == ref_n and len(set(got_n)) == len(got_n)
     assert all(torch.equal(p, q) for p, q in zip(got_w, ref_w))
+
+
+_ACCELERATE_LOOP = """
+import sys
+import torch
+import effmem
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+ref.load_state_dict(model.state_dict())
+opt = effmem.OffloadAdam(model.parameters(), lr=1e-2)
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+assert "accelerate" not in sys.modules   # imported after effmem and after the optimizer, as a script may
+from accelerate import Accelerator
+acc = Accelerator(cpu=True)
+model, opt = acc.prepare(model, opt)
+gen = torch.Generator().manual_seed(1)
+for _ in range(3):
+    x = torch.randn(8, 16, generator=gen)
+    acc.backward(model(x).square().mean())
+    norm = acc.clip_grad_norm_(model.parameters(), 0.01)
+    opt.step()
+    opt.zero_grad()
+    ref(x).square().mean().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    print(float(norm), float(ref_norm))
+print(max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters())))
+"""
+
+
+def test_accelerate_clip_reaches_offload_adam_when_imported_after_it():
+    """accelerate 1.16's Accelerator.clip_grad_norm_ sums p.grad's norms itself (no torch clip to route): it
+    returned 0 and clipped nothing. Wrapped once accelerate is imported, here after effmem and after the
+    optimizer, in a fresh process: the norms are torch AdamW's, and so are the clipped steps."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _ACCELERATE_LOOP], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    norms = [tuple(map(float, line.split())) for line in lines[:3]]
+    assert min(r for _, r in norms) > 0.01 * 4   # clipped hard at every step
+    torch.testing.assert_close([n for n, _ in norms], [r for _, r in norms], rtol=1e-5, atol=0)
+    assert float(lines[3]) < 1e-5

@@ -9,6 +9,11 @@ inside its next step), and every other call is torch's own function, unchanged (
 while no OffloadAdam is open; while one is, torch.compile breaks its graph there to route the call eagerly).
 effmem.clip_grad_norm_ routes the same way.
 
+accelerate's ``Accelerator.clip_grad_norm_`` (the Trainer's clip) stopped calling torch's function in accelerate
+1.16: it sums the norms of p.grad itself (get_total_norm, clip_grads_with_norm_), found none, logged grad_norm 0
+and clipped nothing. It is wrapped the same way, once accelerate is imported (checked at ``import effmem`` and at
+each OffloadAdam's backward, before any clip of its gradients can come).
+
 ``torch.nn.utils.clip_grad_value_`` over those parameters is refused with the reason (the engine does not clip by
 value; torch's found no gradients and failed unreadably, or clipped only device_state's).
 
@@ -18,6 +23,7 @@ first) keeps torch's function, and torch.nn.utils.get_total_norm takes gradients
 import functools
 import math
 import numbers
+import sys
 from typing import Any, List, Optional
 
 import torch
@@ -140,3 +146,29 @@ def install() -> None:
     nn_utils.clip_grad_value_ = clip_grad_value_
     if clip_grad.clip_grad_value_ is original_value:
         clip_grad.clip_grad_value_ = clip_grad_value_
+    install_accelerate()
+
+
+def install_accelerate() -> None:
+    """Wraps accelerate's Accelerator.clip_grad_norm_ once, if accelerate is imported (never imports it)."""
+    module = sys.modules.get("accelerate.accelerator")
+    original = getattr(getattr(module, "Accelerator", None), "clip_grad_norm_", None)
+    if original is None or getattr(original, "_effmem_routes_offload", False):
+        return
+
+    from effmem.optim import _offload_lifetime
+    routed = torch.compiler.disable(offloaded_clip)
+
+    @functools.wraps(original)
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2, *args, **kwargs):
+        if _offload_lifetime._OWNERS:
+            parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+            # GradScaler's unscale_ is accelerate's first move; it is refused by a streaming OffloadAdam's step()
+            # either way, and with stream_grads=False the gradients are in p.grad and take accelerate's path
+            total = routed(parameters, max_norm, norm_type, False)
+            if total is not None:
+                return total
+        return original(self, parameters, max_norm, norm_type, *args, **kwargs)
+
+    clip_grad_norm_._effmem_routes_offload = True
+    module.Accelerator.clip_grad_norm_ = clip_grad_norm_

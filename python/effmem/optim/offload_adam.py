@@ -8,6 +8,7 @@ from typing import Dict, Iterator, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from effmem.optim import _clip_route
 from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _validate
 from effmem.optim._adam_base import AdamBase
@@ -308,6 +309,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             if self._overlap:
                 self._sync_groups()
             self._round_stale = self._stale_next
+            _clip_route.install_accelerate()   # a Trainer made after import effmem: its clip must reach ours
             self._in_backward = True
 
     def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
