@@ -5,6 +5,7 @@ no p.grad, returned 0 and clipped nothing: under Hugging Face's Trainer (max_gra
 OffloadAdam trained unclipped, silently, where FusedAdam and torch's AdamW clipped. Importing effmem routes
 those parameters to the optimizer's own clip (effmem/optim/_clip_route.py)."""
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -297,3 +298,53 @@ def test_accelerate_clip_reaches_offload_adam_when_imported_after_it():
     assert min(r for _, r in norms) > 0.01 * 4   # clipped hard at every step
     torch.testing.assert_close([n for n, _ in norms], [r for _, r in norms], rtol=1e-5, atol=0)
     assert float(lines[3]) < 1e-5
+
+
+def test_torch_clip_after_each_micro_batch_is_refused_where_the_engine_holds_the_sum():
+    """torch's clip after every micro-batch scales the partial sum in p.grad, so the next backward adds to
+    c1*g1; the engine held g1 + g2 and applied c1*c2 to it, silently 5x farther from torch's AdamW than no clip
+    at all (a reviewer's run). Now refused at the next clip, the step's gradients dropped, so the loop can go on
+    clipping once per step; with a first clip that does not clip, and with stream_grads=False (p.grad scaled as
+    torch's), the norms are AdamW's."""
+    def run(make, clip, each=True, steps=2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        opt, gen, norms = make(model.parameters()), torch.Generator().manual_seed(1), []
+        for _ in range(steps):
+            for micro in range(2):
+                (model(torch.randn(8, 16, generator=gen)).square().mean() / 2).backward()
+                if each or micro == 1:
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+            opt.zero_grad()
+        return model, opt, norms
+
+    adamw = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0)   # noqa: E731
+    for kw in ({}, {"device_state": 600}, {"async_step": True}):
+        model, opt, _ = run(lambda p: OffloadAdam(p, lr=1e-2, **kw), 100.0, steps=0)
+        if kw.get("async_step"):
+            opt.attach(model)
+        gen = torch.Generator().manual_seed(1)
+        model(torch.randn(8, 16, generator=gen)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        model(torch.randn(8, 16, generator=gen)).square().mean().backward()
+        with pytest.raises(RuntimeError, match=r"clip_grad_norm_ clipped this step's gradients \(factor 0\.0\d+\), "
+                                               "then another backward added to them.*gradients were dropped"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        assert opt._engine.counters()["param_updates"] == 0 and opt._clip_scale == 1.0
+        # the loop goes on, clipping once per step: torch AdamW's steps from where the refusal left the model
+        ref = copy.deepcopy(model)
+        ref_opt = adamw(ref.parameters())
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(torch.ones(8, 16)).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            o.step()
+            o.zero_grad()
+        opt.close()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    for make, clip in ((lambda p: OffloadAdam(p, lr=1e-2), 100.0),
+                       (lambda p: OffloadAdam(p, lr=1e-2, stream_grads=False), 0.01)):
+        _, opt, norms = run(make, clip)
+        opt.close()
+        torch.testing.assert_close(norms, run(adamw, clip)[2], rtol=1e-5, atol=0)

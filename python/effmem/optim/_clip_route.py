@@ -88,6 +88,9 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
         opt._clip_scale, opt._clip_norms = before, norms
         raise RuntimeError(f"The total norm of the gradients is {float(total)}; "
                            "set error_if_nonfinite=False to clip anyway")
+    # torch's clip scales p.grad in place, so a later backward adds to the clipped sum; the engine's sum is not
+    # scaled (the factor waits for step()): such a gradient is refused (_check_clip_order)
+    opt._torch_clipped |= opt._clip_scale != 1.0
     return total
 
 

@@ -148,6 +148,7 @@ class OffloadBuild:
     def _hand_off(self, p: Tensor) -> None:
         i = self._index[p]
         g = p.grad
+        self._clip_outdated |= self._torch_clipped
         if _validate.is_dtensor(g) and g.placements != p.placements:
             g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
         self._taking = None
@@ -240,6 +241,7 @@ class OffloadBuild:
         if taken:
             grads = [self._params[i].grad for i in taken]
             self._clip_held.update(zip(taken, zip(grads, torch._foreach_norm([_local(g) for g in grads]))))
+        self._check_clip_order()   # at a clip and at step(), with every gradient in
 
     def _install_unread(self) -> None:
         """async_step: the new weights of parameters whose gradient autograd did not make, before it is taken.
@@ -274,6 +276,7 @@ class OffloadBuild:
         """The bookkeeping of a round of gradients handed over, started afresh: a step taken, its gradients
         dropped, a failed backward's accepted."""
         self._in_backward = self._round_stale = False
+        self._torch_clipped = self._clip_outdated = False
         self._plain_backwards = 0
         self._queued.clear()
         self._streamed.clear()

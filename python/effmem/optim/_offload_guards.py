@@ -356,6 +356,26 @@ class OffloadGuards:
     def _grads_leave_in_backward(self) -> bool:
         return self._stream_grads or self._overlap or bool(self._ddp_handles)
 
+    def _check_clip_order(self) -> None:
+        """torch.nn.utils.clip_grad_norm_ (routed to this optimizer) clipped, then another backward gave
+        gradients (a clip after each micro-batch, not only the last): torch's clip scales p.grad in place, so
+        the later gradients add to the clipped sum, c1*g1 + g2; the engine holds g1 + g2 and the factor for
+        step(), and no one factor makes the one from the other (it stepped 5x farther from torch's AdamW than
+        no clipping at all: a reviewer's run). Refused at the next clip or step(), the step's gradients
+        dropped. opt.clip_grad_norm_ leaves the gradients as they are (FusedAdam's), so its order is free."""
+        if not self._clip_outdated:
+            return
+        factor = self._clip_scale
+        self.zero_grad()
+        raise RuntimeError(
+            f"OffloadAdam: torch.nn.utils.clip_grad_norm_ clipped this step's gradients (factor {factor:.4g}), "
+            "then another backward added to them. torch's clip scales the partial sum in p.grad, so the next "
+            "micro-batch adds to the clipped one; this optimizer holds the sum on the host and applies the factor "
+            "at step(), so it cannot. This step's gradients were dropped. Clip once per step, after the last "
+            "micro-batch (with accelerate: under `if accelerator.sync_gradients:`, as the Trainer does), use "
+            "opt.clip_grad_norm_, whose factor applies to the whole sum (FusedAdam's), or pass "
+            "stream_grads=False, which keeps the gradients in p.grad until step()")
+
     def _refuse_grad_scaler(self) -> None:
         # GradScaler deletes its attributes after a step() that returns: left set, every later step() is refused
         for name in ("grad_scale", "found_inf"):

@@ -55,16 +55,12 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     global norm with ``opt.clip_grad_norm_(max_norm)`` (computed on the host
     from the staged gradients and applied inside the next step).
 
-    Gradients are not left in ``p.grad``: after backward they live in the
-    engine. ``torch.nn.utils.clip_grad_norm_`` would see none; ``import
-    effmem`` routes it (and ``effmem.clip_grad_norm_``) to
-    ``opt.clip_grad_norm_`` when given this optimizer's parameters, so
-    loops and Hugging Face's Trainer clip as with any optimizer (a name bound
-    before ``import effmem`` keeps torch's function: call
-    ``opt.clip_grad_norm_``). ``torch.amp.GradScaler`` (which inspects
-    ``p.grad``) works with ``stream_grads=False`` only (fp16 parameters: the
-    update unscales, as FusedAdam's); streamed, it is refused at ``step()``:
-    use bf16, which needs no loss scaling.
+    Gradients are not left in ``p.grad``: after backward they live in the engine. ``torch.nn.utils.clip_grad_norm_``,
+    ``effmem.clip_grad_norm_`` and accelerate's (Hugging Face's Trainer) are routed to ``opt.clip_grad_norm_`` when
+    given this optimizer's parameters (a name bound before ``import effmem`` keeps torch's function); torch's clip
+    once per step, after the last micro-batch. ``torch.amp.GradScaler`` (which inspects ``p.grad``) works with
+    ``stream_grads=False`` only (fp16 parameters: the update unscales, as FusedAdam's); streamed, it is refused at
+    ``step()``: use bf16, which needs no loss scaling.
 
     Args:
         params, lr, betas, eps, weight_decay, decoupled_weight_decay,
@@ -257,21 +253,20 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         if self._device_state and self._delay and not self._async:
             raise ValueError("device_state: not with delay=True, whose stale gradients would apply to the "
                              "offloaded parameters only; use async_step=True (exact) or device_state=0")
-        self._resident, self._resident_opt, self._first = [], None, 0
-        self._accumulating = False
+        self._resident, self._resident_opt, self._first, self._accumulating = [], None, 0, False
         self._step_count = 0  # steps taken (restored by load_state_dict): the warm-up's clock
         # delay_correction: the next step installs its weights at once (the first, and the first after a load:
         # their forwards have no update to predict from)
         self._exact_next = True
-        self._hooks, self._ddp_handles = [], []
-        self._lock = threading.Lock()
+        self._hooks, self._ddp_handles, self._lock = [], [], threading.Lock()
         self._ddp_error: Optional[BaseException] = None
         self._streamed = set()  # params whose gradient a DDP comm hook handed over in this round
         self._autograd_grads = set()  # async_step: params autograd gave a gradient this round (GradHook marks)
         self._clip_held = {}  # stream_grads=False: index -> (p.grad the clip sent and left, its norm then)
         self._queued = set()  # params whose gradient the engine got since the last step (their state entries)
-        self._in_backward = False
-        self._clip_scale, self._clip_norms = 1.0, None   # the factor, and (norm, [max_norm]) for _scaled_clip
+        # the clip's factor, and (norm, [max_norm]) for _scaled_clip
+        self._in_backward, self._clip_scale, self._clip_norms = False, 1.0, None
+        self._torch_clipped = self._clip_outdated = False   # torch's clip, then a gradient: _check_clip_order
         # backward graph tasks under way (nested ones too), until their end: (thread, depth, accumulating) at open
         self._open_tasks: Dict[int, Tuple[int, int, bool]] = {}
         self._raised_tasks: set = set()   # graph tasks freed without reaching their end (_track_backward)
@@ -295,8 +290,8 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
     # ------------------------------------------------------------------ gradients
 
     def _begin_backward(self) -> None:
-        """Once per backward: masters, and (overlap) the hyper-parameters the updates will use.
-        Locked: DDP's comm-hook callbacks may arrive on several threads at once."""
+        """Once per backward: masters, (overlap) the hyper-parameters the updates will use, and accelerate's clip
+        routed (a Trainer made after import effmem). Locked: DDP's comm-hook callbacks may come on several threads."""
         if self._in_backward:
             return
         with self._lock:
@@ -309,7 +304,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
             if self._overlap:
                 self._sync_groups()
             self._round_stale = self._stale_next
-            _clip_route.install_accelerate()   # a Trainer made after import effmem: its clip must reach ours
+            _clip_route.install_accelerate()
             self._in_backward = True
 
     def attach_ddp(self, ddp_module: torch.nn.Module) -> None:
