@@ -320,14 +320,17 @@ def test_torch_clip_after_each_micro_batch_is_refused_where_the_engine_holds_the
         return model, opt, norms
 
     adamw = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0)   # noqa: E731
-    for kw in ({}, {"device_state": 600}, {"async_step": True}):
+    # device_state=3300: the first Linear's state on the device, its gradients left in p.grad (not sent); the
+    # second micro-batch reaching only it, or every parameter
+    resident = {"device_state": 3300}
+    for kw, second in (({}, None), (resident, 1), (resident, None), ({"async_step": True}, None)):
         model, opt, _ = run(lambda p: OffloadAdam(p, lr=1e-2, **kw), 100.0, steps=0)
         if kw.get("async_step"):
             opt.attach(model)
         gen = torch.Generator().manual_seed(1)
         model(torch.randn(8, 16, generator=gen)).square().mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-        model(torch.randn(8, 16, generator=gen)).square().mean().backward()
+        model[:second](torch.randn(8, 16, generator=gen)).square().mean().backward()
         with pytest.raises(RuntimeError, match=r"clip_grad_norm_ clipped this step's gradients \(factor 0\.0\d+\), "
                                                "then another backward added to them.*gradients were dropped"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
@@ -348,3 +351,42 @@ def test_torch_clip_after_each_micro_batch_is_refused_where_the_engine_holds_the
         _, opt, norms = run(make, clip)
         opt.close()
         torch.testing.assert_close(norms, run(adamw, clip)[2], rtol=1e-5, atol=0)
+
+
+def test_torch_clip_after_each_micro_batch_under_attach_ddp_is_refused_too():
+    """attach_ddp's comm hook hands the averaged gradients to the engine itself (not through the backward
+    hooks): the second micro-batch after a clip that clipped is refused there too (it stepped 4.8e-2 off torch
+    AdamW, farther than no clip, 4.7e-2: a reviewer's run); clipping once per step equals AdamW."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def run(make, each):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                                            torch.nn.Linear(16, 4)))
+        opt, gen = make(model.parameters()), torch.Generator().manual_seed(1)
+        if isinstance(opt, OffloadAdam):
+            opt.attach_ddp(model)
+        try:
+            for _ in range(2):
+                for micro in range(2):
+                    (model(torch.randn(8, 16, generator=gen)).square().mean() / 2).backward()
+                    if each or micro == 1:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if isinstance(opt, OffloadAdam):
+                opt.close()
+        return [p.detach() for p in model.parameters()]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        offload = lambda p: OffloadAdam(p, lr=1e-2, stream_grads=False)   # noqa: E731
+        with pytest.raises(RuntimeError, match="clipped this step's gradients .* then another backward"):
+            run(offload, each=True)
+        ref = run(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0), each=False)
+        for p, q in zip(run(offload, each=False), ref):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    finally:
+        dist.destroy_process_group()

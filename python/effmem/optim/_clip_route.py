@@ -90,7 +90,10 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
                            "set error_if_nonfinite=False to clip anyway")
     # torch's clip scales p.grad in place, so a later backward adds to the clipped sum; the engine's sum is not
     # scaled (the factor waits for step()): such a gradient is refused (_check_clip_order)
-    opt._torch_clipped |= opt._clip_scale != 1.0
+    if opt._clip_scale != 1.0:
+        opt._torch_clipped = True
+        # device_state's gradients stay in p.grad (not sent): a backward after the clip shows there
+        opt._resident_seen = [(g, g._version) for g in (p.grad for p in opt._resident) if g is not None]
     return total
 
 

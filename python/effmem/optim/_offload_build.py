@@ -148,7 +148,6 @@ class OffloadBuild:
     def _hand_off(self, p: Tensor) -> None:
         i = self._index[p]
         g = p.grad
-        self._clip_outdated |= self._torch_clipped
         if _validate.is_dtensor(g) and g.placements != p.placements:
             g = g.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient: reduce it first
         self._taking = None
@@ -165,6 +164,7 @@ class OffloadBuild:
     def _send(self, i: int, g: Tensor) -> None:
         """Hands this rank's gradient of param i to the engine, in the param's layout and dtype."""
         local_p = self._local[i]
+        self._clip_outdated |= self._torch_clipped   # (DDP's comm hook sends here too, not through _hand_off)
         g = _validate.grad_like(local_p, g)
         if g.dtype != local_p.dtype:   # set by hand (grad_dtype=None), or autograd's under a grad_dtype
             if local_p.dtype != torch.float32:   # rounded: FusedAdam steps a float32 one as it is (float16: inf)
@@ -277,6 +277,7 @@ class OffloadBuild:
         dropped, a failed backward's accepted."""
         self._in_backward = self._round_stale = False
         self._torch_clipped = self._clip_outdated = False
+        self._resident_seen = []   # (the gradients it held, not to be kept alive past the round)
         self._plain_backwards = 0
         self._queued.clear()
         self._streamed.clear()

@@ -363,6 +363,10 @@ class OffloadGuards:
         step(), and no one factor makes the one from the other (it stepped 5x farther from torch's AdamW than
         no clipping at all: a reviewer's run). Refused at the next clip or step(), the step's gradients
         dropped. opt.clip_grad_norm_ leaves the gradients as they are (FusedAdam's), so its order is free."""
+        if self._torch_clipped and not self._clip_outdated:
+            now = [(g, g._version) for g in (p.grad for p in self._resident) if g is not None]
+            self._clip_outdated = len(now) != len(self._resident_seen) or any(
+                g is not h or v != w for (g, v), (h, w) in zip(now, self._resident_seen))
         if not self._clip_outdated:
             return
         factor = self._clip_scale
@@ -374,7 +378,8 @@ class OffloadGuards:
             "at step(), so it cannot. This step's gradients were dropped. Clip once per step, after the last "
             "micro-batch (with accelerate: under `if accelerator.sync_gradients:`, as the Trainer does), use "
             "opt.clip_grad_norm_, whose factor applies to the whole sum (FusedAdam's), or pass "
-            "stream_grads=False, which keeps the gradients in p.grad until step()")
+            "stream_grads=False, which keeps the gradients in p.grad until step(). (A step skipped after the clip "
+            "drops its gradients with opt.zero_grad(): model.zero_grad() reaches only p.grad.)")
 
     def _refuse_grad_scaler(self) -> None:
         # GradScaler deletes its attributes after a step() that returns: left set, every later step() is refused
