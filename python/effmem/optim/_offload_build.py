@@ -272,6 +272,11 @@ class OffloadBuild:
         self._clip_held.clear()
         self._end_round()
 
+    def _holds_gradients(self) -> bool:
+        """Gradients handed over since the last step (taken off p.grad): torch.distributed.checkpoint asks
+        (_dcp_route)."""
+        return bool(self._queued)
+
     def _end_round(self) -> None:
         """The bookkeeping of a round of gradients handed over, started afresh: a step taken, its gradients
         dropped, a failed backward's accepted."""
