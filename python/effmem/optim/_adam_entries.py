@@ -1,7 +1,8 @@
 """One parameter's FusedAdam state entry: whether it holds what the kernel takes, and how a checkpoint's (or
 an assigned one) is restored in the optimizer's format and laid out as its parameter."""
 import functools
-from typing import Any, Dict
+import warnings
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -44,6 +45,46 @@ def _as_kept(state: Dict[str, Any], p: Tensor, bits: int) -> bool:
     # other dtypes, devices or strides are converted as a checkpoint's are (OffloadAdam's load does so too)
     return all(isinstance(s, Tensor) and s.ndim == 1 and s.dtype == torch.float32 and s.device == p.device
                and s.is_contiguous() for s in (state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")))
+
+
+@torch.no_grad()
+def take_masters_off_params(who: str, pairs: List[Tuple[Tensor, Tensor]], indices: List[int]) -> None:
+    """At the first step after a load_state_dict, its float32 masters of bf16/fp16 parameters (pairs: master,
+    parameter; indices: the parameters' in the optimizer): one that does not round to its parameter as it is now
+    is taken from the parameter, with a warning. A checkpoint's parameter is its master rounded, so this finds
+    weights loaded into the model after the optimizer's checkpoint, or a master the checkpoint did not have:
+    torch.distributed.checkpoint's partial load of torch AdamW's state into a template whose masters its
+    state-making step had set from a fresh model's weights kept those, and the next step put them back into the
+    model over the loaded weights (68x the step's own update away: a reviewer's run)."""
+    off = _masters_off(pairs)
+    for k in off:
+        _local(pairs[k][0]).copy_(_local(pairs[k][1]))
+    if off:
+        warn_masters_taken(who, indices[off[0]], pairs[off[0]][1].shape, len(off))
+
+
+def _masters_off(pairs: List[Tuple[Tensor, Tensor]]) -> List[int]:
+    """Indices of the pairs whose master does not round to the parameter (NaN matching NaN); one host read per
+    device."""
+    flags: Dict[torch.device, List[Tuple[int, Tensor]]] = {}
+    for k, (master, p) in enumerate(pairs):
+        lp = _local(p)
+        rounded = _local(master).to(device=lp.device, dtype=lp.dtype)
+        flags.setdefault(lp.device, []).append((k, ((rounded != lp) & ~(rounded.isnan() & lp.isnan())).any()))
+    off = []
+    for entries in flags.values():
+        hits = torch.stack([f for _, f in entries]).cpu().tolist()
+        off += [k for (k, _), hit in zip(entries, hits) if hit]
+    return sorted(off)
+
+
+def warn_masters_taken(who: str, index: int, shape, count: int) -> None:
+    warnings.warn(f"{who}: the float32 masters of {count} parameters loaded by load_state_dict (the first: parameter "
+                  f"{index}, shape {tuple(shape)}) do not round to the parameters as they are at the first step "
+                  "after it: weights were loaded into the model after the optimizer's checkpoint, or one without "
+                  "masters (torch's AdamW) was loaded partially into a state that had them "
+                  "(torch.distributed.checkpoint with allow_partial_load=True). Their masters are taken from the "
+                  "parameters, so the weights in the model are the ones trained", stacklevel=5)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from effmem.optim import _offload_distributed as _dist
 from effmem.optim import _adam8, _validate
+from effmem.optim._adam_entries import take_masters_off_params
 from effmem.optim._offload_layout import GradHook, build_engine, engine_device, keep_on_device
 from effmem.optim._offload_lifetime import claim
 from effmem.optim._offload_resident import step_state_bytes
@@ -133,6 +134,10 @@ class OffloadBuild:
         for i in sorted(self._masters_pending):
             self._views[i][0].copy_(self._local[i])
         self._masters_pending.clear()
+        if self._masters_check:   # a load's masters of bf16/fp16 parameters (take_masters_off_params says why)
+            ids, self._masters_check = sorted(self._masters_check), set()
+            take_masters_off_params("OffloadAdam", [(self._views[i][0], self._local[i]) for i in ids],
+                                    [i + self._first for i in ids])
 
     def _sync_groups(self) -> None:
         _validate.groups(self.param_groups, state_bits=self.state_bits)  # all of them before the engine takes any

@@ -90,6 +90,10 @@ class OffloadCheckpoint:
             self._load_resident(state_dict)   # device_state's prefix: FusedAdam's loader
             for p, saved, step in plan[self._first:]:
                 self._load_entry(p, saved, step)
+            # checked against their parameters at the first use (take_masters_off_params says why); an entry
+            # assigned into opt.state keeps its master as given, as FusedAdam's does
+            self._masters_check = {self._index[p] for p, saved, _ in plan[self._first:]
+                                   if saved and "master" in saved and p.dtype != torch.float32}
         except BaseException as e:   # out of memory, an interrupt: the engine holds part of the checkpoint
             self._broken = (f"OffloadAdam: a load_state_dict failed while copying the state in ({type(e).__name__}), "
                             "after the checkpoint had been checked: the optimizer holds part of it, and its steps "

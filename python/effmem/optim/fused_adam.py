@@ -10,7 +10,7 @@ from effmem import ops
 from effmem.optim import _adam8, _adam_checks, _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._adam_entries import (_ENTRY_KEYS, _as_kept, _exact_float32_weights, _laid_out_elsewhere, _local,
-                                        _match_layout, _restore_state)
+                                        _match_layout, _restore_state, take_masters_off_params)
 from effmem.optim._refusals import RefusalMonitor, capturing as _capturing
 from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 
@@ -102,6 +102,7 @@ class FusedAdam(AdamBase):
         # per parameter, its dtype, shape and device and weak references to its entry's tensors, last checked
         self._kept: Dict[int, Tuple] = {}
         self._memory_checked: Optional[Tuple] = None   # the stepped parameters' (data_ptr, strides), last checked
+        self._masters_loaded: List[Tensor] = []   # parameters whose master a load set, checked at the next step
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay, bias_correction)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -125,6 +126,7 @@ class FusedAdam(AdamBase):
         self.__dict__.setdefault("_lr_checked", {})
         self.__dict__.setdefault("_kept", {})
         self.__dict__.setdefault("_memory_checked", None)
+        self.__dict__.setdefault("_masters_loaded", [])
 
     def _init_state(self, p: Tensor, compiling: bool) -> Dict[str, Tensor]:
         state = self.state[p]
@@ -247,6 +249,10 @@ class FusedAdam(AdamBase):
             raise RuntimeError(self._interrupted_load)
         self._refusals.check()
         self._check_groups()
+        if not torch.compiler.is_compiling() and self._masters_loaded and not _capturing():   # (no guard on it)
+            loaded, self._masters_loaded = self._masters_loaded, []
+            pairs = [(self.state[p]["master"], p) for p in loaded if "master" in self.state.get(p, ())]
+            take_masters_off_params("FusedAdam", pairs, [self._salts()[id(p)] for _, p in pairs])
         # Every group's entries are checked (and an assigned one converted) before any is stepped: a refused
         # step changes nothing, and keeps its pending clip for the step that follows the fix.
         buckets = [self._buckets(group) for group in self.param_groups]
@@ -404,6 +410,9 @@ class FusedAdam(AdamBase):
                 if saved is not None:
                     self.state[p] = _restore_state(saved, p, step, self.state_bits, salts[id(p)])
             _exact_float32_weights(plan)
+            # checked against their parameters at the next step (take_masters_off_params says why)
+            self._masters_loaded = [p for p, saved, _ in plan
+                                    if saved and "master" in saved and p.dtype != torch.float32]
         except BaseException as e:   # out of memory, an interrupt: part of the checkpoint is in, part is not
             self._interrupted_load = (
                 f"FusedAdam: a load_state_dict failed while making the state ({type(e).__name__}), after the "

@@ -286,6 +286,7 @@ class OffloadAdam(OffloadBuild, OffloadResident, OffloadCheckpoint, OffloadForwa
         # indices whose fp32 master is still to be read from the parameter, at the first use (so that
         # weights loaded into the model after the optimizer, or after its checkpoint, are the ones trained)
         self._masters_pending = set(range(len(self._params)))
+        self._masters_check = set()   # indices whose master a load set, checked at the first use (_init_masters)
 
     # ------------------------------------------------------------------ gradients
 
