@@ -31,7 +31,8 @@ def test_torch_adamw_state_loaded_partially_through_dcp_trains_the_loaded_weight
     torch's order: model, then optimizer): get_optimizer_state_dict's state-making step had set the masters
     from the fresh model, AdamW's checkpoint has none to replace them, and the first step put them back into
     the model over the loaded weights (0.7 away, 68x the step's own update: a reviewer's run). The loaded
-    weights now train, as AdamW's continued run does to bf16 rounding, with a warning."""
+    weights now train, as AdamW's continued run does to bf16 rounding, with a warning that points at the
+    caller's line."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -52,9 +53,10 @@ def test_torch_adamw_state_loaded_partially_through_dcp_trains_the_loaded_weight
         dcp.load(sd, checkpoint_id=str(tmp_path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
         set_model_state_dict(fresh, sd["model"])
         set_optimizer_state_dict(fresh, fo, sd["optim"])
-        with pytest.warns(UserWarning, match=f"{type(fo).__name__}: the float32 masters of 4 parameters loaded "
-                                             "by load_state_dict .* do not round to the parameters"):
+        with pytest.warns(UserWarning, match=f"{type(fo).__name__}: 4 loaded float32 masters .* held other "
+                                             "weights than the model's .* as made from a model") as caught:
             train_step(fresh, fo, 3)
+        assert {w.filename for w in caught} == {__file__}
         if kind == "offload":
             fo.close()
         for p, q in zip(fresh.parameters(), m.parameters()):
@@ -86,6 +88,39 @@ def test_own_checkpoints_keep_their_masters_in_either_order(kind, model_first):
             fresh.load_state_dict(saved_model)
         for s in range(2, 4):
             train_step(fresh, fo, s)
+    for o in (opt, fo):
+        if kind == "offload":
+            o.close()
+    for p, q in zip(fresh.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", ["fused", "offload"])
+def test_a_loop_that_clamps_its_weights_between_steps_resumes_bit_for_bit(kind):
+    """A write into the parameters between steps (WGAN's clamp) is overwritten by the next step, and is saved in
+    the checkpoint's parameters: their masters are trained ones, not a model's weights, so they stay (taken from
+    the clamped parameters, the resumed run had parted from the uninterrupted one by 0.03: a reviewer's run)."""
+    def clamped_step(m, opt, s):
+        train_step(m, opt, s)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.clamp_(-0.1, 0.1)
+
+    m = mlp(0)
+    opt = MAKE[kind](m.parameters())
+    for s in range(3):
+        clamped_step(m, opt, s)
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(m.state_dict())
+    for s in range(3, 5):
+        clamped_step(m, opt, s)
+    fresh = mlp(1)
+    fresh.load_state_dict(saved_model)
+    fo = MAKE[kind](fresh.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fo.load_state_dict(saved_opt)
+        for s in range(3, 5):
+            clamped_step(fresh, fo, s)
     for o in (opt, fo):
         if kind == "offload":
             o.close()

@@ -1,6 +1,7 @@
 """One parameter's FusedAdam state entry: whether it holds what the kernel takes, and how a checkpoint's (or
 an assigned one) is restored in the optimizer's format and laid out as its parameter."""
 import functools
+import os
 import warnings
 from typing import Any, Dict, List, Tuple
 
@@ -50,27 +51,38 @@ def _as_kept(state: Dict[str, Any], p: Tensor, bits: int) -> bool:
 @torch.no_grad()
 def take_masters_off_params(who: str, pairs: List[Tuple[Tensor, Tensor]], indices: List[int]) -> None:
     """At the first step after a load_state_dict, its float32 masters of bf16/fp16 parameters (pairs: master,
-    parameter; indices: the parameters' in the optimizer): one that does not round to its parameter as it is now
-    is taken from the parameter, with a warning. A checkpoint's parameter is its master rounded, so this finds
-    weights loaded into the model after the optimizer's checkpoint, or a master the checkpoint did not have:
-    torch.distributed.checkpoint's partial load of torch AdamW's state into a template whose masters its
-    state-making step had set from a fresh model's weights kept those, and the next step put them back into the
-    model over the loaded weights (68x the step's own update away: a reviewer's run)."""
+    parameter; indices: the parameters' in the optimizer). torch.distributed.checkpoint's partial load of torch
+    AdamW's state (no masters) into a template whose masters its state-making step had set from a fresh model
+    kept those, and the next step put the fresh weights back over the loaded ones (0.7 away: a reviewer's run).
+    Such a master is a model's weights as they were (each element exactly a bf16/fp16 value) and not the
+    parameter's now: taken from the parameter, with a warning. A trained master (the low bits of Adam's steps)
+    stays even where the parameter differs: a loop that writes into its parameters between steps (a clamp) saves
+    them so, and its next step overwrites the write, resumed or not."""
     off = _masters_off(pairs)
     for k in off:
         _local(pairs[k][0]).copy_(_local(pairs[k][1]))
     if off:
-        warn_masters_taken(who, indices[off[0]], pairs[off[0]][1].shape, len(off))
+        index, shape, n = indices[off[0]], tuple(pairs[off[0]][1].shape), len(off)
+        warnings.warn(f"{who}: {n} loaded float32 master{'s' if n > 1 else ''} (the first: of parameter {index}, "
+                      f"shape {shape}) held other weights than the model's at the first step after load_state_dict, "
+                      "as made from a model (not trained): a checkpoint without masters (torch's AdamW) loaded "
+                      "partially into a state that had them (torch.distributed.checkpoint, allow_partial_load=True),"
+                      " or a checkpoint taken before any step and other weights loaded into the model since. Taken "
+                      "from the parameters, so the model's weights are the ones trained",
+                      stacklevel=_outside_frames())
 
 
 def _masters_off(pairs: List[Tuple[Tensor, Tensor]]) -> List[int]:
-    """Indices of the pairs whose master does not round to the parameter (NaN matching NaN); one host read per
-    device."""
+    """Indices of the pairs whose master is exactly a bf16/fp16 tensor (made from weights, not trained) that is
+    not the parameter (NaN matching NaN); one host read per device."""
     flags: Dict[torch.device, List[Tuple[int, Tensor]]] = {}
     for k, (master, p) in enumerate(pairs):
-        lp = _local(p)
-        rounded = _local(master).to(device=lp.device, dtype=lp.dtype)
-        flags.setdefault(lp.device, []).append((k, ((rounded != lp) & ~(rounded.isnan() & lp.isnan())).any()))
+        lp, lm = _local(p), _local(master)
+        rounded = lm.to(dtype=lp.dtype)
+        made = ((rounded.float() == lm) | lm.isnan()).all()
+        rounded = rounded.to(lp.device)
+        other = ((rounded != lp) & ~(rounded.isnan() & lp.isnan())).any()
+        flags.setdefault(lp.device, []).append((k, other & made.to(lp.device)))
     off = []
     for entries in flags.values():
         hits = torch.stack([f for _, f in entries]).cpu().tolist()
@@ -78,13 +90,14 @@ def _masters_off(pairs: List[Tuple[Tensor, Tensor]]) -> List[int]:
     return sorted(off)
 
 
-def warn_masters_taken(who: str, index: int, shape, count: int) -> None:
-    warnings.warn(f"{who}: the float32 masters of {count} parameters loaded by load_state_dict (the first: parameter "
-                  f"{index}, shape {tuple(shape)}) do not round to the parameters as they are at the first step "
-                  "after it: weights were loaded into the model after the optimizer's checkpoint, or one without "
-                  "masters (torch's AdamW) was loaded partially into a state that had them "
-                  "(torch.distributed.checkpoint with allow_partial_load=True). Their masters are taken from the "
-                  "parameters, so the weights in the model are the ones trained", stacklevel=5)
+def _outside_frames() -> int:
+    """warnings.warn's stacklevel of the first caller outside effmem and torch (no_grad's wrappers between)."""
+    import sys
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["effmem"]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @torch.no_grad()

@@ -69,6 +69,7 @@ class OffloadResident:
                     groups.append({"params": mine, **{k: g[k] for k in _HYPER}})
                     self._resident_groups.append(gi)
             self._resident_opt = FusedAdam(groups, state_bits=self.state_bits)
+            self._resident_opt._owner_name = "OffloadAdam"   # in its messages
         return everything[r:]
 
     def _resident_sq_sum(self) -> float:

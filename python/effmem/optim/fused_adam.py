@@ -252,7 +252,9 @@ class FusedAdam(AdamBase):
         if not torch.compiler.is_compiling() and self._masters_loaded and not _capturing():   # (no guard on it)
             loaded, self._masters_loaded = self._masters_loaded, []
             pairs = [(self.state[p]["master"], p) for p in loaded if "master" in self.state.get(p, ())]
-            take_masters_off_params("FusedAdam", pairs, [self._salts()[id(p)] for _, p in pairs])
+            # (OffloadAdam's device_state prefix: its own name, the indices the same)
+            take_masters_off_params(getattr(self, "_owner_name", "FusedAdam"), pairs,
+                                    [self._salts()[id(p)] for _, p in pairs])
         # Every group's entries are checked (and an assigned one converted) before any is stepped: a refused
         # step changes nothing, and keeps its pending clip for the step that follows the fix.
         buckets = [self._buckets(group) for group in self.param_groups]
