@@ -1,7 +1,6 @@
 """One parameter's FusedAdam state entry: whether it holds what the kernel takes, and how a checkpoint's (or
 an assigned one) is restored in the optimizer's format and laid out as its parameter."""
 import functools
-import os
 import warnings
 from typing import Any, Dict, List, Tuple
 
@@ -69,7 +68,7 @@ def take_masters_off_params(who: str, pairs: List[Tuple[Tensor, Tensor]], indice
                       "partially into a state that had them (torch.distributed.checkpoint, allow_partial_load=True),"
                       " or a checkpoint taken before any step and other weights loaded into the model since. Taken "
                       "from the parameters, so the model's weights are the ones trained",
-                      stacklevel=_outside_frames())
+                      stacklevel=_validate._caller_level())
 
 
 def _masters_off(pairs: List[Tuple[Tensor, Tensor]]) -> List[int]:
@@ -88,16 +87,6 @@ def _masters_off(pairs: List[Tuple[Tensor, Tensor]]) -> List[int]:
         hits = torch.stack([f for _, f in entries]).cpu().tolist()
         off += [k for (k, _), hit in zip(entries, hits) if hit]
     return sorted(off)
-
-
-def _outside_frames() -> int:
-    """warnings.warn's stacklevel of the first caller outside effmem and torch (no_grad's wrappers between)."""
-    import sys
-    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["effmem"]))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(roots):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 @torch.no_grad()

@@ -88,12 +88,7 @@ def offloaded_clip(parameters: List[Tensor], max_norm, norm_type, error_if_nonfi
         opt._clip_scale, opt._clip_norms = before, norms
         raise RuntimeError(f"The total norm of the gradients is {float(total)}; "
                            "set error_if_nonfinite=False to clip anyway")
-    # torch's clip scales p.grad in place, so a later backward adds to the clipped sum; the engine's sum is not
-    # scaled (the factor waits for step()): such a gradient is refused (_check_clip_order)
-    if opt._clip_scale != 1.0:
-        opt._torch_clipped = True
-        # device_state's gradients stay in p.grad (not sent): a backward after the clip shows there
-        opt._resident_seen = [(g, g._version) for g in (p.grad for p in opt._resident) if g is not None]
+    opt._note_torch_clip()   # torch's clip scaled p.grad in place: a later gradient is refused (_check_clip_order)
     return total
 
 

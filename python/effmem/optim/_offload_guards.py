@@ -356,6 +356,13 @@ class OffloadGuards:
     def _grads_leave_in_backward(self) -> bool:
         return self._stream_grads or self._overlap or bool(self._ddp_handles)
 
+    def _note_torch_clip(self) -> None:
+        """After torch's clip (routed here): if it clipped, gradients from here to step() are refused."""
+        if self._clip_scale != 1.0:
+            self._torch_clipped = True
+            # device_state's gradients stay in p.grad (not sent): a backward after the clip shows there
+            self._resident_seen = [(g, g._version) for g in (p.grad for p in self._resident) if g is not None]
+
     def _check_clip_order(self) -> None:
         """torch.nn.utils.clip_grad_norm_ (routed to this optimizer) clipped, then another backward gave
         gradients (a clip after each micro-batch, not only the last): torch's clip scales p.grad in place, so
