@@ -71,6 +71,29 @@ def take_masters_off_params(who: str, pairs: List[Tuple[Tensor, Tensor]], indice
                       stacklevel=_validate._caller_level())
 
 
+def warn_zero_moments(name: str, plan) -> None:
+    """A load whose every stepped entry (step > 0) holds second moments of zeros: the state-making template of
+    torch.distributed.checkpoint's partial load between 8-bit and float32 moments (the checkpoint's moments are
+    under other keys than the template's, so only the step count loads). The next steps would divide by
+    sqrt(v) of their own gradients alone at a late step's bias correction (a tiny MLP's fp32 -> 8-bit load:
+    weights 0.014 off after one step at lr 1e-2). A real run holds v = 0 only where every gradient was 0. plan:
+    _validate.checkpoint's (8-bit codes under torch's names, zero where a code or its block scale is)."""
+    stepped = [saved for _, saved, step in plan if saved is not None and step > 0]
+    if not stepped:
+        return
+    for saved in stepped:
+        v, scale = saved["exp_avg_sq"], saved.get("exp_avg_sq_scale")
+        if _local(v).count_nonzero() and (scale is None or _local(scale).count_nonzero()):
+            return
+    warnings.warn(f"{name}.load_state_dict: every parameter's second moment (exp_avg_sq) is 0 at step "
+                  f"{max(step for *_, step in plan):g}: a state-making template that a partial load left as it "
+                  "was (torch.distributed.checkpoint with allow_partial_load=True between 8-bit and float32 "
+                  "moments, whose keys differ: only the step count loaded). The next steps run as if from "
+                  "moments of zeros at that step count. Load such a checkpoint into an optimizer with its own "
+                  "state_bits, or through load_state_dict, which converts it",
+                  stacklevel=_validate._caller_level())
+
+
 def _masters_off(pairs: List[Tuple[Tensor, Tensor]]) -> List[int]:
     """Indices of the pairs whose master is exactly a bf16/fp16 tensor (made from weights, not trained) that is
     not the parameter (NaN matching NaN); one host read per device."""

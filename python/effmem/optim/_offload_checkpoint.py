@@ -6,6 +6,7 @@ from typing import Any, Dict
 import torch
 
 from effmem.optim import _adam8, _validate
+from effmem.optim._adam_entries import warn_zero_moments
 
 
 class OffloadCheckpoint:
@@ -81,6 +82,7 @@ class OffloadCheckpoint:
     def _load_checked(self, state_dict: Dict[str, Any]) -> None:
         self._check_open()
         plan = _validate.checkpoint(self, state_dict, "OffloadAdam")  # all checked, nothing changed
+        warn_zero_moments("OffloadAdam", plan)
         # delay and async_step: an update not installed yet belongs to the run being replaced; installing it
         # would write over weights the caller may have loaded already (model first, then the optimizer)
         self._engine.discard_pending()

@@ -10,7 +10,8 @@ from effmem import ops
 from effmem.optim import _adam8, _adam_checks, _validate
 from effmem.optim._adam_base import AdamBase
 from effmem.optim._adam_entries import (_ENTRY_KEYS, _as_kept, _exact_float32_weights, _laid_out_elsewhere, _local,
-                                        _match_layout, _restore_state, take_masters_off_params)
+                                        _match_layout, _restore_state, take_masters_off_params,
+                                        warn_zero_moments)
 from effmem.optim._refusals import RefusalMonitor, capturing as _capturing
 from effmem.optim.clip import _to_device, clip_coefficient, grad_norm
 
@@ -404,6 +405,8 @@ class FusedAdam(AdamBase):
     def _load_checked(self, state_dict: Dict[str, Any], warn: bool = True) -> None:
         # everything checked before any change (warn=False: OffloadAdam's device_state prefix, warned of already)
         plan = _validate.checkpoint(self, state_dict, "FusedAdam", warn=warn)
+        if warn:
+            warn_zero_moments("FusedAdam", plan)
         salts = self._salts()
         self._load_groups(state_dict["param_groups"])   # drops the old state: one state in memory at a time
         self._lr_checked, self._kept = {}, {}
