@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Tuple, Union
 import torch
 from torch import Tensor
 
-from effmem.optim import _validate
+from effmem.optim import _validate, _wrappers
 from effmem.optim._offload_lifetime import check_unowned
 
 
@@ -17,6 +17,10 @@ class AdamBase(torch.optim.Optimizer):
                         decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction)
         _validate.hyperparameters(defaults)
         super().__init__(params, defaults)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _wrappers.forward_to_wrapped(cls)   # Lightning's and Fabric's wrappers: the module says why
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
