@@ -239,6 +239,28 @@ def test_compiled_step_with_a_cpu_lr_tensor_is_one_graph_and_matches_eager(devic
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_compiled_step_over_view_gradients_matches_eager():
+    """Gradients that are pieces of one flat buffer (DDP's gradient_as_bucket_view, torch.autograd.grad's
+    outputs put into p.grad): compiled, their strides are symbolic, and the layout check failed inside dynamo
+    ("Cannot construct ConstantVariable ... SymInt", a reviewer's DDP run) on every backend, fullgraph or not."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        params = list(torch.nn.Linear(16, 8).parameters()) + [torch.nn.Parameter(torch.randn(6, 4).t())]
+        opt = effmem.FusedAdam(params, lr=1e-2)
+        step = torch.compile(opt.step, backend="aot_eager", fullgraph=True) if compiled else opt.step
+        for i in range(3):
+            flat = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(i))
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad = g.view(p.shape[::-1]).t() if p.stride()[0] == 1 else g.view_as(p)   # p's layout
+                assert p.grad._base is flat
+            step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("make", [torch.optim.AdamW, effmem.FusedAdam, effmem.OffloadAdam,
                                   functools.partial(effmem.FusedAdam, state_bits=8)],
                          ids=["torch", "fused", "offload", "fused8"])

@@ -200,7 +200,9 @@ def grad_like(p: Tensor, g: Tensor) -> Tensor:
         got = "a sparse one (use a dense embedding or torch.optim.SparseAdam)" if g.is_sparse else str(g.dtype)
         raise TypeError(f"grad of the parameter of shape {tuple(p.shape)}: expected a dense float32, bfloat16 or "
                         f"float16 gradient, got {got}")
-    if g.stride() != p.stride():
+    # both contiguous first: compiled, the strides of a view gradient (DDP's bucket views, a flat buffer's
+    # pieces) are symbolic, and dynamo failed on comparing them; there another layout is copied without asking
+    if not (g.is_contiguous() and p.is_contiguous()) and (torch.compiler.is_compiling() or g.stride() != p.stride()):
         g = torch.empty_like(p, dtype=g.dtype).copy_(g)
     return g
 
