@@ -100,3 +100,27 @@ def test_methods_the_wrapper_defines_stay_its_own():
     wrapper.clip_grad_norm_(1.0)
     wrapper.step()
     assert calls == [None] and opt.mine and "mine" not in vars(wrapper)
+
+
+def test_an_optimizer_with_a_getattr_mixin_is_still_closed_when_dropped():
+    """A user's OffloadAdam subclass with a mixin that defines __getattr__ looks like a wrapper's class, but
+    holds no optimizer: its calls run on itself, and dropping it closes it as dropping an OffloadAdam does."""
+    class Defaults:
+        def __getattr__(self, item):
+            if item == "tag":
+                return "default"
+            raise AttributeError(item)
+
+    class Tagged(Defaults, OffloadAdam):
+        pass
+
+    m = model()
+    opt = Tagged(m.parameters(), lr=1e-2, num_threads=1)
+    engine = opt._engine
+    m(torch.randn(4, 16)).sum().backward()
+    assert float(opt.clip_grad_norm_(1e9)) > 0 and opt.tag == "default"
+    opt.step()
+    assert opt.state[m[0].weight]["step"] == 1
+    del opt
+    gc.collect()
+    assert engine.closed

@@ -57,8 +57,15 @@ def _forward_property(name: str, ours: type) -> property:
     return property(lambda self: getattr(_wrapped(self, ours), name), doc=f"the wrapped optimizer's {name}")
 
 
-def _drop_wrapper(self) -> None:
-    """A wrapper going away leaves the optimizer it wraps as it is (open, its last update kept)."""
+def _drop_wrapper(ours: type):
+    original = getattr(ours, "__del__", None)
+
+    def drop(self) -> None:
+        """A wrapper going away leaves the optimizer it wraps as it is (open, its last update kept); an
+        optimizer of such a class holding none (a user's mixin with a __getattr__) is closed as ours is."""
+        if _wrapped(self, ours) is self and original is not None:
+            original(self)
+    return drop
 
 
 def forward_to_wrapped(cls: type) -> None:
@@ -79,4 +86,4 @@ def forward_to_wrapped(cls: type) -> None:
             elif callable(value) and not isinstance(value, (staticmethod, classmethod, type)):
                 setattr(cls, name, _forward_method(name, ours, value))
     if "__del__" not in own:
-        cls.__del__ = _drop_wrapper
+        cls.__del__ = _drop_wrapper(ours)
